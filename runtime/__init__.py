@@ -1,0 +1,8 @@
+"""ratchet's pure core: the run FSM, agents, budgets, binding, providers and tools.
+
+Nothing here talks to Celery or to a store; ``tasks/`` does the I/O around it.
+"""
+
+from runtime.tools import tool
+
+__all__ = ["tool"]

@@ -1,0 +1,203 @@
+"""Every error ratchet raises, each saying what happened and what to do next.
+
+::
+
+    RatchetError
+    ├── AgentFileError            the agent file is malformed (names the file and the key)
+    ├── ToolError                 a tool could not be declared or imported
+    ├── ProviderError             the model provider failed (retryable or not)
+    ├── BudgetExhausted           a budget or the deadline does not allow the next step
+    ├── InvalidRunId              a run id from outside is not a valid id
+    ├── RunNotFound               no run with this id
+    ├── RunRefused                an operation is refused for the run's current status
+    ├── BindingChanged            the agent changed since the run started
+    ├── SnapshotError             a snapshot document cannot be used
+    │   ├── SnapshotMalformed
+    │   ├── SnapshotWrongKind
+    │   ├── SnapshotUnsupportedVersion
+    │   └── SnapshotTooLarge
+    ├── StoreError                a backend failed; translated at the seam
+    │   ├── StoreUnavailable      transient: the backend could not be reached
+    │   ├── StaleWrite            compare-and-set lost: someone wrote a newer seq
+    │   └── LeaseLost             this worker no longer holds the run's lease (a zombie)
+    └── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
+
+Every class with constructor arguments defines ``__reduce__`` so that it survives
+Celery's serialisation of task failures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RatchetError(Exception):
+    """Root of every error ratchet raises on purpose."""
+
+    def __init__(self, message: str, *args: Any) -> None:
+        super().__init__(message)
+        self._args = args or (message,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, self._args)
+
+
+class AgentFileError(RatchetError):
+    def __init__(self, path: str, key: str, problem: str) -> None:
+        super().__init__(f"{path}: `{key}`: {problem}", path, key, problem)
+        self.path, self.key, self.problem = path, key, problem
+
+
+class ToolError(RatchetError):
+    def __init__(self, reference: str, problem: str) -> None:
+        super().__init__(f"tool `{reference}`: {problem}", reference, problem)
+
+
+class ProviderError(RatchetError):
+    """The model provider failed. ``retryable`` says whether another attempt may succeed."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message, message, retryable)
+        self.retryable = retryable
+
+
+class BudgetExhausted(RatchetError):
+    def __init__(self, budget: str, used: float, limit: float) -> None:
+        super().__init__(
+            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; "
+            "raise it in the agent file and start a new run",
+            budget,
+            used,
+            limit,
+        )
+        self.budget, self.used, self.limit = budget, used, limit
+
+
+class InvalidRunId(RatchetError):
+    def __init__(self, run_id: object) -> None:
+        shown = repr(run_id)[:80]
+        super().__init__(
+            f"{shown} is not a run id: use the id `ratchet runs start` printed "
+            "(1-64 characters of letters, digits, `-` and `_`)",
+            run_id,
+        )
+
+
+class RunNotFound(RatchetError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            f"run {run_id} not found: check the id with `ratchet runs list`", run_id
+        )
+        self.run_id = run_id
+
+
+class RunRefused(RatchetError):
+    """An operation the run's current status does not allow."""
+
+    def __init__(self, run_id: str, status: str, reason: str) -> None:
+        super().__init__(f"run {run_id} is {status}: {reason}", run_id, status, reason)
+        self.run_id, self.status, self.reason = run_id, status, reason
+
+
+class BindingChanged(RatchetError):
+    def __init__(self, run_id: str, agent: str, changed: str) -> None:
+        super().__init__(
+            f"run {run_id}: agent `{agent}` has changed since the run started ({changed}); "
+            "continuing against a modified agent gives a result that is neither "
+            "version's — start the run again",
+            run_id,
+            agent,
+            changed,
+        )
+
+
+class SnapshotError(RatchetError):
+    """A snapshot document cannot be used."""
+
+
+class SnapshotMalformed(SnapshotError):
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} is not a ratchet snapshot: {problem}", where, problem)
+
+
+class SnapshotWrongKind(SnapshotError):
+    def __init__(self, where: str, found: str, expected: str) -> None:
+        super().__init__(
+            f"{where} is a `{found}` document, not a `{expected}` one: "
+            "point the snapshot store at ratchet's snapshot directory, not another file",
+            where,
+            found,
+            expected,
+        )
+
+
+class SnapshotUnsupportedVersion(SnapshotError):
+    def __init__(self, where: str, found: object, readable: str) -> None:
+        super().__init__(
+            f"{where} declares snapshot format version `{found}`; this build reads {readable}: "
+            "upgrade ratchet on this worker to the version that wrote it",
+            where,
+            found,
+            readable,
+        )
+
+
+class SnapshotTooLarge(SnapshotError):
+    def __init__(self, run_id: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"run {run_id}: snapshot is {size} bytes, over the {limit}-byte limit; "
+            "the run's transcript is too large to checkpoint — lower max_turns or "
+            "make tools return less",
+            run_id,
+            size,
+            limit,
+        )
+
+
+class StoreError(RatchetError):
+    """A store backend failed. Backends translate their own errors into these."""
+
+
+class StoreUnavailable(StoreError):
+    def __init__(self, store: str, problem: str) -> None:
+        super().__init__(
+            f"{store} is unavailable: {problem}; check that it is running and reachable",
+            store,
+            problem,
+        )
+
+
+class StaleWrite(StoreError):
+    def __init__(self, run_id: str, expected_seq: int | None, found_seq: int | None) -> None:
+        super().__init__(
+            f"run {run_id}: write expected seq {expected_seq} but the store holds "
+            f"{found_seq}; another worker advanced the run — this write is dropped",
+            run_id,
+            expected_seq,
+            found_seq,
+        )
+        self.run_id, self.expected_seq, self.found_seq = run_id, expected_seq, found_seq
+
+
+class LeaseLost(StoreError):
+    def __init__(self, run_id: str, owner: str) -> None:
+        super().__init__(
+            f"run {run_id}: worker {owner} no longer holds the run's lease "
+            "(it expired and another worker may have taken over); stopping without writing",
+            run_id,
+            owner,
+        )
+        self.run_id, self.owner = run_id, owner
+
+
+class SnapshotFailed(RatchetError):
+    def __init__(self, run_id: str, seq: int, problem: str) -> None:
+        super().__init__(
+            f"run {run_id}: checkpoint at seq {seq} could not be saved ({problem}); "
+            f"the run stays at its previous state — fix the store, then "
+            f"`ratchet runs resume {run_id}`",
+            run_id,
+            seq,
+            problem,
+        )
+        self.run_id, self.seq = run_id, seq

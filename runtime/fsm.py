@@ -1,0 +1,326 @@
+"""The run as a finite-state machine: pure, no Celery, no I/O.
+
+Two functions are the whole machine:
+
+- :func:`apply` folds one event into a :class:`RunState`. The state is exactly
+  the fold of the run's events, so the snapshot is a cache the event log can
+  always rebuild (DESIGN invariant 5).
+- :func:`decide` looks at a state and says what happens next: call the model,
+  run a tool, suspend, complete, fail on a budget, or nothing. Budgets and the
+  deadline are checked here, before every model call and every tool call.
+
+``tasks/turn.py`` does the I/O around them: it records the events a step
+produces, checkpoints, and chains the next turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.agent import Agent
+from runtime.errors import BudgetExhausted
+from runtime.models import (
+    Event,
+    Message,
+    RunState,
+    RunStatus,
+    Suspension,
+    ToolCall,
+    Usage,
+)
+from runtime.providers import ModelRequest, ModelResponse
+from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome
+
+# --- events -----------------------------------------------------------------
+
+
+def created_event(
+    run_id: str, agent: Agent, user_input: str, now_ms: int
+) -> dict[str, Any]:
+    """The data of a run's first event, `run.created`."""
+    return {
+        "run_id": run_id,
+        "agent": agent.name,
+        "agent_file": str(agent.path),
+        "binding": agent.binding,
+        "input": user_input,
+        "system": agent.spec.system,
+        "budgets": agent.spec.budgets.model_dump(mode="json"),
+        "created_at_ms": now_ms,
+        "binding_document": agent.binding_document,
+    }
+
+
+def _live_status(state: RunState) -> RunStatus:
+    if state.suspension is not None:
+        return state.suspension.reason
+    if state.pending:
+        return RunStatus.TOOLS
+    if state.usage.model_attempts == 0:
+        return RunStatus.QUEUED
+    return RunStatus.MODEL
+
+
+def _tool_result(state: RunState, call_id: str, ok: bool, result: Any) -> RunState:
+    call = next(c for c in state.pending if c.id == call_id)
+    content = result if isinstance(result, str) else _json(result)
+    message = Message(
+        role="tool", content=content, tool_call_id=call_id, name=call.name, is_error=not ok
+    )
+    usage = state.usage.model_copy(update={"tool_calls": state.usage.tool_calls + 1})
+    rest = tuple(c for c in state.pending if c.id != call_id)
+    state = state.model_copy(
+        update={
+            "transcript": state.transcript + (message,),
+            "pending": rest,
+            "in_flight": None,
+            "usage": usage,
+            "approved": tuple(a for a in state.approved if a != call_id),
+        }
+    )
+    return state.model_copy(update={"status": _live_status(state)})
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _responded(state: RunState, data: dict[str, Any]) -> RunState:
+    calls = tuple(ToolCall.model_validate(c) for c in data.get("tool_calls", ()))
+    message = Message(role="assistant", content=data.get("content", ""), tool_calls=calls)
+    usage_data = data.get("usage")
+    u = state.usage
+    if usage_data is None:
+        usage = u.model_copy(
+            update={"model_turns": u.model_turns + 1, "responses_without_usage": u.responses_without_usage + 1}
+        )
+    else:
+        i, o = int(usage_data.get("input_tokens", 0)), int(usage_data.get("output_tokens", 0))
+        usage = u.model_copy(
+            update={
+                "model_turns": u.model_turns + 1,
+                "input_tokens": u.input_tokens + i,
+                "output_tokens": u.output_tokens + o,
+                "total_tokens": u.total_tokens + i + o,
+            }
+        )
+    state = state.model_copy(
+        update={"transcript": state.transcript + (message,), "pending": calls, "usage": usage}
+    )
+    return state.model_copy(update={"status": _live_status(state)})
+
+
+def _initial(event: Event) -> RunState:
+    d = event.data
+    transcript = []
+    if d.get("system"):
+        transcript.append(Message(role="system", content=d["system"]))
+    transcript.append(Message(role="user", content=d["input"]))
+    return RunState.model_validate(
+        {
+            "run_id": d["run_id"],
+            "seq": event.seq,
+            "agent": d["agent"],
+            "agent_file": d["agent_file"],
+            "binding": d["binding"],
+            "input": d["input"],
+            "status": RunStatus.QUEUED,
+            "budgets": d["budgets"],
+            "created_at_ms": d["created_at_ms"],
+            "transcript": tuple(transcript),
+        }
+    )
+
+
+INFORMATIONAL_EVENTS = frozenset({"model.failed", "model.retrying"})
+"""Events that record what happened without changing what happens next."""
+
+
+def apply(state: RunState | None, event: Event) -> RunState:  # noqa: C901 - one case per event type
+    """Fold one event into the state. Pure; raises ValueError on an impossible sequence."""
+    if state is None:
+        if event.type != "run.created":
+            raise ValueError(f"a run's first event must be run.created, not {event.type}")
+        return _initial(event)
+    if event.seq != state.seq + 1:
+        raise ValueError(f"run {state.run_id}: event seq {event.seq} follows {state.seq}")
+    d = event.data
+    kind = event.type
+    if kind in INFORMATIONAL_EVENTS:
+        pass
+    elif kind == "model.requested":
+        usage = state.usage.model_copy(update={"model_attempts": state.usage.model_attempts + 1})
+        state = state.model_copy(update={"usage": usage, "status": RunStatus.MODEL})
+    elif kind == "model.responded":
+        state = _responded(state, d)
+    elif kind == "tool.requested":
+        state = state.model_copy(update={"in_flight": d["call_id"]})
+    elif kind in ("tool.completed", "tool.failed"):
+        ok = kind == "tool.completed"
+        state = _tool_result(state, d["call_id"], ok, d["result"] if ok else d["error"])
+    elif kind == "run.suspended":
+        suspension = Suspension.model_validate({**d, "seq": event.seq, "since_ms": event.at_ms})
+        state = state.model_copy(update={"suspension": suspension, "status": suspension.reason})
+    elif kind == "run.completed":
+        state = state.model_copy(update={"status": RunStatus.COMPLETED, "output": d["output"]})
+    elif kind == "run.failed":
+        state = state.model_copy(update={"status": RunStatus.FAILED, "error": d["reason"]})
+    elif kind == "run.cancelled":
+        state = state.model_copy(update={"status": RunStatus.CANCELLED, "error": d.get("reason")})
+    elif kind == "run.parked":
+        state = state.model_copy(
+            update={"status": RunStatus.NEEDS_RECONCILIATION, "error": d["reason"]}
+        )
+    elif kind == "run.stalled":
+        state = state.model_copy(update={"status": RunStatus.STALLED, "error": d["reason"]})
+    else:
+        raise ValueError(f"run {state.run_id}: unknown event type {kind!r} at seq {event.seq}")
+    return state.model_copy(update={"seq": event.seq})
+
+
+def rebuild(events: list[Event]) -> RunState | None:
+    """Fold a run's whole event log; ``None`` for an empty log."""
+    state: RunState | None = None
+    for event in events:
+        state = apply(state, event)
+    return state
+
+
+# --- decisions --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallModel:
+    request: ModelRequest
+
+
+@dataclass(frozen=True)
+class RunTool:
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class Suspend:
+    reason: RunStatus
+    call: ToolCall
+    prompt: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing for a worker to do: the run is suspended, parked or finished."""
+
+    why: str
+
+
+Action = CallModel | RunTool | Suspend | Fail | Idle
+
+
+def _check_deadline(state: RunState, now_ms: int) -> None:
+    if now_ms > state.deadline_ms:
+        running_s = (now_ms - state.created_at_ms - state.suspended_ms) / 1000
+        raise BudgetExhausted("timeout_seconds", round(running_s, 1), state.budgets.timeout_seconds)
+
+
+def _check_model_budgets(state: RunState, now_ms: int) -> None:
+    b, u = state.budgets, state.usage
+    if u.model_attempts >= b.max_turns:
+        raise BudgetExhausted("max_turns", u.model_attempts, b.max_turns)
+    if b.max_total_tokens is not None:
+        if u.total_tokens >= b.max_total_tokens:
+            raise BudgetExhausted("max_total_tokens", u.total_tokens, b.max_total_tokens)
+    _check_deadline(state, now_ms)
+
+
+def _check_tool_budgets(state: RunState, now_ms: int) -> None:
+    if state.usage.tool_calls >= state.budgets.max_tool_calls:
+        raise BudgetExhausted("max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls)
+    _check_deadline(state, now_ms)
+
+
+def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
+    """What the run does next. Pure: the caller performs and records it."""
+    if not state.status.is_live:
+        return Idle(f"run is {state.status.value}")
+    try:
+        if state.pending:
+            call = state.pending[0]
+            spec = agent.tools.get(call.name)
+            if spec is not None and spec.control:
+                reason = RunStatus.NEEDS_USER_INPUT if call.name == REQUEST_USER_INPUT else RunStatus.BLOCKED
+                key = "prompt" if call.name == REQUEST_USER_INPUT else "reason"
+                return Suspend(reason, call, str(call.arguments.get(key, "")))
+            if call.name in agent.spec.policy.require_approval and call.id not in state.approved:
+                return Suspend(RunStatus.AWAITING_APPROVAL, call, f"approve `{call.name}`?")
+            _check_tool_budgets(state, now_ms)
+            return RunTool(call)
+        _check_model_budgets(state, now_ms)
+    except BudgetExhausted as exc:
+        return Fail(str(exc))
+    request = ModelRequest(
+        messages=state.transcript, tools=agent.declarations(), turn=state.usage.model_turns
+    )
+    return CallModel(request)
+
+
+def response_events(response: ModelResponse) -> list[tuple[str, dict[str, Any]]]:
+    """The events a model response produces: `model.responded`, and `run.completed`
+    when it asked for no tools (recorded together, so a completed answer is one checkpoint)."""
+    data = response.model_dump(mode="json")
+    events: list[tuple[str, dict[str, Any]]] = [("model.responded", data)]
+    if not response.tool_calls:
+        events.append(("run.completed", {"output": response.content}))
+    return events
+
+
+def tool_events(call: ToolCall, outcome: ToolOutcome) -> list[tuple[str, dict[str, Any]]]:
+    if outcome.ok:
+        return [("tool.completed", {"call_id": call.id, "name": call.name, "result": outcome.result})]
+    return [("tool.failed", {"call_id": call.id, "name": call.name, "error": str(outcome.result)})]
+
+
+def unknown_tool_outcome(call: ToolCall, agent: Agent) -> ToolOutcome:
+    """The model asked for a tool the agent does not have: tell it, do not crash."""
+    known = ", ".join(sorted(agent.tools)) or "none"
+    return ToolOutcome(False, f"no tool named `{call.name}`; available tools: {known}")
+
+
+def suspension_event(action: Suspend) -> tuple[str, dict[str, Any]]:
+    return (
+        "run.suspended",
+        {
+            "reason": action.reason.value,
+            "call_id": action.call.id,
+            "tool": action.call.name,
+            "arguments": action.call.arguments,
+            "prompt": action.prompt,
+        },
+    )
+
+
+__all__ = [
+    "Action",
+    "BLOCKED",
+    "CallModel",
+    "Fail",
+    "Idle",
+    "RunTool",
+    "Suspend",
+    "Usage",
+    "apply",
+    "created_event",
+    "decide",
+    "rebuild",
+    "response_events",
+    "suspension_event",
+    "tool_events",
+    "unknown_tool_outcome",
+]

@@ -1,0 +1,187 @@
+"""The data a run is made of: messages, usage, budgets, events and the run's state.
+
+Every model refuses unknown fields: these shapes are persisted (in snapshots
+and events), and a field nobody reads is a field nobody checks.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.errors import InvalidRunId
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def validate_run_id(run_id: object) -> str:
+    """Return ``run_id`` if it is a valid id; raise :class:`InvalidRunId` otherwise.
+
+    The pattern admits no ``/``, ``.`` or NUL, so an id can never name a path
+    outside a store's directory, whatever backend it reaches.
+    """
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise InvalidRunId(run_id)
+    return run_id
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunStatus(StrEnum):
+    QUEUED = "queued"
+    MODEL = "model"
+    TOOLS = "tools"
+    NEEDS_USER_INPUT = "needs_user_input"
+    BLOCKED = "blocked"
+    AWAITING_APPROVAL = "awaiting_approval"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    NEEDS_RECONCILIATION = "needs_reconciliation"
+    STALLED = "stalled"
+    DEAD_LETTERED = "dead_lettered"
+
+    @property
+    def is_live(self) -> bool:
+        """A worker is expected to advance the run without anyone's help."""
+        return self in LIVE_STATUSES
+
+    @property
+    def is_suspended(self) -> bool:
+        return self in SUSPENDED_STATUSES
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.MODEL, RunStatus.TOOLS})
+SUSPENDED_STATUSES = frozenset(
+    {RunStatus.NEEDS_USER_INPUT, RunStatus.BLOCKED, RunStatus.AWAITING_APPROVAL}
+)
+TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class ToolCall(Strict):
+    id: str
+    """Stable id of this call within the run; the tool journal is keyed by it."""
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class Message(Strict):
+    """One transcript entry. The transcript only ever grows."""
+
+    role: str
+    """`system`, `user`, `assistant` or `tool`."""
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Calls the assistant asked for (assistant messages only)."""
+    tool_call_id: str | None = None
+    """The call this message answers (tool messages only)."""
+    name: str | None = None
+    """The tool that produced this result (tool messages only)."""
+    is_error: bool = False
+    """The tool failed or was refused; the content says why."""
+
+
+class TokenUsage(Strict):
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class Usage(Strict):
+    """What the run has consumed so far. Every counter only increases."""
+
+    model_attempts: int = 0
+    """Model calls started, including ones whose turn crashed: each counts."""
+    model_turns: int = 0
+    """Model calls that returned a response."""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    responses_without_usage: int = 0
+    """Responses that reported no token usage; a token budget cannot be enforced on them."""
+    tool_calls: int = 0
+    """Tool calls that finished (successfully or with an error result)."""
+
+
+class Budgets(Strict):
+    max_turns: int = Field(default=20, ge=1)
+    """Model calls the run may make, counting attempts whose turn crashed."""
+    max_total_tokens: int | None = Field(default=None, ge=1)
+    """Input plus output tokens; ``None`` for no limit."""
+    max_tool_calls: int = Field(default=50, ge=0)
+    timeout_seconds: int = Field(default=3600, ge=1)
+    """Wall time from creation, not counting time suspended."""
+
+
+class Policy(Strict):
+    require_approval: tuple[str, ...] = ()
+    """Tools that suspend the run for a person's approval before they run."""
+
+
+class Suspension(Strict):
+    reason: RunStatus
+    """`needs_user_input`, `blocked` or `awaiting_approval`."""
+    call_id: str
+    """The tool call that suspended the run; the continuation answers it."""
+    tool: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    prompt: str = ""
+    """What the person is asked, in the model's words."""
+    seq: int
+    """Seq of the `run.suspended` event."""
+    since_ms: int
+
+
+class Event(Strict):
+    """One entry in a run's append-only event log."""
+
+    seq: int = Field(ge=1)
+    """Position in the run's log: 1, 2, 3, … with no gaps."""
+    type: str
+    at_ms: int
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunState(Strict):
+    """Everything a worker needs to take the run's next step.
+
+    It is exactly the fold of the run's events (:func:`runtime.fsm.apply`), so a
+    snapshot that is lost or stale can always be rebuilt from the event log.
+    """
+
+    run_id: str
+    seq: int
+    """Seq of the last event folded into this state."""
+    agent: str
+    agent_file: str
+    binding: str
+    input: str
+    status: RunStatus
+    budgets: Budgets
+    created_at_ms: int
+    transcript: tuple[Message, ...]
+    pending: tuple[ToolCall, ...] = ()
+    """Tool calls the last model response asked for that have no outcome yet, in order."""
+    in_flight: str | None = None
+    """Call id journaled as requested whose outcome is not recorded (unknown if we crashed)."""
+    approved: tuple[str, ...] = ()
+    """Call ids a person approved; they may now run."""
+    usage: Usage = Usage()
+    suspended_ms: int = 0
+    """Total time spent suspended; it extends the deadline."""
+    suspension: Suspension | None = None
+    recovery_attempts: int = 0
+    output: str | None = None
+    error: str | None = None
+
+    @property
+    def deadline_ms(self) -> int:
+        return self.created_at_ms + self.budgets.timeout_seconds * 1000 + self.suspended_ms

@@ -1,0 +1,59 @@
+"""Model providers: one small protocol, several implementations.
+
+A provider turns a :class:`ModelRequest` into a :class:`ModelResponse`. It
+raises :class:`~runtime.errors.ProviderError` (``retryable`` set when another
+attempt may succeed) and nothing else. ``identity()`` is what of the provider
+decides the run's behaviour; it goes into the binding (never a secret).
+
+``model = "scripted"`` plays a JSON script; ``model = "openai:<name>"`` and
+others plug in through :func:`make_provider`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import Field
+
+from runtime.models import Message, Strict, TokenUsage, ToolCall
+
+
+class ModelRequest(Strict):
+    messages: tuple[Message, ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    turn: int = Field(ge=0)
+    """Index of this model call among the run's responses: 0 for the first turn."""
+
+
+class ModelResponse(Strict):
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: TokenUsage | None = None
+    """``None`` when the provider did not report usage."""
+
+
+class Provider(Protocol):
+    def identity(self) -> dict[str, Any]:
+        """What of this provider decides behaviour (goes into the binding; no secrets)."""
+        ...
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        """Ask the model once. Raises ProviderError only."""
+        ...
+
+
+def make_provider(model: str, agent_file: Path, settings: dict[str, Any]) -> Provider:
+    """Build the provider an agent file names in ``model``.
+
+    Raises ``ValueError`` with the list of known providers when ``model`` is unknown;
+    the agent loader turns it into an error naming the file and the key.
+    """
+    from runtime.providers.scripted import ScriptedProvider
+
+    if model == "scripted":
+        script = settings.get("script")
+        if not script:
+            raise ValueError("the scripted provider needs `script = \"file.json\"`")
+        return ScriptedProvider(agent_file.parent / str(script))
+    raise ValueError(f"unknown provider `{model}`; known: `scripted`")

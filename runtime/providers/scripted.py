@@ -1,0 +1,89 @@
+"""A provider that plays a JSON script, one entry per model call, by position.
+
+The entry for a call is chosen by the call's turn index, never by how often
+the provider was asked: a crash that makes ratchet ask again for the same turn
+gets the same answer, exactly as a deterministic model would give.
+
+Set ``RATCHET_SCRIPTED_CALL_LOG`` to a file path to append one line per call
+(``turn`` and process id): crash tests count real model calls with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from runtime.errors import ProviderError
+from runtime.models import TokenUsage
+from runtime.providers import ModelRequest, ModelResponse
+
+
+class _ScriptCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: dict[str, Any] = {}
+    id: str | None = None
+
+
+class _ScriptTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    content: str = ""
+    tool_calls: list[_ScriptCall] = []
+    usage: TokenUsage | None = None
+    sleep_s: float = 0.0
+    """Seconds to wait before answering: stands in for a slow model in tests and demos."""
+
+
+class _Script(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    turns: list[_ScriptTurn]
+
+
+class ScriptedProvider:
+    def __init__(self, path: Path) -> None:
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"script {path} cannot be read: {exc.strerror}") from exc
+        try:
+            self._script = _Script.model_validate_json(raw)
+        except ValidationError as exc:
+            raise ValueError(f"script {path} is not a valid script: {exc}") from exc
+        self._path = path
+        self._digest = hashlib.sha256(raw).hexdigest()
+
+    def identity(self) -> dict[str, Any]:
+        # The script is the model: editing it changes the run's behaviour.
+        return {"provider": "scripted", "model": self._path.name, "script_sha256": self._digest}
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        turns = self._script.turns
+        if request.turn >= len(turns):
+            raise ProviderError(
+                f"script {self._path.name} has {len(turns)} turns; turn {request.turn + 1} was asked"
+            )
+        entry = turns[request.turn]
+        log = os.environ.get("RATCHET_SCRIPTED_CALL_LOG")
+        if log:
+            with open(log, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"turn": request.turn, "pid": os.getpid()}) + "\n")
+        if entry.sleep_s:
+            import time
+
+            time.sleep(entry.sleep_s)
+        calls = tuple(
+            {
+                "id": call.id or f"call_{request.turn + 1}_{index + 1}",
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+            for index, call in enumerate(entry.tool_calls)
+        )
+        return ModelResponse.model_validate(
+            {"content": entry.content, "tool_calls": calls, "usage": entry.usage}
+        )

@@ -1,0 +1,71 @@
+"""Persistence: the SnapshotStore and RunStore contracts and their backends.
+
+Both are opened from a URL, so one setting picks the backend:
+
+=====================  ==========================  ==========================
+scheme                 snapshot store              run store
+=====================  ==========================  ==========================
+``memory://``          MemorySnapshotStore         MemoryRunStore
+``file:///dir``        FileSnapshotStore           —
+``sqlite:///path``     —                           SqliteRunStore
+``redis://`` …         RedisSnapshotStore          RedisRunStore
+=====================  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from store.runs import RunStore
+from store.snapshots import SnapshotStore
+
+
+def _path_of(url: str) -> Path:
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{url}: use three slashes for a path (`{parts.scheme}:///abs/path`)")
+    return Path(unquote(parts.path))
+
+
+def open_snapshot_store(url: str) -> SnapshotStore:
+    """Open the snapshot store a URL names; ValueError names the URL and what is accepted."""
+    scheme = urlsplit(url).scheme
+    if scheme == "memory":
+        from store.snapshots.memory import MemorySnapshotStore
+
+        return MemorySnapshotStore()
+    if scheme == "file":
+        from store.snapshots.file import FileSnapshotStore
+
+        return FileSnapshotStore(_path_of(url))
+    if scheme in ("redis", "rediss", "unix"):
+        from store.snapshots.redis import RedisSnapshotStore
+
+        return RedisSnapshotStore.from_url(url)
+    raise ValueError(
+        f"snapshot store URL `{url}` is not one of memory://, file:///dir, redis://host:port/db"
+    )
+
+
+def open_run_store(url: str) -> RunStore:
+    """Open the run store a URL names; ValueError names the URL and what is accepted."""
+    scheme = urlsplit(url).scheme
+    if scheme == "memory":
+        from store.runs.memory import MemoryRunStore
+
+        return MemoryRunStore()
+    if scheme == "sqlite":
+        from store.runs.sqlite import SqliteRunStore
+
+        return SqliteRunStore(_path_of(url))
+    if scheme in ("redis", "rediss", "unix"):
+        from store.runs.redis import RedisRunStore
+
+        return RedisRunStore.from_url(url)
+    raise ValueError(
+        f"run store URL `{url}` is not one of memory://, sqlite:///path, redis://host:port/db"
+    )
+
+
+__all__ = ["RunStore", "SnapshotStore", "open_run_store", "open_snapshot_store"]

@@ -1,0 +1,35 @@
+"""Bounded retries of transient store errors, shared by every backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from runtime.errors import StoreUnavailable
+
+T = TypeVar("T")
+
+ATTEMPTS = 4
+"""Tries in all, for one store call, before the error reaches the caller."""
+MAX_DELAY_S = 2.0
+
+
+def with_retries(call: Callable[[], T]) -> T:
+    """Run ``call``; retry it on StoreUnavailable a few times within ~2 s, then re-raise."""
+    for attempt in Retrying(
+        retry=retry_if_exception_type(StoreUnavailable),
+        stop=stop_after_attempt(ATTEMPTS) | stop_after_delay(MAX_DELAY_S),
+        wait=wait_exponential_jitter(initial=0.02, max=0.5),
+        reraise=True,
+    ):
+        with attempt:
+            return call()
+    raise AssertionError("unreachable: tenacity re-raises the last error")

@@ -1,0 +1,220 @@
+"""The RunStore contract: run records, the event log, the tool journal, leases.
+
+- **Records** are what ``runs list`` and ``runs show`` display; each is written
+  in the same atomic step as the events that changed it.
+- **Events** are append-only with a per-run ``seq`` 1, 2, 3, … that only
+  increases. ``append`` is fenced twice: the first new event must follow the
+  stored last seq (else :class:`~runtime.errors.StaleWrite`), and when an
+  ``owner`` is given it must hold the run's unexpired lease (else
+  :class:`~runtime.errors.LeaseLost`). A zombie worker therefore cannot add a
+  transition to a run another worker has taken over.
+- **The tool journal** (requested → completed / failed) is the projection of
+  the ``tool.*`` events, computed here once for every backend.
+- **Leases** say which worker advances a run; they expire unless renewed.
+- **Due times**: a live run carries ``due_at_ms``, the time by which its next
+  step should have started. The sweeper asks for runs past due whose lease has
+  expired; backends index it so that cost grows with the overdue runs only.
+
+Backends: ``memory://`` (tests), ``sqlite:///path`` (embedded default),
+``redis://…``. The base class validates ids and retries transient errors; a
+backend implements the ``_`` primitives.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import Field
+
+from runtime.models import Event, RunState, RunStatus, Strict, Usage, validate_run_id
+from store.retry import with_retries
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class RunRecord(Strict):
+    """A run as operators list and show it; derived from its state at each append."""
+
+    run_id: str
+    agent: str
+    agent_file: str
+    status: RunStatus
+    created_at_ms: int
+    updated_at_ms: int
+    last_seq: int
+    input: str
+    output: str | None = None
+    error: str | None = None
+    usage: Usage = Usage()
+    budgets: dict[str, Any] = Field(default_factory=dict)
+    suspended_ms: int = 0
+    recovery_attempts: int = 0
+    due_at_ms: int | None = None
+    """Live runs only: when the next step is overdue; the sweeper's index."""
+
+    @classmethod
+    def from_state(cls, state: RunState, now_ms: int, due_at_ms: int | None) -> RunRecord:
+        return cls(
+            run_id=state.run_id,
+            agent=state.agent,
+            agent_file=state.agent_file,
+            status=state.status,
+            created_at_ms=state.created_at_ms,
+            updated_at_ms=now_ms,
+            last_seq=state.seq,
+            input=state.input,
+            output=state.output,
+            error=state.error,
+            usage=state.usage,
+            budgets=state.budgets.model_dump(mode="json"),
+            suspended_ms=state.suspended_ms,
+            recovery_attempts=state.recovery_attempts,
+            due_at_ms=due_at_ms if state.status.is_live else None,
+        )
+
+
+class JournalEntry(Strict):
+    """One tool call as the journal knows it."""
+
+    call_id: str
+    tool: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    status: str
+    """`requested` (outcome unknown), `completed` or `failed`."""
+    requested_seq: int
+    requested_at_ms: int
+    result: Any = None
+    error: str | None = None
+
+
+class Lease(Strict):
+    owner: str
+    expires_at_ms: int
+
+
+class RunStore(ABC):
+    """Contract every run-store backend passes (see tests/contract/)."""
+
+    name: str = "run store"
+
+    def __init__(self, clock: Callable[[], int] = wall_ms) -> None:
+        self.clock = clock
+
+    # --- records and events -------------------------------------------------
+
+    def create(self, record: RunRecord, first: Event) -> None:
+        """Insert a new run with its first event; StaleWrite if the id exists."""
+        validate_run_id(record.run_id)
+        with_retries(lambda: self._create(record, first))
+
+    def append(self, record: RunRecord, events: Sequence[Event], owner: str | None) -> None:
+        """Append ``events`` and replace the record, atomically.
+
+        Refused with StaleWrite unless ``events[0].seq`` follows the stored last
+        seq, and with LeaseLost if ``owner`` is given and does not hold the lease.
+        """
+        validate_run_id(record.run_id)
+        if not events:
+            raise ValueError("append needs at least one event")
+        for before, after in zip(events, events[1:], strict=False):
+            if after.seq != before.seq + 1:
+                raise ValueError(f"events must be contiguous: {before.seq} then {after.seq}")
+        if record.last_seq != events[-1].seq:
+            raise ValueError("the record's last_seq must be the last event's seq")
+        with_retries(lambda: self._append(record, list(events), owner, self.clock()))
+
+    def get(self, run_id: str) -> RunRecord | None:
+        run_id = validate_run_id(run_id)
+        return with_retries(lambda: self._get(run_id))
+
+    def list(self, status: RunStatus | None = None, limit: int = 100) -> list[RunRecord]:
+        """Runs, newest first, optionally of one status."""
+        return with_retries(lambda: self._list(status, limit))
+
+    def events(self, run_id: str, after_seq: int = 0, limit: int | None = None) -> list[Event]:
+        """The run's events with seq > ``after_seq``, in seq order."""
+        run_id = validate_run_id(run_id)
+        return with_retries(lambda: self._events(run_id, after_seq, limit))
+
+    def journal(self, run_id: str) -> list[JournalEntry]:
+        """The run's tool calls, in the order they were requested."""
+        entries: dict[str, JournalEntry] = {}
+        for event in self.events(run_id):
+            data = event.data
+            if event.type == "tool.requested":
+                entries[data["call_id"]] = JournalEntry(
+                    call_id=data["call_id"],
+                    tool=data["name"],
+                    arguments=data.get("arguments", {}),
+                    status="requested",
+                    requested_seq=event.seq,
+                    requested_at_ms=event.at_ms,
+                )
+            elif event.type in ("tool.completed", "tool.failed") and data["call_id"] in entries:
+                done = event.type == "tool.completed"
+                entries[data["call_id"]] = entries[data["call_id"]].model_copy(
+                    update={
+                        "status": "completed" if done else "failed",
+                        "result": data.get("result") if done else None,
+                        "error": None if done else data.get("error"),
+                    }
+                )
+        return list(entries.values())
+
+    # --- leases -------------------------------------------------------------
+
+    def acquire_lease(self, run_id: str, owner: str, lease_s: float) -> bool:
+        """Take (or renew) the run's lease for ``lease_s``; False if another owner holds it."""
+        run_id = validate_run_id(run_id)
+        return with_retries(lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()))
+
+    def release_lease(self, run_id: str, owner: str) -> None:
+        """Give the lease up if ``owner`` holds it, so another worker need not wait."""
+        run_id = validate_run_id(run_id)
+        with_retries(lambda: self._release(run_id, owner))
+
+    def lease(self, run_id: str) -> Lease | None:
+        """The run's unexpired lease, if any."""
+        run_id = validate_run_id(run_id)
+        return with_retries(lambda: self._lease(run_id, self.clock()))
+
+    def overdue(self, limit: int = 1000) -> list[str]:
+        """Live runs past their due time whose lease has expired, most overdue first."""
+        return with_retries(lambda: self._overdue(self.clock(), limit))
+
+    def close(self) -> None:
+        """Release connections; the store is not used afterwards."""
+
+    # --- primitives ---------------------------------------------------------
+
+    @abstractmethod
+    def _create(self, record: RunRecord, first: Event) -> None: ...
+
+    @abstractmethod
+    def _append(self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int) -> None: ...
+
+    @abstractmethod
+    def _get(self, run_id: str) -> RunRecord | None: ...
+
+    @abstractmethod
+    def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]: ...
+
+    @abstractmethod
+    def _events(self, run_id: str, after_seq: int, limit: int | None) -> list[Event]: ...
+
+    @abstractmethod
+    def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool: ...
+
+    @abstractmethod
+    def _release(self, run_id: str, owner: str) -> None: ...
+
+    @abstractmethod
+    def _lease(self, run_id: str, now_ms: int) -> Lease | None: ...
+
+    @abstractmethod
+    def _overdue(self, now_ms: int, limit: int) -> list[str]: ...

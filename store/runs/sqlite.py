@@ -1,0 +1,201 @@
+"""SQLite run store: the embedded default, shared by processes on one machine.
+
+WAL mode lets the CLI read while workers write; every append is one
+``BEGIN IMMEDIATE`` transaction that checks the fences, inserts the events
+and replaces the record. Connections are per process and per thread (Celery's
+prefork pool forks, and a SQLite connection must not cross a fork).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
+from runtime.models import Event, RunStatus
+from store.runs import Lease, RunRecord, RunStore, wall_ms
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    last_seq INTEGER NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    due_at_ms INTEGER,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, created_at_ms);
+CREATE INDEX IF NOT EXISTS runs_by_created ON runs (created_at_ms);
+CREATE INDEX IF NOT EXISTS runs_by_due ON runs (due_at_ms) WHERE due_at_ms IS NOT NULL;
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    at_ms INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS leases (
+    run_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+class SqliteRunStore(RunStore):
+    name = "sqlite run store"
+
+    def __init__(self, path: str | Path, clock: Callable[[], int] = wall_ms) -> None:
+        super().__init__(clock)
+        self.path = Path(path).resolve()
+        self._local = threading.local()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._connection().executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None or getattr(self._local, "pid", None) != os.getpid():
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        try:
+            yield self._connection()
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+
+    @staticmethod
+    def _insert_events(conn: sqlite3.Connection, run_id: str, events: list[Event]) -> None:
+        conn.executemany(
+            "INSERT INTO events (run_id, seq, type, at_ms, data) VALUES (?, ?, ?, ?, ?)",
+            [(run_id, e.seq, e.type, e.at_ms, json.dumps(e.data, sort_keys=True)) for e in events],
+        )
+
+    @staticmethod
+    def _record_row(record: RunRecord) -> tuple[str, str, int, int, int | None, str]:
+        return (
+            record.run_id,
+            record.status.value,
+            record.last_seq,
+            record.created_at_ms,
+            record.due_at_ms,
+            record.model_dump_json(),
+        )
+
+    def _create(self, record: RunRecord, first: Event) -> None:
+        with self._tx() as conn:
+            row = conn.execute("SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)).fetchone()
+            if row is not None:
+                raise StaleWrite(record.run_id, 0, row[0])
+            conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)", self._record_row(record))
+            self._insert_events(conn, record.run_id, [first])
+
+    def _append(self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int) -> None:
+        with self._tx() as conn:
+            row = conn.execute("SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)).fetchone()
+            found = row[0] if row else None
+            if found != events[0].seq - 1:
+                raise StaleWrite(record.run_id, events[0].seq - 1, found)
+            if owner is not None:
+                lease = conn.execute(
+                    "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (record.run_id,)
+                ).fetchone()
+                if lease is None or lease[0] != owner or lease[1] <= now_ms:
+                    raise LeaseLost(record.run_id, owner)
+            self._insert_events(conn, record.run_id, events)
+            conn.execute("REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?)", self._record_row(record))
+
+    def _get(self, run_id: str) -> RunRecord | None:
+        with self._read() as conn:
+            row = conn.execute("SELECT record FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return RunRecord.model_validate_json(row[0]) if row else None
+
+    def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]:
+        with self._read() as conn:
+            if status is None:
+                rows = conn.execute(
+                    "SELECT record FROM runs ORDER BY created_at_ms DESC, run_id DESC LIMIT ?", (limit,)
+                ).fetchall()
+            else:
+                rows = conn.execute(
+                    "SELECT record FROM runs WHERE status = ? "
+                    "ORDER BY created_at_ms DESC, run_id DESC LIMIT ?",
+                    (status.value, limit),
+                ).fetchall()
+        return [RunRecord.model_validate_json(r[0]) for r in rows]
+
+    def _events(self, run_id: str, after_seq: int, limit: int | None) -> list[Event]:
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT seq, type, at_ms, data FROM events WHERE run_id = ? AND seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (run_id, after_seq, -1 if limit is None else limit),
+            ).fetchall()
+        return [Event(seq=s, type=t, at_ms=a, data=json.loads(d)) for s, t, a, d in rows]
+
+    def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        with self._tx() as conn:
+            row = conn.execute(
+                "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            if row is not None and row[0] != owner and row[1] > now_ms:
+                return False
+            conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
+            return True
+
+    def _release(self, run_id: str, owner: str) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM leases WHERE run_id = ? AND owner = ?", (run_id, owner))
+
+    def _lease(self, run_id: str, now_ms: int) -> Lease | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT owner, expires_at_ms FROM leases WHERE run_id = ? AND expires_at_ms > ?",
+                (run_id, now_ms),
+            ).fetchone()
+        return Lease(owner=row[0], expires_at_ms=row[1]) if row else None
+
+    def _overdue(self, now_ms: int, limit: int) -> list[str]:
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT r.run_id FROM runs r LEFT JOIN leases l ON l.run_id = r.run_id "
+                "WHERE r.due_at_ms IS NOT NULL AND r.due_at_ms <= ? "
+                "AND (l.expires_at_ms IS NULL OR l.expires_at_ms <= ?) "
+                "ORDER BY r.due_at_ms LIMIT ?",
+                (now_ms, now_ms, limit),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

@@ -1,0 +1,69 @@
+"""What a task needs around the pure core: settings, the two stores, loaded agents.
+
+Opened lazily, once per process (after Celery's prefork pool has forked), and
+reopened if the process id changes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.agent import Agent, load_agent
+from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
+from worker.settings import Settings, get_settings
+
+
+@dataclass
+class Context:
+    settings: Settings
+    snapshots: SnapshotStore
+    runs: RunStore
+    _agents: dict[str, tuple[tuple[int, int], Agent]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def agent(self, path: str | Path) -> Agent:
+        """The agent at ``path``, reloaded when the file changes (a deploy may edit it)."""
+        key = str(Path(path).resolve())
+        stat = os.stat(key)
+        version = (stat.st_mtime_ns, stat.st_size)
+        with self._lock:
+            cached = self._agents.get(key)
+            if cached is not None and cached[0] == version:
+                return cached[1]
+        agent = load_agent(key)
+        with self._lock:
+            self._agents[key] = (version, agent)
+        return agent
+
+    def close(self) -> None:
+        self.snapshots.close()
+        self.runs.close()
+
+
+_context: Context | None = None
+_context_pid: int | None = None
+_context_lock = threading.Lock()
+
+
+def get_context() -> Context:
+    global _context, _context_pid
+    with _context_lock:
+        if _context is None or _context_pid != os.getpid():
+            settings = get_settings()
+            _context = Context(
+                settings=settings,
+                snapshots=open_snapshot_store(settings.resolved_snapshot_store),
+                runs=open_run_store(settings.resolved_run_store),
+            )
+            _context_pid = os.getpid()
+        return _context
+
+
+def set_context(context: Context | None) -> None:
+    """Install a context for this process (tests use memory or per-test stores)."""
+    global _context, _context_pid
+    with _context_lock:
+        _context, _context_pid = context, os.getpid() if context else None

@@ -1,0 +1,55 @@
+"""Named points in a turn where a test can end the process, as a crash would.
+
+Arm one with ``RATCHET_FAILPOINT=<name>`` (any turn) or ``<name>@<turn>``
+(only when the run's model-turn count is ``turn``, 1-based); the process then
+calls ``os._exit(137)`` at that point — no cleanup, no ack, like SIGKILL.
+Unarmed, a failpoint costs one comparison with ``None``.
+
+Points, in the order a turn passes them:
+
+- ``model.response.received``      the model answered; nothing recorded yet
+- ``model.response.checkpointed``  the answer is in the events and the snapshot
+- ``tool.requested``               the call is journaled as requested; not run yet
+- ``tool.completed``               the tool ran; its outcome is not journaled yet
+- ``snapshot.before_save``         events are appended; the snapshot is not saved
+- ``snapshot.after_save``          the snapshot is saved
+- ``turn.enqueued``                the next turn is on the broker; the lease is released
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+POINTS = (
+    "model.response.received",
+    "model.response.checkpointed",
+    "tool.requested",
+    "tool.completed",
+    "snapshot.before_save",
+    "snapshot.after_save",
+    "turn.enqueued",
+)
+
+
+def _parse(value: str | None) -> tuple[str, int | None] | None:
+    if not value:
+        return None
+    name, _, turn = value.partition("@")
+    if name not in POINTS:
+        raise ValueError(f"RATCHET_FAILPOINT={value!r}: unknown point; known: {', '.join(POINTS)}")
+    return name, int(turn) if turn else None
+
+
+_armed = _parse(os.environ.get("RATCHET_FAILPOINT"))
+
+
+def hit(name: str, turn: int) -> None:
+    """End the process here if this point is armed (for ``turn``, if one was given)."""
+    if _armed is None:
+        return
+    point, at_turn = _armed
+    if point == name and (at_turn is None or at_turn == turn):
+        sys.stderr.write(f"ratchet failpoint {name} hit at turn {turn}: exiting\n")
+        sys.stderr.flush()
+        os._exit(137)

@@ -1,0 +1,73 @@
+"""The Celery app: ``celery -A worker worker`` and ``celery -A worker beat``.
+
+JSON only (a pickle message is refused), explicit ``ratchet.*`` task names,
+turn tasks with ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1, and a
+separate ``ratchet.control`` queue so continuations, cancels and sweeps never
+wait behind long turns. The broker's redelivery is only a fast path: ratchet's
+own leases, fencing and sweeper are what make a run survive a crash
+(see CELERY-NOTES in the design docs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from worker.settings import Settings, get_settings
+
+TURNS_QUEUE = "ratchet.turns"
+CONTROL_QUEUE = "ratchet.control"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    broker_url = settings.resolved_broker_url
+    transport_options: dict[str, Any] = {}
+    if broker_url.startswith("filesystem"):
+        folders = settings.broker_folders
+        for folder in folders.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        transport_options = {
+            # One folder for in and out: producer and worker processes share it.
+            "data_folder_in": str(folders["queue"]),
+            "data_folder_out": str(folders["queue"]),
+            "control_folder": str(folders["control"]),
+            "polling_interval": settings.filesystem_polling_interval_s,
+        }
+    elif broker_url.startswith(("redis", "rediss")):
+        transport_options = {"visibility_timeout": settings.visibility_timeout_s}
+    return {
+        "broker_url": broker_url,
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "result_accept_content": ["json"],
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_hijack_root_logger": False,
+        "task_default_queue": TURNS_QUEUE,
+        "task_queues": (Queue(TURNS_QUEUE), Queue(CONTROL_QUEUE)),
+        "task_routes": {
+            "ratchet.start": {"queue": TURNS_QUEUE},
+            "ratchet.turn": {"queue": TURNS_QUEUE},
+        },
+        "task_time_limit": settings.turn_time_limit_s,
+        "imports": ("tasks",),
+    }
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    app = Celery("ratchet")
+    app.conf.update(celery_config(settings or get_settings()))
+    return app
+
+
+app = make_app()

@@ -1,0 +1,62 @@
+"""Settings, from the environment (prefix ``RATCHET_``), in one place.
+
+Every setting and its default is documented in the README's settings table.
+With nothing set, everything lives under ``RATCHET_DATA_DIR`` (``./.ratchet``):
+a ``filesystem://`` broker, a file snapshot store and a SQLite run store, so
+a worker and the CLI in two terminals share one machine's state with no server.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RATCHET_", extra="ignore")
+
+    data_dir: Path = Path(".ratchet")
+    """Where the embedded default keeps its broker folders, snapshots and run database."""
+    broker_url: str | None = None
+    """Celery broker; default `filesystem://` under the data dir. E.g. redis://127.0.0.1:6379/0."""
+    snapshot_store: str | None = None
+    """memory://, file:///dir or redis://…; default file://<data_dir>/snapshots."""
+    run_store: str | None = None
+    """memory://, sqlite:///path or redis://…; default sqlite://<data_dir>/runs.sqlite3."""
+    lease_s: float = Field(default=10.0, gt=0)
+    """How long a worker's claim on a run lasts without a heartbeat."""
+    visibility_timeout_s: int = Field(default=3600, gt=0)
+    """Redis broker only: must exceed the longest turn, or Celery delivers a turn twice."""
+    filesystem_polling_interval_s: float = Field(default=0.01, gt=0)
+    """filesystem:// broker only: how often a worker looks for new messages."""
+    turn_time_limit_s: int = Field(default=1800, gt=0)
+    """Celery's hard time limit for one turn task."""
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir.expanduser().resolve()
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    @property
+    def resolved_snapshot_store(self) -> str:
+        return self.snapshot_store or f"file://{self.resolved_data_dir / 'snapshots'}"
+
+    @property
+    def resolved_run_store(self) -> str:
+        return self.run_store or f"sqlite://{self.resolved_data_dir / 'runs.sqlite3'}"
+
+    @property
+    def broker_folders(self) -> dict[str, Path]:
+        base = self.resolved_data_dir / "broker"
+        return {"queue": base / "queue", "control": base / "control"}
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
