@@ -43,6 +43,8 @@ class AgentSpec(BaseModel):
     """Provider: `scripted`, or `provider:model-name`."""
     script: str | None = None
     """Scripted provider only: the JSON script, relative to the agent file."""
+    provider: dict[str, Any] = {}
+    """Provider settings, e.g. `base_url`, `api_key_env` (the name of a variable, never a key)."""
     system: str = ""
     tools: list[str] = []
     budgets: Budgets = Budgets()
@@ -72,7 +74,9 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _binding_document(spec: AgentSpec, provider: Provider, tools: dict[str, ToolSpec]) -> dict[str, Any]:
+def _binding_document(
+    spec: AgentSpec, provider: Provider, tools: dict[str, ToolSpec]
+) -> dict[str, Any]:
     return {
         "provider": provider.identity(),
         "model": spec.model,
@@ -118,7 +122,9 @@ def load_agent(path: str | Path) -> Agent:
         except ToolError as exc:
             raise AgentFileError(str(path), f"tools[{index}]", str(exc)) from exc
         if tool_spec.name in tools:
-            raise AgentFileError(str(path), f"tools[{index}]", f"two tools named `{tool_spec.name}`")
+            raise AgentFileError(
+                str(path), f"tools[{index}]", f"two tools named `{tool_spec.name}`"
+            )
         tools[tool_spec.name] = tool_spec
     for name in spec.policy.require_approval:
         if name not in tools:

@@ -85,9 +85,7 @@ class InvalidRunId(RatchetError):
 
 class RunNotFound(RatchetError):
     def __init__(self, run_id: str) -> None:
-        super().__init__(
-            f"run {run_id} not found: check the id with `ratchet runs list`", run_id
-        )
+        super().__init__(f"run {run_id} not found: check the id with `ratchet runs list`", run_id)
         self.run_id = run_id
 
 

@@ -35,9 +35,7 @@ from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome
 # --- events -----------------------------------------------------------------
 
 
-def created_event(
-    run_id: str, agent: Agent, user_input: str, now_ms: int
-) -> dict[str, Any]:
+def created_event(run_id: str, agent: Agent, user_input: str, now_ms: int) -> dict[str, Any]:
     """The data of a run's first event, `run.created`."""
     return {
         "run_id": run_id,
@@ -95,7 +93,10 @@ def _responded(state: RunState, data: dict[str, Any]) -> RunState:
     u = state.usage
     if usage_data is None:
         usage = u.model_copy(
-            update={"model_turns": u.model_turns + 1, "responses_without_usage": u.responses_without_usage + 1}
+            update={
+                "model_turns": u.model_turns + 1,
+                "responses_without_usage": u.responses_without_usage + 1,
+            }
         )
     else:
         i, o = int(usage_data.get("input_tokens", 0)), int(usage_data.get("output_tokens", 0))
@@ -242,7 +243,9 @@ def _check_model_budgets(state: RunState, now_ms: int) -> None:
 
 def _check_tool_budgets(state: RunState, now_ms: int) -> None:
     if state.usage.tool_calls >= state.budgets.max_tool_calls:
-        raise BudgetExhausted("max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls)
+        raise BudgetExhausted(
+            "max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls
+        )
     _check_deadline(state, now_ms)
 
 
@@ -255,7 +258,11 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
             call = state.pending[0]
             spec = agent.tools.get(call.name)
             if spec is not None and spec.control:
-                reason = RunStatus.NEEDS_USER_INPUT if call.name == REQUEST_USER_INPUT else RunStatus.BLOCKED
+                reason = (
+                    RunStatus.NEEDS_USER_INPUT
+                    if call.name == REQUEST_USER_INPUT
+                    else RunStatus.BLOCKED
+                )
                 key = "prompt" if call.name == REQUEST_USER_INPUT else "reason"
                 return Suspend(reason, call, str(call.arguments.get(key, "")))
             if call.name in agent.spec.policy.require_approval and call.id not in state.approved:
@@ -283,7 +290,9 @@ def response_events(response: ModelResponse) -> list[tuple[str, dict[str, Any]]]
 
 def tool_events(call: ToolCall, outcome: ToolOutcome) -> list[tuple[str, dict[str, Any]]]:
     if outcome.ok:
-        return [("tool.completed", {"call_id": call.id, "name": call.name, "result": outcome.result})]
+        return [
+            ("tool.completed", {"call_id": call.id, "name": call.name, "result": outcome.result})
+        ]
     return [("tool.failed", {"call_id": call.id, "name": call.name, "error": str(outcome.result)})]
 
 

@@ -24,6 +24,9 @@ from pydantic_core import to_jsonable_python
 
 from runtime.errors import ToolError
 
+INVALID_ARGUMENTS_KEY = "__invalid_json__"
+"""Mirrors runtime.providers.INVALID_ARGUMENTS_KEY (tools must not import providers)."""
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 REQUEST_USER_INPUT = "request_user_input"
@@ -89,9 +92,7 @@ def _arguments_model(name: str, fn: Callable[..., Any]) -> type[BaseModel]:
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (annotation, default)
     config = ConfigDict(extra="forbid")
-    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
-        f"{name}_arguments", __config__=config, **fields
-    )
+    model: type[BaseModel] = create_model(f"{name}_arguments", __config__=config, **fields)
     return model
 
 
@@ -182,6 +183,9 @@ def invoke(spec: ToolSpec, arguments: dict[str, Any]) -> ToolOutcome:
     """Run a tool; never raises for the tool's own failures (they become error results)."""
     if spec.fn is None:
         raise ToolError(spec.name, "control tools suspend the run; they are never invoked")
+    if INVALID_ARGUMENTS_KEY in arguments:
+        raw = str(arguments[INVALID_ARGUMENTS_KEY])[:200]
+        return ToolOutcome(False, f"arguments for `{spec.name}` were not valid JSON: {raw}")
     try:
         parsed = spec.arguments_model.model_validate(arguments)
     except ValidationError as exc:

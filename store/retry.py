@@ -27,7 +27,7 @@ def with_retries(call: Callable[[], T]) -> T:
     for attempt in Retrying(
         retry=retry_if_exception_type(StoreUnavailable),
         stop=stop_after_attempt(ATTEMPTS) | stop_after_delay(MAX_DELAY_S),
-        wait=wait_exponential_jitter(initial=0.02, max=0.5),
+        wait=wait_exponential_jitter(multiplier=0.02, max=0.5, jitter=0.05),
         reraise=True,
     ):
         with attempt:

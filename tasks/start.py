@@ -42,7 +42,9 @@ def check_input(text: object) -> str:
     return text
 
 
-def create_run(ctx: Context, agent_file: str | Path, text: str, run_id: str | None = None) -> RunState:
+def create_run(
+    ctx: Context, agent_file: str | Path, text: str, run_id: str | None = None
+) -> RunState:
     """Record a new run (its `run.created` event, record and first snapshot).
 
     Raises AgentFileError for a bad agent file, InvalidInput for bad input,
@@ -52,7 +54,9 @@ def create_run(ctx: Context, agent_file: str | Path, text: str, run_id: str | No
     agent = ctx.agent(agent_file)
     text = check_input(text)
     now = ctx.runs.clock()
-    first = Event(seq=1, type="run.created", at_ms=now, data=created_event(run_id, agent, text, now))
+    first = Event(
+        seq=1, type="run.created", at_ms=now, data=created_event(run_id, agent, text, now)
+    )
     state = apply(None, first)
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.create(RunRecord.from_state(state, now, due), first)

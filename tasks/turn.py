@@ -123,7 +123,9 @@ def advance(ctx: Context, run_id: str, expected_seq: int | None) -> str:
 class Turn:
     """One worker's hold on one run, between taking and releasing its lease."""
 
-    def __init__(self, ctx: Context, agent: Agent, state: RunState, snapshot_seq: int | None, owner: str):
+    def __init__(
+        self, ctx: Context, agent: Agent, state: RunState, snapshot_seq: int | None, owner: str
+    ):
         self.ctx = ctx
         self.agent = agent
         self.state = state
@@ -143,8 +145,12 @@ class Turn:
             for event in missing:
                 state = apply(state, event)
             if snapshot_seq is not None:
-                log.info("run %s: snapshot at seq %s was stale; rebuilt to %s from events",
-                         run_id, snapshot_seq, record.last_seq)
+                log.info(
+                    "run %s: snapshot at seq %s was stale; rebuilt to %s from events",
+                    run_id,
+                    snapshot_seq,
+                    record.last_seq,
+                )
         assert state is not None, "a run record always has its run.created event"
         return cls(ctx, ctx.agent(state.agent_file), state, snapshot_seq, owner)
 
@@ -182,10 +188,17 @@ class Turn:
         self.record([("model.requested", {"turn": turn})])
         try:
             with self.heartbeat():
-                response = self.agent.provider.complete(request)
+                response = self.agent.provider.complete(
+                    request,
+                    observer=lambda kind, data: self.record([(kind, {"turn": turn, **data})]),
+                )
         except ProviderError as exc:
-            self.record([("model.failed", {"turn": turn, "error": str(exc)}),
-                         ("run.failed", {"reason": f"model call for turn {turn} failed: {exc}"})])
+            self.record(
+                [
+                    ("model.failed", {"turn": turn, "error": str(exc)}),
+                    ("run.failed", {"reason": f"model call for turn {turn} failed: {exc}"}),
+                ]
+            )
             return
         failpoints.hit("model.response.received", turn)
         self.record(response_events(response))
@@ -201,11 +214,21 @@ class Turn:
             if spec is None or not spec.idempotent:
                 self.park(call)
                 return False
-            log.info("run %s: re-running idempotent tool %s (call %s) after a crash",
-                     self.state.run_id, call.name, call.id)
+            log.info(
+                "run %s: re-running idempotent tool %s (call %s) after a crash",
+                self.state.run_id,
+                call.name,
+                call.id,
+            )
         else:
-            self.record([("tool.requested", {"call_id": call.id, "name": call.name,
-                                             "arguments": call.arguments})])
+            self.record(
+                [
+                    (
+                        "tool.requested",
+                        {"call_id": call.id, "name": call.name, "arguments": call.arguments},
+                    )
+                ]
+            )
         failpoints.hit("tool.requested", turn)
         if spec is None:
             outcome = unknown_tool_outcome(call, self.agent)
@@ -223,8 +246,19 @@ class Turn:
             f"idempotent, so it may or may not have run; check its effect, then "
             f"`ratchet runs reconcile {self.state.run_id} {call.id}` with --result, --retry or --fail"
         )
-        self.record([("run.parked", {"reason": reason, "call_id": call.id, "tool": call.name,
-                                     "arguments": call.arguments})])
+        self.record(
+            [
+                (
+                    "run.parked",
+                    {
+                        "reason": reason,
+                        "call_id": call.id,
+                        "tool": call.name,
+                        "arguments": call.arguments,
+                    },
+                )
+            ]
+        )
         self.checkpoint()
 
     def finish(self) -> str:
@@ -234,7 +268,9 @@ class Turn:
 
     def _stall_on_binding(self) -> str:
         before = self._created_binding_document()
-        changed = describe_binding_change(before, self.agent.binding_document) if before else "binding"
+        changed = (
+            describe_binding_change(before, self.agent.binding_document) if before else "binding"
+        )
         error = BindingChanged(self.state.run_id, self.agent.name, changed)
         log.warning("%s", error)
         self.record([("run.stalled", {"reason": str(error)})])
@@ -287,8 +323,9 @@ class Turn:
         def beat() -> None:
             while not stop.wait(interval):
                 try:
-                    if not self.ctx.runs.acquire_lease(self.state.run_id, self.owner,
-                                                       self.ctx.settings.lease_s):
+                    if not self.ctx.runs.acquire_lease(
+                        self.state.run_id, self.owner, self.ctx.settings.lease_s
+                    ):
                         log.warning("run %s: lease lost during a call", self.state.run_id)
                         return
                 except Exception:

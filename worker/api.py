@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,11 +53,13 @@ class Ratchet:
     def list(self, status: RunStatus | None = None, limit: int = 100) -> list[RunRecord]:
         return self.ctx.runs.list(status, limit)
 
-    def events(self, run_id: str, after_seq: int = 0) -> list[Event]:
+    def events(self, run_id: str, after_seq: int = 0) -> builtins.list[Event]:
         self.get(run_id)
         return self.ctx.runs.events(run_id, after_seq)
 
-    def follow(self, run_id: str, poll_s: float = 0.05, timeout_s: float | None = None) -> Iterator[Event]:
+    def follow(
+        self, run_id: str, poll_s: float = 0.05, timeout_s: float | None = None
+    ) -> Iterator[Event]:
         """Yield the run's events as they are appended, until it stops being live."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         seq = 0

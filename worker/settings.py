@@ -41,7 +41,7 @@ class Settings(BaseSettings):
 
     @property
     def resolved_broker_url(self) -> str:
-        return self.broker_url or "filesystem://"
+        return self.broker_url or "filesystem://localhost//"
 
     @property
     def resolved_snapshot_store(self) -> str:

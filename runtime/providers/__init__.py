@@ -11,12 +11,19 @@ others plug in through :func:`make_provider`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import Field
 
 from runtime.models import Message, Strict, TokenUsage, ToolCall
+
+Observer = Callable[[str, dict[str, Any]], None]
+
+INVALID_ARGUMENTS_KEY = "__invalid_json__"
+"""A provider that receives tool arguments it cannot parse puts the raw text under this
+key; the runtime answers the model with a tool error instead of running the tool."""
 
 
 class ModelRequest(Strict):
@@ -38,8 +45,12 @@ class Provider(Protocol):
         """What of this provider decides behaviour (goes into the binding; no secrets)."""
         ...
 
-    def complete(self, request: ModelRequest) -> ModelResponse:
-        """Ask the model once. Raises ProviderError only."""
+    def complete(self, request: ModelRequest, *, observer: Observer | None = None) -> ModelResponse:
+        """Ask the model (retrying transient failures within bounds). Raises ProviderError only.
+
+        ``observer(event_type, data)`` is told of each retry (`model.retrying`) so the
+        run's event log shows every attempt.
+        """
         ...
 
 
@@ -54,6 +65,10 @@ def make_provider(model: str, agent_file: Path, settings: dict[str, Any]) -> Pro
     if model == "scripted":
         script = settings.get("script")
         if not script:
-            raise ValueError("the scripted provider needs `script = \"file.json\"`")
+            raise ValueError('the scripted provider needs `script = "file.json"`')
         return ScriptedProvider(agent_file.parent / str(script))
-    raise ValueError(f"unknown provider `{model}`; known: `scripted`")
+    if model.startswith("openai:"):
+        from runtime.providers.openai import OpenAIProvider
+
+        return OpenAIProvider.from_settings(model.removeprefix("openai:"), settings)
+    raise ValueError(f"unknown provider `{model}`; known: `scripted`, `openai:<model-name>`")

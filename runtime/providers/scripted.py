@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from runtime.errors import ProviderError
 from runtime.models import TokenUsage
-from runtime.providers import ModelRequest, ModelResponse
+from runtime.providers import ModelRequest, ModelResponse, Observer
 
 
 class _ScriptCall(BaseModel):
@@ -61,7 +61,7 @@ class ScriptedProvider:
         # The script is the model: editing it changes the run's behaviour.
         return {"provider": "scripted", "model": self._path.name, "script_sha256": self._digest}
 
-    def complete(self, request: ModelRequest) -> ModelResponse:
+    def complete(self, request: ModelRequest, *, observer: Observer | None = None) -> ModelResponse:
         turns = self._script.turns
         if request.turn >= len(turns):
             raise ProviderError(

@@ -22,6 +22,7 @@ backend implements the ``_`` primitives.
 
 from __future__ import annotations
 
+import builtins
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from typing import Any
 
 from pydantic import Field
 
+from runtime.errors import StaleWrite
 from runtime.models import Event, RunState, RunStatus, Strict, Usage, validate_run_id
 from store.retry import with_retries
 
@@ -110,7 +112,13 @@ class RunStore(ABC):
     def create(self, record: RunRecord, first: Event) -> None:
         """Insert a new run with its first event; StaleWrite if the id exists."""
         validate_run_id(record.run_id)
-        with_retries(lambda: self._create(record, first))
+        if first.seq != 1 or first.type != "run.created" or record.last_seq != 1:
+            raise ValueError("a run is created with its run.created event at seq 1")
+        try:
+            with_retries(lambda: self._create(record, first))
+        except StaleWrite:
+            if self._events(record.run_id, 0, 1) != [first]:
+                raise
 
     def append(self, record: RunRecord, events: Sequence[Event], owner: str | None) -> None:
         """Append ``events`` and replace the record, atomically.
@@ -126,22 +134,37 @@ class RunStore(ABC):
                 raise ValueError(f"events must be contiguous: {before.seq} then {after.seq}")
         if record.last_seq != events[-1].seq:
             raise ValueError("the record's last_seq must be the last event's seq")
-        with_retries(lambda: self._append(record, list(events), owner, self.clock()))
+        try:
+            with_retries(lambda: self._append(record, list(events), owner, self.clock()))
+        except StaleWrite as exc:
+            # A retry whose first attempt landed (reply lost) finds its own events.
+            mine = list(events)
+            if (
+                exc.found_seq != mine[-1].seq
+                or self._events(record.run_id, mine[0].seq - 1, len(mine)) != mine
+            ):
+                raise
 
     def get(self, run_id: str) -> RunRecord | None:
         run_id = validate_run_id(run_id)
         return with_retries(lambda: self._get(run_id))
 
-    def list(self, status: RunStatus | None = None, limit: int = 100) -> list[RunRecord]:
+    def list(self, status: RunStatus | None = None, limit: int = 100) -> builtins.list[RunRecord]:
         """Runs, newest first, optionally of one status."""
+        if limit < 0:
+            raise ValueError(f"limit must be 0 or more, not {limit}")
         return with_retries(lambda: self._list(status, limit))
 
-    def events(self, run_id: str, after_seq: int = 0, limit: int | None = None) -> list[Event]:
+    def events(
+        self, run_id: str, after_seq: int = 0, limit: int | None = None
+    ) -> builtins.list[Event]:
         """The run's events with seq > ``after_seq``, in seq order."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be 0 or more, not {limit}")
         run_id = validate_run_id(run_id)
         return with_retries(lambda: self._events(run_id, after_seq, limit))
 
-    def journal(self, run_id: str) -> list[JournalEntry]:
+    def journal(self, run_id: str) -> builtins.list[JournalEntry]:
         """The run's tool calls, in the order they were requested."""
         entries: dict[str, JournalEntry] = {}
         for event in self.events(run_id):
@@ -183,11 +206,11 @@ class RunStore(ABC):
         run_id = validate_run_id(run_id)
         return with_retries(lambda: self._lease(run_id, self.clock()))
 
-    def overdue(self, limit: int = 1000) -> list[str]:
+    def overdue(self, limit: int = 1000) -> builtins.list[str]:
         """Live runs past their due time whose lease has expired, most overdue first."""
         return with_retries(lambda: self._overdue(self.clock(), limit))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the store is not used afterwards."""
 
     # --- primitives ---------------------------------------------------------
@@ -196,16 +219,18 @@ class RunStore(ABC):
     def _create(self, record: RunRecord, first: Event) -> None: ...
 
     @abstractmethod
-    def _append(self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int) -> None: ...
+    def _append(
+        self, record: RunRecord, events: builtins.list[Event], owner: str | None, now_ms: int
+    ) -> None: ...
 
     @abstractmethod
     def _get(self, run_id: str) -> RunRecord | None: ...
 
     @abstractmethod
-    def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]: ...
+    def _list(self, status: RunStatus | None, limit: int) -> builtins.list[RunRecord]: ...
 
     @abstractmethod
-    def _events(self, run_id: str, after_seq: int, limit: int | None) -> list[Event]: ...
+    def _events(self, run_id: str, after_seq: int, limit: int | None) -> builtins.list[Event]: ...
 
     @abstractmethod
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool: ...
@@ -217,4 +242,4 @@ class RunStore(ABC):
     def _lease(self, run_id: str, now_ms: int) -> Lease | None: ...
 
     @abstractmethod
-    def _overdue(self, now_ms: int, limit: int) -> list[str]: ...
+    def _overdue(self, now_ms: int, limit: int) -> builtins.list[str]: ...

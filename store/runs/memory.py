@@ -17,7 +17,7 @@ class MemoryRunStore(RunStore):
         super().__init__(clock)
         self._lock = threading.Lock()
         self._records: dict[str, RunRecord] = {}
-        self._events: dict[str, list[Event]] = {}
+        self._logs: dict[str, list[Event]] = {}
         self._leases: dict[str, Lease] = {}
 
     def _create(self, record: RunRecord, first: Event) -> None:
@@ -25,9 +25,11 @@ class MemoryRunStore(RunStore):
             if record.run_id in self._records:
                 raise StaleWrite(record.run_id, 0, self._records[record.run_id].last_seq)
             self._records[record.run_id] = record
-            self._events[record.run_id] = [first]
+            self._logs[record.run_id] = [first]
 
-    def _append(self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int) -> None:
+    def _append(
+        self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int
+    ) -> None:
         with self._lock:
             current = self._records.get(record.run_id)
             found = current.last_seq if current else None
@@ -38,7 +40,7 @@ class MemoryRunStore(RunStore):
                 if lease is None or lease.owner != owner or lease.expires_at_ms <= now_ms:
                     raise LeaseLost(record.run_id, owner)
             self._records[record.run_id] = record
-            self._events[record.run_id].extend(events)
+            self._logs[record.run_id].extend(events)
 
     def _get(self, run_id: str) -> RunRecord | None:
         with self._lock:
@@ -52,7 +54,7 @@ class MemoryRunStore(RunStore):
 
     def _events(self, run_id: str, after_seq: int, limit: int | None) -> list[Event]:
         with self._lock:
-            found = [e for e in self._events.get(run_id, []) if e.seq > after_seq]
+            found = [e for e in self._logs.get(run_id, []) if e.seq > after_seq]
         return found[:limit] if limit is not None else found
 
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:

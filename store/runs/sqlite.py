@@ -73,15 +73,16 @@ class SqliteRunStore(RunStore):
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._connection()
         try:
+            conn = self._connection()
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
         except sqlite3.OperationalError as exc:
             raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
 
@@ -112,15 +113,21 @@ class SqliteRunStore(RunStore):
 
     def _create(self, record: RunRecord, first: Event) -> None:
         with self._tx() as conn:
-            row = conn.execute("SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)).fetchone()
+            row = conn.execute(
+                "SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)
+            ).fetchone()
             if row is not None:
                 raise StaleWrite(record.run_id, 0, row[0])
             conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)", self._record_row(record))
             self._insert_events(conn, record.run_id, [first])
 
-    def _append(self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int) -> None:
+    def _append(
+        self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int
+    ) -> None:
         with self._tx() as conn:
-            row = conn.execute("SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)).fetchone()
+            row = conn.execute(
+                "SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)
+            ).fetchone()
             found = row[0] if row else None
             if found != events[0].seq - 1:
                 raise StaleWrite(record.run_id, events[0].seq - 1, found)
@@ -142,7 +149,8 @@ class SqliteRunStore(RunStore):
         with self._read() as conn:
             if status is None:
                 rows = conn.execute(
-                    "SELECT record FROM runs ORDER BY created_at_ms DESC, run_id DESC LIMIT ?", (limit,)
+                    "SELECT record FROM runs ORDER BY created_at_ms DESC, run_id DESC LIMIT ?",
+                    (limit,),
                 ).fetchall()
             else:
                 rows = conn.execute(
@@ -189,7 +197,7 @@ class SqliteRunStore(RunStore):
                 "SELECT r.run_id FROM runs r LEFT JOIN leases l ON l.run_id = r.run_id "
                 "WHERE r.due_at_ms IS NOT NULL AND r.due_at_ms <= ? "
                 "AND (l.expires_at_ms IS NULL OR l.expires_at_ms <= ?) "
-                "ORDER BY r.due_at_ms LIMIT ?",
+                "ORDER BY r.due_at_ms, r.run_id LIMIT ?",
                 (now_ms, now_ms, limit),
             ).fetchall()
         return [r[0] for r in rows]

@@ -15,8 +15,10 @@ Backends: ``memory://`` (tests), ``file:///dir`` (embedded default),
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 
+from runtime.errors import StaleWrite
 from runtime.models import RunState, validate_run_id
 from store.retry import with_retries
 from store.snapshots import format as snapshot_format
@@ -36,7 +38,13 @@ class SnapshotStore(ABC):
         """
         run_id = validate_run_id(state.run_id)
         data = snapshot_format.encode(state, self.max_bytes)
-        with_retries(lambda: self._put(run_id, state, data, expected_seq))
+        try:
+            with_retries(lambda: self._put(run_id, state, data, expected_seq))
+        except StaleWrite as exc:
+            # A retried write whose first attempt landed but whose reply was lost finds
+            # its own document: that is success, not a conflict.
+            if exc.found_seq != state.seq or self._get(run_id) != data:
+                raise
 
     def load(self, run_id: str) -> RunState | None:
         """The run's snapshot, or ``None`` if it has none."""
@@ -56,11 +64,11 @@ class SnapshotStore(ABC):
         run_id = validate_run_id(run_id)
         with_retries(lambda: self._delete(run_id))
 
-    def list(self) -> list[str]:
+    def list(self) -> builtins.list[str]:
         """Ids of the runs that have a snapshot, sorted."""
         return sorted(with_retries(self._list))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the store is not used afterwards."""
 
     # --- primitives: what a backend implements -----------------------------
@@ -80,4 +88,4 @@ class SnapshotStore(ABC):
     def _delete(self, run_id: str) -> None: ...
 
     @abstractmethod
-    def _list(self) -> list[str]: ...
+    def _list(self) -> builtins.list[str]: ...

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from runtime.errors import InvalidRunId, StaleWrite, StoreUnavailable
+from runtime.errors import InvalidRunId, SnapshotMalformed, StaleWrite, StoreUnavailable
 from runtime.models import RunState
 from store.snapshots import SnapshotStore
 
@@ -31,7 +31,9 @@ class FileSnapshotStore(SnapshotStore):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreUnavailable(f"snapshot directory {self.directory}", exc.strerror or str(exc)) from exc
+            raise StoreUnavailable(
+                f"snapshot directory {self.directory}", exc.strerror or str(exc)
+            ) from exc
 
     def _path(self, run_id: str) -> Path:
         path = (self.directory / f"{run_id}{SUFFIX}").resolve()
@@ -54,7 +56,14 @@ class FileSnapshotStore(SnapshotStore):
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        return int(json.loads(data)["run"]["seq"])
+        try:
+            return int(json.loads(data)["run"]["seq"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SnapshotMalformed(
+                str(path),
+                f"cannot read its seq ({exc}); move the file "
+                "aside and `ratchet runs resume` rebuilds it from events",
+            ) from exc
 
     def _put(self, run_id: str, state: RunState, data: bytes, expected_seq: int | None) -> None:
         path = self._path(run_id)
@@ -75,7 +84,9 @@ class FileSnapshotStore(SnapshotStore):
                 finally:
                     os.close(dir_fd)
         except OSError as exc:
-            raise StoreUnavailable(f"snapshot directory {self.directory}", exc.strerror or str(exc)) from exc
+            raise StoreUnavailable(
+                f"snapshot directory {self.directory}", exc.strerror or str(exc)
+            ) from exc
 
     def _get(self, run_id: str) -> bytes | None:
         try:
@@ -83,14 +94,22 @@ class FileSnapshotStore(SnapshotStore):
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise StoreUnavailable(f"snapshot directory {self.directory}", exc.strerror or str(exc)) from exc
+            raise StoreUnavailable(
+                f"snapshot directory {self.directory}", exc.strerror or str(exc)
+            ) from exc
 
     def _delete(self, run_id: str) -> None:
         try:
             with self._locked():
                 self._path(run_id).unlink(missing_ok=True)
         except OSError as exc:
-            raise StoreUnavailable(f"snapshot directory {self.directory}", exc.strerror or str(exc)) from exc
+            raise StoreUnavailable(
+                f"snapshot directory {self.directory}", exc.strerror or str(exc)
+            ) from exc
 
     def _list(self) -> list[str]:
-        return [p.name[: -len(SUFFIX)] for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")]
+        return [
+            p.name[: -len(SUFFIX)]
+            for p in self.directory.glob(f"*{SUFFIX}")
+            if not p.name.startswith(".")
+        ]

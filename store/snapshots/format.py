@@ -17,7 +17,7 @@ a golden file of each lives in ``tests/golden/`` and is decoded on every run.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import ValidationError
 
@@ -29,7 +29,7 @@ from runtime.errors import (
 )
 from runtime.models import RunState, Strict
 
-KIND = "ratchet.snapshot"
+KIND: Final = "ratchet.snapshot"
 VERSION = 1
 READABLE_VERSIONS = (1,)
 MAX_BYTES = 16 * 1024 * 1024

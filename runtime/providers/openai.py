@@ -1,0 +1,487 @@
+"""A provider for any OpenAI-compatible chat-completions endpoint (OpenAI, Ollama, vLLM, …).
+
+::
+
+    model = "openai:gpt-4o-mini"
+    [provider]                         # every key optional
+    base_url = "http://127.0.0.1:11434/v1"   # else RATCHET_OPENAI_BASE_URL, else OpenAI
+    api_key_env = "MY_KEY_VAR"         # the NAME of the variable; else RATCHET_OPENAI_API_KEY
+    timeout_s = 60                     # per HTTP request
+    max_attempts = 4                   # requests per model call, first one included
+    max_retry_s = 60                   # no retry starts (or sleeps) past this many seconds
+    temperature = 0.2                  # sent only when set
+
+It speaks HTTP through ``httpx`` rather than the ``openai`` SDK: one small
+dependency instead of a large one, and full control of retries. The SDK
+retries on its own (twice by default, with its own backoff); stacked under
+tenacity that multiplies attempts invisibly, and a hidden retry is an attempt
+the run's event log never sees. Here every request is one attempt, tenacity
+owns the policy, and the observer hears about each retry.
+
+Guarantees:
+
+- **Retries**: 429, 408, 5xx, timeouts and connection errors are retried,
+  honouring ``Retry-After`` (seconds or an HTTP-date), at most
+  ``max_attempts`` requests, and no sleep reaches past ``max_retry_s`` after
+  the first request (a ``Retry-After`` beyond that ends the call at once).
+  Without ``Retry-After`` the wait is exponential from 0.5 s (capped at 8 s),
+  with jitter. Exhausted retries raise ``ProviderError(retryable=True)``
+  naming the attempts and the last status. Any other 4xx, a body that is not
+  a chat completion, or a missing ``api_key_env`` variable raise
+  ``ProviderError(retryable=False)`` after one request (or none).
+- **Observer**: ``complete(request, observer=f)`` calls
+  ``f("model.retrying", {"attempt": n, "status": code | None, "error": text,
+  "wait_s": seconds})`` before each retry sleep; ``attempt`` is the 1-based
+  number of the request that just failed, ``status`` its HTTP status (``None``
+  for a timeout or connection error). An exception from the observer ends the
+  call and propagates unchanged (a worker that lost its lease must stop).
+- **Malformed tool arguments**: a tool call whose ``arguments`` is not JSON,
+  or is JSON but not an object, does not fail the call. Its
+  :class:`~runtime.models.ToolCall` carries exactly one argument,
+  :data:`runtime.providers.INVALID_ARGUMENTS_KEY` (``"__invalid_json__"``), holding the raw
+  string; the runtime answers such a call with a ``tool.failed`` result
+  ("arguments were not valid JSON: …") without running the tool, so the model
+  can correct itself. Sent back in a later request, the call's arguments are
+  that one-key object, so the model sees its own text beside the error.
+  Empty ``arguments`` (some servers send ``""`` for a tool without
+  parameters) mean ``{}``; an object instead of a string is taken as is.
+- **The API key** is read from the environment at each call and never kept
+  on the provider. It is not in ``identity()``, the repr, logs, observer
+  payloads or exceptions; text quoted from a server's response is redacted
+  too, since servers sometimes echo the header back.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import math
+import os
+import random
+import re
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tenacity import RetryCallState, Retrying, retry_if_exception_type
+
+from runtime.errors import ProviderError
+from runtime.models import Message, TokenUsage
+from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
+
+log = logging.getLogger("ratchet.providers.openai")
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+BASE_URL_ENV = "RATCHET_OPENAI_BASE_URL"
+API_KEY_ENV = "RATCHET_OPENAI_API_KEY"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BACKOFF_FIRST_S = 0.5
+_BACKOFF_MAX_S = 8.0
+_QUOTE_CHARS = 300
+
+
+class ProviderTable(BaseModel):
+    """The agent file's ``[provider]`` table; every key is optional."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_url: str | None = None
+    """Overrides ``RATCHET_OPENAI_BASE_URL``; ends before ``/chat/completions``."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the key; overrides ``RATCHET_OPENAI_API_KEY``."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Per request: the longest wait to connect, send, or for the next bytes of the answer."""
+    max_attempts: int = Field(default=4, ge=1)
+    """Requests per model call, the first included."""
+    max_retry_s: float = Field(default=60.0, ge=0)
+    """No retry sleeps past this many seconds after the first request."""
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    """Sampling temperature; the server's default when unset."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _is_a_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            # The message must not quote the value: it may be the key pasted by mistake.
+            raise ValueError(
+                "must be the NAME of an environment variable (letters, digits, `_`), "
+                "not the key itself"
+            )
+        return value
+
+
+def parse_provider_table(settings: dict[str, Any]) -> ProviderTable:
+    """Read the ``[provider]`` table of a raw agent file; ``ValueError`` names the bad key."""
+    table = settings.get("provider", {})
+    if not isinstance(table, dict):
+        raise ValueError("`[provider]` must be a table")
+    if "api_key" in table:
+        raise ValueError(
+            "`[provider] api_key` is refused: a key in an agent file ends up in version "
+            "control; put it in an environment variable and name that variable with "
+            '`api_key_env = "MY_KEY_VAR"`'
+        )
+    try:
+        return ProviderTable.model_validate(table)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(table)"
+        problem = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ValueError(f"`[provider] {key}`: {problem}") from None
+
+
+class _RetryableFailure(Exception):
+    """One request failed in a way another request may not (internal to the retry loop)."""
+
+    def __init__(self, status: int | None, error: str, retry_after_s: float | None = None):
+        super().__init__(error)
+        self.status, self.error, self.retry_after_s = status, error, retry_after_s
+
+
+class OpenAIProvider:
+    """Chat completions over HTTP. Holds no secret; safe to share between threads."""
+
+    def __init__(self, model: str, base_url: str, table: ProviderTable | None = None) -> None:
+        if not model.strip():
+            raise ValueError('the model name is empty: write `model = "openai:<model-name>"`')
+        url = httpx.URL(base_url.rstrip("/"))
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(
+                f"base_url must be an http(s) URL with a host, e.g. {DEFAULT_BASE_URL}"
+            )
+        self.model = model
+        self._url = url
+        self._table = table or ProviderTable()
+
+    @classmethod
+    def from_settings(cls, model: str, settings: dict[str, Any]) -> OpenAIProvider:
+        """Build from the raw agent file: ``[provider]`` table first, then the environment."""
+        table = parse_provider_table(settings)
+        base_url = table.base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+        return cls(model, base_url, table)
+
+    @property
+    def _host(self) -> str:
+        host = f"[{self._url.host}]" if ":" in self._url.host else self._url.host
+        return f"{host}:{self._url.port}" if self._url.port is not None else host
+
+    def identity(self) -> dict[str, Any]:
+        # The host, not the URL: a URL may carry credentials, and the key never goes here.
+        return {"provider": "openai", "model": self.model, "base_url_host": self._host}
+
+    def __repr__(self) -> str:
+        return f"OpenAIProvider(model={self.model!r}, host={self._host!r})"
+
+    # --- one model call -------------------------------------------------------
+
+    def complete(self, request: ModelRequest, *, observer: Observer | None = None) -> ModelResponse:
+        """One model call: up to ``max_attempts`` requests, within ``max_retry_s``.
+
+        Raises ProviderError only (and whatever ``observer`` raises, unchanged).
+        """
+        key = self._api_key()
+        headers = {"Accept": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        payload = self.payload(request)
+        t = self._table
+        retrying = Retrying(
+            retry=retry_if_exception_type(_RetryableFailure),
+            stop=self._should_stop,
+            wait=self._wait_s,
+            before_sleep=lambda state: self._before_sleep(state, key, observer),
+            reraise=True,
+        )
+        started = time.monotonic()
+        attempts = 0
+        try:
+            with httpx.Client(timeout=t.timeout_s, headers=headers) as client:
+                for attempt in retrying:
+                    with attempt:
+                        attempts += 1
+                        body = self._post(client, payload, key)
+        except _RetryableFailure as last:
+            raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
+        return parse_response(body, request.turn, self._describe())
+
+    def payload(self, request: ModelRequest) -> dict[str, Any]:
+        """The JSON body of ``POST /chat/completions`` for ``request``."""
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": [to_openai_message(m) for m in request.messages],
+        }
+        if request.tools:
+            # OpenAI refuses an empty `tools` array, so it is left out rather than sent empty.
+            payload["tools"] = [to_openai_tool(d) for d in request.tools]
+        if self._table.temperature is not None:
+            payload["temperature"] = self._table.temperature
+        return payload
+
+    def _api_key(self) -> str | None:
+        name = self._table.api_key_env
+        if name is None:
+            return os.environ.get(API_KEY_ENV) or None
+        key = os.environ.get(name)
+        if not key:
+            raise ProviderError(
+                f"{self._describe()}: environment variable {name} (named by `[provider] "
+                f"api_key_env`) is not set on this worker; export it where the worker runs"
+            )
+        return key
+
+    def _describe(self) -> str:
+        return f"model `{self.model}` at {self._host}"
+
+    def _post(self, client: httpx.Client, payload: dict[str, Any], key: str | None) -> Any:
+        try:
+            response = client.post(f"{self._url}/chat/completions", json=payload)
+        except httpx.TimeoutException:
+            timeout_s = self._table.timeout_s
+            raise _RetryableFailure(None, f"no answer within timeout_s={timeout_s:g}") from None
+        except httpx.TransportError as exc:
+            raise _RetryableFailure(None, _redact(f"connection failed: {exc}", key)) from None
+        except httpx.HTTPError as exc:
+            raise ProviderError(_redact(f"{self._describe()}: {exc}", key)) from None
+        status = response.status_code
+        if status == 429 or status == 408 or status >= 500:
+            raise _RetryableFailure(
+                status, _server_message(response, key), retry_after_s(response.headers)
+            )
+        if status >= 400:
+            raise ProviderError(self._refusal_text(response, key))
+        if status >= 300:
+            raise ProviderError(
+                f"{self._describe()}: HTTP {status}, redirected to "
+                f"{_quote(response.headers.get('location', '?'), key, 200)}; redirects are not "
+                "followed (they can drop the Authorization header): set base_url to the final URL"
+            )
+        try:
+            return response.json()
+        except ValueError:
+            raise ProviderError(
+                f"{self._describe()}: HTTP {status} but the body is not JSON "
+                f"(starts {_quote(response.text, key, 80)!r}); check that base_url points at "
+                "an OpenAI-compatible API, usually ending in /v1"
+            ) from None
+
+    def _refusal_text(self, response: httpx.Response, key: str | None) -> str:
+        status = response.status_code
+        hint = {
+            401: f"check the key in {self._table.api_key_env or API_KEY_ENV}"
+            + ("" if key else f" (none was sent: {API_KEY_ENV} is not set)"),
+            403: "the key is not allowed to use this model or endpoint",
+            404: "check the model name and base_url",
+        }.get(status, "the request was refused; it is not retried")
+        return f"{self._describe()}: HTTP {status}: {_server_message(response, key)}; {hint}"
+
+    # --- the retry policy (tenacity hooks) ------------------------------------
+
+    def _should_stop(self, state: RetryCallState) -> bool:
+        if state.attempt_number >= self._table.max_attempts:
+            return True
+        after = _failure(state).retry_after_s or 0.0
+        return _elapsed_s(state) + after > self._table.max_retry_s
+
+    def _wait_s(self, state: RetryCallState) -> float:
+        after = _failure(state).retry_after_s
+        if after is not None:
+            return after
+        backoff = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2.0 ** (state.attempt_number - 1))
+        left = max(0.0, self._table.max_retry_s - _elapsed_s(state))
+        return min(backoff * random.uniform(0.5, 1.0), left)
+
+    def _before_sleep(
+        self, state: RetryCallState, key: str | None, observer: Observer | None
+    ) -> None:
+        failure = _failure(state)
+        wait_s = round(state.next_action.sleep if state.next_action else 0.0, 3)
+        data = {
+            "attempt": state.attempt_number,
+            "status": failure.status,
+            "error": _redact(failure.error, key),
+            "wait_s": wait_s,
+        }
+        log.warning(
+            "%s: attempt %d failed (%s); retrying in %.2f s",
+            self._describe(),
+            data["attempt"],
+            data["error"],
+            wait_s,
+        )
+        if observer is not None:
+            observer("model.retrying", data)
+
+    def _gave_up(
+        self, last: _RetryableFailure, attempts: int, elapsed_s: float, key: str | None
+    ) -> ProviderError:
+        t = self._table
+        what = f"HTTP {last.status}" if last.status is not None else "no HTTP status"
+        why = f"max_attempts={t.max_attempts}"
+        if attempts < t.max_attempts:
+            why = f"max_retry_s={t.max_retry_s:g}"
+            if last.retry_after_s is not None:
+                why += f"; the server asked to wait {last.retry_after_s:g} s more"
+        return ProviderError(
+            _redact(
+                f"{self._describe()}: gave up after {attempts} attempt(s) in {elapsed_s:.1f} s "
+                f"({why}); last: {what}: {last.error}; the server may recover — try again later",
+                key,
+            ),
+            retryable=True,
+        )
+
+
+def _elapsed_s(state: RetryCallState) -> float:
+    return state.seconds_since_start or 0.0
+
+
+def _failure(state: RetryCallState) -> _RetryableFailure:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    assert isinstance(exc, _RetryableFailure), "only _RetryableFailure is retried"
+    return exc
+
+
+def retry_after_s(headers: httpx.Headers) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds or HTTP-date); ``None`` if
+    absent or unreadable."""
+    value = headers.get("retry-after", "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+# --- wire format ----------------------------------------------------------------
+
+
+def to_openai_message(message: Message) -> dict[str, Any]:
+    """One transcript entry in the chat-completions format."""
+    if message.role == "tool":
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        # `null`, not "", is the documented content of an assistant turn that only calls tools.
+        out["content"] = message.content or None
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": json.dumps(call.arguments, ensure_ascii=False),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def to_openai_tool(declaration: dict[str, Any]) -> dict[str, Any]:
+    """A tool declaration as OpenAI wants it; ratchet's own keys (``idempotent``) stay home."""
+    return {
+        "type": "function",
+        "function": {
+            "name": declaration["name"],
+            "description": declaration.get("description", ""),
+            "parameters": declaration.get("parameters", {"type": "object", "properties": {}}),
+        },
+    }
+
+
+def parse_arguments(raw: Any) -> dict[str, Any]:
+    """A tool call's arguments; ``{INVALID_ARGUMENTS_KEY: raw}`` when they are not an object."""
+    if isinstance(raw, dict):  # some compatible servers send an object, not a string
+        return raw
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    text = raw if isinstance(raw, str) else json.dumps(raw)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    return value if isinstance(value, dict) else {INVALID_ARGUMENTS_KEY: text}
+
+
+def parse_response(body: Any, turn: int, where: str) -> ModelResponse:
+    """A chat-completion body as a :class:`ModelResponse`; ProviderError if it is not one."""
+
+    def malformed(problem: str) -> ProviderError:
+        return ProviderError(
+            f"{where}: the response is not a chat completion ({problem}); check that base_url "
+            "points at an OpenAI-compatible /chat/completions API"
+        )
+
+    if not isinstance(body, dict):
+        raise malformed(f"the body is a JSON {type(body).__name__}, not an object")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise malformed("no `choices`")
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    if not isinstance(message, dict):
+        raise malformed("`choices[0]` has no `message`")
+    calls = []
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise malformed(f"`tool_calls[{index}]` has no function name")
+        calls.append(
+            {
+                "id": call.get("id") or f"call_{turn + 1}_{index + 1}",
+                "name": function["name"],
+                "arguments": parse_arguments(function.get("arguments")),
+            }
+        )
+    content = message.get("content") or message.get("refusal") or ""
+    if not isinstance(content, str):
+        raise malformed("`message.content` is not a string")
+    return ModelResponse.model_validate(
+        {"content": content, "tool_calls": calls, "usage": _usage(body.get("usage"))}
+    )
+
+
+def _usage(usage: Any) -> TokenUsage | None:
+    if not isinstance(usage, dict):
+        return None
+    if not any(isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens")):
+        return None
+    return TokenUsage(
+        input_tokens=int(usage.get("prompt_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens") or 0),
+    )
+
+
+def _server_message(response: httpx.Response, key: str | None) -> str:
+    """The server's own words: ``error.message`` from a JSON body, else the start of the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str) and message:
+            return _quote(message, key, _QUOTE_CHARS)
+    text = _quote(response.text, key, _QUOTE_CHARS)
+    return text or response.reason_phrase or "(empty body)"
+
+
+def _quote(text: str, key: str | None, limit: int) -> str:
+    # Redact before cutting: a cut could leave a prefix of the key that no longer matches.
+    text = " ".join(_redact(text, key).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _redact(text: str, key: str | None) -> str:
+    return text.replace(key, "[redacted]") if key else text

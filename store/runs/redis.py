@@ -1,0 +1,305 @@
+"""Run records, event logs and leases in Redis.
+
+Key layout (``prefix`` defaults to ``ratchet``; ``{<id>}`` is the run's hash tag,
+so every key of one run lives in one Cluster slot, next to its snapshot)::
+
+    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status
+    {prefix}:run:{<id>}:events        zset  Event JSON scored by seq
+    {prefix}:run:{<id>}:lease         hash  owner, expires_at_ms (PX TTL: lease + grace)
+    {prefix}:runs:by_created          zset  run id scored by created_at_ms   (list)
+    {prefix}:runs:status:<status>     zset  run id scored by created_at_ms   (list by status)
+    {prefix}:runs:due                 zset  live run id scored by due_at_ms  (overdue)
+
+Every write is one Lua script, so the fences (last seq, lease owner and
+expiry) are checked and the events, record and indexes written atomically.
+The three ``runs:*`` indexes are global, in other slots than the run's keys:
+the scripts touch them on a single node (and Sentinel); on Redis Cluster the
+index updates would move into separate calls after the per-run script.
+
+Lease expiry is compared with the ``now_ms`` the base class takes from its
+clock, never with Redis's own time, so an injected clock drives it. The PX
+TTL only sweeps away leases long dead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import redis
+
+from runtime.errors import LeaseLost, StaleWrite
+from runtime.models import Event, RunStatus
+from store.runs import Lease, RunRecord, RunStore, wall_ms
+from store.snapshots.redis import connect, translated, where
+
+LEASE_TTL_GRACE_MS = 60_000
+"""A lease key outlives its expiry by this much, so clock skew between workers
+and Redis never deletes a lease its owner still holds."""
+OVERDUE_BATCH = 200
+"""Overdue run ids read per round trip while skipping those with a live lease."""
+
+# KEYS: record, events, by_created, status set of the new status, due.
+# ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
+#       first event's seq, first event JSON.
+# Returns nil when created, else the existing run's last seq.
+_CREATE = """
+local found = redis.call('HGET', KEYS[1], 'last_seq')
+if found then
+  return found
+end
+-- An event log without a record is debris of a removed run; the id starts afresh.
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[7], ARGV[8])
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+if ARGV[6] == '' then
+  redis.call('ZREM', KEYS[5], ARGV[1])
+else
+  redis.call('ZADD', KEYS[5], ARGV[6], ARGV[1])
+end
+return nil
+"""
+
+# KEYS: record, events, lease, by_created, status set of the new status, due.
+# ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
+#       expected last seq, "1" if fenced by a lease else "0", owner, now_ms,
+#       status-set key prefix, then (seq, event JSON) pairs.
+# Returns nil when appended, {'stale', found seq or ''} or {'lease'}.
+# The old status's set is named from ARGV[11]: it is only known once the record
+# is read, inside the script (single node; see the module docstring for Cluster).
+_APPEND = """
+local found = redis.call('HGET', KEYS[1], 'last_seq')
+if found ~= ARGV[7] then
+  return {'stale', found or ''}
+end
+if ARGV[8] == '1' then
+  local lease = redis.call('HMGET', KEYS[3], 'owner', 'expires_at_ms')
+  if lease[1] ~= ARGV[9] or tonumber(lease[2]) <= tonumber(ARGV[10]) then
+    return {'lease'}
+  end
+end
+local old_status = redis.call('HGET', KEYS[1], 'status')
+if old_status ~= ARGV[4] then
+  redis.call('ZREM', ARGV[11] .. old_status, ARGV[1])
+end
+for i = 12, #ARGV, 2 do
+  redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[5], ARGV[1])
+if ARGV[6] == '' then
+  redis.call('ZREM', KEYS[6], ARGV[1])
+else
+  redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
+end
+return nil
+"""
+
+# KEYS: lease. ARGV: owner, now_ms, new expires_at_ms, TTL in ms. Returns 1 if taken.
+_ACQUIRE = """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'expires_at_ms')
+if lease[1] and lease[1] ~= ARGV[1] and tonumber(lease[2]) > tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires_at_ms', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+# KEYS: lease. ARGV: owner.
+_RELEASE = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+end
+return nil
+"""
+
+
+class RedisRunStore(RunStore):
+    name = "redis run store"
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = "ratchet",
+        clock: Callable[[], int] = wall_ms,
+        url: str = "redis",
+    ) -> None:
+        super().__init__(clock)
+        self._client = client
+        self._prefix = prefix
+        self._where = f"run store {where(url)}"
+        self._by_created = f"{prefix}:runs:by_created"
+        self._status_prefix = f"{prefix}:runs:status:"
+        self._due = f"{prefix}:runs:due"
+        self._create_script = client.register_script(_CREATE)
+        self._append_script = client.register_script(_APPEND)
+        self._acquire_script = client.register_script(_ACQUIRE)
+        self._release_script = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str = "ratchet", clock: Callable[[], int] = wall_ms
+    ) -> RedisRunStore:
+        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
+        return cls(connect(url), prefix, clock, url)
+
+    def _run_key(self, run_id: str, part: str) -> str:
+        return f"{self._prefix}:run:{{{run_id}}}:{part}"
+
+    def _status_key(self, status: RunStatus) -> str:
+        return f"{self._status_prefix}{status.value}"
+
+    @staticmethod
+    def _record_args(record: RunRecord) -> list[str]:
+        return [
+            record.run_id,
+            record.model_dump_json(),
+            str(record.last_seq),
+            record.status.value,
+            str(record.created_at_ms),
+            "" if record.due_at_ms is None else str(record.due_at_ms),
+        ]
+
+    # --- records and events -------------------------------------------------
+
+    def _create(self, record: RunRecord, first: Event) -> None:
+        run_id = record.run_id
+        keys = [
+            self._run_key(run_id, "record"),
+            self._run_key(run_id, "events"),
+            self._by_created,
+            self._status_key(record.status),
+            self._due,
+        ]
+        args = [*self._record_args(record), str(first.seq), first.model_dump_json()]
+        with translated(self._where):
+            found = cast("bytes | None", self._create_script(keys=keys, args=args))
+        if found is not None:
+            raise StaleWrite(run_id, 0, int(found))
+
+    def _append(
+        self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int
+    ) -> None:
+        run_id = record.run_id
+        expected = events[0].seq - 1
+        keys = [
+            self._run_key(run_id, "record"),
+            self._run_key(run_id, "events"),
+            self._run_key(run_id, "lease"),
+            self._by_created,
+            self._status_key(record.status),
+            self._due,
+        ]
+        args = [
+            *self._record_args(record),
+            str(expected),
+            "0" if owner is None else "1",
+            owner or "",
+            str(now_ms),
+            self._status_prefix,
+        ]
+        for event in events:
+            args += [str(event.seq), event.model_dump_json()]
+        with translated(self._where):
+            refused = cast("list[bytes] | None", self._append_script(keys=keys, args=args))
+        if refused is None:
+            return
+        if refused[0] == b"stale":
+            found = refused[1].decode()
+            raise StaleWrite(run_id, expected, int(found) if found else None)
+        raise LeaseLost(run_id, str(owner))
+
+    def _get(self, run_id: str) -> RunRecord | None:
+        with translated(self._where):
+            data = cast(
+                "bytes | None", self._client.hget(self._run_key(run_id, "record"), "record")
+            )
+        return RunRecord.model_validate_json(data) if data is not None else None
+
+    def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]:
+        if limit <= 0:
+            return []
+        index = self._by_created if status is None else self._status_key(status)
+        with translated(self._where):
+            # Equal scores come back in reverse member order: newest first, then id descending.
+            run_ids = cast("list[bytes]", self._client.zrevrange(index, 0, limit - 1))
+            pipe = self._client.pipeline(transaction=False)
+            for run_id in run_ids:
+                pipe.hget(self._run_key(run_id.decode(), "record"), "record")
+            found = cast("list[bytes | None]", pipe.execute())
+        return [RunRecord.model_validate_json(data) for data in found if data is not None]
+
+    def _events(self, run_id: str, after_seq: int, limit: int | None) -> list[Event]:
+        if limit is not None and limit <= 0:
+            return []
+        key = self._run_key(run_id, "events")
+        with translated(self._where):
+            if limit is None:
+                found = self._client.zrangebyscore(key, f"({after_seq}", "+inf")
+            else:
+                found = self._client.zrangebyscore(key, f"({after_seq}", "+inf", start=0, num=limit)
+        return [Event.model_validate_json(data) for data in cast("list[bytes]", found)]
+
+    # --- leases -------------------------------------------------------------
+
+    def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
+        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms)]
+        with translated(self._where):
+            taken = self._acquire_script(keys=[self._run_key(run_id, "lease")], args=args)
+        return bool(taken)
+
+    def _release(self, run_id: str, owner: str) -> None:
+        with translated(self._where):
+            self._release_script(keys=[self._run_key(run_id, "lease")], args=[owner])
+
+    def _lease(self, run_id: str, now_ms: int) -> Lease | None:
+        with translated(self._where):
+            owner, expires = cast(
+                "list[bytes | None]",
+                self._client.hmget(self._run_key(run_id, "lease"), ["owner", "expires_at_ms"]),
+            )
+        if owner is None or expires is None or int(expires) <= now_ms:
+            return None
+        return Lease(owner=owner.decode(), expires_at_ms=int(expires))
+
+    def _overdue(self, now_ms: int, limit: int) -> list[str]:
+        """Walk the due index from the most overdue run, skipping runs whose lease is live.
+
+        Reads only runs already past due (plus one lease per run), so the cost
+        grows with the overdue runs, not with every run ever made.
+        """
+        free: list[str] = []
+        seen: set[str] = set()
+        offset = 0
+        with translated(self._where):
+            while len(free) < limit:
+                batch = cast(
+                    "list[bytes]",
+                    self._client.zrangebyscore(
+                        self._due, "-inf", now_ms, start=offset, num=OVERDUE_BATCH
+                    ),
+                )
+                pipe = self._client.pipeline(transaction=False)
+                for member in batch:
+                    pipe.hget(self._run_key(member.decode(), "lease"), "expires_at_ms")
+                expiries = cast("list[bytes | None]", pipe.execute()) if batch else []
+                for member, expires in zip(batch, expiries, strict=True):
+                    run_id = member.decode()
+                    # Paging by offset while sweepers and workers move runs may show
+                    # one twice; a sweep enqueues each run once.
+                    if run_id not in seen and (expires is None or int(expires) <= now_ms):
+                        free.append(run_id)
+                    seen.add(run_id)
+                if len(batch) < OVERDUE_BATCH:
+                    break
+                offset += len(batch)
+        return free[:limit]
+
+    def close(self) -> None:
+        with translated(self._where):
+            self._client.connection_pool.disconnect()

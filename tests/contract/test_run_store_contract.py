@@ -1,0 +1,551 @@
+"""The RunStore contract, run on every backend (memory, sqlite, redis).
+
+Time is the injected ``clock`` (see conftest): leases expire when a test moves
+it, never because the machine was slow. The last section holds what only the
+Redis backend can show.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import pytest
+import redis
+
+from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
+from runtime.models import Event, RunStatus, Usage
+from store.runs import JournalEntry, Lease, RunRecord, RunStore
+from store.runs.redis import LEASE_TTL_GRACE_MS, RedisRunStore
+from tests.contract.conftest import T0_MS, FakeClock, race
+from tests.redis_server import RedisServer
+
+# Workaround, not a wish: store/retry.py passes tenacity's deprecated `initial=`,
+# and pytest turns the warning into an error on every store call. Remove this
+# line when retry.py uses `multiplier=`.
+
+LEASE_S = 30
+LEASE_MS = LEASE_S * 1000
+
+
+def record(
+    run_id: str,
+    last_seq: int = 1,
+    status: RunStatus = RunStatus.QUEUED,
+    created_at_ms: int = T0_MS,
+    due_at_ms: int | None = None,
+    **fields: Any,
+) -> RunRecord:
+    return RunRecord(
+        run_id=run_id,
+        agent="echo",
+        agent_file="agents/echo.toml",
+        status=status,
+        created_at_ms=created_at_ms,
+        updated_at_ms=created_at_ms,
+        last_seq=last_seq,
+        input="say hello",
+        due_at_ms=due_at_ms,
+        **fields,
+    )
+
+
+def created(run_id: str, at_ms: int = T0_MS) -> Event:
+    return Event(seq=1, type="run.created", at_ms=at_ms, data={"run_id": run_id, "input": "hi"})
+
+
+def event(seq: int, type_: str = "model.requested", **data: Any) -> Event:
+    return Event(seq=seq, type=type_, at_ms=T0_MS + seq, data=data)
+
+
+def new_run(
+    store: RunStore,
+    run_id: str,
+    created_at_ms: int = T0_MS,
+    due_at_ms: int | None = T0_MS + 60_000,
+    status: RunStatus = RunStatus.QUEUED,
+) -> RunRecord:
+    first = record(run_id, status=status, created_at_ms=created_at_ms, due_at_ms=due_at_ms)
+    store.create(first, created(run_id, created_at_ms))
+    return first
+
+
+def unchanged(store: RunStore, run_id: str) -> tuple[RunRecord | None, list[Event]]:
+    return store.get(run_id), store.events(run_id)
+
+
+# --- records and events -------------------------------------------------------
+
+
+def test_a_created_run_reads_back_with_its_first_event(run_store: RunStore) -> None:
+    first = record(
+        "run-1",
+        usage=Usage(model_attempts=1, total_tokens=9),
+        budgets={"max_turns": 3, "timeout_seconds": 60},
+        due_at_ms=T0_MS + 5,
+    )
+
+    run_store.create(first, created("run-1"))
+
+    assert run_store.get("run-1") == first
+    assert run_store.events("run-1") == [created("run-1")]
+
+
+def test_an_unknown_run_has_no_record_and_no_events(run_store: RunStore) -> None:
+    new_run(run_store, "run-1")
+
+    assert run_store.get("run-2") is None
+    assert run_store.events("run-2") == []
+    assert run_store.journal("run-2") == []
+
+
+def test_creating_a_run_twice_is_a_stale_write_and_keeps_the_first(run_store: RunStore) -> None:
+    first = new_run(run_store, "run-1")
+    run_store.append(record("run-1", last_seq=2), [event(2)], owner=None)
+    before = unchanged(run_store, "run-1")
+
+    with pytest.raises(StaleWrite) as refused:
+        run_store.create(record("run-1", created_at_ms=T0_MS + 1), created("run-1", T0_MS + 1))
+
+    assert refused.value.found_seq == 2
+    assert unchanged(run_store, "run-1") == before
+    assert run_store.list() == [record("run-1", last_seq=2)]
+    assert first.created_at_ms == T0_MS
+
+
+def test_appended_events_follow_in_seq_order_and_replace_the_record(run_store: RunStore) -> None:
+    new_run(run_store, "run-1")
+
+    run_store.append(
+        record("run-1", last_seq=3, status=RunStatus.MODEL),
+        [event(2), event(3, "model.responded", content="hé ☃")],
+        owner=None,
+    )
+    latest = record("run-1", last_seq=4, status=RunStatus.TOOLS, output=None)
+    run_store.append(latest, [event(4, "tool.requested", call_id="c1", name="t")], owner=None)
+
+    assert run_store.get("run-1") == latest
+    assert [e.seq for e in run_store.events("run-1")] == [1, 2, 3, 4]
+    assert run_store.events("run-1")[2] == event(3, "model.responded", content="hé ☃")  # fmt: skip
+
+
+@pytest.mark.parametrize("first_seq", [1, 3, 5, 9], ids=lambda s: f"first-seq-{s}")
+def test_an_append_that_does_not_follow_the_last_seq_is_stale_and_writes_nothing(
+    run_store: RunStore, first_seq: int
+) -> None:
+    new_run(run_store, "run-1")
+    run_store.append(record("run-1", last_seq=3), [event(2), event(3)], owner=None)
+    before = unchanged(run_store, "run-1")
+
+    with pytest.raises(StaleWrite) as refused:
+        run_store.append(
+            record("run-1", last_seq=first_seq + 1, status=RunStatus.FAILED, due_at_ms=None),
+            [event(first_seq), event(first_seq + 1)],
+            owner=None,
+        )
+
+    assert (refused.value.expected_seq, refused.value.found_seq) == (first_seq - 1, 3)
+    assert unchanged(run_store, "run-1") == before
+    assert run_store.list(RunStatus.FAILED) == []
+
+
+def test_appending_to_an_unknown_run_is_a_stale_write(run_store: RunStore) -> None:
+    with pytest.raises(StaleWrite) as refused:
+        run_store.append(record("run-1", last_seq=2), [event(2)], owner=None)
+
+    assert refused.value.found_seq is None
+    assert unchanged(run_store, "run-1") == (None, [])
+    assert run_store.list() == []
+
+
+def _no_lease(store: RunStore, clock: FakeClock) -> None:
+    pass
+
+
+def _another_owners_lease(store: RunStore, clock: FakeClock) -> None:
+    assert store.acquire_lease("run-1", "worker-b", LEASE_S)
+
+
+def _expired_own_lease(store: RunStore, clock: FakeClock) -> None:
+    assert store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS)
+
+
+def _released_own_lease(store: RunStore, clock: FakeClock) -> None:
+    assert store.acquire_lease("run-1", "worker-a", LEASE_S)
+    store.release_lease("run-1", "worker-a")
+
+
+def _taken_over_lease(store: RunStore, clock: FakeClock) -> None:
+    assert store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS + 1)
+    assert store.acquire_lease("run-1", "worker-b", LEASE_S)
+
+
+@pytest.mark.parametrize(
+    "lose_lease",
+    [_no_lease, _another_owners_lease, _expired_own_lease, _released_own_lease, _taken_over_lease],
+    ids=lambda f: f.__name__.strip("_").replace("_", "-"),
+)
+def test_an_append_by_a_worker_without_the_lease_is_refused_and_writes_nothing(
+    run_store: RunStore, clock: FakeClock, lose_lease: Any
+) -> None:
+    new_run(run_store, "run-1", due_at_ms=T0_MS + 10)
+    lose_lease(run_store, clock)
+    before = unchanged(run_store, "run-1")
+
+    with pytest.raises(LeaseLost) as refused:
+        run_store.append(
+            record("run-1", last_seq=2, status=RunStatus.COMPLETED), [event(2)], owner="worker-a"
+        )
+
+    assert "run run-1" in str(refused.value) and "worker worker-a" in str(refused.value)
+    assert unchanged(run_store, "run-1") == before
+    assert run_store.list(RunStatus.COMPLETED) == []
+
+
+def test_an_append_by_the_lease_holder_is_written(run_store: RunStore, clock: FakeClock) -> None:
+    new_run(run_store, "run-1")
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS - 1)
+
+    run_store.append(record("run-1", last_seq=2), [event(2)], owner="worker-a")
+
+    assert [e.seq for e in run_store.events("run-1")] == [1, 2]
+
+
+def test_an_append_without_an_owner_is_not_fenced_by_the_lease(run_store: RunStore) -> None:
+    # An operator's cancel does not hold the worker's lease; only the seq fences it.
+    new_run(run_store, "run-1")
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+
+    cancelled = record("run-1", last_seq=2, status=RunStatus.CANCELLED)
+    run_store.append(cancelled, [event(2, "run.cancelled")], owner=None)
+
+    assert run_store.get("run-1") == cancelled
+
+
+def test_events_after_a_seq_come_in_order_up_to_the_limit(run_store: RunStore) -> None:
+    new_run(run_store, "run-1")
+    more = [
+        event(s, "tool.completed", call_id=f"c{s}", result={"n": [s, None]}) for s in (2, 3, 4, 5)
+    ]
+    run_store.append(record("run-1", last_seq=5), more, owner=None)
+
+    assert run_store.events("run-1", after_seq=2) == more[1:]
+    assert run_store.events("run-1", after_seq=2, limit=2) == more[1:3]
+    assert run_store.events("run-1", after_seq=0, limit=1) == [created("run-1")]
+    assert run_store.events("run-1", after_seq=5) == []
+    assert run_store.events("run-1", after_seq=9) == []
+
+
+def test_runs_are_listed_newest_first(run_store: RunStore) -> None:
+    for run_id, created_at_ms in [("b", T0_MS + 2), ("c", T0_MS + 1), ("a", T0_MS + 3)]:
+        new_run(run_store, run_id, created_at_ms=created_at_ms)
+
+    assert [r.run_id for r in run_store.list()] == ["a", "b", "c"]
+    assert [r.run_id for r in run_store.list(limit=2)] == ["a", "b"]
+
+
+def test_runs_created_in_the_same_millisecond_list_by_id_descending(run_store: RunStore) -> None:
+    for run_id in ("run-b", "run-c", "run-a"):
+        new_run(run_store, run_id)
+
+    assert [r.run_id for r in run_store.list()] == ["run-c", "run-b", "run-a"]
+
+
+def test_listing_by_status_follows_each_runs_latest_record(run_store: RunStore) -> None:
+    new_run(run_store, "run-a", created_at_ms=T0_MS + 1)
+    new_run(run_store, "run-b", created_at_ms=T0_MS + 2)
+    new_run(run_store, "run-c", created_at_ms=T0_MS + 3)
+
+    waiting = record(
+        "run-b", last_seq=2, status=RunStatus.NEEDS_USER_INPUT, created_at_ms=T0_MS + 2
+    )
+    run_store.append(waiting, [event(2, "run.suspended")], owner=None)
+
+    assert [r.run_id for r in run_store.list(RunStatus.QUEUED)] == ["run-c", "run-a"]
+    assert run_store.list(RunStatus.NEEDS_USER_INPUT) == [waiting]
+    assert [r.run_id for r in run_store.list(RunStatus.QUEUED, limit=1)] == ["run-c"]
+    assert run_store.list(RunStatus.COMPLETED) == []
+    assert [r.run_id for r in run_store.list()] == ["run-c", "run-b", "run-a"]
+
+
+def test_the_journal_follows_each_tool_call_from_request_to_outcome(run_store: RunStore) -> None:
+    new_run(run_store, "run-1")
+    run_store.append(
+        record("run-1", last_seq=6, status=RunStatus.TOOLS),
+        [
+            event(2, "tool.requested", call_id="c1", name="search", arguments={"q": "ratchet"}),
+            event(3, "tool.completed", call_id="c1", name="search", result={"hits": 2}),
+            event(4, "tool.requested", call_id="c2", name="charge", arguments={"cents": 500}),
+            event(5, "tool.failed", call_id="c2", name="charge", error="card declined"),
+            event(6, "tool.requested", call_id="c3", name="email"),
+        ],
+        owner=None,
+    )
+
+    assert run_store.journal("run-1") == [
+        JournalEntry(call_id="c1", tool="search", arguments={"q": "ratchet"}, status="completed",
+                     requested_seq=2, requested_at_ms=T0_MS + 2, result={"hits": 2}),
+        JournalEntry(call_id="c2", tool="charge", arguments={"cents": 500}, status="failed",
+                     requested_seq=4, requested_at_ms=T0_MS + 4, error="card declined"),
+        JournalEntry(call_id="c3", tool="email", status="requested",
+                     requested_seq=6, requested_at_ms=T0_MS + 6),
+    ]  # fmt: skip
+
+
+# --- leases -------------------------------------------------------------------
+
+
+def test_a_lease_is_exclusive_until_it_expires(run_store: RunStore, clock: FakeClock) -> None:
+    new_run(run_store, "run-1")
+
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    assert not run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+    assert run_store.lease("run-1") == Lease(owner="worker-a", expires_at_ms=T0_MS + LEASE_MS)
+
+    clock.advance(LEASE_MS - 1)
+    assert not run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+
+    clock.advance(1)
+    assert run_store.lease("run-1") is None
+    assert run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+    assert not run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    assert run_store.lease("run-1") == Lease(owner="worker-b", expires_at_ms=clock() + LEASE_MS)
+
+
+def test_the_holder_renews_its_lease(run_store: RunStore, clock: FakeClock) -> None:
+    new_run(run_store, "run-1")
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS - 1000)
+
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+
+    clock.advance(LEASE_MS - 1000)
+    assert not run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+    assert run_store.lease("run-1") == Lease(owner="worker-a", expires_at_ms=clock() + 1000)
+
+
+def test_only_the_owner_releases_a_lease(run_store: RunStore) -> None:
+    new_run(run_store, "run-1")
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+
+    run_store.release_lease("run-1", "worker-b")
+    assert run_store.lease("run-1") == Lease(owner="worker-a", expires_at_ms=T0_MS + LEASE_MS)
+
+    run_store.release_lease("run-1", "worker-a")
+    assert run_store.lease("run-1") is None
+    assert run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+    run_store.release_lease("run-2", "worker-b")
+
+
+def test_leases_of_different_runs_are_independent(run_store: RunStore) -> None:
+    new_run(run_store, "run-1")
+    new_run(run_store, "run-2")
+
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    assert run_store.acquire_lease("run-2", "worker-b", LEASE_S)
+
+    assert run_store.lease("run-1") == Lease(owner="worker-a", expires_at_ms=T0_MS + LEASE_MS)
+    assert run_store.lease("run-2") == Lease(owner="worker-b", expires_at_ms=T0_MS + LEASE_MS)
+    assert run_store.lease("run-3") is None
+
+
+# --- overdue runs -------------------------------------------------------------
+
+
+def test_overdue_lists_live_runs_past_due_without_a_live_lease_most_overdue_first(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    # Given runs in every situation the sweeper meets
+    new_run(run_store, "late", due_at_ms=T0_MS + 100)
+    new_run(run_store, "later", due_at_ms=T0_MS + 50)
+    new_run(run_store, "not-yet", due_at_ms=T0_MS + 10_000)
+    new_run(run_store, "leased", due_at_ms=T0_MS + 10)
+    new_run(run_store, "lease-lapsed", due_at_ms=T0_MS + 20)
+    new_run(run_store, "waiting", due_at_ms=None, status=RunStatus.NEEDS_USER_INPUT)
+    new_run(run_store, "done", due_at_ms=None, status=RunStatus.COMPLETED)
+    new_run(run_store, "parked", due_at_ms=None, status=RunStatus.NEEDS_RECONCILIATION)
+    assert run_store.acquire_lease("lease-lapsed", "worker-a", 0.5)
+    clock.advance(1000)
+    assert run_store.acquire_lease("leased", "worker-b", LEASE_S)
+
+    # Then only the free, past-due, live ones are returned, most overdue first
+    assert run_store.overdue() == ["lease-lapsed", "later", "late"]
+    assert run_store.overdue(limit=2) == ["lease-lapsed", "later"]
+
+
+def test_a_run_due_exactly_now_is_overdue_and_a_lease_ending_now_has_expired(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    new_run(run_store, "run-1", due_at_ms=T0_MS + LEASE_MS)
+    new_run(run_store, "run-2", due_at_ms=T0_MS + LEASE_MS + 1)
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+
+    clock.advance(LEASE_MS - 1)
+    assert run_store.overdue() == []
+
+    clock.advance(1)
+    assert run_store.overdue() == ["run-1"]
+
+
+def test_overdue_fills_its_limit_past_runs_with_a_live_lease(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    for i in range(5):
+        new_run(run_store, f"busy-{i}", due_at_ms=T0_MS + i)
+    for i in range(3):
+        new_run(run_store, f"free-{i}", due_at_ms=T0_MS + 10 + i)
+    clock.advance(100)
+    for i in range(5):
+        assert run_store.acquire_lease(f"busy-{i}", "worker-a", LEASE_S)
+
+    assert run_store.overdue(limit=2) == ["free-0", "free-1"]
+
+
+def test_a_run_leaves_the_overdue_list_when_it_suspends_finishes_or_moves_on(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    for run_id in ("suspends", "finishes", "moves-on", "stays"):
+        new_run(run_store, run_id, due_at_ms=T0_MS + 10)
+    clock.advance(100)
+    # Equally overdue: the contract does not order ties, so compare as a set.
+    assert sorted(run_store.overdue()) == ["finishes", "moves-on", "stays", "suspends"]
+
+    run_store.append(
+        record("suspends", last_seq=2, status=RunStatus.BLOCKED, due_at_ms=None),
+        [event(2, "run.suspended")],
+        owner=None,
+    )
+    run_store.append(
+        record("finishes", last_seq=2, status=RunStatus.COMPLETED, due_at_ms=None),
+        [event(2, "run.completed")],
+        owner=None,
+    )
+    run_store.append(record("moves-on", last_seq=2, status=RunStatus.MODEL, due_at_ms=T0_MS + 500),
+                     [event(2)], owner=None)  # fmt: skip
+
+    assert run_store.overdue() == ["stays"]
+
+
+# --- concurrency --------------------------------------------------------------
+
+
+def test_two_workers_appending_the_same_seq_let_exactly_one_win(run_store: RunStore) -> None:
+    for round_ in range(10):
+        run_id = f"race-{round_}"
+        new_run(run_store, run_id)
+
+        def append(worker: str, run_id: str = run_id) -> str:
+            latest = record(run_id, last_seq=2, status=RunStatus.MODEL)
+            run_store.append(latest, [event(2, worker=worker)], owner=None)
+            return worker
+
+        outcomes = race(lambda: append("w1"), lambda: append("w2"))
+
+        winners = [o for o in outcomes if isinstance(o, str)]
+        assert len(winners) == 1, outcomes
+        assert [type(o) for o in outcomes if not isinstance(o, str)] == [StaleWrite]
+        assert run_store.events(run_id, after_seq=1) == [event(2, worker=winners[0])]
+
+
+def test_two_workers_taking_the_same_lease_let_exactly_one_hold_it(run_store: RunStore) -> None:
+    for round_ in range(10):
+        run_id = f"race-{round_}"
+        new_run(run_store, run_id)
+
+        def acquire(worker: str, run_id: str = run_id) -> bool:
+            return run_store.acquire_lease(run_id, worker, LEASE_S)
+
+        taken = race(lambda: acquire("w1"), lambda: acquire("w2"))
+
+        assert sorted(taken, key=repr) == [False, True]
+        lease = run_store.lease(run_id)
+        assert lease is not None and lease.owner == ("w1" if taken[0] is True else "w2")
+
+
+# --- redis only ---------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_run_store(redis_url: str, clock: FakeClock) -> Any:
+    store = RedisRunStore.from_url(redis_url, clock=clock)
+    client = redis.Redis.from_url(redis_url)
+    yield store, client
+    client.close()
+    store.close()
+
+
+def test_every_key_of_a_run_shares_one_cluster_slot_with_its_snapshot(
+    redis_run_store: tuple[RedisRunStore, redis.Redis],
+) -> None:
+    from redis.crc import key_slot
+
+    from store.snapshots.redis import RedisSnapshotStore
+
+    store, client = redis_run_store
+    new_run(store, "run-1")
+    store.append(record("run-1", last_seq=2), [event(2)], owner=None)
+    assert store.acquire_lease("run-1", "worker-a", LEASE_S)
+    snapshot_key = RedisSnapshotStore(client)._key("run-1")
+
+    keys = cast("list[bytes]", client.keys("*"))
+    run_keys = [k for k in keys if b"run-1" in k and b":runs:" not in k]
+
+    assert len(run_keys) == 3
+    assert {key_slot(k) for k in run_keys} == {key_slot(snapshot_key.encode())}
+
+
+def test_a_lease_key_expires_in_redis_a_grace_period_after_its_lease(
+    redis_run_store: tuple[RedisRunStore, redis.Redis],
+) -> None:
+    store, client = redis_run_store
+    new_run(store, "run-1")
+
+    assert store.acquire_lease("run-1", "worker-a", LEASE_S)
+
+    lease_keys = [k for k in cast("list[bytes]", client.keys("*")) if k.endswith(b":lease")]
+    assert len(lease_keys) == 1
+    ttl_ms = client.pttl(lease_keys[0])
+    assert LEASE_MS < ttl_ms <= LEASE_MS + LEASE_TTL_GRACE_MS
+
+
+def test_overdue_pages_past_many_runs_with_a_live_lease(
+    redis_run_store: tuple[RedisRunStore, redis.Redis],
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("store.runs.redis.OVERDUE_BATCH", 2)
+    store, _ = redis_run_store
+    for i in range(7):
+        new_run(store, f"busy-{i}", due_at_ms=T0_MS + i)
+        assert store.acquire_lease(f"busy-{i}", "worker-a", LEASE_S)
+    for i in range(3):
+        new_run(store, f"free-{i}", due_at_ms=T0_MS + 10 + i)
+    clock.advance(100)
+
+    assert store.overdue(limit=2) == ["free-0", "free-1"]
+    assert store.overdue() == ["free-0", "free-1", "free-2"]
+
+
+def test_an_append_to_a_dead_redis_raises_store_unavailable_and_works_after_restart(
+    redis_server: RedisServer, redis_url: str, clock: FakeClock
+) -> None:
+    store = RedisRunStore.from_url(redis_url, clock=clock)
+    try:
+        new_run(store, "run-1")
+        redis_server.kill()
+
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as refused:
+            store.append(record("run-1", last_seq=2), [event(2)], owner=None)
+
+        assert time.monotonic() - started < 10
+        assert f"run store {redis_url} is unavailable" in str(refused.value)
+        # The server comes back empty (nothing is persisted in tests); the store reconnects.
+        redis_server.restart()
+        new_run(store, "run-1")
+        assert store.events("run-1") == [created("run-1")]
+    finally:
+        store.close()

@@ -1,0 +1,180 @@
+"""A real ``redis-server`` for the test session, on a free port of 127.0.0.1.
+
+Fixtures:
+
+- ``redis_server`` (session): the running server; a test may ``kill()`` it
+  (SIGKILL, like a crashed host) and ``restart()`` it on the same port.
+- ``redis_url`` (function): a URL naming a logical database of its own
+  (1-15, round-robin), flushed before the test gets it and after it ends.
+
+Tests that need a server nobody else uses open one with
+:func:`running_redis_server`. Nothing here binds or connects anywhere but
+127.0.0.1, and nothing is persisted (``--save "" --appendonly no``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 10.0
+DATABASES = range(1, 16)
+"""Database 0 is left alone: a person poking at the server with redis-cli lands there."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _client(port: int, db: int = 0) -> redis.Redis:
+    return redis.Redis(host=HOST, port=port, db=db, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "redis-server is not on PATH: the Redis tests start a real server; "
+            "install it (`apt-get install redis-server`, or `brew install redis`) and run again",
+            pytrace=False,
+        )
+    return binary
+
+
+class RedisServer:
+    """One ``redis-server`` process the tests own."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.directory = directory
+        self.port = port if port is not None else _free_port()
+        self.url = f"redis://{HOST}:{self.port}"
+        self.log = directory / "redis.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start the server and wait until it answers PING."""
+        command = [
+            _binary(),
+            "--port", str(self.port),
+            "--bind", HOST,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.directory),
+            "--databases", "16",
+            "--daemonize", "no",
+        ]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if not self.running:
+                raise RuntimeError(
+                    f"redis-server on port {self.port} exited at start:\n{self.log.read_text()}"
+                )
+            if _answers_ping(self.port):
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"redis-server on port {self.port} did not answer PING within "
+                    f"{START_TIMEOUT_S:g} s:\n{self.log.read_text()}"
+                )
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crashed host would; its data is gone."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                os.kill(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+            self._process = None
+
+    def restart(self) -> None:
+        """Start again on the same port (killing the server first if it still runs)."""
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            self._process = None
+
+    def flush(self) -> None:
+        """Empty every database."""
+        with _client(self.port) as client:
+            client.flushall()
+
+    def flush_db(self, db: int) -> None:
+        with _client(self.port, db) as client:
+            client.flushdb()
+
+
+@contextmanager
+def running_redis_server(directory: Path) -> Iterator[RedisServer]:
+    """A server of one's own, stopped on exit."""
+    server = RedisServer(directory)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+_databases = itertools.cycle(DATABASES)
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    # A test that killed the server and failed before restarting it must not
+    # take every later test down with it.
+    if not redis_server.running:
+        redis_server.restart()
+    db = next(_databases)
+    redis_server.flush_db(db)
+    yield f"{redis_server.url}/{db}"
+    if not redis_server.running:
+        redis_server.restart()
+    redis_server.flush_db(db)

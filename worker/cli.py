@@ -1,0 +1,188 @@
+"""``ratchet``: the operator's command line, a thin layer over :mod:`worker.api`.
+
+Tables for people, ``--json`` for scripts. Every refusal exits non-zero with
+one line on stderr that says why and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+
+from runtime.errors import RatchetError
+from runtime.models import Event, RunStatus
+from store.runs import RunRecord
+from worker.render import event_line, record_lines
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def refusals(fn: F) -> F:
+    """Turn ratchet's errors into one line on stderr and exit status 1."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RatchetError, ValueError, OSError) as exc:
+            message = " ".join(str(exc).split())
+            click.echo(f"ratchet: {message}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _api() -> Any:
+    from worker.api import Ratchet
+
+    return Ratchet()
+
+
+def _dump(value: Any) -> None:
+    click.echo(json.dumps(value, sort_keys=True, ensure_ascii=False))
+
+
+def _record_json(record: RunRecord) -> dict[str, Any]:
+    return record.model_dump(mode="json")
+
+
+def _event_json(event: Event) -> dict[str, Any]:
+    return event.model_dump(mode="json")
+
+
+@click.group()
+@click.version_option(package_name="ratchet")
+def main() -> None:
+    """Durable LLM-agent runs on Celery."""
+
+
+@main.group()
+def runs() -> None:
+    """Start, list, show and follow runs."""
+
+
+@runs.command("start")
+@click.argument("agent_file", type=click.Path(dir_okay=False))
+@click.option("--input", "text", required=True, help="What the agent should do.")
+@click.option("--run-id", default=None, help="Use this id instead of a generated one.")
+@click.option("--wait", is_flag=True, help="Wait until the run completes, fails or suspends.")
+@click.option(
+    "--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds --wait waits."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@refusals
+def runs_start(
+    agent_file: str, text: str, run_id: str | None, wait: bool, timeout_s: float, as_json: bool
+) -> None:
+    """Start a run of AGENT_FILE; prints the run id."""
+    api = _api()
+    run_id = api.start(agent_file, text, run_id)
+    if not wait:
+        _dump({"run_id": run_id}) if as_json else click.echo(run_id)
+        return
+    record = api.wait(run_id, timeout_s=timeout_s)
+    if as_json:
+        _dump(_record_json(record))
+    else:
+        click.echo(run_id)
+        click.echo("\n".join(record_lines(record)))
+    if record.status.is_live:
+        click.echo(
+            f"ratchet: run {run_id} is still {record.status.value} after {timeout_s:g}s; "
+            f"follow it with `ratchet runs events {run_id} --follow`",
+            err=True,
+        )
+        sys.exit(1)
+    if record.status in (RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED):
+        sys.exit(1)
+
+
+@runs.command("list")
+@click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@refusals
+def runs_list(status: str | None, limit: int, as_json: bool) -> None:
+    """List runs, newest first."""
+    records = _api().list(RunStatus(status) if status else None, limit)
+    if as_json:
+        _dump([_record_json(r) for r in records])
+        return
+    click.echo(
+        f"{'RUN':32}  {'STATUS':20}  {'AGENT':20}  {'TURNS':>5}  {'TOOLS':>5}  {'TOKENS':>7}"
+    )
+    for r in records:
+        u = r.usage
+        click.echo(
+            f"{r.run_id:32}  {r.status.value:20}  {r.agent[:20]:20}  {u.model_turns:>5}  "
+            f"{u.tool_calls:>5}  {u.total_tokens:>7}"
+        )
+
+
+@runs.command("show")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True)
+@refusals
+def runs_show(run_id: str, as_json: bool) -> None:
+    """Status, agent, usage against budgets, output and last error of a run."""
+    record = _api().get(run_id)
+    if as_json:
+        _dump(_record_json(record))
+    else:
+        click.echo("\n".join(record_lines(record)))
+
+
+@runs.command("events")
+@click.argument("run_id")
+@click.option("--follow", is_flag=True, help="Keep printing events as they are appended.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@refusals
+def runs_events(run_id: str, follow: bool, as_json: bool) -> None:
+    """The run's events, one line each, seq first."""
+    api = _api()
+    events = api.follow(run_id) if follow else api.events(run_id)
+    for event in events:
+        _dump(_event_json(event)) if as_json else click.echo(event_line(event))
+
+
+@main.group()
+def snapshots() -> None:
+    """Read snapshots as stored."""
+
+
+@snapshots.command("show")
+@click.argument("run_id")
+@refusals
+def snapshots_show(run_id: str) -> None:
+    """Print the run's snapshot document exactly as stored."""
+    document = _api().snapshot_document(run_id)
+    if document is None:
+        record = _api().get(run_id)
+        raise RatchetError(
+            f"run {run_id} has no snapshot: it is {record.status.value}"
+            + (
+                " (a finished run's snapshot is deleted; its events remain: "
+                f"`ratchet runs events {run_id}`)"
+                if record.status.is_terminal
+                else ""
+            )
+        )
+    click.echo(document.decode(), nl=False)
+
+
+@main.command("demo")
+@click.option(
+    "--agent", "agent_file", default=None, help="Agent file to run (default: the example)."
+)
+@click.option("--input", "text", default="My toaster never arrived (order B2). Can I get a refund?")
+@refusals
+def demo(agent_file: str | None, text: str) -> None:
+    """Start a worker, run the example agent, and show each transition as it happens."""
+    from worker.demo import run_demo
+
+    sys.exit(run_demo(agent_file, text))

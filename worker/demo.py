@@ -1,0 +1,88 @@
+"""``ratchet demo``: a worker, the example agent, every transition on screen.
+
+Runs on whatever the settings say — with nothing set, the embedded default
+under ``./.ratchet``: a ``filesystem://`` broker, file snapshots, SQLite runs.
+The worker is a real ``celery -A worker worker`` subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from worker.render import event_line
+from worker.settings import get_settings
+
+
+def _example_agent() -> str:
+    return str(resources.files("examples").joinpath("refund-desk.toml"))
+
+
+def _start_worker(log_path: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker",
+        "worker",
+        "--loglevel",
+        "info",
+        "--pool",
+        "solo",
+        "--without-mingle",
+        "--without-gossip",
+        "--hostname",
+        f"demo-{os.getpid()}@%h",
+    ]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+
+def run_demo(agent_file: str | None, text: str) -> int:
+    from worker.api import Ratchet
+
+    settings = get_settings()
+    agent_file = agent_file or _example_agent()
+    click.echo(f"ratchet demo: data in {settings.resolved_data_dir}")
+    click.echo(f"  broker    {settings.resolved_broker_url}")
+    click.echo(f"  snapshots {settings.resolved_snapshot_store}")
+    click.echo(f"  runs      {settings.resolved_run_store}")
+    log_path = settings.resolved_data_dir / "demo-worker.log"
+    worker = _start_worker(log_path)
+    try:
+        api = Ratchet()
+        started = time.monotonic()
+        run_id = api.start(agent_file, text)
+        click.echo(f"started run {run_id} of {agent_file}; a worker is starting…\n")
+        for event in api.follow(run_id, timeout_s=120):
+            click.echo(event_line(event))
+        wall_s = time.monotonic() - started
+        record = api.get(run_id)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    u = record.usage
+    click.echo("")
+    click.echo(f"run {run_id}: {record.status.value} in {wall_s:.2f}s (including worker start)")
+    click.echo(
+        f"  turns {u.model_turns}, tool calls {u.tool_calls}, tokens {u.total_tokens} "
+        f"(in {u.input_tokens}, out {u.output_tokens}), events {record.last_seq}"
+    )
+    if record.output:
+        click.echo(f"  output: {record.output}")
+    click.echo(f"  events:    `ratchet runs events {run_id}` ({settings.resolved_run_store})")
+    click.echo(f"  snapshots: {settings.resolved_snapshot_store} (deleted once a run completes)")
+    click.echo(f"  worker log: {log_path}")
+    return 0 if record.status.value == "completed" else 1

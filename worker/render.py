@@ -1,0 +1,71 @@
+"""How runs and events look on a terminal: one place, shared by the CLI and the demo."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from runtime.models import Event
+from store.runs import RunRecord
+
+
+def _clip(text: str, width: int = 70) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _when(at_ms: int) -> str:
+    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
+    d: dict[str, Any] = event.data
+    kind = event.type
+    if kind == "run.created":
+        return f"agent {d['agent']}: {_clip(d['input'], 50)}"
+    if kind == "model.requested":
+        return f"turn {d.get('turn')}"
+    if kind == "model.responded":
+        calls = ", ".join(c["name"] for c in d.get("tool_calls", []))
+        said = _clip(d.get("content", ""), 50)
+        return f"{said!r}" + (f" → calls {calls}" if calls else "")
+    if kind == "tool.requested":
+        return f"{d['name']}({_clip(json.dumps(d.get('arguments', {})), 50)}) [{d['call_id']}]"
+    if kind == "tool.completed":
+        return f"{d['name']} → {_clip(json.dumps(d.get('result')), 55)}"
+    if kind == "tool.failed":
+        return f"{d['name']} ✗ {_clip(d.get('error', ''), 55)}"
+    if kind == "run.completed":
+        return _clip(d.get("output", ""), 70)
+    if kind in ("run.failed", "run.stalled", "run.parked", "run.cancelled", "model.failed"):
+        return _clip(str(d.get("reason") or d.get("error") or ""), 90)
+    if kind == "run.suspended":
+        return f"{d['reason']}: {_clip(d.get('prompt', ''), 60)}"
+    return _clip(json.dumps(d, sort_keys=True), 70)
+
+
+def event_line(event: Event) -> str:
+    return f"{event.seq:>5}  {_when(event.at_ms)}  {event.type:<16}  {_summary(event)}"
+
+
+def record_lines(record: RunRecord) -> list[str]:
+    u, b = record.usage, record.budgets
+    tokens_limit = b.get("max_total_tokens") or "∞"
+    lines = [
+        f"run        {record.run_id}",
+        f"status     {record.status.value}",
+        f"agent      {record.agent}  ({record.agent_file})",
+        f"turns      {u.model_turns} of {b.get('max_turns')}  (attempts {u.model_attempts})",
+        f"tokens     {u.total_tokens} of {tokens_limit}  (in {u.input_tokens}, out {u.output_tokens})",
+        f"tool calls {u.tool_calls} of {b.get('max_tool_calls')}",
+        f"events     {record.last_seq}",
+        f"created    {_when(record.created_at_ms)}   updated {_when(record.updated_at_ms)}",
+    ]
+    if record.suspended_ms:
+        lines.append(f"suspended  {record.suspended_ms / 1000:.1f}s in all")
+    if record.output is not None:
+        lines.append(f"output     {record.output}")
+    if record.error:
+        lines.append(f"last error {record.error}")
+    return lines
