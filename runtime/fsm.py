@@ -15,6 +15,7 @@ produces, checkpoints, and chains the next turn.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +61,16 @@ def _live_status(state: RunState) -> RunStatus:
     return RunStatus.MODEL
 
 
-def _tool_result(state: RunState, call_id: str, ok: bool, result: Any) -> RunState:
+def _tool_result(
+    state: RunState, call_id: str, ok: bool, result: Any, counts: bool = True
+) -> RunState:
+    """Answer a pending call; ``counts`` is False for answers no tool produced (control, denial)."""
     call = next(c for c in state.pending if c.id == call_id)
     content = result if isinstance(result, str) else _json(result)
     message = Message(
         role="tool", content=content, tool_call_id=call_id, name=call.name, is_error=not ok
     )
-    usage = state.usage.model_copy(update={"tool_calls": state.usage.tool_calls + 1})
+    usage = state.usage.model_copy(update={"tool_calls": state.usage.tool_calls + int(counts)})
     rest = tuple(c for c in state.pending if c.id != call_id)
     state = state.model_copy(
         update={
@@ -139,8 +143,121 @@ def _initial(event: Event) -> RunState:
 INFORMATIONAL_EVENTS = frozenset({"model.failed", "model.retrying"})
 """Events that record what happened without changing what happens next."""
 
+Fold = Callable[[RunState, Event], RunState]
 
-def apply(state: RunState | None, event: Event) -> RunState:  # noqa: C901 - one case per event type
+
+def _model_requested(state: RunState, event: Event) -> RunState:
+    usage = state.usage.model_copy(update={"model_attempts": state.usage.model_attempts + 1})
+    return state.model_copy(update={"usage": usage, "status": RunStatus.MODEL})
+
+
+def _tool_requested(state: RunState, event: Event) -> RunState:
+    return state.model_copy(update={"in_flight": event.data["call_id"]})
+
+
+def _tool_done(state: RunState, event: Event) -> RunState:
+    d = event.data
+    if event.type == "tool.completed":
+        return _tool_result(state, d["call_id"], True, d["result"])
+    return _tool_result(state, d["call_id"], False, d["error"])
+
+
+def _suspended(state: RunState, event: Event) -> RunState:
+    suspension = Suspension.model_validate(
+        {**event.data, "seq": event.seq, "since_ms": event.at_ms}
+    )
+    return state.model_copy(update={"suspension": suspension, "status": suspension.reason})
+
+
+def continuation_content(suspension: Suspension, data: dict[str, Any]) -> str:
+    """What the model reads as the control tool's result: the person's answer, structured."""
+    return _json(
+        {
+            "type": "run_continuation",
+            "outcome": suspension.reason.value,
+            "prompt": suspension.prompt,
+            "input": data.get("input"),
+            "continuation_id": data.get("continuation_id"),
+        }
+    )
+
+
+def _continued(state: RunState, event: Event) -> RunState:
+    """A person answered the suspension: `input` for a question or blocker, `approved` for a tool."""
+    d, suspension = event.data, state.suspension
+    if suspension is None:
+        raise ValueError(f"run {state.run_id}: run.continued at seq {event.seq} but not suspended")
+    state = state.model_copy(
+        update={
+            "suspension": None,
+            "suspended_ms": state.suspended_ms + int(d.get("suspended_ms", 0)),
+        }
+    )
+    if suspension.reason != RunStatus.AWAITING_APPROVAL:
+        # The control tool is the runtime's, not a tool call the budget counts.
+        content = continuation_content(suspension, d)
+        return _tool_result(state, suspension.call_id, True, content, counts=False)
+    if d.get("approved"):
+        state = state.model_copy(update={"approved": state.approved + (suspension.call_id,)})
+        return state.model_copy(update={"status": _live_status(state)})
+    denied = f"a person denied `{suspension.tool}`: {d.get('reason') or 'no reason given'}"
+    return _tool_result(state, suspension.call_id, False, denied, counts=False)
+
+
+def _reconciled(state: RunState, event: Event) -> RunState:
+    """An operator decided the outcome of a call cut short by a crash."""
+    d = event.data
+    decision = d["decision"]
+    if decision == "result":
+        state = _tool_result(state, d["call_id"], True, d["result"])
+    elif decision == "fail":
+        state = _tool_result(state, d["call_id"], False, d["reason"])
+    elif decision == "retry":
+        state = state.model_copy(update={"in_flight": None})
+    else:
+        raise ValueError(f"run {state.run_id}: unknown reconciliation decision {decision!r}")
+    state = state.model_copy(update={"error": None})
+    return state.model_copy(update={"status": _live_status(state)})
+
+
+def _resumed(state: RunState, event: Event) -> RunState:
+    state = state.model_copy(
+        update={"recovery_attempts": state.recovery_attempts + 1, "error": None}
+    )
+    return state.model_copy(update={"status": _live_status(state)})
+
+
+def _ended(status: RunStatus, key: str) -> Fold:
+    def fold(state: RunState, event: Event) -> RunState:
+        value = event.data.get(key)
+        if status == RunStatus.COMPLETED:
+            return state.model_copy(update={"status": status, "output": value, "suspension": None})
+        return state.model_copy(update={"status": status, "error": value})
+
+    return fold
+
+
+FOLDS: dict[str, Fold] = {
+    "model.requested": _model_requested,
+    "model.responded": lambda state, event: _responded(state, event.data),
+    "tool.requested": _tool_requested,
+    "tool.completed": _tool_done,
+    "tool.failed": _tool_done,
+    "tool.reconciled": _reconciled,
+    "run.suspended": _suspended,
+    "run.continued": _continued,
+    "run.resumed": _resumed,
+    "run.completed": _ended(RunStatus.COMPLETED, "output"),
+    "run.failed": _ended(RunStatus.FAILED, "reason"),
+    "run.cancelled": _ended(RunStatus.CANCELLED, "reason"),
+    "run.parked": _ended(RunStatus.NEEDS_RECONCILIATION, "reason"),
+    "run.stalled": _ended(RunStatus.STALLED, "reason"),
+    "run.dead_lettered": _ended(RunStatus.DEAD_LETTERED, "reason"),
+}
+"""How each event type changes the state. Every type ever written must stay here."""
+
+
+def apply(state: RunState | None, event: Event) -> RunState:
     """Fold one event into the state. Pure; raises ValueError on an impossible sequence."""
     if state is None:
         if event.type != "run.created":
@@ -148,37 +265,13 @@ def apply(state: RunState | None, event: Event) -> RunState:  # noqa: C901 - one
         return _initial(event)
     if event.seq != state.seq + 1:
         raise ValueError(f"run {state.run_id}: event seq {event.seq} follows {state.seq}")
-    d = event.data
-    kind = event.type
-    if kind in INFORMATIONAL_EVENTS:
-        pass
-    elif kind == "model.requested":
-        usage = state.usage.model_copy(update={"model_attempts": state.usage.model_attempts + 1})
-        state = state.model_copy(update={"usage": usage, "status": RunStatus.MODEL})
-    elif kind == "model.responded":
-        state = _responded(state, d)
-    elif kind == "tool.requested":
-        state = state.model_copy(update={"in_flight": d["call_id"]})
-    elif kind in ("tool.completed", "tool.failed"):
-        ok = kind == "tool.completed"
-        state = _tool_result(state, d["call_id"], ok, d["result"] if ok else d["error"])
-    elif kind == "run.suspended":
-        suspension = Suspension.model_validate({**d, "seq": event.seq, "since_ms": event.at_ms})
-        state = state.model_copy(update={"suspension": suspension, "status": suspension.reason})
-    elif kind == "run.completed":
-        state = state.model_copy(update={"status": RunStatus.COMPLETED, "output": d["output"]})
-    elif kind == "run.failed":
-        state = state.model_copy(update={"status": RunStatus.FAILED, "error": d["reason"]})
-    elif kind == "run.cancelled":
-        state = state.model_copy(update={"status": RunStatus.CANCELLED, "error": d.get("reason")})
-    elif kind == "run.parked":
-        state = state.model_copy(
-            update={"status": RunStatus.NEEDS_RECONCILIATION, "error": d["reason"]}
-        )
-    elif kind == "run.stalled":
-        state = state.model_copy(update={"status": RunStatus.STALLED, "error": d["reason"]})
-    else:
-        raise ValueError(f"run {state.run_id}: unknown event type {kind!r} at seq {event.seq}")
+    if event.type not in INFORMATIONAL_EVENTS:
+        fold = FOLDS.get(event.type)
+        if fold is None:
+            raise ValueError(
+                f"run {state.run_id}: unknown event type {event.type!r} at seq {event.seq}"
+            )
+        state = fold(state, event)
     return state.model_copy(update={"seq": event.seq})
 
 

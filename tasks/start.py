@@ -16,7 +16,7 @@ from runtime.fsm import apply, created_event
 from runtime.models import Event, RunState, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
-from tasks.turn import advance
+from tasks.turn import advance, chain
 from worker.app import app
 
 MAX_INPUT_BYTES = 1024 * 1024
@@ -73,4 +73,7 @@ def start_run(agent_file: str, text: str, run_id: str) -> str:
         create_run(ctx, agent_file, text, run_id)
     except StaleWrite:
         pass  # a redelivery of this message: the run exists; the turn below is fenced
-    return advance(ctx, run_id, expected_seq=1)
+    done = advance(ctx, run_id, expected_seq=1)
+    if done.outcome == "next":
+        chain(run_id, done)
+    return done.outcome

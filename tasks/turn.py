@@ -33,7 +33,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.agent import Agent, describe_binding_change
 from runtime.errors import (
@@ -82,22 +82,42 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     Idempotent: a duplicate, late or concurrent delivery does nothing.
     Raises SnapshotFailed (fail-stop) when a checkpoint cannot be saved.
     """
-    return advance(get_context(), validate_run_id(run_id), expected_seq)
+    ctx = get_context()
+    done = advance(ctx, validate_run_id(run_id), expected_seq)
+    if done.outcome == "next":
+        chain(run_id, done)
+    return done.outcome
 
 
-def advance(ctx: Context, run_id: str, expected_seq: int | None) -> str:
-    """Take the lease, take one turn, release the lease, chain the next. Returns what happened."""
+class Advanced(NamedTuple):
+    outcome: str
+    """next | suspended | completed | failed | parked | stalled | idle | leased | stale | …"""
+    seq: int
+    """The run's seq afterwards (-1 when the run was not read)."""
+    turns: int
+    """Model turns the run has had."""
+
+
+def chain(run_id: str, done: Advanced) -> None:
+    """Enqueue the next turn; it will act only if the run is still at ``done.seq``."""
+    run_turn.apply_async((run_id, done.seq))
+    failpoints.hit("turn.enqueued", done.turns)
+
+
+def advance(ctx: Context, run_id: str, expected_seq: int | None) -> Advanced:
+    """Take the lease, take one turn, release the lease. Does not chain.
+
+    ``next`` means the turn ended with the next model call due: the caller chains it.
+    """
     owner = new_owner()
     if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
-        return "leased"
-    turn: Turn | None = None
-    outcome = "idle"
+        return Advanced("leased", -1, 0)
     try:
         turn = Turn.open(ctx, run_id, owner)
         if turn is None:
             log.warning("run %s: no such run; dropping the message", run_id)
-            return "missing"
+            return Advanced("missing", -1, 0)
         if expected_seq is not None and turn.state.seq != expected_seq:
             log.info(
                 "run %s: message expects seq %s but the run is at %s; a late or duplicate "
@@ -106,18 +126,15 @@ def advance(ctx: Context, run_id: str, expected_seq: int | None) -> str:
                 expected_seq,
                 turn.state.seq,
             )
-            return "stale"
+            return Advanced("stale", turn.state.seq, turn.state.usage.model_turns)
         outcome = turn.take()
+        return Advanced(outcome, turn.state.seq, turn.state.usage.model_turns)
     except (LeaseLost, StaleWrite) as exc:
         # A zombie: our lease expired and another worker moved the run on.
         log.warning("%s", exc)
-        return "fenced"
+        return Advanced("fenced", -1, 0)
     finally:
         ctx.runs.release_lease(run_id, owner)
-    if outcome == "next" and turn is not None:
-        run_turn.apply_async((run_id, turn.state.seq))
-        failpoints.hit("turn.enqueued", turn.state.usage.model_turns)
-    return outcome
 
 
 class Turn:

@@ -1,0 +1,79 @@
+"""Building blocks for tests: agents written on the fly, memory contexts, a driver."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from store.runs.memory import MemoryRunStore
+from store.snapshots.memory import MemorySnapshotStore
+from tasks.context import Context
+from tasks.turn import Advanced, advance
+from worker.settings import Settings
+
+REFUND_TOOLS = [
+    "examples.refunds:lookup_order",
+    "examples.refunds:refund_policy",
+    "examples.refunds:issue_refund",
+    "request_user_input",
+    "blocked",
+]
+
+
+def write_agent(
+    directory: Path,
+    turns: list[dict[str, Any]],
+    *,
+    name: str = "test-agent",
+    tools: list[str] | None = None,
+    budgets: dict[str, Any] | None = None,
+    require_approval: list[str] | None = None,
+    extra: str = "",
+) -> Path:
+    """Write an agent TOML and its script into ``directory``; return the TOML's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / f"{name}.script.json"
+    script.write_text(json.dumps({"turns": turns}, indent=1))
+    lines = [
+        f'name = "{name}"',
+        'model = "scripted"',
+        f'script = "{script.name}"',
+        'system = "You are a test agent."',
+        f"tools = {json.dumps(REFUND_TOOLS if tools is None else tools)}",
+        extra,
+        "[budgets]",
+    ]
+    for key, value in (budgets or {}).items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    lines.append("[policy]")
+    lines.append(f"require_approval = {json.dumps(require_approval or [])}")
+    path = directory / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments}
+
+
+def turn(content: str, *calls: dict[str, Any], tokens: tuple[int, int] = (10, 5)) -> dict[str, Any]:
+    return {
+        "content": content,
+        "tool_calls": list(calls),
+        "usage": {"input_tokens": tokens[0], "output_tokens": tokens[1]},
+    }
+
+
+def memory_context(**settings: Any) -> Context:
+    return Context(Settings(**settings), MemorySnapshotStore(), MemoryRunStore())
+
+
+def drive(ctx: Context, run_id: str, max_turns: int = 50) -> Advanced:
+    """Take turns in this process, as chained tasks would, until the run stops needing one."""
+    done = advance(ctx, run_id, None)
+    for _ in range(max_turns):
+        if done.outcome != "next":
+            return done
+        done = advance(ctx, run_id, done.seq)
+    raise AssertionError(f"run {run_id} still wants turns after {max_turns}")

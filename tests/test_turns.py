@@ -1,0 +1,206 @@
+"""The turn loop on memory stores, driven in-process: what each kind of step records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.models import RunStatus
+from tasks.start import InvalidInput, create_run
+from tasks.turn import advance
+from tests.helpers import call, drive, memory_context, turn, write_agent
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "ledger"
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
+    return path
+
+
+def test_a_multi_turn_run_with_tools_completes_and_deletes_its_snapshot(
+    tmp_path: Path, ledger: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("look", call("lookup_order", order_id="B2")),
+            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
+            turn("Refunded."),
+        ],
+    )
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "refund B2").run_id
+
+    done = drive(ctx, run_id)
+
+    assert done.outcome == "completed"
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.COMPLETED
+    assert record.output == "Refunded."
+    assert record.usage.model_turns == 3 and record.usage.tool_calls == 2
+    assert record.usage.total_tokens == 45
+    assert ctx.snapshots.load(run_id) is None
+    types = [e.type for e in ctx.runs.events(run_id)]
+    assert types == [
+        "run.created",
+        "model.requested",
+        "model.responded",
+        "tool.requested",
+        "tool.completed",
+        "model.requested",
+        "model.responded",
+        "tool.requested",
+        "tool.completed",
+        "model.requested",
+        "model.responded",
+        "run.completed",
+    ]
+    assert ledger.read_text().splitlines() == ["refund B2 2900"]
+
+
+def test_the_model_response_is_checkpointed_before_any_tool_runs(
+    tmp_path: Path, ledger: Path
+) -> None:
+    agent = write_agent(tmp_path, [turn("look", call("lookup_order", order_id="A1")), turn("ok")])
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "look A1").run_id
+    seen: list[tuple[str, int | None]] = []
+    save = ctx.snapshots.save
+
+    def spy(state, expected_seq):  # type: ignore[no-untyped-def]
+        seen.append((ctx.runs.events(run_id)[-1].type, state.seq))
+        save(state, expected_seq)
+
+    ctx.snapshots.save = spy  # type: ignore[method-assign]
+    drive(ctx, run_id)
+    # The first save of the turn follows model.responded, before tool.requested exists.
+    assert seen[0][0] == "model.responded"
+
+
+def test_a_tool_that_raises_or_gets_bad_arguments_answers_the_model_and_the_run_goes_on(
+    tmp_path: Path, ledger: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            turn(
+                "look",
+                call("lookup_order", order_id="ZZ"),
+                call("lookup_order", order="A1"),
+                call("no_such_tool"),
+            ),
+            turn("Sorry, I could not find it."),
+        ],
+    )
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "look").run_id
+
+    assert drive(ctx, run_id).outcome == "completed"
+    failed = [e.data["error"] for e in ctx.runs.events(run_id) if e.type == "tool.failed"]
+    assert "KeyError" in failed[0] and "no order ZZ" in failed[0]
+    assert "invalid arguments for `lookup_order`" in failed[1] and "order_id" in failed[1]
+    assert "no tool named `no_such_tool`" in failed[2]
+
+
+def test_an_exhausted_turn_budget_fails_the_run_naming_the_budget_and_its_figures(
+    tmp_path: Path, ledger: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [turn("a", call("lookup_order", order_id="A1"))] * 5,
+        budgets={"max_turns": 2},
+    )
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "loop").run_id
+
+    assert drive(ctx, run_id).outcome == "failed"
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.FAILED
+    assert record.error is not None
+    assert "max_turns" in record.error and "2 used of 2" in record.error
+    assert record.usage.model_attempts == 2
+
+
+def test_token_and_tool_call_budgets_are_checked_before_the_step_they_would_exceed(
+    tmp_path: Path, ledger: Path
+) -> None:
+    tokens = write_agent(
+        tmp_path / "t",
+        [turn("a", call("lookup_order", order_id="A1"), tokens=(60, 50))] * 3,
+        budgets={"max_total_tokens": 100},
+    )
+    tools = write_agent(
+        tmp_path / "c",
+        [turn("a", call("lookup_order", order_id="A1"), call("lookup_order", order_id="B2"))] * 3,
+        budgets={"max_tool_calls": 3},
+    )
+    ctx = memory_context()
+    by_tokens = create_run(ctx, tokens, "x").run_id
+    by_tools = create_run(ctx, tools, "x").run_id
+    drive(ctx, by_tokens)
+    drive(ctx, by_tools)
+    token_record, tool_record = ctx.runs.get(by_tokens), ctx.runs.get(by_tools)
+    assert token_record is not None and tool_record is not None
+    assert token_record.error is not None and "max_total_tokens" in token_record.error
+    assert token_record.usage.model_turns == 1
+    assert tool_record.error is not None and "max_tool_calls" in tool_record.error
+    assert tool_record.usage.tool_calls == 3
+
+
+def test_a_late_or_duplicate_turn_message_changes_nothing(tmp_path: Path, ledger: Path) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("refund", call("issue_refund", order_id="B2", amount_cents=1)),
+            turn("done"),
+        ],
+    )
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "refund").run_id
+    first = advance(ctx, run_id, 1)
+    assert first.outcome == "next"
+    before = ctx.runs.events(run_id)
+
+    # The same message delivered again expects seq 1; the run has moved on.
+    again = advance(ctx, run_id, 1)
+
+    assert again.outcome == "stale"
+    assert ctx.runs.events(run_id) == before
+    assert ledger.read_text().splitlines() == ["refund B2 1"]
+
+
+def test_a_turn_message_finds_the_lease_taken_and_does_nothing(
+    tmp_path: Path, ledger: Path
+) -> None:
+    agent = write_agent(tmp_path, [turn("done")])
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "x").run_id
+    assert ctx.runs.acquire_lease(run_id, "another-worker", 30)
+
+    assert advance(ctx, run_id, 1).outcome == "leased"
+    assert [e.type for e in ctx.runs.events(run_id)] == ["run.created"]
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t", "\ud800"])
+def test_blank_or_invalid_input_is_refused_before_a_run_exists(tmp_path: Path, text: str) -> None:
+    agent = write_agent(tmp_path, [turn("done")])
+    ctx = memory_context()
+    with pytest.raises(InvalidInput):
+        create_run(ctx, agent, text)
+    assert ctx.runs.list() == []
+
+
+def test_a_changed_agent_stalls_the_run_and_says_what_changed(tmp_path: Path, ledger: Path) -> None:
+    agent = write_agent(tmp_path, [turn("a", call("lookup_order", order_id="A1")), turn("b")])
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "x").run_id
+    first = advance(ctx, run_id, 1)
+    agent.write_text(agent.read_text().replace("You are a test agent.", "You are different."))
+
+    assert advance(ctx, run_id, first.seq).outcome == "stalled"
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.STALLED
+    assert record.error is not None
+    assert "changed: system" in record.error and "start the run again" in record.error

@@ -1,0 +1,174 @@
+"""Real Celery workers for tests: one in-process session worker, and subprocesses.
+
+- ``session_worker``: Celery's own in-process test worker (threads pool) for the
+  app in ``worker.app``, on the session's redis-server (database 0 is its broker).
+  Tests give it their stores through ``tasks.context.set_context``.
+- ``ratchet``: a per-test API over Redis stores in the test's own database, with
+  that context installed for the session worker.
+- ``worker_processes``: ``celery -A worker worker`` subprocesses configured only
+  by environment variables, as an operator would run them; they can be SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+
+from store.runs.redis import RedisRunStore
+from store.snapshots.redis import RedisSnapshotStore
+from tasks.context import Context, set_context
+from tests.redis_server import RedisServer
+from worker.api import Ratchet
+from worker.app import app
+from worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_AGENT = ROOT / "examples" / "refund-desk.toml"
+BROKER_DB = 0
+
+
+@pytest.fixture(scope="session")
+def session_worker(redis_server: RedisServer) -> Iterator[None]:
+    app.conf.broker_url = f"{redis_server.url}/{BROKER_DB}"
+    app.conf.broker_transport_options = {"visibility_timeout": 3600}
+    with start_worker(
+        app,
+        pool="threads",
+        concurrency=2,
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=10,
+    ):
+        yield
+
+
+def redis_context(url: str, **settings: object) -> Context:
+    return Context(
+        settings=Settings(**settings),  # type: ignore[arg-type]
+        snapshots=RedisSnapshotStore.from_url(url),
+        runs=RedisRunStore.from_url(url),
+    )
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The example refund tool's side-effect log, one line per refund issued."""
+    path = tmp_path / "refunds.ledger"
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
+    return path
+
+
+@pytest.fixture
+def ratchet(session_worker: None, redis_url: str, ledger: Path) -> Iterator[Ratchet]:
+    context = redis_context(redis_url)
+    set_context(context)
+    try:
+        yield Ratchet(context)
+    finally:
+        set_context(None)
+        context.close()
+
+
+@dataclass
+class WorkerProcess:
+    """One ``celery -A worker worker`` subprocess."""
+
+    env: dict[str, str]
+    log_path: Path
+    args: tuple[str, ...] = ()
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def start(self) -> WorkerProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "worker",
+            "worker",
+            "--loglevel",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            "--hostname",
+            f"w{time.monotonic_ns()}@%h",
+            *self.args,
+        ]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and every pool process: a vanished machine."""
+        if self.process is not None and self.process.poll() is None:
+            self.signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class WorkerProcesses:
+    base_env: dict[str, str]
+    directory: Path
+    started: list[WorkerProcess] = field(default_factory=list)
+
+    def start(self, *args: str, **env: str) -> WorkerProcess:
+        log_path = self.directory / f"worker-{len(self.started)}.log"
+        worker = WorkerProcess({**self.base_env, **env}, log_path, args).start()
+        self.started.append(worker)
+        return worker
+
+    def stop_all(self) -> None:
+        for worker in self.started:
+            worker.kill()
+
+
+def worker_env(redis_url: str, ledger: Path, data_dir: Path, **extra: str) -> dict[str, str]:
+    """Environment of a worker subprocess whose broker and stores are all on ``redis_url``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(
+        RATCHET_BROKER_URL=redis_url,
+        RATCHET_SNAPSHOT_STORE=redis_url,
+        RATCHET_RUN_STORE=redis_url,
+        RATCHET_DATA_DIR=str(data_dir),
+        RATCHET_EXAMPLE_LEDGER=str(ledger),
+        PYTHONPATH=str(ROOT),
+        **extra,
+    )
+    return env
+
+
+@pytest.fixture
+def worker_processes(redis_url: str, ledger: Path, tmp_path: Path) -> Iterator[WorkerProcesses]:
+    processes = WorkerProcesses(worker_env(redis_url, ledger, tmp_path / "data"), tmp_path)
+    try:
+        yield processes
+    finally:
+        processes.stop_all()
