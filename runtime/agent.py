@@ -49,6 +49,15 @@ class AgentSpec(BaseModel):
     tools: list[str] = []
     budgets: Budgets = Budgets()
     policy: Policy = Policy()
+    model_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest wait for one model call (with its retries); then the attempt is abandoned."""
+    tool_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest wait for one tool call; then its outcome is unknown (see tasks/turn.py)."""
+    # The timeouts stay out of the binding on purpose: they bound how long a worker
+    # waits, not what the run does, and raising one is how an operator lets a slow
+    # run go on — that must not make its resume refused as a changed agent.
+    max_suspended_s: int | None = Field(default=None, ge=1)
+    """How long a suspended run may wait for an answer before it expires; ``None``: forever."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ def canonical_json(value: Any) -> bytes:
 def _binding_document(
     spec: AgentSpec, provider: Provider, tools: dict[str, ToolSpec]
 ) -> dict[str, Any]:
-    return {
+    document: dict[str, Any] = {
         "provider": provider.identity(),
         "model": spec.model,
         "system": spec.system,
@@ -86,6 +95,10 @@ def _binding_document(
         "budgets": spec.budgets.model_dump(mode="json"),
         "format_version": SNAPSHOT_FORMAT_VERSION,
     }
+    if spec.max_suspended_s is not None:
+        # Only when set: agents without it keep the binding their runs started with.
+        document["max_suspended_s"] = spec.max_suspended_s
+    return document
 
 
 def describe_binding_change(before: dict[str, Any], after: dict[str, Any]) -> str:

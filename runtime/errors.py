@@ -10,6 +10,12 @@
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
+    │   ├── SuspensionAlreadyAnswered  a second, different answer to one suspension
+    │   ├── SuspensionMismatch    the continuation names another suspension than the current
+    │   ├── SuspensionExpired     the run waited longer than its max_suspended_s
+    │   └── RunBusy               another worker holds the run's lease right now
+    ├── InvalidContinuation       a continuation's answer is not acceptable (size, blank, UTF-8)
+    ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
@@ -95,6 +101,83 @@ class RunRefused(RatchetError):
     def __init__(self, run_id: str, status: str, reason: str) -> None:
         super().__init__(f"run {run_id} is {status}: {reason}", run_id, status, reason)
         self.run_id, self.status, self.reason = run_id, status, reason
+
+
+class SuspensionAlreadyAnswered(RunRefused):
+    def __init__(self, run_id: str, status: str, suspension_seq: int, by: str) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is {status}: its suspension at seq {suspension_seq} was already "
+            f"answered by continuation {by}, so this different answer is refused; if the run "
+            f"asks again, answer that (`ratchet runs show {run_id}`)",
+            run_id,
+            status,
+            suspension_seq,
+            by,
+        )
+        self.run_id, self.status = run_id, status
+        self.reason = f"suspension at seq {suspension_seq} already answered by {by}"
+
+
+class SuspensionMismatch(RunRefused):
+    def __init__(self, run_id: str, status: str, answers_seq: int, current_seq: int) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is {status}: this continuation answers the suspension at seq "
+            f"{answers_seq}, but the run is waiting on the one at seq {current_seq}; read the "
+            f"current question with `ratchet runs show {run_id}` and answer that",
+            run_id,
+            status,
+            answers_seq,
+            current_seq,
+        )
+        self.run_id, self.status = run_id, status
+        self.reason = f"answers seq {answers_seq}, current suspension is seq {current_seq}"
+
+
+class SuspensionExpired(RunRefused):
+    def __init__(self, run_id: str, waited_s: float, max_suspended_s: float) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} waited {waited_s:g}s for an answer, over its agent's "
+            f"max_suspended_s of {max_suspended_s:g}; the run has expired (failed) and "
+            "cannot be continued — start a new run",
+            run_id,
+            waited_s,
+            max_suspended_s,
+        )
+        self.run_id, self.status = run_id, "failed"
+        self.reason = f"waited {waited_s:g}s, over max_suspended_s {max_suspended_s:g}"
+
+
+class RunBusy(RunRefused):
+    def __init__(self, run_id: str, status: str, waited_s: float) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is {status}: another worker held its lease for {waited_s:g}s; "
+            "try again in a moment (a message is retried by itself)",
+            run_id,
+            status,
+            waited_s,
+        )
+        self.run_id, self.status, self.reason = run_id, status, "lease held by another worker"
+
+
+class InvalidContinuation(RatchetError):
+    def __init__(self, run_id: str, problem: str) -> None:
+        super().__init__(f"continuation for run {run_id} refused: {problem}", run_id, problem)
+        self.run_id, self.problem = run_id, problem
+
+
+class MalformedContinuation(RatchetError):
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            f"continuation message refused: {problem}; expected a JSON object like "
+            '{"run_id": "…", "input": "…", "continuation_id": "…"} or '
+            '{"run_id": "…", "approve": true} or {"run_id": "…", "deny": "reason"}',
+            problem,
+        )
+        self.problem = problem
 
 
 class BindingChanged(RatchetError):

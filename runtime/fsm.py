@@ -250,6 +250,8 @@ FOLDS: dict[str, Fold] = {
     "run.completed": _ended(RunStatus.COMPLETED, "output"),
     "run.failed": _ended(RunStatus.FAILED, "reason"),
     "run.cancelled": _ended(RunStatus.CANCELLED, "reason"),
+    # A suspended run that waited longer than its agent's max_suspended_s.
+    "run.expired": _ended(RunStatus.FAILED, "reason"),
     "run.parked": _ended(RunStatus.NEEDS_RECONCILIATION, "reason"),
     "run.stalled": _ended(RunStatus.STALLED, "reason"),
     "run.dead_lettered": _ended(RunStatus.DEAD_LETTERED, "reason"),

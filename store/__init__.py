@@ -9,7 +9,14 @@ scheme                 snapshot store              run store
 ``file:///dir``        FileSnapshotStore           —
 ``sqlite:///path``     —                           SqliteRunStore
 ``redis://`` …         RedisSnapshotStore          RedisRunStore
+``s3://bucket/prefix``  S3SnapshotStore (extra s3)   —
 =====================  ==========================  ==========================
+
+Redis URLs take every form redis-py does — ``redis://[[user]:password@]host:port/db``,
+``rediss://`` (TLS; ``?ssl_cert_reqs=…&ssl_ca_certs=…``), ``unix:///path?db=0`` —
+and the keys of both Redis stores start with ``redis_prefix`` (setting
+``RATCHET_REDIS_PREFIX``, default ``ratchet``), so several deployments can
+share one server.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ def _path_of(url: str) -> Path:
     return Path(unquote(parts.path))
 
 
-def open_snapshot_store(url: str) -> SnapshotStore:
-    """Open the snapshot store a URL names; ValueError names the URL and what is accepted."""
+def open_snapshot_store(url: str, *, redis_prefix: str = "ratchet") -> SnapshotStore:
+    """Open the snapshot store a URL names; ValueError names the URL and what is accepted.
+
+    ImportError for ``s3://`` without the ``s3`` extra says what to install.
+    """
     scheme = urlsplit(url).scheme
     if scheme == "memory":
         from store.snapshots.memory import MemorySnapshotStore
@@ -42,13 +52,18 @@ def open_snapshot_store(url: str) -> SnapshotStore:
     if scheme in ("redis", "rediss", "unix"):
         from store.snapshots.redis import RedisSnapshotStore
 
-        return RedisSnapshotStore.from_url(url)
+        return RedisSnapshotStore.from_url(url, prefix=redis_prefix)
+    if scheme == "s3":
+        from store.snapshots.s3 import S3SnapshotStore
+
+        return S3SnapshotStore.from_url(url)
     raise ValueError(
-        f"snapshot store URL `{url}` is not one of memory://, file:///dir, redis://host:port/db"
+        f"snapshot store URL `{scheme}://…` is not one of memory://, file:///dir, "
+        "redis://host:port/db, s3://bucket/prefix"
     )
 
 
-def open_run_store(url: str) -> RunStore:
+def open_run_store(url: str, *, redis_prefix: str = "ratchet") -> RunStore:
     """Open the run store a URL names; ValueError names the URL and what is accepted."""
     scheme = urlsplit(url).scheme
     if scheme == "memory":
@@ -62,9 +77,9 @@ def open_run_store(url: str) -> RunStore:
     if scheme in ("redis", "rediss", "unix"):
         from store.runs.redis import RedisRunStore
 
-        return RedisRunStore.from_url(url)
+        return RedisRunStore.from_url(url, prefix=redis_prefix)
     raise ValueError(
-        f"run store URL `{url}` is not one of memory://, sqlite:///path, redis://host:port/db"
+        f"run store URL `{scheme}://…` is not one of memory://, sqlite:///path, redis://host:port/db"
     )
 
 

@@ -3,7 +3,17 @@
 Task names are stable (``ratchet.*``): durable messages outlive module paths.
 """
 
+from tasks.control import cancel_run, continue_run
+from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.start import start_run
 from tasks.turn import run_turn
 
-__all__ = ["run_turn", "start_run"]
+__all__ = [
+    "cancel_run",
+    "continue_run",
+    "reconcile_run",
+    "resume_run",
+    "run_turn",
+    "start_run",
+    "sweep",
+]

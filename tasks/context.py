@@ -55,8 +55,12 @@ def get_context() -> Context:
             settings = get_settings()
             _context = Context(
                 settings=settings,
-                snapshots=open_snapshot_store(settings.resolved_snapshot_store),
-                runs=open_run_store(settings.resolved_run_store),
+                snapshots=open_snapshot_store(
+                    settings.resolved_snapshot_store, redis_prefix=settings.redis_prefix
+                ),
+                runs=open_run_store(
+                    settings.resolved_run_store, redis_prefix=settings.redis_prefix
+                ),
             )
             _context_pid = os.getpid()
         return _context

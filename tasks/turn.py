@@ -22,6 +22,19 @@
 Every write is fenced: events need the lease and the next seq, snapshots a
 compare-and-set on seq. A worker that lost its lease cannot write; it logs why
 and stops.
+
+Hangs are bounded: a model or tool call runs in a thread of its own and the
+turn stops waiting after the agent's ``model_timeout_s`` / ``tool_timeout_s``.
+Python cannot kill a thread, so a call that times out is *abandoned*: it may
+still finish in the background, and whatever it reports afterwards is dropped.
+A model call that timed out is a failed attempt (``model.failed``; the next
+turn asks again, within ``max_turns``); an idempotent tool is tried again a
+bounded number of times; any other tool's outcome is unknown, so the run is
+parked as ``needs_reconciliation``.
+
+A worker told to shut down (SIGTERM, Celery's warm shutdown) ends the turn at
+the next transition boundary and chains the rest, so another worker carries on
+at once instead of waiting for the lease to expire.
 """
 
 from __future__ import annotations
@@ -31,9 +44,11 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
+
+from celery.signals import worker_shutting_down
 
 from runtime.agent import Agent, describe_binding_change
 from runtime.errors import (
@@ -59,7 +74,7 @@ from runtime.fsm import (
 )
 from runtime.models import Event, RunState, ToolCall, validate_run_id
 from runtime.providers import ModelRequest
-from runtime.tools import invoke
+from runtime.tools import ToolOutcome, ToolSpec, invoke
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
@@ -68,6 +83,60 @@ from worker.app import app
 log = logging.getLogger("ratchet.turn")
 
 _HOST = socket.gethostname()
+
+T = TypeVar("T")
+
+TOOL_TIMEOUT_ATTEMPTS = 3
+"""Tries in all for an idempotent tool that times out, before its call fails."""
+
+_stopping = threading.Event()
+
+
+@worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    # Sent in the worker's main process: with the solo and threads pools the turn runs
+    # in that process and sees the flag. A prefork child does not; Celery's warm
+    # shutdown then waits for its turn to end, bounded by turn_time_limit_s.
+    _stopping.set()
+
+
+def stopping() -> bool:
+    """This process was told to shut down: end turns at the next transition boundary."""
+    return _stopping.is_set()
+
+
+class CallTimedOut(Exception):
+    """A model or tool call did not return in time and was abandoned."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        super().__init__(f"{what} did not return within {timeout_s:g} s and was abandoned")
+        self.timeout_s = timeout_s
+
+
+def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``call`` in a daemon thread; raise CallTimedOut if it takes over ``timeout_s``.
+
+    The thread is abandoned, not stopped (Python cannot stop a thread): it is a
+    daemon, so it never holds the process open at exit.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the waiting thread as is
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"call-{what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise CallTimedOut(what, timeout_s)
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
 
 
 def new_owner() -> str:
@@ -104,12 +173,15 @@ def chain(run_id: str, done: Advanced) -> None:
     failpoints.hit("turn.enqueued", done.turns)
 
 
-def advance(ctx: Context, run_id: str, expected_seq: int | None) -> Advanced:
+def advance(
+    ctx: Context, run_id: str, expected_seq: int | None, owner: str | None = None
+) -> Advanced:
     """Take the lease, take one turn, release the lease. Does not chain.
 
     ``next`` means the turn ended with the next model call due: the caller chains it.
+    ``owner``: a caller that already holds the lease (a resume) passes its owner id.
     """
-    owner = new_owner()
+    owner = owner or new_owner()
     if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
         return Advanced("leased", -1, 0)
@@ -127,7 +199,8 @@ def advance(ctx: Context, run_id: str, expected_seq: int | None) -> Advanced:
                 turn.state.seq,
             )
             return Advanced("stale", turn.state.seq, turn.state.usage.model_turns)
-        outcome = turn.take()
+        with turn.heartbeat():
+            outcome = turn.take()
         return Advanced(outcome, turn.state.seq, turn.state.usage.model_turns)
     except (LeaseLost, StaleWrite) as exc:
         # A zombie: our lease expired and another worker moved the run on.
@@ -135,6 +208,48 @@ def advance(ctx: Context, run_id: str, expected_seq: int | None) -> Advanced:
         return Advanced("fenced", -1, 0)
     finally:
         ctx.runs.release_lease(run_id, owner)
+
+
+def load_state(ctx: Context, run_id: str) -> tuple[RunState, int | None] | None:
+    """The run's state and the seq of its stored snapshot; None if there is no such run.
+
+    A stale or missing snapshot is healed here: the events are the truth, and the
+    ones the snapshot lacks are folded onto it.
+    """
+    record = ctx.runs.get(run_id)
+    if record is None:
+        return None
+    state = ctx.snapshots.load(run_id)
+    snapshot_seq = state.seq if state is not None else None
+    if state is None or state.seq < record.last_seq:
+        for event in ctx.runs.events(run_id, after_seq=snapshot_seq or 0):
+            state = apply(state, event)
+        if snapshot_seq is not None:
+            log.info(
+                "run %s: snapshot at seq %s was stale; rebuilt to %s from events",
+                run_id,
+                snapshot_seq,
+                record.last_seq,
+            )
+    if state is None:
+        raise ValueError(f"run {run_id} has a record but no events to rebuild its state from")
+    return state, snapshot_seq
+
+
+def append_events(
+    ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
+) -> RunState:
+    """Append events after ``state`` (fenced by ``owner``'s lease and the seq); the new state."""
+    now = ctx.runs.clock()
+    events = []
+    for kind, data in items:
+        event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
+        state = apply(state, event)
+        events.append(event)
+    # A live run is overdue for the sweeper if nothing happens within one lease.
+    due = now + int(ctx.settings.lease_s * 1000)
+    ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
+    return state
 
 
 class Turn:
@@ -148,27 +263,14 @@ class Turn:
         self.state = state
         self.snapshot_seq = snapshot_seq
         self.owner = owner
+        self._recording = threading.RLock()
 
     @classmethod
     def open(cls, ctx: Context, run_id: str, owner: str) -> Turn | None:
-        record = ctx.runs.get(run_id)
-        if record is None:
+        loaded = load_state(ctx, run_id)
+        if loaded is None:
             return None
-        state = ctx.snapshots.load(run_id)
-        snapshot_seq = state.seq if state is not None else None
-        if state is None or state.seq < record.last_seq:
-            # Stale or missing snapshot: the events are the truth; fold what it lacks.
-            missing = ctx.runs.events(run_id, after_seq=snapshot_seq or 0)
-            for event in missing:
-                state = apply(state, event)
-            if snapshot_seq is not None:
-                log.info(
-                    "run %s: snapshot at seq %s was stale; rebuilt to %s from events",
-                    run_id,
-                    snapshot_seq,
-                    record.last_seq,
-                )
-        assert state is not None, "a run record always has its run.created event"
+        state, snapshot_seq = loaded
         return cls(ctx, ctx.agent(state.agent_file), state, snapshot_seq, owner)
 
     # --- the turn -----------------------------------------------------------
@@ -179,6 +281,13 @@ class Turn:
             return self._stall_on_binding()
         asked_model = False
         while True:
+            if stopping() and self.state.status.is_live:
+                log.info(
+                    "run %s: worker shutting down; stopping at seq %s and chaining the rest",
+                    self.state.run_id,
+                    self.state.seq,
+                )
+                return "next"
             action = decide(self.state, self.agent, self.ctx.runs.clock())
             if isinstance(action, Idle):
                 return "idle"
@@ -203,12 +312,26 @@ class Turn:
     def call_model(self, request: ModelRequest) -> None:
         turn = request.turn + 1
         self.record([("model.requested", {"turn": turn})])
+        abandoned = threading.Event()
+
+        def observe(kind: str, data: dict[str, Any]) -> None:
+            with self._recording:
+                if not abandoned.is_set():
+                    self.record([(kind, {"turn": turn, **data})])
+
+        timeout_s = self.agent.spec.model_timeout_s
         try:
-            with self.heartbeat():
-                response = self.agent.provider.complete(
-                    request,
-                    observer=lambda kind, data: self.record([(kind, {"turn": turn, **data})]),
-                )
+            response = bounded(
+                lambda: self.agent.provider.complete(request, observer=observe),
+                timeout_s,
+                f"model call for turn {turn}",
+            )
+        except CallTimedOut as exc:
+            with self._recording:
+                abandoned.set()
+            # A counted attempt: the next turn asks again, as a new model.requested.
+            self.record([("model.failed", {"turn": turn, "error": str(exc), "timeout": True})])
+            return
         except ProviderError as exc:
             self.record(
                 [
@@ -250,16 +373,41 @@ class Turn:
         if spec is None:
             outcome = unknown_tool_outcome(call, self.agent)
         else:
-            with self.heartbeat():
-                outcome = invoke(spec, call.arguments)
+            found = self._invoke_bounded(spec, call)
+            if found is None:
+                self.park(call, timed_out_s=self.agent.spec.tool_timeout_s)
+                return False
+            outcome = found
         failpoints.hit("tool.completed", turn)
         self.record(tool_events(call, outcome))
         self.checkpoint()
         return True
 
-    def park(self, call: ToolCall) -> None:
+    def _invoke_bounded(self, spec: ToolSpec, call: ToolCall) -> ToolOutcome | None:
+        """The tool's outcome; None when a non-idempotent call timed out (outcome unknown)."""
+        timeout_s = self.agent.spec.tool_timeout_s
+        attempts = TOOL_TIMEOUT_ATTEMPTS if spec.idempotent else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return bounded(lambda: invoke(spec, call.arguments), timeout_s, f"tool {call.name}")
+            except CallTimedOut as exc:
+                log.warning(
+                    "run %s: %s (attempt %s of %s)", self.state.run_id, exc, attempt, attempts
+                )
+        if not spec.idempotent:
+            return None
+        return ToolOutcome(
+            False, f"`{call.name}` did not return within {timeout_s:g} s, {attempts} times"
+        )
+
+    def park(self, call: ToolCall, timed_out_s: float | None = None) -> None:
+        cause = (
+            f"did not return within {timed_out_s:g} s and was abandoned"
+            if timed_out_s is not None
+            else "was in flight when a worker stopped"
+        )
         reason = (
-            f"tool `{call.name}` (call {call.id}) was in flight when a worker stopped and is not "
+            f"tool `{call.name}` (call {call.id}) {cause} and is not "
             f"idempotent, so it may or may not have run; check its effect, then "
             f"`ratchet runs reconcile {self.state.run_id} {call.id}` with --result, --retry or --fail"
         )
@@ -302,15 +450,8 @@ class Turn:
 
     def record(self, items: list[tuple[str, dict[str, Any]]]) -> None:
         """Append events (fenced by lease and seq) and the record they produce."""
-        now = self.ctx.runs.clock()
-        state, events = self.state, []
-        for kind, data in items:
-            event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
-            state = apply(state, event)
-            events.append(event)
-        due = now + int(self.ctx.settings.lease_s * 1000)
-        self.ctx.runs.append(RunRecord.from_state(state, now, due), events, self.owner)
-        self.state = state
+        with self._recording:
+            self.state = append_events(self.ctx, self.state, items, self.owner)
 
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
@@ -333,7 +474,10 @@ class Turn:
 
     @contextmanager
     def heartbeat(self) -> Iterator[None]:
-        """Renew the lease while a long model or tool call runs."""
+        """Renew the lease every third of it while the turn runs (model and tool calls too).
+
+        It stops with the process: a worker that is killed or frozen lets the lease expire.
+        """
         stop = threading.Event()
         interval = self.ctx.settings.lease_s / 3
 

@@ -18,11 +18,14 @@ import builtins
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from runtime.errors import RunNotFound
+from runtime.continuation import make_continuation
+from runtime.errors import RunNotFound, RunRefused
 from runtime.models import Event, RunStatus, validate_run_id
-from store.runs import RunRecord
+from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
+from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.start import create_run
 from tasks.turn import run_turn
 
@@ -42,6 +45,40 @@ class Ratchet:
         state = create_run(self.ctx, agent_file, text, run_id)
         run_turn.apply_async((state.run_id, state.seq))
         return state.run_id
+
+    def continue_run(
+        self,
+        run_id: str,
+        input: str | bytes | None = None,
+        approve: bool | None = None,
+        deny: str | None = None,
+        continuation_id: str | None = None,
+        suspension_seq: int | None = None,
+    ) -> str:
+        """Answer a suspended run now and queue its next turn; ``continued`` or ``duplicate``.
+
+        ``input`` answers a question or a blocker; ``approve=True`` or ``deny=REASON``
+        a tool awaiting approval. The same ``continuation_id`` twice is applied once
+        (``duplicate``). Refusals name the run and the problem: InvalidContinuation,
+        RunNotFound, RunRefused (and SuspensionAlreadyAnswered, SuspensionMismatch,
+        SuspensionExpired), BindingChanged.
+        """
+        continuation = make_continuation(
+            validate_run_id(run_id),
+            continuation_id or new_continuation_id(),
+            input=input,
+            approve=True if approve else None,
+            deny=deny,
+            suspension_seq=suspension_seq,
+        )
+        return apply_continuation(self.ctx, continuation)
+
+    def cancel(self, run_id: str, reason: str | None = None) -> RunRecord:
+        """Stop a live, suspended or parked run at its next boundary; returns its record.
+
+        RunRefused if it has already finished. A turn in progress stops at its next write.
+        """
+        return cancel(self.ctx, run_id, reason)
 
     def get(self, run_id: str) -> RunRecord:
         """The run's record; RunNotFound if there is none."""
@@ -87,3 +124,69 @@ class Ratchet:
         """The run's snapshot exactly as stored, or None (finished runs have none)."""
         self.get(run_id)
         return self.ctx.snapshots.load_document(run_id)
+
+    # --- recovery (tasks/recovery.py) -----------------------------------------
+
+    def resume(self, run_id: str) -> str:
+        """Enqueue a resume of a stopped run; returns the status it had.
+
+        Classified here first, so a run that cannot resume is refused at once:
+        RunRefused (complete, suspended, parked, no checkpoint, budget or
+        deadline exhausted, a worker holds it) or BindingChanged, each naming
+        the next step. The worker classifies again before it acts.
+        """
+        from tasks.recovery import examine, resume_run
+
+        state, _, verdict = examine(self.ctx, run_id)
+        if verdict.refusal is not None:
+            raise verdict.refusal
+        assert state is not None
+        lease = self.ctx.runs.lease(run_id)
+        if lease is not None:
+            raise RunRefused(
+                run_id,
+                state.status.value,
+                f"worker {lease.owner} holds its lease and is advancing it; nothing to resume "
+                f"(follow it with `ratchet runs events {run_id} --follow`)",
+            )
+        resume_run.apply_async((run_id, "operator", None))
+        return state.status.value
+
+    def reconcile(
+        self,
+        run_id: str,
+        call_id: str,
+        decision: str,
+        result: Any = None,
+        reason: str | None = None,
+    ) -> RunRecord:
+        """Decide the open call of a parked run (`result`, `retry` or `fail`); the run goes on.
+
+        RunRefused unless the run is needs_reconciliation and ``call_id`` is its open call.
+        """
+        from tasks.recovery import reconcile
+
+        self.get(run_id)
+        reconcile(self.ctx, run_id, call_id, decision, result, reason)
+        return self.get(run_id)
+
+    def open_call(self, run_id: str) -> JournalEntry | None:
+        """The journal's call with no recorded outcome, if any (what a parked run waits on)."""
+        self.get(run_id)
+        settled = {
+            e.data["call_id"]
+            for e in self.ctx.runs.events(run_id)
+            if e.type == "tool.reconciled" and e.data.get("decision") != "retry"
+        }
+        open_calls = [
+            e
+            for e in self.ctx.runs.journal(run_id)
+            if e.status == "requested" and e.call_id not in settled
+        ]
+        return open_calls[-1] if open_calls else None
+
+    def sweep(self) -> builtins.list[str]:
+        """One crash sweep: enqueue a resume for each orphaned run; their ids."""
+        from tasks.recovery import sweep_orphans
+
+        return sweep_orphans(self.ctx)

@@ -58,15 +58,34 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_routes": {
             "ratchet.start": {"queue": TURNS_QUEUE},
             "ratchet.turn": {"queue": TURNS_QUEUE},
+            "ratchet.continue": {"queue": CONTROL_QUEUE},
+            "ratchet.cancel": {"queue": CONTROL_QUEUE},
+            "ratchet.resume": {"queue": TURNS_QUEUE},
+            "ratchet.sweep": {"queue": CONTROL_QUEUE},
+            "ratchet.reconcile": {"queue": CONTROL_QUEUE},
+        },
+        # `celery -A worker beat` sends the crash sweeper; a sweep that waited longer
+        # than one interval is dropped, since the next one is already on its way.
+        "beat_schedule": {
+            "ratchet.sweep": {
+                "task": "ratchet.sweep",
+                "schedule": settings.sweep_interval_s,
+                "options": {"queue": CONTROL_QUEUE, "expires": settings.sweep_interval_s},
+            }
         },
         "task_time_limit": settings.turn_time_limit_s,
         "imports": ("tasks",),
+        # Read by worker.consumer.ContinuationConsumer (plain-JSON continuations).
+        "ratchet_continuations_queue": settings.continuations_queue,
     }
 
 
 def make_app(settings: Settings | None = None) -> Celery:
+    from worker.consumer import ContinuationConsumer
+
     app = Celery("ratchet")
     app.conf.update(celery_config(settings or get_settings()))
+    app.steps["consumer"].add(ContinuationConsumer)
     return app
 
 

@@ -186,3 +186,7 @@ def demo(agent_file: str | None, text: str) -> None:
     from worker.demo import run_demo
 
     sys.exit(run_demo(agent_file, text))
+
+
+# Command modules register themselves on the groups above.
+from worker import cli_control, cli_recovery  # noqa: E402,F401

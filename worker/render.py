@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 from runtime.models import Event
-from store.runs import RunRecord
+from store.runs import JournalEntry, RunRecord
 
 
 def _clip(text: str, width: int = 70) -> str:
@@ -38,8 +39,22 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
         return f"{d['name']} ✗ {_clip(d.get('error', ''), 55)}"
     if kind == "run.completed":
         return _clip(d.get("output", ""), 70)
-    if kind in ("run.failed", "run.stalled", "run.parked", "run.cancelled", "model.failed"):
+    if kind in (
+        "run.failed",
+        "run.stalled",
+        "run.parked",
+        "run.cancelled",
+        "run.expired",
+        "model.failed",
+    ):
         return _clip(str(d.get("reason") or d.get("error") or ""), 90)
+    if kind == "run.continued":
+        given = d.get("input")
+        if given is not None:
+            answer = _clip(str(given), 50)
+        else:
+            answer = "approved" if d.get("approved") else f"denied: {d.get('reason')}"
+        return f"{answer} [{d.get('continuation_id')}] after {_seconds(d.get('suspended_ms', 0))}"
     if kind == "run.suspended":
         return f"{d['reason']}: {_clip(d.get('prompt', ''), 60)}"
     return _clip(json.dumps(d, sort_keys=True), 70)
@@ -49,7 +64,37 @@ def event_line(event: Event) -> str:
     return f"{event.seq:>5}  {_when(event.at_ms)}  {event.type:<16}  {_summary(event)}"
 
 
-def record_lines(record: RunRecord) -> list[str]:
+def _seconds(ms: int) -> str:
+    return f"{max(ms, 0) / 1000:.1f}s"
+
+
+def time_lines(record: RunRecord, now_ms: int) -> list[str]:
+    """Time running (what the deadline counts) and time suspended (what it does not)."""
+    waiting = record.suspension
+    ended_ms = now_ms if record.status.is_live else record.updated_at_ms
+    if waiting is not None:
+        ended_ms = waiting.since_ms
+    running_ms = ended_ms - record.created_at_ms - record.suspended_ms
+    suspended_ms = record.suspended_ms + (now_ms - waiting.since_ms if waiting else 0)
+    timeout = record.budgets.get("timeout_seconds")
+    of = f" of {timeout}s" if timeout else ""
+    lines = [f"time       running {_seconds(running_ms)}{of}, suspended {_seconds(suspended_ms)}"]
+    if waiting is not None:
+        lines.append(
+            f"waiting    {waiting.reason.value} since {_when(waiting.since_ms)} "
+            f"(seq {waiting.seq}, {_seconds(now_ms - waiting.since_ms)})"
+        )
+        if waiting.reason.value == "awaiting_approval":
+            arguments = json.dumps(waiting.arguments, sort_keys=True, ensure_ascii=False)
+            lines.append(f"tool       {waiting.tool}({_clip(arguments, 80)})")
+        else:
+            lines.append(f"prompt     {waiting.prompt}")
+    return lines
+
+
+def record_lines(record: RunRecord, now_ms: int | None = None) -> list[str]:
+    """The run as `runs show` prints it; ``now_ms`` defaults to the wall clock."""
+    now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     u, b = record.usage, record.budgets
     tokens_limit = b.get("max_total_tokens") or "∞"
     lines = [
@@ -62,10 +107,23 @@ def record_lines(record: RunRecord) -> list[str]:
         f"events     {record.last_seq}",
         f"created    {_when(record.created_at_ms)}   updated {_when(record.updated_at_ms)}",
     ]
-    if record.suspended_ms:
-        lines.append(f"suspended  {record.suspended_ms / 1000:.1f}s in all")
+    lines.extend(time_lines(record, now_ms))
     if record.output is not None:
         lines.append(f"output     {record.output}")
     if record.error:
         lines.append(f"last error {record.error}")
     return lines
+
+
+def open_call_lines(entry: JournalEntry) -> list[str]:
+    """The tool call a run has open: what an operator checks before reconciling it."""
+    arguments = json.dumps(entry.arguments, sort_keys=True, ensure_ascii=False)
+    return [
+        f"open call  {entry.call_id}  {entry.tool}({_clip(arguments, 200)})",
+        f"           requested {_day(entry.requested_at_ms)} (seq {entry.requested_seq}); "
+        "outcome unknown",
+    ]
+
+
+def _day(at_ms: int) -> str:
+    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,17 +23,38 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     """Celery broker; default `filesystem://` under the data dir. E.g. redis://127.0.0.1:6379/0."""
     snapshot_store: str | None = None
-    """memory://, file:///dir or redis://…; default file://<data_dir>/snapshots."""
+    """memory://, file:///dir, redis://… or s3://bucket/prefix; default file://<data_dir>/snapshots."""
     run_store: str | None = None
     """memory://, sqlite:///path or redis://…; default sqlite://<data_dir>/runs.sqlite3."""
+    redis_prefix: str = Field(default="ratchet", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    """First part of every key the Redis stores write; deployments sharing a server differ here."""
     lease_s: float = Field(default=10.0, gt=0)
     """How long a worker's claim on a run lasts without a heartbeat."""
     visibility_timeout_s: int = Field(default=3600, gt=0)
     """Redis broker only: must exceed the longest turn, or Celery delivers a turn twice."""
     filesystem_polling_interval_s: float = Field(default=0.01, gt=0)
     """filesystem:// broker only: how often a worker looks for new messages."""
+    continuations_queue: str = Field(default="ratchet.continuations", min_length=1)
+    """Queue of plain-JSON continuation messages from non-Celery producers (same broker)."""
     turn_time_limit_s: int = Field(default=1800, gt=0)
-    """Celery's hard time limit for one turn task."""
+    """Celery's hard time limit for one turn task; must stay below `visibility_timeout_s`."""
+    sweep_interval_s: float = Field(default=2.0, gt=0)
+    """How often the crash sweeper (`celery -A worker beat`, `ratchet sweep`) looks for orphans."""
+    max_recovery_attempts: int = Field(default=5, ge=1)
+    """Sweeper resumes in a row without progress before a run is dead-lettered."""
+
+    @model_validator(mode="after")
+    def _turn_fits_in_visibility_timeout(self) -> Settings:
+        # A turn that outlives the Redis visibility timeout is delivered again while it
+        # still runs (CELERY-NOTES): the time limit must end it first.
+        if self.turn_time_limit_s >= self.visibility_timeout_s:
+            raise ValueError(
+                f"RATCHET_TURN_TIME_LIMIT_S ({self.turn_time_limit_s}) must be below "
+                f"RATCHET_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}), or the broker "
+                "delivers a long turn a second time while it still runs; lower the one or "
+                "raise the other"
+            )
+        return self
 
     @property
     def resolved_data_dir(self) -> Path:

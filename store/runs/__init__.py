@@ -31,7 +31,15 @@ from typing import Any
 from pydantic import Field
 
 from runtime.errors import StaleWrite
-from runtime.models import Event, RunState, RunStatus, Strict, Usage, validate_run_id
+from runtime.models import (
+    Event,
+    RunState,
+    RunStatus,
+    Strict,
+    Suspension,
+    Usage,
+    validate_run_id,
+)
 from store.retry import with_retries
 
 
@@ -58,6 +66,8 @@ class RunRecord(Strict):
     recovery_attempts: int = 0
     due_at_ms: int | None = None
     """Live runs only: when the next step is overdue; the sweeper's index."""
+    suspension: Suspension | None = None
+    """Suspended runs only: what the run waits for, and since when."""
 
     @classmethod
     def from_state(cls, state: RunState, now_ms: int, due_at_ms: int | None) -> RunRecord:
@@ -77,6 +87,7 @@ class RunRecord(Strict):
             suspended_ms=state.suspended_ms,
             recovery_attempts=state.recovery_attempts,
             due_at_ms=due_at_ms if state.status.is_live else None,
+            suspension=state.suspension if state.status.is_suspended else None,
         )
 
 

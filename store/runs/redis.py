@@ -4,7 +4,8 @@ Key layout (``prefix`` defaults to ``ratchet``; ``{<id>}`` is the run's hash tag
 so every key of one run lives in one Cluster slot, next to its snapshot)::
 
     {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status
-    {prefix}:run:{<id>}:events        zset  Event JSON scored by seq
+    {prefix}:run:{<id>}:events        zset  Event JSON scored by seq (zlib-packed when that
+                                            makes it shorter: see store.packing)
     {prefix}:run:{<id>}:lease         hash  owner, expires_at_ms (PX TTL: lease + grace)
     {prefix}:runs:by_created          zset  run id scored by created_at_ms   (list)
     {prefix}:runs:status:<status>     zset  run id scored by created_at_ms   (list by status)
@@ -28,11 +29,14 @@ from typing import cast
 
 import redis
 
-from runtime.errors import LeaseLost, StaleWrite
+from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
+from store.packing import pack, unpack
 from store.runs import Lease, RunRecord, RunStore, wall_ms
-from store.snapshots.redis import connect, translated, where
+from store.snapshots.redis import DEFAULT_PREFIX, checked_prefix, connect, translated, where
 
+MAX_EVENT_BYTES = 64 * 1024 * 1024
+"""An event inflating past this is refused as corrupt (a guard, not a format limit)."""
 LEASE_TTL_GRACE_MS = 60_000
 """A lease key outlives its expiry by this much, so clock skew between workers
 and Redis never deletes a lease its owner still holds."""
@@ -118,19 +122,34 @@ return nil
 """
 
 
+def _packed(event: Event) -> bytes:
+    # A tool result of a few KiB is most of a turn's bytes; the event log keeps every one.
+    return pack(event.model_dump_json().encode())
+
+
+def _unpacked(data: bytes, store: str) -> Event:
+    try:
+        return Event.model_validate_json(unpack(data, MAX_EVENT_BYTES))
+    except ValueError as exc:
+        raise StoreError(
+            f"{store} holds an unreadable event ({exc}); the log is damaged — restore the "
+            "server from a backup"
+        ) from exc
+
+
 class RedisRunStore(RunStore):
     name = "redis run store"
 
     def __init__(
         self,
         client: redis.Redis,
-        prefix: str = "ratchet",
+        prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], int] = wall_ms,
         url: str = "redis",
     ) -> None:
         super().__init__(clock)
         self._client = client
-        self._prefix = prefix
+        self._prefix = checked_prefix(prefix)
         self._where = f"run store {where(url)}"
         self._by_created = f"{prefix}:runs:by_created"
         self._status_prefix = f"{prefix}:runs:status:"
@@ -142,7 +161,7 @@ class RedisRunStore(RunStore):
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str = "ratchet", clock: Callable[[], int] = wall_ms
+        cls, url: str, prefix: str = DEFAULT_PREFIX, clock: Callable[[], int] = wall_ms
     ) -> RedisRunStore:
         """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
         return cls(connect(url), prefix, clock, url)
@@ -175,7 +194,7 @@ class RedisRunStore(RunStore):
             self._status_key(record.status),
             self._due,
         ]
-        args = [*self._record_args(record), str(first.seq), first.model_dump_json()]
+        args: list[str | bytes] = [*self._record_args(record), str(first.seq), _packed(first)]
         with translated(self._where):
             found = cast("bytes | None", self._create_script(keys=keys, args=args))
         if found is not None:
@@ -194,7 +213,7 @@ class RedisRunStore(RunStore):
             self._status_key(record.status),
             self._due,
         ]
-        args = [
+        args: list[str | bytes] = [
             *self._record_args(record),
             str(expected),
             "0" if owner is None else "1",
@@ -203,7 +222,7 @@ class RedisRunStore(RunStore):
             self._status_prefix,
         ]
         for event in events:
-            args += [str(event.seq), event.model_dump_json()]
+            args += [str(event.seq), _packed(event)]
         with translated(self._where):
             refused = cast("list[bytes] | None", self._append_script(keys=keys, args=args))
         if refused is None:
@@ -242,7 +261,7 @@ class RedisRunStore(RunStore):
                 found = self._client.zrangebyscore(key, f"({after_seq}", "+inf")
             else:
                 found = self._client.zrangebyscore(key, f"({after_seq}", "+inf", start=0, num=limit)
-        return [Event.model_validate_json(data) for data in cast("list[bytes]", found)]
+        return [_unpacked(data, self._where) for data in cast("list[bytes]", found)]
 
     # --- leases -------------------------------------------------------------
 

@@ -10,18 +10,99 @@ backend implements four primitives: ``_put``, ``_get``, ``_delete``, ``_list``.
 and woke up late can therefore never overwrite a newer snapshot.
 
 Backends: ``memory://`` (tests), ``file:///dir`` (embedded default),
-``redis://…``.
+``redis://…``, ``s3://bucket/prefix`` (extra ``ratchet[s3]``).
+
+**Appending backends** (redis, s3) keep the bytes a save writes flat as the
+transcript grows: they set ``appends_transcript`` and store a *head* (the
+document with an empty transcript) plus the transcript's messages, appending
+only the new ones (see :mod:`store.snapshots.format`). The base class plans
+the write — which messages are new, the hash chain that proves the stored
+transcript is a prefix of the new one, the full document's size against the
+limit — so such a backend implements ``_put_parts``, ``_read_tip`` and
+``_read`` instead of ``_put`` for saves. ``load_document`` still returns the
+document byte-identical to :func:`~store.snapshots.format.encode`.
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
+import logging
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from runtime.errors import StaleWrite
-from runtime.models import RunState, validate_run_id
+from runtime.errors import SnapshotTooLarge, StaleWrite
+from runtime.models import Message, RunState, validate_run_id
 from store.retry import with_retries
 from store.snapshots import format as snapshot_format
+
+log = logging.getLogger(__name__)
+
+KNOWN_RUNS = 64
+"""Runs whose last loaded or saved transcript a store remembers, to find the new messages."""
+
+
+@dataclass(frozen=True)
+class TranscriptTip:
+    """What an appending backend holds of a run's transcript."""
+
+    length: int
+    """Messages stored."""
+    size: int
+    """Bytes of their fragments, for the document's size without assembling it."""
+    chain: str
+    """Hash chain over the fragments (:func:`~store.snapshots.format.chain`)."""
+
+
+EMPTY_TIP = TranscriptTip(0, 0, snapshot_format.GENESIS)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One planned save of an appending backend."""
+
+    seq: int
+    head: bytes
+    """The document with an empty transcript."""
+    base: TranscriptTip | None
+    """The stored transcript this save appends to; ``None``: replace it whole."""
+    fragments: tuple[bytes, ...]
+    """The messages after ``base`` (all of them when replacing)."""
+    tip: TranscriptTip
+    """The transcript once written."""
+
+
+class TranscriptMoved(Exception):
+    """The stored seq is the expected one but its transcript is not ``Parts.base``.
+
+    Only a run deleted and started afresh under the same id gets here; the base
+    class re-plans from what is stored. Never leaves the store.
+    """
+
+
+@dataclass(frozen=True)
+class _Known:
+    seq: int
+    transcript: tuple[Message, ...]
+    tip: TranscriptTip
+
+
+def _chains_to(new: Sequence[Message], tip: TranscriptTip) -> bool:
+    """``new`` starts with the transcript ``tip`` describes (costs an encoding of that prefix)."""
+    if len(new) < tip.length:
+        return False
+    prefix = (snapshot_format.encode_fragment(m) for m in new[: tip.length])
+    return snapshot_format.chain(snapshot_format.GENESIS, prefix) == tip.chain
+
+
+def _extends(new: tuple[Message, ...], old: tuple[Message, ...]) -> bool:
+    # Messages are frozen and a state grows by `transcript + (message,)`: tuple
+    # equality compares items by identity first, so this costs a pointer walk in C,
+    # and falls back to field equality only for a state rebuilt from events.
+    return len(new) >= len(old) and new[: len(old)] == old
 
 
 class SnapshotStore(ABC):
@@ -29,6 +110,14 @@ class SnapshotStore(ABC):
 
     max_bytes: int = snapshot_format.MAX_BYTES
     name: str = "snapshot store"
+    appends_transcript: bool = False
+    """The backend implements ``_put_parts``/``_read_tip``/``_read``: saves write only new messages."""
+
+    def __init__(self) -> None:
+        # Appending backends only: the transcript last loaded or saved per run, so
+        # that a save finds its new messages without reading the store first.
+        self._known_lock = threading.Lock()
+        self._known_runs: OrderedDict[str, _Known] = OrderedDict()
 
     def save(self, state: RunState, expected_seq: int | None) -> None:
         """Store ``state`` as the run's snapshot if the stored one has seq ``expected_seq``.
@@ -37,6 +126,9 @@ class SnapshotStore(ABC):
         bounded retries. A failed save leaves the previous snapshot intact.
         """
         run_id = validate_run_id(state.run_id)
+        if self.appends_transcript:
+            self._save_parts(run_id, state, expected_seq)
+            return
         data = snapshot_format.encode(state, self.max_bytes)
         try:
             with_retries(lambda: self._put(run_id, state, data, expected_seq))
@@ -49,10 +141,21 @@ class SnapshotStore(ABC):
     def load(self, run_id: str) -> RunState | None:
         """The run's snapshot, or ``None`` if it has none."""
         run_id = validate_run_id(run_id)
-        data = with_retries(lambda: self._get(run_id))
-        if data is None:
-            return None
-        return snapshot_format.decode(data, f"snapshot of run {run_id}", self.max_bytes)
+        tip: TranscriptTip | None = None
+        if self.appends_transcript:
+            found = with_retries(lambda: self._read(run_id))
+            if found is None:
+                return None
+            data, tip = found
+        else:
+            stored = with_retries(lambda: self._get(run_id))
+            if stored is None:
+                return None
+            data = stored
+        state = snapshot_format.decode(data, f"snapshot of run {run_id}", self.max_bytes)
+        if tip is not None:
+            self._remember(run_id, state.seq, state.transcript, tip)
+        return state
 
     def load_document(self, run_id: str) -> bytes | None:
         """The snapshot exactly as a person reads it (``ratchet snapshots show``)."""
@@ -62,6 +165,8 @@ class SnapshotStore(ABC):
     def delete(self, run_id: str) -> None:
         """Remove the run's snapshot; deleting a missing one is not an error."""
         run_id = validate_run_id(run_id)
+        if self.appends_transcript:
+            self._forget(run_id)
         with_retries(lambda: self._delete(run_id))
 
     def list(self) -> builtins.list[str]:
@@ -70,6 +175,103 @@ class SnapshotStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the store is not used afterwards."""
+
+    # --- appending backends: plan once, write only what is new ---------------
+
+    def _save_parts(self, run_id: str, state: RunState, expected_seq: int | None) -> None:
+        for _ in range(2):
+            parts = self._plan(run_id, state, expected_seq)
+            put = functools.partial(self._put_parts, run_id, parts, expected_seq)
+            try:
+                with_retries(put)
+            except TranscriptMoved:
+                self._forget(run_id)
+                continue
+            except StaleWrite as exc:
+                self._forget(run_id)
+                # A retried write whose first attempt landed but whose reply was lost
+                # finds its own document: that is success, not a conflict.
+                if exc.found_seq != state.seq or self._get(run_id) != snapshot_format.encode(
+                    state, self.max_bytes
+                ):
+                    raise
+            self._remember(run_id, state.seq, state.transcript, parts.tip)
+            return
+        raise StaleWrite(run_id, expected_seq, expected_seq)
+
+    def _plan(self, run_id: str, state: RunState, expected_seq: int | None) -> Parts:
+        """Which messages are new, and the document's full size against the limit."""
+        messages = state.transcript
+        base: TranscriptTip | None = None
+        if expected_seq is not None:
+            known = self._known(run_id)
+            if known is not None and known.seq == expected_seq:
+                base = known.tip if _extends(messages, known.transcript) else None
+                diverged = base is None
+            else:
+                stored = with_retries(lambda: self._read_tip(run_id))
+                # Nothing stored at the expected seq: the compare-and-set refuses the
+                # save anyway. Stored whole (no tip): the save replaces it.
+                if stored is not None and stored[0] == expected_seq and stored[1] is not None:
+                    base = stored[1] if _chains_to(messages, stored[1]) else None
+                diverged = stored is not None and stored[1] is not None and base is None
+            if diverged:
+                # Never expected (a transcript only grows); the compare-and-set on seq
+                # still guards the rewrite.
+                log.warning(
+                    "run %s: the stored transcript is not a prefix of the one saved at seq %s; "
+                    "rewriting it whole",
+                    run_id,
+                    state.seq,
+                )
+        start = base.length if base is not None else 0
+        fragments = tuple(snapshot_format.encode_fragment(m) for m in messages[start:])
+        before = base if base is not None else EMPTY_TIP
+        tip = TranscriptTip(
+            length=len(messages),
+            size=before.size + sum(len(f) for f in fragments),
+            chain=snapshot_format.chain(before.chain, fragments),
+        )
+        head = snapshot_format.encode_head(state)
+        size = snapshot_format.document_size(head, tip.length, tip.size)
+        if size > self.max_bytes:
+            raise SnapshotTooLarge(run_id, size, self.max_bytes)
+        return Parts(state.seq, head, base, fragments, tip)
+
+    def _known(self, run_id: str) -> _Known | None:
+        with self._known_lock:
+            return self._known_runs.get(run_id)
+
+    def _remember(
+        self, run_id: str, seq: int, transcript: tuple[Message, ...], tip: TranscriptTip
+    ) -> None:
+        with self._known_lock:
+            self._known_runs[run_id] = _Known(seq, transcript, tip)
+            self._known_runs.move_to_end(run_id)
+            while len(self._known_runs) > KNOWN_RUNS:
+                self._known_runs.popitem(last=False)
+
+    def _forget(self, run_id: str) -> None:
+        with self._known_lock:
+            self._known_runs.pop(run_id, None)
+
+    def _put_parts(self, run_id: str, parts: Parts, expected_seq: int | None) -> None:
+        """Appending backends: write ``parts`` if the stored seq is ``expected_seq``.
+
+        With ``parts.base`` set, also require the stored transcript to be exactly
+        it (else raise TranscriptMoved) and append ``parts.fragments``; with
+        ``None``, replace the stored transcript by them. Raise StaleWrite on a seq
+        mismatch. A reader must never see a head whose messages are not all stored.
+        """
+        raise NotImplementedError(f"{self.name} does not append transcripts")
+
+    def _read_tip(self, run_id: str) -> tuple[int, TranscriptTip | None] | None:
+        """Appending backends: the stored seq and transcript tip (``None``: stored whole)."""
+        raise NotImplementedError(f"{self.name} does not append transcripts")
+
+    def _read(self, run_id: str) -> tuple[bytes, TranscriptTip | None] | None:
+        """Appending backends: the assembled document and its tip, from one consistent read."""
+        raise NotImplementedError(f"{self.name} does not append transcripts")
 
     # --- primitives: what a backend implements -----------------------------
 

@@ -16,7 +16,9 @@ a golden file of each lives in ``tests/golden/`` and is decoded on every run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from typing import Final, Literal
 
 from pydantic import ValidationError
@@ -27,7 +29,7 @@ from runtime.errors import (
     SnapshotUnsupportedVersion,
     SnapshotWrongKind,
 )
-from runtime.models import RunState, Strict
+from runtime.models import Message, RunState, Strict
 
 KIND: Final = "ratchet.snapshot"
 VERSION = 1
@@ -48,6 +50,60 @@ def encode(state: RunState, max_bytes: int = MAX_BYTES) -> bytes:
     if len(data) > max_bytes:
         raise SnapshotTooLarge(state.run_id, len(data), max_bytes)
     return data
+
+
+# --- the document in parts: what the appending backends (redis, s3) store ---------
+#
+# The transcript only grows, so a backend may store the document as a *head*
+# (the document with an empty transcript) plus one *fragment* per message: the
+# message exactly as it is laid out inside the document. Joining them back is
+# byte concatenation, so the reassembled document is byte-identical to
+# :func:`encode`, and its size is known without encoding the whole of it.
+
+_SLOT: Final = b'\n    "transcript": []'
+"""Where the run's transcript sits in the head. Keys of deeper objects are indented further,
+and a key inside a JSON string has its quotes escaped, so this occurs once."""
+_INDENT: Final = b"      "
+GENESIS: Final = "0" * 64
+"""The chain hash of an empty transcript."""
+
+
+def encode_head(state: RunState) -> bytes:
+    """The document of ``state`` with an empty transcript (not size-checked)."""
+    return encode(state.model_copy(update={"transcript": ()}), max_bytes=2**63)
+
+
+def encode_fragment(message: Message) -> bytes:
+    """``message`` exactly as :func:`encode` lays it out inside the transcript array."""
+    text = json.dumps(message.model_dump(mode="json"), sort_keys=True, indent=2, ensure_ascii=False)
+    return _INDENT + text.encode().replace(b"\n", b"\n" + _INDENT)
+
+
+def chain(before: str, fragments: Iterable[bytes]) -> str:
+    """Fold fragments into a hash chain: equal chains mean equal transcripts (prefix included)."""
+    digest = before
+    for fragment in fragments:
+        digest = hashlib.sha256(digest.encode() + fragment).hexdigest()
+    return digest
+
+
+def document_size(head: bytes, length: int, fragment_bytes: int) -> int:
+    """Bytes of the assembled document: ``length`` fragments of ``fragment_bytes`` in all."""
+    if length == 0:
+        return len(head)
+    # `[]` becomes `[\n` + fragments joined by `,\n` + `\n    ]`.
+    return len(head) - 2 + 2 + fragment_bytes + 2 * (length - 1) + 6
+
+
+def assemble(head: bytes, fragments: Sequence[bytes]) -> bytes:
+    """The whole document from its head and its transcript's fragments, in order."""
+    if not fragments:
+        return head
+    at = head.find(_SLOT)
+    if at < 0 or head.find(_SLOT, at + 1) >= 0:
+        raise ValueError("not a snapshot head: no single run-level empty transcript")
+    cut = at + len(_SLOT) - 2
+    return b"".join((head[:cut], b"[\n", b",\n".join(fragments), b"\n    ]", head[cut + 2 :]))
 
 
 def decode(data: bytes, where: str, max_bytes: int = MAX_BYTES) -> RunState:

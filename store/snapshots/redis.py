@@ -1,14 +1,27 @@
-"""Snapshots in Redis: one hash per run, written by a compare-and-set script.
+"""Snapshots in Redis: a head per run plus its transcript, appended by a compare-and-set script.
 
-Key layout (``prefix`` defaults to ``ratchet``)::
+Key layout (``prefix`` defaults to ``ratchet``, setting ``RATCHET_REDIS_PREFIX``)::
 
-    {prefix}:run:{<run_id>}:snapshot   hash  seq -> stored seq, doc -> the JSON document
-    {prefix}:snapshots                 set   ids of the runs that have a snapshot
+    {prefix}:run:{<run_id>}:snapshot    hash  seq    stored seq
+                                              head   the document with an empty transcript
+                                              n, size, chain   the transcript's tip
+                                              (or doc: a whole document, see below)
+    {prefix}:run:{<run_id>}:transcript  list  one fragment per message, in order
+    {prefix}:snapshots                  set   ids of the runs that have a snapshot
+
+A save sends the head and only the messages added since the stored seq, so
+the bytes a checkpoint writes stay flat however long the transcript grows;
+``load_document`` joins them back into the document, byte-identical to
+:func:`store.snapshots.format.encode`. Heads and fragments are zlib-packed
+(:mod:`store.packing`). A document written whole (``doc``: by the previous
+layout, or by a test standing in for a bad writer) is read as it is and
+replaced whole by the next save.
 
 The ``{<run_id>}`` hash tag puts every key of a run, in this store and in
-:mod:`store.runs.redis`, in one Cluster slot. The compare-and-set runs
-server-side in one Lua script, so two workers racing on a run cannot both
-win, and a document is replaced whole or not at all.
+:mod:`store.runs.redis`, in one Cluster slot. The compare-and-set (seq, and
+for an append the stored transcript's length and hash chain) and the writes
+run server-side in one Lua script, so two workers racing on a run cannot both
+win, and a snapshot is replaced whole or not at all.
 
 The client is fork-safe: redis-py's connection pool notices a changed pid and
 opens new sockets in the child, so Celery's prefork pool may inherit a store.
@@ -16,6 +29,7 @@ opens new sockets in the child, so Celery's prefork pool may inherit a store.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import cast
@@ -25,16 +39,21 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from runtime.errors import StaleWrite, StoreError, StoreUnavailable
+from runtime.errors import SnapshotMalformed, StaleWrite, StoreError, StoreUnavailable
 from runtime.models import RunState
-from store.snapshots import SnapshotStore
+from store.packing import pack, unpack
+from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
+from store.snapshots import format as snapshot_format
 
 SOCKET_TIMEOUT_S = 5.0
 """Longest wait for one reply; a 16 MiB document crosses a LAN well within it."""
 HEALTH_CHECK_INTERVAL_S = 15
 """A pooled connection idle this long is PINGed before use (it may have died in a failover)."""
 
-# KEYS[1] the run's snapshot hash, KEYS[2] the index set.
+DEFAULT_PREFIX = "ratchet"
+PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+# KEYS[1] the run's snapshot hash, KEYS[2] the index set, KEYS[3] the transcript list.
 # ARGV: expected seq ("" for none stored), new seq, document, run id.
 # Returns nil when written, else {found seq or ""}.
 # The index set is in another slot than the run's hash: on Redis Cluster the
@@ -44,7 +63,38 @@ local found = redis.call('HGET', KEYS[1], 'seq') or ''
 if found ~= ARGV[1] then
   return {found}
 end
+redis.call('DEL', KEYS[3])
+redis.call('HDEL', KEYS[1], 'head', 'n', 'size', 'chain')
 redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'doc', ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[4])
+return nil
+"""
+
+# KEYS[1] the run's snapshot hash, KEYS[2] the index set, KEYS[3] the transcript list.
+# ARGV: [1] expected seq ("" for none), [2] new seq, [3] head, [4] run id,
+#       [5] "append" or "replace", [6] base length, [7] base chain,
+#       [8] new length, [9] new size, [10] new chain, [11..] the fragments to push.
+# Returns nil when written, {'stale', found seq or ""}, or {'moved'} when the seq
+# matches but the stored transcript is not the base this append was planned on.
+_PUT_PARTS = """
+local found = redis.call('HGET', KEYS[1], 'seq') or ''
+if found ~= ARGV[1] then
+  return {'stale', found}
+end
+if ARGV[5] == 'append' then
+  local tip = redis.call('HMGET', KEYS[1], 'n', 'chain')
+  if tip[1] ~= ARGV[6] or tip[2] ~= ARGV[7] or redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[6]) then
+    return {'moved'}
+  end
+else
+  redis.call('DEL', KEYS[3])
+end
+for i = 11, #ARGV do
+  redis.call('RPUSH', KEYS[3], ARGV[i])
+end
+redis.call('HDEL', KEYS[1], 'doc')
+redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'head', ARGV[3], 'n', ARGV[8], 'size', ARGV[9],
+  'chain', ARGV[10])
 redis.call('SADD', KEYS[2], ARGV[4])
 return nil
 """
@@ -96,46 +146,142 @@ def where(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
+def checked_prefix(prefix: str) -> str:
+    """``prefix`` if it can start every key of ours; ValueError saying what is accepted."""
+    if not PREFIX_PATTERN.fullmatch(prefix):
+        raise ValueError(
+            f"Redis key prefix {prefix!r}: use 1-64 letters, digits, `_`, `.`, `:` or `-` "
+            "(no braces: they would change which Cluster slot a run's keys hash to)"
+        )
+    return prefix
+
+
 class RedisSnapshotStore(SnapshotStore):
     name = "redis snapshot store"
+    appends_transcript = True
 
-    def __init__(self, client: redis.Redis, prefix: str = "ratchet", url: str = "redis") -> None:
+    def __init__(
+        self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, url: str = "redis"
+    ) -> None:
+        super().__init__()
         self._client = client
-        self._prefix = prefix
+        self._prefix = checked_prefix(prefix)
         self._where = f"snapshot store {where(url)}"
         self._index = f"{prefix}:snapshots"
         self._put_script = client.register_script(_PUT)
+        self._put_parts_script = client.register_script(_PUT_PARTS)
+        self.bytes_written = 0
+        """Payload bytes sent by saves (heads and fragments, packed): what a checkpoint costs."""
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "ratchet") -> RedisSnapshotStore:
-        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisSnapshotStore:
+        """Open ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
         return cls(connect(url), prefix, url)
 
     def _key(self, run_id: str) -> str:
         return f"{self._prefix}:run:{{{run_id}}}:snapshot"
 
+    def _transcript_key(self, run_id: str) -> str:
+        return f"{self._prefix}:run:{{{run_id}}}:transcript"
+
     def _put(self, run_id: str, state: RunState, data: bytes, expected_seq: int | None) -> None:
         expected = "" if expected_seq is None else str(expected_seq)
+        packed = pack(data)
         with translated(self._where):
             refused = cast(
                 "list[bytes] | None",
                 self._put_script(
-                    keys=[self._key(run_id), self._index],
-                    args=[expected, str(state.seq), data, run_id],
+                    keys=[self._key(run_id), self._index, self._transcript_key(run_id)],
+                    args=[expected, str(state.seq), packed, run_id],
                 ),
             )
+        self.bytes_written += len(packed)
         if refused is not None:
             found = refused[0].decode()
             raise StaleWrite(run_id, expected_seq, int(found) if found else None)
 
-    def _get(self, run_id: str) -> bytes | None:
+    def _put_parts(self, run_id: str, parts: Parts, expected_seq: int | None) -> None:
+        base = parts.base
+        head = pack(parts.head)
+        fragments = [pack(f) for f in parts.fragments]
+        args: list[str | bytes] = [
+            "" if expected_seq is None else str(expected_seq),
+            str(parts.seq),
+            head,
+            run_id,
+            "replace" if base is None else "append",
+            "" if base is None else str(base.length),
+            "" if base is None else base.chain,
+            str(parts.tip.length),
+            str(parts.tip.size),
+            parts.tip.chain,
+            *fragments,
+        ]
         with translated(self._where):
-            return cast("bytes | None", self._client.hget(self._key(run_id), "doc"))
+            refused = cast(
+                "list[bytes] | None",
+                self._put_parts_script(
+                    keys=[self._key(run_id), self._index, self._transcript_key(run_id)],
+                    args=args,
+                ),
+            )
+        self.bytes_written += len(head) + sum(len(f) for f in fragments)
+        if refused is None:
+            return
+        if refused[0] == b"moved":
+            raise TranscriptMoved(run_id)
+        found = refused[1].decode()
+        raise StaleWrite(run_id, expected_seq, int(found) if found else None)
+
+    def _read_tip(self, run_id: str) -> tuple[int, TranscriptTip | None] | None:
+        with translated(self._where):
+            seq, n, size, chain = cast(
+                "list[bytes | None]",
+                self._client.hmget(self._key(run_id), ["seq", "n", "size", "chain"]),
+            )
+        if seq is None:
+            return None
+        if n is None or size is None or chain is None:
+            return int(seq), None
+        return int(seq), TranscriptTip(int(n), int(size), chain.decode())
+
+    def _read(self, run_id: str) -> tuple[bytes, TranscriptTip | None] | None:
+        with translated(self._where):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hmget(self._key(run_id), ["doc", "head", "n", "size", "chain"])
+            pipe.lrange(self._transcript_key(run_id), 0, -1)
+            fields, stored = cast("tuple[list[bytes | None], list[bytes]]", tuple(pipe.execute()))
+        doc, head, n, size, chain = fields
+        what = f"snapshot of run {run_id} in {self._where}"
+        try:
+            if doc is not None:
+                return unpack(doc, self.max_bytes), None
+            if head is None or n is None or size is None or chain is None:
+                return None
+            fragments = [unpack(f, self.max_bytes) for f in stored]
+        except ValueError as exc:
+            raise SnapshotMalformed(what, str(exc)) from exc
+        tip = TranscriptTip(int(n), int(size), chain.decode())
+        if (
+            len(fragments) != tip.length
+            or snapshot_format.chain(snapshot_format.GENESIS, fragments) != tip.chain
+        ):
+            raise SnapshotMalformed(
+                what,
+                f"its transcript holds {len(fragments)} messages that do not match the head's "
+                f"{tip.length}; delete the snapshot and `ratchet runs resume {run_id}` rebuilds "
+                "it from the run's events",
+            )
+        return snapshot_format.assemble(unpack(head, self.max_bytes), fragments), tip
+
+    def _get(self, run_id: str) -> bytes | None:
+        found = self._read(run_id)
+        return found[0] if found is not None else None
 
     def _delete(self, run_id: str) -> None:
         with translated(self._where):
             pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._key(run_id))
+            pipe.delete(self._key(run_id), self._transcript_key(run_id))
             pipe.srem(self._index, run_id)
             pipe.execute()
 

@@ -16,7 +16,7 @@ import pytest
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
-SNAPSHOT_BACKENDS = ("memory", "file", "redis")
+SNAPSHOT_BACKENDS = ("memory", "file", "redis", "s3")
 RUN_BACKENDS = ("memory", "sqlite", "redis")
 T0_MS = 1_700_000_000_000
 """Where the injected clock starts: a fixed instant, far from the real one."""
@@ -79,6 +79,10 @@ def open_snapshot_store(
         from store.snapshots.redis import RedisSnapshotStore
 
         return RedisSnapshotStore.from_url(request.getfixturevalue("redis_url"))
+    if backend == "s3":
+        from store.snapshots.s3 import S3SnapshotStore
+
+        return S3SnapshotStore.from_url(request.getfixturevalue("s3_url"))
     raise AssertionError(f"no snapshot backend {backend}")
 
 

@@ -508,14 +508,16 @@ def test_a_save_to_a_dead_redis_raises_store_unavailable_after_bounded_retries(
     with running_redis_server(tmp_path) as server:
         store = RedisSnapshotStore.from_url(f"{server.url}/0")
         attempts = 0
-        put = store._put
+        # The Redis store appends transcripts: its saves write through `_put_parts`.
+        primitive = "_put_parts" if store.appends_transcript else "_put"
+        put = getattr(store, primitive)
 
         def counted_put(*args: Any) -> None:
             nonlocal attempts
             attempts += 1
             put(*args)
 
-        monkeypatch.setattr(store, "_put", counted_put)
+        monkeypatch.setattr(store, primitive, counted_put)
         try:
             store.save(make_state(seq=1), expected_seq=None)
             attempts = 0

@@ -1,0 +1,20 @@
+# The ratchet worker image: `celery -A worker worker|beat`, the `ratchet` CLI and Flower.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1
+
+WORKDIR /app
+COPY pyproject.toml README.md* ./
+COPY worker ./worker
+COPY tasks ./tasks
+COPY runtime ./runtime
+COPY store ./store
+COPY examples ./examples
+RUN pip install ".[s3]" "flower>=2.0" \
+    && useradd --create-home --uid 10001 ratchet
+USER ratchet
+
+# Celery refuses pickle here: the app accepts JSON only (worker/app.py).
+CMD ["celery", "-A", "worker", "worker", "--loglevel=INFO"]

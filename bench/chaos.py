@@ -1,0 +1,249 @@
+"""Chaos: runs on two real workers while one of them is SIGKILLed every 1–3 s.
+
+    python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300]
+
+Starts its own ``redis-server`` on a free port (broker and both stores), two
+``celery -A worker worker`` processes (prefork, concurrency 2) and a sweeper
+(``celery -A worker beat``), all with ratchet's default lease, sweep interval
+and recovery limit. It starts N runs of a four-turn agent with tools (two
+idempotent look-ups, one non-idempotent refund), then SIGKILLs the whole
+process group of a random worker every 1–3 s and starts it again, until every
+run has stopped being live. It prints figures, not pass/fail:
+
+- completed / parked (needs_reconciliation) / dead-lettered / failed / lost
+  (still live at the end, or never created);
+- duplicate non-idempotent executions: refunds in the ledger beyond one per run;
+- duplicate transitions: a model turn, tool request or outcome recorded twice;
+- recovery latency p50 / p99: from a kill to the next event of each run whose
+  lease the killed worker held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    server = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(directory)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return server, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("redis-server did not start")
+
+
+def group_pids(leader: int) -> set[int]:
+    """Every process in ``leader``'s process group (the worker and its pool children)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == leader:
+                pids.add(int(entry.name))
+    return pids
+
+
+class Process:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.args, self.env, self.log = args, env, log
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.popen = subprocess.Popen(
+                self.args, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def kill(self) -> set[int]:
+        assert self.popen is not None
+        pids = group_pids(self.popen.pid) | {self.popen.pid}
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+        return pids
+
+
+def write_agents(directory: Path, count: int) -> list[Path]:
+    from tests.helpers import call, turn, write_agent
+
+    agents = []
+    for i in range(count):
+        script = [
+            {**turn("look", call("lookup_order", order_id="B2")), "sleep_s": 0.05},
+            {**turn("policy", call("refund_policy", reason="lost in transit")), "sleep_s": 0.05},
+            {
+                **turn("refund", call("issue_refund", order_id=f"R{i}", amount_cents=2900)),
+                "sleep_s": 0.05,
+            },
+            {**turn("Refunded."), "sleep_s": 0.05},
+        ]
+        agents.append(write_agent(directory / f"a{i}", script, name=f"chaos-{i}"))
+    return agents
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def duplicated_transitions(events: list[object]) -> int:
+    keys: Counter[tuple[str, object]] = Counter()
+    turns = 0
+    for e in events:
+        kind, data = e.type, e.data  # type: ignore[attr-defined]
+        if kind == "model.responded":
+            turns += 1
+            keys[(kind, turns)] += 1
+        elif kind in ("tool.requested", "tool.completed", "tool.failed"):
+            keys[(kind, data["call_id"])] += 1
+        elif kind in ("run.completed", "run.parked", "run.dead_lettered"):
+            keys[(kind, None)] += 1
+    return sum(n - 1 for n in keys.values() if n > 1)
+
+
+def main() -> int:  # noqa: C901 - a script read top to bottom
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=300)
+    options = parser.parse_args()
+    rng = random.Random(options.seed)
+    work = Path(tempfile.mkdtemp(prefix="ratchet-chaos-"))
+    redis_server, url = start_redis(work)
+    ledger = work / "refunds.ledger"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(
+        RATCHET_BROKER_URL=url, RATCHET_SNAPSHOT_STORE=url, RATCHET_RUN_STORE=url,
+        RATCHET_DATA_DIR=str(work / "data"), RATCHET_EXAMPLE_LEDGER=str(ledger),
+        PYTHONPATH=str(ROOT),
+    )  # fmt: skip
+    os.environ.update(env)
+    sys.path.insert(0, str(ROOT))
+    from worker.api import Ratchet
+
+    celery = [sys.executable, "-m", "celery", "-A", "worker"]
+    workers = [
+        Process([*celery, "worker", "-c", "2", "--without-mingle", "--without-gossip",
+                 "--loglevel", "WARNING", "--hostname", f"chaos{n}@%h"], env, work / f"worker{n}.log")
+        for n in range(2)
+    ]  # fmt: skip
+    beat = Process([*celery, "beat", "-s", str(work / "beat-schedule")], env, work / "beat.log")
+    api = Ratchet()
+    kills: list[tuple[int, list[str]]] = []
+    try:
+        for process in (*workers, beat):
+            process.start()
+        agents = write_agents(work / "agents", options.runs)
+        started = time.monotonic()
+        run_ids = [api.start(agent, "refund it", f"chaos-{i}") for i, agent in enumerate(agents)]
+        next_kill = time.monotonic() + rng.uniform(1, 3)
+        while time.monotonic() - started < options.timeout:
+            live = [
+                r for r in run_ids if (rec := api.ctx.runs.get(r)) is None or rec.status.is_live
+            ]
+            if not live:
+                break
+            if time.monotonic() >= next_kill:
+                victim = rng.choice(workers)
+                assert victim.popen is not None
+                pids = group_pids(victim.popen.pid) | {victim.popen.pid}
+                held = []
+                for run_id in live:
+                    lease = api.ctx.runs.lease(run_id)
+                    if lease is not None and int(lease.owner.split(":")[1]) in pids:
+                        held.append(run_id)
+                kill_ms = time.time_ns() // 1_000_000
+                victim.kill()
+                kills.append((kill_ms, held))
+                victim.start()
+                next_kill = time.monotonic() + rng.uniform(1, 3)
+            time.sleep(0.05)
+        elapsed = time.monotonic() - started
+        statuses: Counter[str] = Counter()
+        duplicates = 0
+        for run_id in run_ids:
+            record = api.ctx.runs.get(run_id)
+            statuses[
+                "lost" if record is None or record.status.is_live else record.status.value
+            ] += 1
+            if record is not None:
+                duplicates += duplicated_transitions(api.ctx.runs.events(run_id))
+        refunds = (
+            Counter(line.split()[1] for line in ledger.read_text().splitlines())
+            if ledger.exists()
+            else Counter()
+        )
+        double_refunds = sum(n - 1 for n in refunds.values() if n > 1)
+        latencies = []
+        for kill_ms, held in kills:
+            for run_id in held:
+                after = [e.at_ms for e in api.ctx.runs.events(run_id) if e.at_ms > kill_ms]
+                if after:
+                    latencies.append((min(after) - kill_ms) / 1000)
+        figures = {
+            "runs": options.runs,
+            "elapsed_s": round(elapsed, 1),
+            "kills": len(kills),
+            "completed": statuses["completed"],
+            "parked": statuses["needs_reconciliation"],
+            "dead_lettered": statuses["dead_lettered"],
+            "failed": statuses["failed"],
+            "lost": statuses["lost"],
+            "duplicate_non_idempotent_executions": double_refunds,
+            "duplicate_transitions": duplicates,
+            "recoveries_measured": len(latencies),
+            "recovery_p50_s": round(percentile(latencies, 0.50), 2),
+            "recovery_p99_s": round(percentile(latencies, 0.99), 2),
+        }
+        for key, value in figures.items():
+            print(f"{key:38} {value}")
+        print(json.dumps(figures, sort_keys=True))
+        return 0
+    finally:
+        for process in (*workers, beat):
+            if process.popen is not None and process.popen.poll() is None:
+                process.kill()
+        api.ctx.close()
+        redis_server.kill()
+        redis_server.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

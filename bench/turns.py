@@ -1,0 +1,196 @@
+"""Durable turns/s on a real worker and Redis, against a plain Celery self-chain.
+
+    python -m bench.turns [--runs 40] [--turns 10] [--concurrency 2]
+
+Starts its own redis-server on a free port, then, with the same worker options
+(prefork, ``--concurrency``), measures:
+
+1. **baseline** — ``--runs`` chains of ``--turns`` no-op tasks, each enqueuing the next;
+2. **ratchet** — ``--runs`` runs of an agent with ``--turns`` turns, each a model call
+   plus one tool call, every transition checkpointed (events + snapshot on Redis).
+
+and prints turns/s for both and their ratio (the target is ≥ 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.redis_server import RedisServer  # noqa: E402
+
+
+def write_agent(directory: Path, turns: int) -> Path:
+    script = {
+        "turns": [
+            {
+                "content": f"step {i}",
+                "tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A1"}}],
+                "usage": {"input_tokens": 100, "output_tokens": 20},
+            }
+            for i in range(turns - 1)
+        ]
+        + [{"content": "done", "usage": {"input_tokens": 100, "output_tokens": 5}}]
+    }
+    (directory / "bench.script.json").write_text(json.dumps(script))
+    agent = directory / "bench.toml"
+    agent.write_text(
+        'name = "bench"\nmodel = "scripted"\nscript = "bench.script.json"\n'
+        'system = "bench"\ntools = ["examples.refunds:lookup_order"]\n'
+        f"[budgets]\nmax_turns = {turns + 1}\nmax_tool_calls = {turns + 1}\n"
+    )
+    return agent
+
+
+def start_worker(
+    app: str, env: dict[str, str], concurrency: int, log: Path
+) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app,
+        "worker",
+        "--loglevel",
+        "WARNING",
+        "--concurrency",
+        str(concurrency),
+        "--without-mingle",
+        "--without-gossip",
+        "--hostname",
+        f"bench-{app}-{os.getpid()}@%h",
+    ]
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def wait_for(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("benchmark timed out; see the worker logs")
+        time.sleep(0.01)
+
+
+def warm_up(env: dict[str, str]) -> None:
+    time.sleep(2.0)  # worker boot; measured time starts at the first enqueue
+
+
+def bench_baseline(
+    url: str, env: dict[str, str], runs: int, turns: int, concurrency: int, log: Path
+) -> float:
+    counter = redis.Redis.from_url(f"{url}/15")
+    counter.delete("bench:chains_done")
+    env = {**env, "RATCHET_BROKER_URL": f"{url}/1", "BENCH_COUNTER_URL": f"{url}/15"}
+    worker = start_worker("bench.selfchain", env, concurrency, log)
+    try:
+        warm_up(env)
+        from bench import selfchain
+
+        selfchain.app.conf.broker_url = f"{url}/1"
+        started = time.perf_counter()
+        for chain_id in range(runs):
+            selfchain.hop.apply_async((chain_id, turns))
+        wait_for(lambda: int(counter.get("bench:chains_done") or 0) >= runs, 600)
+        return runs * turns / (time.perf_counter() - started)
+    finally:
+        stop(worker)
+
+
+def bench_ratchet(
+    url: str, env: dict[str, str], runs: int, turns: int, concurrency: int, log: Path, agent: Path
+) -> tuple[float, int]:
+    stores = f"{url}/2"
+    env = {
+        **env,
+        "RATCHET_BROKER_URL": f"{url}/3",
+        "RATCHET_SNAPSHOT_STORE": stores,
+        "RATCHET_RUN_STORE": stores,
+    }
+    os.environ.update({k: v for k, v in env.items() if k.startswith("RATCHET_")})
+    worker = start_worker("worker", env, concurrency, log)
+    try:
+        warm_up(env)
+        from runtime.models import RunStatus
+        from tasks.context import get_context
+        from worker.api import Ratchet
+        from worker.app import app
+
+        app.conf.broker_url = f"{url}/3"
+        api = Ratchet(get_context())
+        started = time.perf_counter()
+        ids = [api.start(agent, f"bench run {i}") for i in range(runs)]
+        wait_for(lambda: len(api.list(RunStatus.COMPLETED, limit=runs + 1)) >= runs, 600)
+        elapsed = time.perf_counter() - started
+        bad = [i for i in ids if api.get(i).usage.model_turns != turns]
+        return runs * turns / elapsed, len(bad)
+    finally:
+        stop(worker)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--concurrency", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        server = RedisServer(directory)
+        server.start()
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+            env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(directory / "data"))
+            agent = write_agent(directory, args.turns)
+            baseline = bench_baseline(
+                server.url, env, args.runs, args.turns, args.concurrency, directory / "baseline.log"
+            )
+            durable, wrong = bench_ratchet(
+                server.url,
+                env,
+                args.runs,
+                args.turns,
+                args.concurrency,
+                directory / "ratchet.log",
+                agent,
+            )
+        finally:
+            server.stop()
+    print(
+        f"workload: {args.runs} runs x {args.turns} turns, prefork concurrency {args.concurrency}, "
+        "Redis broker and stores on loopback"
+    )
+    print(f"plain Celery self-chain (no-op tasks): {baseline:8.1f} turns/s")
+    print(f"ratchet durable turns (model + tool):  {durable:8.1f} turns/s")
+    print(f"ratio durable / self-chain:            {durable / baseline:8.2f}   (target >= 0.80)")
+    if wrong:
+        print(f"WARNING: {wrong} runs did not take exactly {args.turns} turns")
+
+
+if __name__ == "__main__":
+    main()

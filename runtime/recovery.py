@@ -1,0 +1,190 @@
+"""May a stopped run be resumed? The classification, pure: data in, verdict out.
+
+Resume (by an operator or the crash sweeper) classifies the run first and
+refuses every class but the first, saying why and what to do instead:
+
+==========================  ==================================================
+``resume-eligible``         live, stalled or dead-lettered, checkpoint usable,
+                            same binding, deadline and budgets not exhausted
+``reconciliation-required`` parked: a non-idempotent tool's outcome is unknown
+``restart-required``        checkpoint missing (no snapshot, events cannot
+                            rebuild it), binding changed, deadline passed or a
+                            budget exhausted
+``complete``                completed, failed or cancelled
+``suspended``               waits for a person's continuation
+==========================  ==================================================
+
+**Counting recoveries.** The sweeper resumes a run whose lease expired and
+whose next step is overdue. A run can be overdue without having crashed: its
+chained turn may simply wait in a long queue. So a recovery counts towards
+``max_recovery_attempts`` only when it is the sweeper's, and only until the
+run makes progress: the counter is the number of sweeper ``run.resumed``
+events since the last event that moved the run forward (a model response, a
+tool outcome, a reconciliation, a continuation) or an operator's resume. A
+backlogged run makes progress between sweeps and never accumulates; a run
+that crashes its worker at the same step every time does, and is
+dead-lettered. (The sweeper also passes the seq it saw, and the resume is a
+no-op if the run has moved since — so a resume queued behind the run's own
+chained turn does not count at all.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from runtime.errors import BindingChanged, BudgetExhausted, RatchetError, RunRefused
+
+# Budget rules live in the FSM; the classification asks the same questions.
+from runtime.fsm import _check_model_budgets, _check_tool_budgets
+from runtime.models import Event, RunState, RunStatus
+
+SWEEPER = "sweeper"
+OPERATOR = "operator"
+
+PROGRESS_EVENTS = frozenset(
+    {"model.responded", "tool.completed", "tool.failed", "tool.reconciled", "run.continued"}
+)
+"""Events that move a run forward: after one, the sweeper's recovery count starts again."""
+
+
+class Disposition(StrEnum):
+    RESUME_ELIGIBLE = "resume-eligible"
+    RECONCILIATION_REQUIRED = "reconciliation-required"
+    RESTART_REQUIRED = "restart-required"
+    COMPLETE = "complete"
+    SUSPENDED = "suspended"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    disposition: Disposition
+    refusal: RatchetError | None = None
+    """Why resume is refused and the next step (None when eligible)."""
+
+    @property
+    def eligible(self) -> bool:
+        return self.disposition == Disposition.RESUME_ELIGIBLE
+
+    @property
+    def reason(self) -> str:
+        return str(self.refusal) if self.refusal is not None else "resume-eligible"
+
+
+def _refused(disposition: Disposition, run_id: str, status: str, reason: str) -> Verdict:
+    return Verdict(disposition, RunRefused(run_id, status, reason))
+
+
+def classify(
+    run_id: str,
+    state: RunState | None,
+    *,
+    agent_binding: str | None,
+    binding_change: str,
+    now_ms: int,
+) -> Verdict:
+    """Classify a run for resume.
+
+    ``state`` is the run rebuilt from its snapshot and events (``None``: neither
+    can give it). ``agent_binding`` is the binding of the agent file as it is now
+    (``None`` if it cannot be loaded); ``binding_change`` names what differs.
+    """
+    if state is None:
+        return _refused(
+            Disposition.RESTART_REQUIRED,
+            run_id,
+            "without a checkpoint",
+            "it has no snapshot and its events cannot rebuild one; "
+            "start the run again with `ratchet runs start`",
+        )
+    status = state.status.value
+    if state.status.is_terminal:
+        return _refused(
+            Disposition.COMPLETE,
+            run_id,
+            status,
+            f"there is nothing to resume; its events remain (`ratchet runs events {run_id}`) "
+            "— start a new run to do it again",
+        )
+    if state.status.is_suspended:
+        return _refused(
+            Disposition.SUSPENDED,
+            run_id,
+            status,
+            f"it waits for a person, not a worker; answer it with `ratchet runs continue {run_id}`",
+        )
+    if state.status == RunStatus.NEEDS_RECONCILIATION:
+        return _refused(
+            Disposition.RECONCILIATION_REQUIRED,
+            run_id,
+            status,
+            "a tool that is not idempotent was in flight when it stopped "
+            f"(`ratchet runs show {run_id}` shows the call); check the call's effect, then "
+            f"`ratchet runs reconcile {run_id} {state.in_flight or 'CALL_ID'}` "
+            "with --result JSON, --retry or --fail REASON",
+        )
+    if agent_binding is None:
+        return _refused(
+            Disposition.RESTART_REQUIRED,
+            run_id,
+            status,
+            f"its agent file {state.agent_file} cannot be loaded; restore it and resume, "
+            "or start the run again",
+        )
+    if agent_binding != state.binding:
+        return Verdict(
+            Disposition.RESTART_REQUIRED, BindingChanged(run_id, state.agent, binding_change)
+        )
+    problem = budget_problem(state, now_ms)
+    if problem is not None:
+        return _refused(Disposition.RESTART_REQUIRED, run_id, status, str(problem))
+    return Verdict(Disposition.RESUME_ELIGIBLE)
+
+
+def budget_problem(state: RunState, now_ms: int) -> BudgetExhausted | None:
+    """The budget or deadline that forbids the run's next step, if one does."""
+    try:
+        if state.pending and state.suspension is None:
+            _check_tool_budgets(state, now_ms)
+        else:
+            _check_model_budgets(state, now_ms)
+    except BudgetExhausted as exc:
+        return exc
+    return None
+
+
+def consecutive_recoveries(events: Sequence[Event]) -> list[Event]:
+    """The sweeper's ``run.resumed`` events since the run last made progress, oldest first."""
+    found: list[Event] = []
+    for event in reversed(events):
+        if event.type in PROGRESS_EVENTS:
+            break
+        if event.type == "run.resumed":
+            if event.data.get("by") != SWEEPER:
+                break
+            found.append(event)
+    found.reverse()
+    return found
+
+
+def dead_letter_data(run_id: str, history: Sequence[Event], limit: int) -> dict[str, Any]:
+    """The data of a `run.dead_lettered` event: why, and every recovery that did not help."""
+    return {
+        "reason": (
+            f"run {run_id} was recovered {len(history)} times in a row without making "
+            f"progress (limit RATCHET_MAX_RECOVERY_ATTEMPTS={limit}): a worker probably dies "
+            f"at the same step each time; read `ratchet runs events {run_id}` and the worker "
+            f"logs, fix the cause, then `ratchet runs resume {run_id}`"
+        ),
+        "attempts": [
+            {
+                "seq": e.seq,
+                "at_ms": e.at_ms,
+                "by": e.data.get("by"),
+                "attempt": e.data.get("attempt"),
+            }
+            for e in history
+        ],
+    }

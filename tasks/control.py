@@ -1,0 +1,390 @@
+"""The control queue's tasks: ``ratchet.continue``, ``ratchet.cancel``, and the expiry sweep.
+
+Continuing a suspended run, in order:
+
+1. Check the answer's form (:func:`runtime.continuation.make_continuation`).
+2. Take the run's **lease**, so the answer cannot race a turn or another answer.
+3. Read the run. An answer already recorded under this ``continuation_id`` is
+   a **duplicate**: acknowledged, not applied again. A run that waited longer
+   than its agent's ``max_suspended_s`` **expires** instead (``run.expired``).
+4. Check the answer against the run (suspended, the right suspension, same
+   binding, budgets and deadline allow a step), fold ``run.continued``,
+   append it fenced by seq and lease, save the snapshot (CAS on seq).
+5. Release the lease and **chain** the next turn.
+
+Cancelling appends ``run.cancelled`` fenced by seq only: it must not wait for
+a long turn's lease. The turn in progress then loses its next append
+(StaleWrite), stops, and chains nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+from runtime.continuation import (
+    Continuation,
+    check_suspended,
+    continued_event_data,
+    expiry_reason,
+    find_applied,
+    make_continuation,
+    suspended_for_ms,
+)
+from runtime.errors import (
+    RatchetError,
+    RunBusy,
+    RunNotFound,
+    RunRefused,
+    SnapshotError,
+    StaleWrite,
+    StoreUnavailable,
+    SuspensionExpired,
+)
+from runtime.fsm import apply, rebuild
+from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
+from store.runs import RunRecord
+from tasks.context import Context, get_context
+from tasks.turn import new_owner, run_turn
+from worker.app import app
+
+log = logging.getLogger("ratchet.control")
+
+STALE_ATTEMPTS = 5
+"""How often a control write re-reads the run after losing a seq race before giving up."""
+LEASE_POLL_S = 0.002
+
+
+def new_continuation_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Loaded(NamedTuple):
+    events: list[Event]
+    state: RunState
+    snapshot_seq: int | None
+    """Seq of the stored snapshot (the CAS's expected value); None if there is none."""
+
+
+def load(ctx: Context, run_id: str) -> Loaded:
+    """The run's whole event log and its state: the snapshot plus any events it lacks."""
+    events = ctx.runs.events(run_id)
+    if not events:
+        raise RunNotFound(run_id)
+    try:
+        snapshot = ctx.snapshots.load(run_id)
+    except SnapshotError as exc:
+        # The events are the truth; a snapshot that cannot be read is rebuilt from them.
+        log.warning("run %s: %s; rebuilding the state from its events", run_id, exc)
+        snapshot = None
+    snapshot_seq = snapshot.seq if snapshot is not None else None
+    if snapshot is None or snapshot.seq > events[-1].seq:
+        state = rebuild(events)
+    else:
+        state = snapshot
+        for event in events[snapshot.seq :]:
+            state = apply(state, event)
+    assert state is not None
+    return Loaded(events, state, snapshot_seq)
+
+
+@contextmanager
+def holding_lease(ctx: Context, record: RunRecord, wait_s: float | None = None) -> Iterator[str]:
+    """Hold the run's lease; wait up to ``wait_s`` (one lease period) for a turn to let it go.
+
+    A suspending turn releases its lease just after its checkpoint, so an answer
+    sent at once may find it still held for a moment. Raises RunBusy after that.
+    """
+    owner = new_owner()
+    lease_s = ctx.settings.lease_s
+    wait_s = lease_s if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    while not ctx.runs.acquire_lease(record.run_id, owner, lease_s):
+        if time.monotonic() >= deadline:
+            raise RunBusy(record.run_id, record.status.value, wait_s)
+        time.sleep(LEASE_POLL_S)
+    try:
+        yield owner
+    finally:
+        ctx.runs.release_lease(record.run_id, owner)
+
+
+def record_events(
+    ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
+) -> RunState:
+    """Fold and append events with the record they produce (fenced by seq, and lease if owned)."""
+    now = ctx.runs.clock()
+    events = []
+    for kind, data in items:
+        event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
+        state = apply(state, event)
+        events.append(event)
+    due = now + int(ctx.settings.lease_s * 1000)
+    ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
+    return state
+
+
+def _max_suspended_s(events: list[Event]) -> int | None:
+    """The run's own limit, from the binding it started with (immune to later agent edits)."""
+    document = (events[0].data.get("binding_document") or {}) if events else {}
+    value = document.get("max_suspended_s")
+    return int(value) if value is not None else None
+
+
+# --- continue ---------------------------------------------------------------
+
+
+def chain_turn(run_id: str, seq: int) -> None:
+    """Enqueue the run's next turn; it acts only if the run is still at ``seq``."""
+    run_turn.apply_async((run_id, seq))
+
+
+def apply_continuation(
+    ctx: Context,
+    continuation: Continuation,
+    enqueue: Callable[[str, int], None] = chain_turn,
+) -> str:
+    """Apply ``continuation`` and chain the next turn. Returns ``continued`` or ``duplicate``.
+
+    Exactly once: a continuation whose id is already recorded returns ``duplicate``
+    (and re-chains the turn if the run has not moved since, healing a crash
+    between append and chain). Raises RunNotFound, RunRefused and its subclasses
+    (SuspensionExpired after recording the expiry), BindingChanged,
+    InvalidContinuation, RunBusy, StoreUnavailable.
+    """
+    run_id = continuation.run_id
+    for _ in range(STALE_ATTEMPTS):
+        record = ctx.runs.get(run_id)
+        if record is None:
+            raise RunNotFound(run_id)
+        try:
+            with holding_lease(ctx, record) as owner:
+                outcome, seq = _continue_holding_lease(ctx, continuation, owner)
+        except StaleWrite as exc:
+            log.info("run %s: %s; reading the run again", run_id, exc)
+            continue
+        if seq is not None:
+            enqueue(run_id, seq)
+        return outcome
+    raise RunBusy(run_id, "moving", 0)
+
+
+def _continue_holding_lease(
+    ctx: Context, continuation: Continuation, owner: str
+) -> tuple[str, int | None]:
+    """(outcome, seq to chain the next turn at, or None)."""
+    loaded = load(ctx, continuation.run_id)
+    state, events = loaded.state, loaded.events
+    applied = find_applied(events, continuation)
+    if applied is not None:
+        log.info(
+            "run %s: continuation %s was already applied at seq %s; duplicate acknowledged",
+            state.run_id,
+            continuation.continuation_id,
+            applied.seq,
+        )
+        return "duplicate", (state.seq if state.seq == applied.seq else None)
+    suspension = check_suspended(state, events, continuation)
+    now = ctx.runs.clock()
+    max_s = _max_suspended_s(events)
+    expired = expiry_reason(suspension, max_s, now)
+    if expired is not None:
+        _expire(ctx, state, expired, owner, now)
+        raise SuspensionExpired(
+            state.run_id, suspended_for_ms(suspension, now) / 1000, float(max_s or 0)
+        )
+    agent = ctx.agent(state.agent_file)
+    data = continued_event_data(state, agent, events, continuation, now)
+    state = record_events(ctx, state, [("run.continued", data)], owner)
+    try:
+        ctx.snapshots.save(state, loaded.snapshot_seq)
+    except StaleWrite as exc:
+        # The event is recorded; the next turn rebuilds the state from the events.
+        log.warning("run %s: snapshot not saved after the continuation: %s", state.run_id, exc)
+    log.info(
+        "run %s: continuation %s applied at seq %s after %.1fs suspended",
+        state.run_id,
+        continuation.continuation_id,
+        state.seq,
+        data["suspended_ms"] / 1000,
+    )
+    return "continued", state.seq
+
+
+def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) -> None:
+    suspension = state.suspension
+    assert suspension is not None
+    data = {
+        "reason": reason,
+        "suspension_seq": suspension.seq,
+        "suspended_ms": suspended_for_ms(suspension, now),
+    }
+    record_events(ctx, state, [("run.expired", data)], owner)
+    ctx.snapshots.delete(state.run_id)
+    log.warning("run %s: expired: %s", state.run_id, reason)
+
+
+@app.task(
+    name="ratchet.continue",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    autoretry_for=(RunBusy, StoreUnavailable),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=20,
+)
+def continue_run(
+    self: Any,
+    run_id: str,
+    input: str | None = None,
+    approve: bool | None = None,
+    deny: str | None = None,
+    continuation_id: str | None = None,
+    suspension_seq: int | None = None,
+) -> str:
+    """Apply one continuation. Returns continued | duplicate | refused (the reason is logged).
+
+    Without a ``continuation_id`` the task id stands in: a redelivery of this very
+    message is then still recognised as a duplicate.
+    """
+    try:
+        continuation = make_continuation(
+            validate_run_id(run_id),
+            continuation_id or self.request.id or new_continuation_id(),
+            input=input,
+            approve=approve,
+            deny=deny,
+            suspension_seq=suspension_seq,
+        )
+        return apply_continuation(get_context(), continuation)
+    except (RunBusy, StoreUnavailable):
+        raise
+    except RatchetError as exc:
+        log.warning("%s", exc)
+        return "refused"
+
+
+# --- cancel -----------------------------------------------------------------
+
+MAX_REASON_CHARS = 2000
+
+
+def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
+    """Make the run terminal (`run.cancelled`), delete its snapshot; return the new record.
+
+    Fenced by seq only, never waiting for a lease: a turn in progress loses its
+    next write and stops. Raises RunNotFound, RunRefused for a finished run.
+    """
+    run_id = validate_run_id(run_id)
+    reason = " ".join((reason or "").split())[:MAX_REASON_CHARS] or "cancelled by an operator"
+    for _ in range(STALE_ATTEMPTS):
+        record = ctx.runs.get(run_id)
+        if record is None:
+            raise RunNotFound(run_id)
+        if record.status.is_terminal:
+            raise RunRefused(
+                run_id, record.status.value, "it has already finished; there is nothing to cancel"
+            )
+        now = ctx.runs.clock()
+        event = Event(
+            seq=record.last_seq + 1,
+            type="run.cancelled",
+            at_ms=now,
+            data={"reason": reason, "status_before": record.status.value},
+        )
+        # The same change the fold makes (status and error), without reading the snapshot.
+        cancelled = record.model_copy(
+            update={
+                "status": RunStatus.CANCELLED,
+                "error": reason,
+                "last_seq": event.seq,
+                "updated_at_ms": now,
+                "due_at_ms": None,
+                "suspension": None,
+            }
+        )
+        try:
+            ctx.runs.append(cancelled, [event], None)
+        except StaleWrite:
+            continue  # a turn appended first; read the new tail and try again
+        ctx.snapshots.delete(run_id)
+        log.info("run %s: cancelled (%s) at seq %s", run_id, reason, event.seq)
+        return cancelled
+    raise RunBusy(run_id, "moving", 0)
+
+
+@app.task(
+    name="ratchet.cancel",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    autoretry_for=(RunBusy, StoreUnavailable),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=20,
+)
+def cancel_run(run_id: str, reason: str | None = None) -> str:
+    """Cancel a run. Returns cancelled | refused (the reason is logged)."""
+    try:
+        cancel(get_context(), run_id, reason)
+    except (RunBusy, StoreUnavailable):
+        raise
+    except RatchetError as exc:
+        log.warning("%s", exc)
+        return "refused"
+    return "cancelled"
+
+
+# --- expiry -----------------------------------------------------------------
+
+
+def expire_suspended(ctx: Context, now_ms: int | None = None, limit: int = 1000) -> list[str]:
+    """Expire suspended runs that waited longer than their agent's ``max_suspended_s``.
+
+    For the periodic sweeper: it reads only suspended runs (by status), and one
+    event of each (the limit it started with). Returns the ids expired. A run
+    whose lease is held, or that moved meanwhile, is left for the next sweep.
+    """
+    now = ctx.runs.clock() if now_ms is None else now_ms
+    expired: list[str] = []
+    for status in sorted(SUSPENDED_STATUSES):
+        for record in ctx.runs.list(status, limit):
+            since = record.suspension.since_ms if record.suspension else record.updated_at_ms
+            max_s = _max_suspended_s(ctx.runs.events(record.run_id, 0, 1))
+            if max_s is None or now - since <= max_s * 1000:
+                continue
+            try:
+                if _expire_if_overdue(ctx, record, now):
+                    expired.append(record.run_id)
+            except (RunBusy, StaleWrite) as exc:
+                log.info("run %s: not expired this sweep: %s", record.run_id, exc)
+    return expired
+
+
+def _expire_if_overdue(ctx: Context, record: RunRecord, now: int) -> bool:
+    with holding_lease(ctx, record, wait_s=0) as owner:
+        loaded = load(ctx, record.run_id)
+        suspension = loaded.state.suspension
+        if suspension is None or not loaded.state.status.is_suspended:
+            return False
+        reason = expiry_reason(suspension, _max_suspended_s(loaded.events), now)
+        if reason is None:
+            return False
+        _expire(ctx, loaded.state, reason, owner, now)
+        return True
+
+
+__all__ = [
+    "apply_continuation",
+    "cancel",
+    "cancel_run",
+    "continue_run",
+    "expire_suspended",
+    "new_continuation_id",
+]

@@ -1,0 +1,263 @@
+"""Getting stopped runs going again: ``ratchet.sweep``, ``ratchet.resume``, ``ratchet.reconcile``.
+
+- **Sweep** (control queue, every ``sweep_interval_s`` from ``celery -A worker
+  beat`` or ``ratchet sweep``): ask the run store for live runs past due whose
+  lease expired — an index, so the cost grows with the overdue runs only — and
+  enqueue a resume for each, carrying the seq it saw. It re-enqueues, it never
+  executes (DBOS-style): two sweepers at once only enqueue duplicates, and the
+  lease and the seq make a duplicate a no-op.
+- **Resume** (turns queue): take the lease, rebuild the run, classify it
+  (:mod:`runtime.recovery`), refuse all but ``resume-eligible`` with the reason,
+  record ``run.resumed`` {by, attempt} and take a turn from the state after the
+  last checkpoint. A sweeper resume of a run that recovered
+  ``max_recovery_attempts`` times in a row without progress, or that can never
+  resume, records ``run.dead_lettered`` instead, so it does not loop.
+- **Reconcile**: an operator decides the outcome of the call a parked run has
+  open (``tool.reconciled`` {call_id, decision, result | reason}), and the run
+  continues with a turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from runtime.agent import describe_binding_change
+from runtime.errors import (
+    LeaseLost,
+    RatchetError,
+    RunNotFound,
+    RunRefused,
+    SnapshotError,
+    StaleWrite,
+)
+from runtime.models import Event, RunState, RunStatus, validate_run_id
+from runtime.recovery import (
+    OPERATOR,
+    SWEEPER,
+    Verdict,
+    classify,
+    consecutive_recoveries,
+    dead_letter_data,
+)
+from tasks.context import Context, get_context
+from tasks.turn import Advanced, advance, append_events, chain, load_state, new_owner, run_turn
+from worker.app import app
+
+log = logging.getLogger("ratchet.recovery")
+
+DECISIONS = ("result", "retry", "fail")
+
+
+# --- classification ---------------------------------------------------------
+
+
+def examine(ctx: Context, run_id: str) -> tuple[RunState | None, list[Event], Verdict]:
+    """Rebuild the run and classify it for resume. RunNotFound if there is no such run."""
+    run_id = validate_run_id(run_id)
+    if ctx.runs.get(run_id) is None:
+        raise RunNotFound(run_id)
+    events = ctx.runs.events(run_id)
+    state: RunState | None
+    try:
+        loaded = load_state(ctx, run_id)
+        state = loaded[0] if loaded else None
+    except (SnapshotError, ValueError) as exc:
+        # An unreadable snapshot and events that do not fold: no checkpoint at all.
+        log.warning("run %s: cannot rebuild its state: %s", run_id, exc)
+        state = None
+    binding, change = None, "binding"
+    if state is not None:
+        try:
+            agent = ctx.agent(state.agent_file)
+            binding = agent.binding
+            created = events[0].data.get("binding_document") if events else None
+            if created:
+                change = describe_binding_change(created, agent.binding_document)
+        except (RatchetError, OSError) as exc:
+            log.warning("run %s: agent file cannot be loaded: %s", run_id, exc)
+    verdict = classify(
+        run_id, state, agent_binding=binding, binding_change=change, now_ms=ctx.runs.clock()
+    )
+    return state, events, verdict
+
+
+# --- resume -----------------------------------------------------------------
+
+
+@app.task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
+    """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
+
+    Idempotent: a duplicate finds the lease taken or the run moved on, and does nothing.
+    """
+    done = resume(get_context(), validate_run_id(run_id), by, seen_seq)
+    if done.outcome == "next":
+        chain(run_id, done)
+    return done.outcome
+
+
+def resume(ctx: Context, run_id: str, by: str, seen_seq: int | None = None) -> Advanced:
+    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain."""
+    owner = new_owner()
+    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+        log.info("run %s: a worker holds the lease, so it is not orphaned; no resume", run_id)
+        return Advanced("leased", -1, 0)
+    try:
+        state, events, verdict = examine(ctx, run_id)
+        seq = state.seq if state is not None else (events[-1].seq if events else -1)
+        if seen_seq is not None and seq != seen_seq:
+            log.info(
+                "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
+            )
+            return Advanced("stale", seq, 0)
+        turns = state.usage.model_turns if state is not None else 0
+        history = consecutive_recoveries(events)
+        if by == SWEEPER and (
+            not verdict.eligible or len(history) >= ctx.settings.max_recovery_attempts
+        ):
+            return _dead_letter(ctx, run_id, state, events, verdict, history, owner)
+        if not verdict.eligible:
+            log.warning("%s", verdict.reason)
+            return Advanced("refused", seq, turns)
+        assert state is not None
+        attempt = state.recovery_attempts + 1
+        resumed = append_events(
+            ctx, state, [("run.resumed", {"by": by, "attempt": attempt})], owner
+        )
+        log.info("run %s: resumed by %s at seq %s (attempt %s)", run_id, by, state.seq, attempt)
+    except (LeaseLost, StaleWrite) as exc:
+        log.warning("%s", exc)
+        ctx.runs.release_lease(run_id, owner)
+        return Advanced("fenced", -1, 0)
+    except BaseException:
+        ctx.runs.release_lease(run_id, owner)
+        raise
+    # Still holding the lease, take the turn from the state after the last checkpoint.
+    return advance(ctx, run_id, resumed.seq, owner=owner)
+
+
+def _dead_letter(
+    ctx: Context,
+    run_id: str,
+    state: RunState | None,
+    events: list[Event],
+    verdict: Verdict,
+    history: list[Event],
+    owner: str,
+) -> Advanced:
+    """The sweeper gives up on a run: leaving it live would find it again every sweep."""
+    try:
+        if state is None or not state.status.is_live:
+            log.warning("run %s: not resumed: %s", run_id, verdict.reason)
+            return Advanced("refused", state.seq if state else -1, 0)
+        data = dead_letter_data(run_id, history, ctx.settings.max_recovery_attempts)
+        if not verdict.eligible:
+            data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
+        state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
+        log.error("run %s: dead-lettered: %s", run_id, data["reason"])
+        return Advanced("dead_lettered", state.seq, state.usage.model_turns)
+    finally:
+        ctx.runs.release_lease(run_id, owner)
+
+
+# --- sweep ------------------------------------------------------------------
+
+Enqueue = Callable[[str, int], None]
+
+
+def enqueue_resume(run_id: str, seen_seq: int) -> None:
+    resume_run.apply_async((run_id, SWEEPER, seen_seq))
+
+
+def enqueue_turn(run_id: str, seq: int) -> None:
+    run_turn.apply_async((run_id, seq))
+
+
+def sweep_orphans(ctx: Context, enqueue: Enqueue = enqueue_resume, limit: int = 1000) -> list[str]:
+    """Enqueue a resume for every live run past due whose lease expired; their ids.
+
+    Reads the run store's due index (cost grows with the overdue runs, not with
+    every run) plus one record per overdue run, for the seq the resume must find.
+    The clock is the run store's, so a test can inject one.
+    """
+    found = []
+    for run_id in ctx.runs.overdue(limit):
+        record = ctx.runs.get(run_id)
+        if record is None or not record.status.is_live:
+            continue
+        enqueue(run_id, record.last_seq)
+        found.append(run_id)
+    if found:
+        log.info("sweep: %s overdue run(s) with no lease; resume enqueued", len(found))
+    return found
+
+
+@app.task(name="ratchet.sweep", ignore_result=True)
+def sweep() -> int:
+    """One sweep (``celery -A worker beat`` sends it every ``sweep_interval_s``)."""
+    return len(sweep_orphans(get_context()))
+
+
+# --- reconcile --------------------------------------------------------------
+
+
+def reconcile(
+    ctx: Context,
+    run_id: str,
+    call_id: str,
+    decision: str,
+    result: Any = None,
+    reason: str | None = None,
+    enqueue: Enqueue | None = None,
+) -> RunState:
+    """Record an operator's outcome for the parked run's open call and enqueue its next turn.
+
+    Refused (RunRefused) unless the run is needs_reconciliation and ``call_id`` is its open call.
+    """
+    run_id = validate_run_id(run_id)
+    if decision not in DECISIONS:
+        raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
+    if decision == "fail" and not (reason or "").strip():
+        raise ValueError("--fail needs a reason: what the model will read as the call's error")
+    owner = new_owner()
+    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+        raise RunRefused(run_id, "leased", "a worker holds its lease; try again in a moment")
+    try:
+        loaded = load_state(ctx, run_id)
+        if loaded is None:
+            raise RunNotFound(run_id)
+        state = loaded[0]
+        if state.status != RunStatus.NEEDS_RECONCILIATION:
+            raise RunRefused(
+                run_id,
+                state.status.value,
+                "only a run parked as needs_reconciliation has a call to reconcile; "
+                f"see `ratchet runs show {run_id}`",
+            )
+        if call_id != state.in_flight:
+            raise RunRefused(
+                run_id,
+                state.status.value,
+                f"call {call_id!r} is not its open call; the open call is {state.in_flight} "
+                f"(`ratchet runs show {run_id}`)",
+            )
+        data: dict[str, Any] = {"call_id": call_id, "decision": decision, "by": OPERATOR}
+        if decision == "result":
+            data["result"] = result
+        elif decision == "fail":
+            data["reason"] = reason
+        state = append_events(ctx, state, [("tool.reconciled", data)], owner)
+    finally:
+        ctx.runs.release_lease(run_id, owner)
+    (enqueue or enqueue_turn)(run_id, state.seq)
+    return state
+
+
+@app.task(name="ratchet.reconcile", ignore_result=True)
+def reconcile_run(
+    run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
+) -> int:
+    """:func:`reconcile` for clients that only speak Celery; returns the run's new seq."""
+    return reconcile(get_context(), run_id, call_id, decision, result, reason).seq

@@ -1,0 +1,289 @@
+"""Real workers stopped in the ways real workers stop: SIGKILL, SIGSTOP (a zombie),
+SIGTERM (a deploy), and a snapshot store that dies under them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from runtime.errors import SnapshotFailed
+from runtime.models import RunStatus
+from runtime.recovery import OPERATOR
+from store.runs import RunRecord
+from store.runs.redis import RedisRunStore
+from store.snapshots.redis import RedisSnapshotStore
+from tasks.context import Context
+from tasks.recovery import resume
+from tasks.start import create_run
+from tasks.turn import advance
+from tests.helpers import call, turn, write_agent
+from tests.redis_server import running_redis_server
+from tests.workers import ROOT, WorkerProcesses, redis_context
+from worker.app import make_app
+from worker.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
+        time.sleep(0.05)
+
+
+def status(ctx: Context, run_id: str) -> RunStatus:
+    record = ctx.runs.get(run_id)
+    assert record is not None
+    return record.status
+
+
+def enqueue_turn(broker_url: str, run_id: str, seq: int) -> None:
+    make_app(Settings(broker_url=broker_url)).send_task(
+        "ratchet.turn", (run_id, seq), queue="ratchet.turns"
+    )
+
+
+def ratchet_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ratchet", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def model_calls(call_log: Path) -> list[int]:
+    if not call_log.exists():
+        return []
+    return [json.loads(line)["turn"] + 1 for line in call_log.read_text().splitlines()]
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_worker_is_swept_by_the_cli_and_another_worker_takes_the_run_over(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            {**turn("look", call("lookup_order", order_id="B2")), "sleep_s": 30},
+            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
+            turn("Refunded."),
+        ],
+    )
+    ctx = redis_context(redis_url)
+    # Given a worker in the middle of a long model call
+    first = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
+    run_id = create_run(ctx, agent, "refund B2").run_id
+    enqueue_turn(redis_url, run_id, 1)
+    wait_for(
+        "the model is asked",
+        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
+    )
+    # When the whole worker is SIGKILLed and another starts
+    first.kill()
+    second = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
+    # And `ratchet sweep --once` runs once the lease has expired
+    wait_for("the lease expires", lambda: ctx.runs.overdue() == [run_id], timeout_s=10)
+    swept = ratchet_cli(first.env, "sweep", "--once")
+    assert swept.returncode == 0, swept.stderr
+    assert run_id in swept.stdout
+    # Then the second worker resumes it from the sweeper's message (the broker never
+    # gives back a dead worker's message within the test) and asks the model again
+    wait_for(
+        "the run is resumed and the model asked again",
+        lambda: (
+            [e.type for e in ctx.runs.events(run_id)][-2:] == ["run.resumed", "model.requested"]
+        ),
+    )
+    resumed = [e for e in ctx.runs.events(run_id) if e.type == "run.resumed"]
+    assert resumed[0].data == {"by": "sweeper", "attempt": 1}
+    assert "resumed by sweeper" in second.log()
+    ctx.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    agent = write_agent(tmp_path, [{**turn("all done"), "sleep_s": 2.5}])
+    ctx = redis_context(redis_url)
+    beat_env = {**worker_processes.base_env, "RATCHET_SWEEP_INTERVAL_S": "0.5"}
+    # Given worker A in a slow model call, frozen (SIGSTOP) past its 1 s lease
+    zombie = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
+    run_id = create_run(ctx, agent, "x").run_id
+    enqueue_turn(redis_url, run_id, 1)
+    wait_for(
+        "A asks the model",
+        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
+    )
+    zombie.signal(signal.SIGSTOP)
+    # When beat's sweeper hands the run to worker B, which finishes it
+    with (tmp_path / "beat.log").open("wb") as beat_log:
+        beat = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
+             "-s", str(tmp_path / "beat-schedule")],
+            cwd=ROOT, env=beat_env, stdout=beat_log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
+        wait_for("B completes the run", lambda: status(ctx, run_id) == RunStatus.COMPLETED)
+    finally:
+        os.killpg(beat.pid, signal.SIGKILL)
+        beat.wait()
+    finished = ctx.runs.events(run_id)
+    record = ctx.runs.get(run_id)
+    # And A wakes up
+    zombie.signal(signal.SIGCONT)
+    wait_for(
+        "A's write is refused",
+        lambda: (
+            "this write is dropped" in zombie.log()
+            or "no longer holds the run's lease" in zombie.log()
+        ),
+        timeout_s=15,
+    )
+    # Then its writes were refused and the finished run is untouched
+    time.sleep(0.5)
+    assert ctx.runs.events(run_id) == finished
+    assert ctx.runs.get(run_id) == record
+    assert [e.data["by"] for e in finished if e.type == "run.resumed"] == ["sweeper"]
+    assert [e.type for e in finished].count("model.responded") == 1
+    ctx.close()
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_ends_the_turn_at_a_boundary_and_another_worker_goes_on_at_once(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            {**turn("look", call("lookup_order", order_id="A1")), "sleep_s": 1.5},
+            turn("Found it."),
+        ],
+    )
+    ctx = redis_context(redis_url)
+    # Given a worker with a 60 s lease in the middle of a model call
+    leaving = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="60")
+    run_id = create_run(ctx, agent, "look A1").run_id
+    enqueue_turn(redis_url, run_id, 1)
+    wait_for(
+        "the model is asked",
+        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
+    )
+    # When it is told to stop (a deploy), and a new worker starts
+    started = time.monotonic()
+    leaving.signal(signal.SIGTERM)
+    worker_processes.start("--pool", "solo", RATCHET_LEASE_S="60")
+    # Then the run completes long before the lease could have expired, with no sweeper
+    wait_for("the run completes", lambda: status(ctx, run_id) == RunStatus.COMPLETED, 30)
+    assert time.monotonic() - started < 30
+    assert leaving.wait(10) == 0
+    assert "worker shutting down; stopping at seq" in leaving.log()
+    types = [e.type for e in ctx.runs.events(run_id)]
+    assert "run.resumed" not in types
+    assert types.count("model.responded") == 2 and types.count("tool.completed") == 1
+    ctx.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            {**turn("look", call("lookup_order", order_id="B2")), "sleep_s": 1.0},
+            turn("Found it."),
+        ],
+    )
+    call_log = tmp_path / "calls.log"
+    with running_redis_server(tmp_path) as snapshot_server:
+        snapshots_url = f"{snapshot_server.url}/0"
+        ctx = Context(
+            Settings(),
+            RedisSnapshotStore.from_url(snapshots_url),
+            RedisRunStore.from_url(redis_url),
+        )
+        env = {"RATCHET_SNAPSHOT_STORE": snapshots_url, "RATCHET_SCRIPTED_CALL_LOG": str(call_log)}
+        worker = worker_processes.start("--pool", "solo", **env)
+        run_id = create_run(ctx, agent, "look B2").run_id
+        enqueue_turn(redis_url, run_id, 1)
+        wait_for(
+            "the model is asked",
+            lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
+        )
+        # When the snapshot store's server dies while the model answers
+        snapshot_server.kill()
+        # Then the checkpoint fails after bounded retries: the run is stalled, nothing chained
+        wait_for("the run stalls", lambda: status(ctx, run_id) == RunStatus.STALLED)
+        record = ctx.runs.get(run_id)
+        assert record is not None and record.error is not None
+        assert f"ratchet runs resume {run_id}" in record.error
+        time.sleep(0.5)
+        assert ctx.runs.events(run_id)[-1].type == "run.stalled"
+        assert "SnapshotFailed" in worker.log()
+        # When the server is back (empty: it kept nothing) and an operator resumes
+        snapshot_server.restart()
+        resumed = ratchet_cli(worker.env, "runs", "resume", run_id)
+        assert resumed.returncode == 0, resumed.stderr
+        # Then the run is rebuilt from its events and completes, the model not asked again
+        wait_for("the run completes", lambda: status(ctx, run_id) == RunStatus.COMPLETED)
+        assert model_calls(call_log) == [1, 2]
+        types = [e.type for e in ctx.runs.events(run_id)]
+        assert types.count("run.resumed") == 1 and types.count("tool.completed") == 1
+        ctx.close()
+
+
+def test_a_failed_snapshot_write_leaves_the_previous_snapshot_intact_and_chains_nothing(
+    redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("look", call("lookup_order", order_id="B2")),
+            turn("again", call("lookup_order", order_id="A1")),
+            turn("done"),
+        ],
+    )
+    with running_redis_server(tmp_path) as snapshot_server:
+        ctx = Context(
+            Settings(),
+            RedisSnapshotStore.from_url(f"{snapshot_server.url}/0"),
+            RedisRunStore.from_url(redis_url),
+        )
+        run_id = create_run(ctx, agent, "look").run_id
+        assert advance(ctx, run_id, 1).outcome == "next"
+        before = ctx.snapshots.load_document(run_id)
+        admin = redis.Redis(host="127.0.0.1", port=snapshot_server.port)
+        # Given the snapshot server turned read-only (a primary demoted by a failover)
+        admin.execute_command("REPLICAOF", "127.0.0.1", "1")
+        try:
+            # When the next turn checkpoints
+            with pytest.raises(SnapshotFailed, match="the run stays at its previous state"):
+                advance(ctx, run_id, None)
+            # Then the previous snapshot is intact and the run is stalled
+            assert ctx.snapshots.load_document(run_id) == before
+            assert status(ctx, run_id) == RunStatus.STALLED
+        finally:
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+            admin.close()
+        # And resuming after the store is healed continues from there
+        assert resume(ctx, run_id, OPERATOR).outcome == "completed"
+        record: RunRecord | None = ctx.runs.get(run_id)
+        assert record is not None and record.usage.model_turns == 3
+        ctx.close()

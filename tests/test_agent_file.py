@@ -1,0 +1,96 @@
+"""Agent files: what loads, and how a bad one is refused (naming the file and the key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.agent import load_agent
+from runtime.errors import AgentFileError
+from tests.helpers import turn, write_agent
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "refund-desk.toml"
+
+
+def test_the_example_agent_loads_with_schemas_from_type_hints() -> None:
+    agent = load_agent(EXAMPLE)
+    assert agent.name == "refund-desk"
+    lookup = agent.tools["lookup_order"]
+    assert lookup.idempotent and not agent.tools["issue_refund"].idempotent
+    assert lookup.parameters["properties"] == {"order_id": {"type": "string"}}
+    assert lookup.parameters["required"] == ["order_id"]
+    assert agent.tools["request_user_input"].control
+    assert agent.binding.startswith("sha256:") and len(agent.binding) == 71
+
+
+def test_the_binding_changes_with_anything_that_decides_behaviour(tmp_path: Path) -> None:
+    base = load_agent(write_agent(tmp_path / "a", [turn("x")])).binding
+    assert load_agent(write_agent(tmp_path / "b", [turn("x")])).binding == base
+    assert load_agent(write_agent(tmp_path / "c", [turn("y")])).binding != base  # the script
+    assert (
+        load_agent(write_agent(tmp_path / "d", [turn("x")], budgets={"max_turns": 3})).binding
+        != base
+    )
+    assert load_agent(write_agent(tmp_path / "e", [turn("x")], tools=["blocked"])).binding != base
+    assert (
+        load_agent(
+            write_agent(tmp_path / "f", [turn("x")], require_approval=["issue_refund"])
+        ).binding
+        != base
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "key", "problem"),
+    [
+        (lambda t: 'colour = "blue"\n' + t, "colour", "unknown key"),
+        (
+            lambda t: t.replace('model = "scripted"', 'model = "telepathy"'),
+            "model",
+            "unknown provider",
+        ),
+        (
+            lambda t: t.replace('"blocked"', '"examples.refunds:nope"'),
+            "tools[4]",
+            "has no function `nope`",
+        ),
+        (
+            lambda t: t.replace('"blocked"', '"no_such_module_xyz:f"'),
+            "tools[4]",
+            "cannot be imported",
+        ),
+        (lambda t: t.replace('"blocked"', '"notatool"'), "tools[4]", "expected `module:function`"),
+        (
+            lambda t: t.replace("[budgets]", "[budgets]\nmax_turns = 0"),
+            "budgets.max_turns",
+            "greater than",
+        ),
+        (
+            lambda t: t.replace("require_approval = []", 'require_approval = ["ghost"]'),
+            "policy.require_approval",
+            "not one of the agent's tools",
+        ),
+        (lambda t: t.replace('name = "test-agent"\n', ""), "name", "Field required"),
+        (lambda t: t + "[[[", "(file)", "not valid TOML"),
+    ],
+)
+def test_a_bad_agent_file_is_refused_naming_the_file_and_the_key(
+    tmp_path: Path,
+    edit,
+    key: str,
+    problem: str,  # type: ignore[no-untyped-def]
+) -> None:
+    path = write_agent(tmp_path, [turn("x")])
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(AgentFileError) as refused:
+        load_agent(path)
+    message = str(refused.value)
+    assert str(path) in message and f"`{key}`" in message and problem in message
+
+
+def test_a_missing_script_is_refused_naming_the_key(tmp_path: Path) -> None:
+    path = write_agent(tmp_path, [turn("x")])
+    (tmp_path / "test-agent.script.json").unlink()
+    with pytest.raises(AgentFileError, match=r"`model`: script .* cannot be read"):
+        load_agent(path)

@@ -1,0 +1,165 @@
+"""Appending snapshot backends (redis, s3): a save writes only what is new.
+
+The conformance suite proves they store and load like every backend; these
+tests prove what only they promise: the bytes a checkpoint writes stay flat as
+the transcript grows, the document read back is byte-identical to the
+encoding, and a stored transcript that is not a prefix of the new one is
+detected and rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.errors import SnapshotMalformed, SnapshotTooLarge
+from runtime.models import Message, RunState, ToolCall
+from store.snapshots import format as snapshot_format
+from store.snapshots.redis import RedisSnapshotStore
+from store.snapshots.s3 import S3SnapshotStore
+from tests.contract.test_snapshot_store_contract import make_state, rich_state
+
+APPENDING = ("redis", "s3")
+
+
+@pytest.fixture(params=APPENDING)
+def store(request: pytest.FixtureRequest) -> Iterator[RedisSnapshotStore | S3SnapshotStore]:
+    opened: RedisSnapshotStore | S3SnapshotStore
+    if request.param == "redis":
+        opened = RedisSnapshotStore.from_url(request.getfixturevalue("redis_url"))
+    else:
+        opened = S3SnapshotStore.from_url(request.getfixturevalue("s3_url"))
+    yield opened
+    opened.close()
+
+
+def grown(state: RunState, turn: int) -> RunState:
+    result = f"turn {turn}: " + " ".join(f"w{(turn * 7919 + i) % 1009}" for i in range(300))
+    messages = (
+        Message(role="assistant", tool_calls=(ToolCall(id=f"c{turn}", name="look"),)),
+        Message(role="tool", content=result, tool_call_id=f"c{turn}", name="look"),
+    )
+    return state.model_copy(
+        update={"seq": state.seq + 2, "transcript": state.transcript + messages}
+    )
+
+
+def test_the_bytes_a_save_writes_do_not_grow_with_the_transcript(
+    store: RedisSnapshotStore | S3SnapshotStore,
+) -> None:
+    # Given a run checkpointed once per turn for 60 turns
+    state = make_state(seq=1)
+    store.save(state, expected_seq=None)
+    written: list[int] = []
+    for turn in range(1, 61):
+        before, previous = store.bytes_written, state.seq
+        state = grown(state, turn)
+        store.save(state, expected_seq=previous)
+        written.append(store.bytes_written - before)
+
+    # Then the last saves cost what the first ones did, while the document grew 30-fold
+    first, last = sum(written[:10]) / 10, sum(written[-10:]) / 10
+    assert last <= first * 1.1, (first, last)
+    assert len(snapshot_format.encode(state)) > 30 * last
+    # and the document reads back whole and byte-identical
+    assert store.load_document("run-1") == snapshot_format.encode(state)
+    assert store.load("run-1") == state
+
+
+def test_a_store_that_did_not_save_the_run_appends_after_reading_the_tip(
+    store: RedisSnapshotStore | S3SnapshotStore, request: pytest.FixtureRequest
+) -> None:
+    # Given a snapshot saved by one worker
+    state = grown(make_state(seq=1), 1)
+    store.save(state, expected_seq=None)
+    url = request.getfixturevalue(
+        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
+    )
+    other = type(store).from_url(url)
+
+    # When a second worker, which never loaded it, checkpoints the next turn
+    newer = grown(state, 2)
+    other.save(newer, expected_seq=state.seq)
+
+    # Then it appended (wrote far less than the document) and the result is exact
+    assert other.bytes_written < len(snapshot_format.encode(newer)) / 2
+    assert store.load_document("run-1") == snapshot_format.encode(newer)
+    other.close()
+
+
+def test_a_transcript_that_is_not_a_prefix_of_the_stored_one_is_rewritten_whole(
+    store: RedisSnapshotStore | S3SnapshotStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.save(grown(make_state(seq=1), 1), expected_seq=None)
+    # A state whose earlier messages differ: never produced by the runtime, but the
+    # store must not splice it onto what it holds.
+    rewritten = grown(make_state(seq=1, content="another question"), 7)
+
+    store.save(rewritten, expected_seq=3)
+
+    assert store.load("run-1") == rewritten
+    assert store.load_document("run-1") == snapshot_format.encode(rewritten)
+    assert "not a prefix" in caplog.text
+
+
+def test_the_size_limit_counts_the_whole_document_not_the_bytes_sent(
+    store: RedisSnapshotStore | S3SnapshotStore,
+) -> None:
+    state = make_state(seq=1)
+    for turn in range(1, 6):
+        state = grown(state, turn)
+    store.save(make_state(seq=1), expected_seq=None)
+    store.save(state, expected_seq=1)
+    store.max_bytes = len(snapshot_format.encode(state)) + 100
+
+    with pytest.raises(SnapshotTooLarge) as refused:
+        store.save(grown(state, 6), expected_seq=state.seq)
+
+    assert f"{len(snapshot_format.encode(grown(state, 6)))} bytes" in str(refused.value)
+    assert store.load("run-1") == state
+
+
+def test_a_tampered_transcript_is_refused_on_load_not_returned(
+    store: RedisSnapshotStore | S3SnapshotStore,
+) -> None:
+    state = grown(make_state(seq=1), 1)
+    store.save(state, expected_seq=None)
+    if isinstance(store, RedisSnapshotStore):
+        store._client.lset(store._transcript_key("run-1"), 1, b'      {"role": "user"}')
+    else:
+        prefix = store._transcript_prefix("run-1")
+        (key,) = list(store._keys(prefix))
+        store._client.put_object(Bucket=store._bucket, Key=key, Body=b"3\nabc")
+
+    with pytest.raises(SnapshotMalformed) as refused:
+        store.load("run-1")
+
+    assert "ratchet runs resume run-1" in str(refused.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    contents=st.lists(st.text(max_size=40), max_size=6),
+    arguments=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+)
+def test_head_and_fragments_assemble_into_exactly_the_document(
+    contents: list[str], arguments: dict[str, str]
+) -> None:
+    base = rich_state()
+    messages = tuple(
+        Message(role="tool", content=c, tool_call_id="x", name="transcript") for c in contents
+    )
+    call = ToolCall(id="t", name="transcript", arguments={"transcript": [], **arguments})
+    state = base.model_copy(update={"transcript": messages, "pending": (call,)})
+    fragments = [snapshot_format.encode_fragment(m) for m in messages]
+    head = snapshot_format.encode_head(state)
+
+    document = snapshot_format.assemble(head, fragments)
+
+    assert document == snapshot_format.encode(state)
+    assert snapshot_format.document_size(head, len(fragments), sum(map(len, fragments))) == len(
+        document
+    )

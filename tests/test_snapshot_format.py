@@ -1,0 +1,112 @@
+"""The snapshot document: golden files of every format version, and its refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runtime.errors import SnapshotMalformed, SnapshotUnsupportedVersion, SnapshotWrongKind
+from runtime.fsm import rebuild
+from runtime.models import RunStatus
+from store.snapshots import format as snapshot_format
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_every_golden_snapshot_version_still_decodes() -> None:
+    # Given every format version this project has ever written
+    files = sorted(GOLDEN.glob("snapshot-v*.json"))
+    assert [f.name for f in files] == ["snapshot-v1.json"], "add a golden file for each new version"
+    for path in files:
+        # When this build reads it
+        state = snapshot_format.decode(path.read_bytes(), path.name)
+        # Then it is the run the file describes
+        assert state.run_id == "golden-run-1"
+        assert state.status == RunStatus.NEEDS_USER_INPUT
+        assert state.seq == 8
+        assert state.suspension is not None
+        assert state.suspension.prompt == "Which card should the refund go to?"
+        assert [m.role for m in state.transcript] == [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+        assert state.usage.total_tokens == 30
+
+
+def test_a_snapshot_is_sorted_indented_json_with_a_trailing_newline() -> None:
+    data = (GOLDEN / "snapshot-v1.json").read_bytes()
+    state = snapshot_format.decode(data, "golden")
+    encoded = snapshot_format.encode(state)
+    assert encoded.endswith(b"}\n")
+    value = json.loads(encoded)
+    assert list(value) == sorted(value) == ["kind", "run", "version"]
+    assert encoded == data, (
+        "format 1 must encode exactly as it did when the golden file was written"
+    )
+
+
+def _golden() -> dict[str, object]:
+    value: dict[str, object] = json.loads((GOLDEN / "snapshot-v1.json").read_bytes())
+    return value
+
+
+def test_an_unknown_field_is_refused_naming_it() -> None:
+    value = _golden()
+    value["run"]["surprise"] = 1  # type: ignore[index]
+    with pytest.raises(SnapshotMalformed, match=r"`run.surprise`: unknown field"):
+        snapshot_format.decode(json.dumps(value).encode(), "snap.json")
+
+
+def test_another_kind_of_document_is_refused_saying_which_it_is() -> None:
+    value = _golden()
+    value["kind"] = "ratchet.memory"
+    with pytest.raises(SnapshotWrongKind) as refused:
+        snapshot_format.decode(json.dumps(value).encode(), "snap.json")
+    message = str(refused.value)
+    assert "`ratchet.memory` document, not a `ratchet.snapshot` one" in message
+    assert "point the snapshot store at" in message
+
+
+def test_a_future_version_is_refused_saying_what_to_do() -> None:
+    value = _golden()
+    value["version"] = 2
+    with pytest.raises(SnapshotUnsupportedVersion) as refused:
+        snapshot_format.decode(json.dumps(value).encode(), "snap.json")
+    assert "version `2`" in str(refused.value) and "upgrade ratchet" in str(refused.value)
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b"[1, 2]", b"\xff\xfe"])
+def test_something_that_is_not_a_snapshot_is_refused(data: bytes) -> None:
+    with pytest.raises(SnapshotMalformed, match="is not a ratchet snapshot"):
+        snapshot_format.decode(data, "snap.json")
+
+
+def test_the_golden_run_rebuilt_from_its_events_matches_its_snapshot(tmp_path: Path) -> None:
+    # The golden events were not kept, so replay the same script and compare the shapes.
+    from tasks.start import create_run
+    from tasks.turn import advance
+    from tests.helpers import call, memory_context, turn, write_agent
+
+    ctx = memory_context()
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("Looking up order B2.", call("lookup_order", order_id="B2")),
+            turn(
+                "Need to ask.",
+                call("request_user_input", prompt="Which card should the refund go to?"),
+            ),
+        ],
+        name="golden-desk",
+    )
+    run_id = create_run(ctx, agent, "Refund order B2, please.").run_id
+    done = advance(ctx, run_id, 1)
+    advance(ctx, run_id, done.seq)
+    saved = ctx.snapshots.load(run_id)
+    assert saved is not None
+    assert rebuild(ctx.runs.events(run_id)) == saved

@@ -1,0 +1,5 @@
+"""`python -m worker` is the `ratchet` command."""
+
+from worker.cli import main
+
+main()

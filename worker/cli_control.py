@@ -1,0 +1,70 @@
+"""``ratchet runs continue`` and ``ratchet runs cancel``: answering and stopping runs."""
+
+from __future__ import annotations
+
+import click
+
+from tasks.control import new_continuation_id
+from worker.cli import _api, _dump, _record_json, refusals, runs
+from worker.render import record_lines
+
+
+@runs.command("continue")
+@click.argument("run_id")
+@click.option("--input", "text", default=None, help="The answer to the run's question or blocker.")
+@click.option("--approve", is_flag=True, help="Let the tool awaiting approval run.")
+@click.option("--deny", default=None, metavar="REASON", help="Refuse the tool; the model is told.")
+@click.option(
+    "--continuation-id",
+    default=None,
+    help="Name this answer (default: generated); the same id twice is applied once.",
+)
+@click.option(
+    "--suspension-seq",
+    type=int,
+    default=None,
+    help="Only answer the suspension recorded at this seq (see `runs show`).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@refusals
+def runs_continue(
+    run_id: str,
+    text: str | None,
+    approve: bool,
+    deny: str | None,
+    continuation_id: str | None,
+    suspension_seq: int | None,
+    as_json: bool,
+) -> None:
+    """Answer suspended run RUN_ID and queue its next turn."""
+    continuation_id = continuation_id or new_continuation_id()
+    outcome = _api().continue_run(
+        run_id,
+        input=text,
+        approve=approve or None,
+        deny=deny,
+        continuation_id=continuation_id,
+        suspension_seq=suspension_seq,
+    )
+    if as_json:
+        _dump({"run_id": run_id, "continuation_id": continuation_id, "outcome": outcome})
+    elif outcome == "duplicate":
+        click.echo(
+            f"run {run_id}: continuation {continuation_id} was already applied; nothing to do"
+        )
+    else:
+        click.echo(f"run {run_id}: continued ({continuation_id}); its next turn is queued")
+
+
+@runs.command("cancel")
+@click.argument("run_id")
+@click.option("--reason", default=None, help="Why; recorded in the run.cancelled event.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@refusals
+def runs_cancel(run_id: str, reason: str | None, as_json: bool) -> None:
+    """Cancel RUN_ID: it stops at its next step, for good."""
+    record = _api().cancel(run_id, reason)
+    if as_json:
+        _dump(_record_json(record))
+    else:
+        click.echo("\n".join(record_lines(record)))

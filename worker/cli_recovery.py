@@ -1,0 +1,91 @@
+"""Recovery commands: ``ratchet runs resume``, ``ratchet runs reconcile``, ``ratchet sweep``.
+
+Registered on the groups of :mod:`worker.cli` when it imports this module. Also
+replaces ``runs show`` with one that adds the open tool call of a parked run
+(what the operator must check before ``reconcile``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from runtime.errors import RatchetError
+from worker.cli import _api, _dump, _record_json, main, refusals, runs
+from worker.render import open_call_lines, record_lines
+
+
+@runs.command("resume")
+@click.argument("run_id")
+@refusals
+def runs_resume(run_id: str) -> None:
+    """Resume a stopped run from its last checkpoint (refused, with the reason, if it cannot)."""
+    status = _api().resume(run_id)
+    click.echo(f"run {run_id} ({status}): resume enqueued")
+
+
+@runs.command("reconcile")
+@click.argument("run_id")
+@click.argument("call_id")
+@click.option("--result", "result_json", default=None, help="The call's outcome, as JSON.")
+@click.option("--retry", is_flag=True, help="The call did not happen: run it again.")
+@click.option("--fail", "fail_reason", default=None, help="The call failed: tell the model why.")
+@refusals
+def runs_reconcile(
+    run_id: str, call_id: str, result_json: str | None, retry: bool, fail_reason: str | None
+) -> None:
+    """Decide the outcome of CALL_ID, the call a parked run has open; the run then goes on."""
+    chosen = [result_json is not None, retry, fail_reason is not None]
+    if sum(chosen) != 1:
+        raise RatchetError("give exactly one of --result JSON, --retry or --fail REASON")
+    result: Any = None
+    if result_json is not None:
+        try:
+            result = json.loads(result_json)
+        except json.JSONDecodeError as exc:
+            raise RatchetError(f"--result is not valid JSON: {exc}") from exc
+        decision = "result"
+    else:
+        decision = "retry" if retry else "fail"
+    record = _api().reconcile(run_id, call_id, decision, result=result, reason=fail_reason)
+    click.echo(f"run {run_id}: call {call_id} reconciled ({decision}); the run goes on")
+    click.echo("\n".join(record_lines(record)))
+
+
+@runs.command("show")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True)
+@refusals
+def runs_show(run_id: str, as_json: bool) -> None:
+    """Status, agent, usage against budgets, output, last error and any open tool call."""
+    api = _api()
+    record = api.get(run_id)
+    entry = api.open_call(run_id)
+    if as_json:
+        _dump(
+            {**_record_json(record), "open_call": entry.model_dump(mode="json") if entry else None}
+        )
+        return
+    lines = record_lines(record)
+    if entry is not None:
+        lines += open_call_lines(entry)
+    click.echo("\n".join(lines))
+
+
+@main.command("sweep")
+@click.option("--once", is_flag=True, help="Sweep once and exit (default: every interval).")
+@refusals
+def sweep(once: bool) -> None:
+    """Find orphaned runs (lease expired, next step overdue) and enqueue a resume for each."""
+    api = _api()
+    interval_s = api.ctx.settings.sweep_interval_s
+    while True:
+        found = api.sweep()
+        if found or once:
+            click.echo(f"sweep: {len(found)} orphaned run(s), resume enqueued: {' '.join(found)}")
+        if once:
+            return
+        time.sleep(interval_s)
