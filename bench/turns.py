@@ -132,17 +132,18 @@ def bench_ratchet(
         "RATCHET_SNAPSHOT_STORE": stores,
         "RATCHET_RUN_STORE": stores,
     }
-    os.environ.update({k: v for k, v in env.items() if k.startswith("RATCHET_")})
     worker = start_worker("worker", env, concurrency, log)
     try:
         warm_up(env)
         from runtime.models import RunStatus
-        from tasks.context import get_context
+        from store import open_run_store, open_snapshot_store
+        from tasks.context import Context
         from worker.api import Ratchet
         from worker.app import app
+        from worker.settings import Settings
 
         app.conf.broker_url = f"{url}/3"
-        api = Ratchet(get_context())
+        api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
         started = time.perf_counter()
         ids = [api.start(agent, f"bench run {i}") for i in range(runs)]
         wait_for(lambda: len(api.list(RunStatus.COMPLETED, limit=runs + 1)) >= runs, 600)

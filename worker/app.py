@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from worker.settings import Settings, get_settings
 
@@ -54,7 +54,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_hijack_root_logger": False,
         "task_default_queue": TURNS_QUEUE,
-        "task_queues": (Queue(TURNS_QUEUE), Queue(CONTROL_QUEUE)),
+        # Each queue gets its own exchange and routing key: a bare Queue(name) would be
+        # bound to Celery's default routing key, and every message would land in both.
+        "task_queues": tuple(
+            Queue(name, Exchange(name, type="direct"), routing_key=name)
+            for name in (TURNS_QUEUE, CONTROL_QUEUE)
+        ),
         "task_routes": {
             "ratchet.start": {"queue": TURNS_QUEUE},
             "ratchet.turn": {"queue": TURNS_QUEUE},

@@ -1,0 +1,24 @@
+"""Routing: every message lands in exactly one queue, turns apart from control messages."""
+
+from __future__ import annotations
+
+import redis
+
+from tasks.turn import run_turn
+from worker.app import CONTROL_QUEUE, TURNS_QUEUE, app
+
+
+def test_a_turn_and_a_control_message_each_land_in_exactly_their_own_queue(redis_url: str) -> None:
+    with app.connection_for_write(redis_url) as connection:
+        # Given both queues declared and bound, as a worker declares them at start
+        for queue in app.conf.task_queues:
+            queue(connection.default_channel).declare()
+        # When one turn and one continuation are sent
+        run_turn.apply_async(("run-1", 1), connection=connection)
+        app.send_task(
+            "ratchet.continue", kwargs={"run_id": "run-1", "input": "x"}, connection=connection
+        )
+    # Then each queue holds exactly one message: nothing is delivered twice
+    client = redis.Redis.from_url(redis_url)
+    assert client.llen(TURNS_QUEUE) == 1
+    assert client.llen(CONTROL_QUEUE) == 1
