@@ -7,6 +7,7 @@
     ├── ToolError                 a tool could not be declared or imported
     ├── ProviderError             the model provider failed (retryable or not)
     ├── BudgetExhausted           a budget or the deadline does not allow the next step
+    │   └── BudgetUnenforceable   a token budget with responses that reported no usage
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
@@ -77,6 +78,21 @@ class BudgetExhausted(RatchetError):
             limit,
         )
         self.budget, self.used, self.limit = budget, used, limit
+
+
+class BudgetUnenforceable(BudgetExhausted):
+    """A token budget cannot be checked: the provider did not report usage."""
+
+    def __init__(self, budget: str, responses: int) -> None:
+        RatchetError.__init__(
+            self,
+            f"budget `{budget}` cannot be enforced: {responses} model response(s) reported "
+            "no token usage, and ratchet does not guess; use a provider that reports usage "
+            "or remove the budget, then start a new run",
+            budget,
+            responses,
+        )
+        self.budget, self.used, self.limit = budget, responses, 0
 
 
 class InvalidRunId(RatchetError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.agent import Agent
-from runtime.errors import BudgetExhausted
+from runtime.errors import BudgetExhausted, BudgetUnenforceable
 from runtime.models import (
     Event,
     Message,
@@ -140,10 +140,16 @@ def _initial(event: Event) -> RunState:
     )
 
 
-INFORMATIONAL_EVENTS = frozenset({"model.failed", "model.retrying"})
+INFORMATIONAL_EVENTS = frozenset({"model.failed"})
 """Events that record what happened without changing what happens next."""
 
 Fold = Callable[[RunState, Event], RunState]
+
+
+def _model_retrying(state: RunState, event: Event) -> RunState:
+    """A provider retried within one model call: the failed request was an attempt too."""
+    usage = state.usage.model_copy(update={"model_attempts": state.usage.model_attempts + 1})
+    return state.model_copy(update={"usage": usage})
 
 
 def _model_requested(state: RunState, event: Event) -> RunState:
@@ -239,6 +245,7 @@ def _ended(status: RunStatus, key: str) -> Fold:
 
 FOLDS: dict[str, Fold] = {
     "model.requested": _model_requested,
+    "model.retrying": _model_retrying,
     "model.responded": lambda state, event: _responded(state, event.data),
     "tool.requested": _tool_requested,
     "tool.completed": _tool_done,
@@ -326,17 +333,19 @@ def _check_deadline(state: RunState, now_ms: int) -> None:
         raise BudgetExhausted("timeout_seconds", round(running_s, 1), state.budgets.timeout_seconds)
 
 
-def _check_model_budgets(state: RunState, now_ms: int) -> None:
+def check_model_budgets(state: RunState, now_ms: int) -> None:
     b, u = state.budgets, state.usage
     if u.model_attempts >= b.max_turns:
         raise BudgetExhausted("max_turns", u.model_attempts, b.max_turns)
     if b.max_total_tokens is not None:
+        if u.responses_without_usage:
+            raise BudgetUnenforceable("max_total_tokens", u.responses_without_usage)
         if u.total_tokens >= b.max_total_tokens:
             raise BudgetExhausted("max_total_tokens", u.total_tokens, b.max_total_tokens)
     _check_deadline(state, now_ms)
 
 
-def _check_tool_budgets(state: RunState, now_ms: int) -> None:
+def check_tool_budgets(state: RunState, now_ms: int) -> None:
     if state.usage.tool_calls >= state.budgets.max_tool_calls:
         raise BudgetExhausted(
             "max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls
@@ -362,9 +371,9 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
                 return Suspend(reason, call, str(call.arguments.get(key, "")))
             if call.name in agent.spec.policy.require_approval and call.id not in state.approved:
                 return Suspend(RunStatus.AWAITING_APPROVAL, call, f"approve `{call.name}`?")
-            _check_tool_budgets(state, now_ms)
+            check_tool_budgets(state, now_ms)
             return RunTool(call)
-        _check_model_budgets(state, now_ms)
+        check_model_budgets(state, now_ms)
     except BudgetExhausted as exc:
         return Fail(str(exc))
     request = ModelRequest(

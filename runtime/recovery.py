@@ -38,7 +38,7 @@ from typing import Any
 from runtime.errors import BindingChanged, BudgetExhausted, RatchetError, RunRefused
 
 # Budget rules live in the FSM; the classification asks the same questions.
-from runtime.fsm import _check_model_budgets, _check_tool_budgets
+from runtime.fsm import check_model_budgets, check_tool_budgets
 from runtime.models import Event, RunState, RunStatus
 
 SWEEPER = "sweeper"
@@ -147,9 +147,9 @@ def budget_problem(state: RunState, now_ms: int) -> BudgetExhausted | None:
     """The budget or deadline that forbids the run's next step, if one does."""
     try:
         if state.pending and state.suspension is None:
-            _check_tool_budgets(state, now_ms)
+            check_tool_budgets(state, now_ms)
         else:
-            _check_model_budgets(state, now_ms)
+            check_model_budgets(state, now_ms)
     except BudgetExhausted as exc:
         return exc
     return None
