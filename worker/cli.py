@@ -17,7 +17,7 @@ import click
 from runtime.errors import RatchetError
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
-from worker.render import event_line, record_lines
+from worker.render import event_line, open_call_lines, record_lines
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -129,12 +129,19 @@ def runs_list(status: str | None, limit: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @refusals
 def runs_show(run_id: str, as_json: bool) -> None:
-    """Status, agent, usage against budgets, output and last error of a run."""
-    record = _api().get(run_id)
+    """Status, agent, usage against budgets, output, last error and any open tool call."""
+    api = _api()
+    record = api.get(run_id)
+    entry = api.open_call(run_id)
     if as_json:
-        _dump(_record_json(record))
-    else:
-        click.echo("\n".join(record_lines(record)))
+        _dump(
+            {**_record_json(record), "open_call": entry.model_dump(mode="json") if entry else None}
+        )
+        return
+    lines = record_lines(record)
+    if entry is not None:
+        lines += open_call_lines(entry)
+    click.echo("\n".join(lines))
 
 
 @runs.command("events")

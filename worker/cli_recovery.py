@@ -1,8 +1,6 @@
 """Recovery commands: ``ratchet runs resume``, ``ratchet runs reconcile``, ``ratchet sweep``.
 
-Registered on the groups of :mod:`worker.cli` when it imports this module. Also
-replaces ``runs show`` with one that adds the open tool call of a parked run
-(what the operator must check before ``reconcile``).
+Registered on the groups of :mod:`worker.cli` when it imports this module.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from typing import Any
 import click
 
 from runtime.errors import RatchetError
-from worker.cli import _api, _dump, _record_json, main, refusals, runs
-from worker.render import open_call_lines, record_lines
+from worker.cli import _api, main, refusals, runs
+from worker.render import record_lines
 
 
 @runs.command("resume")
@@ -53,26 +51,6 @@ def runs_reconcile(
     record = _api().reconcile(run_id, call_id, decision, result=result, reason=fail_reason)
     click.echo(f"run {run_id}: call {call_id} reconciled ({decision}); the run goes on")
     click.echo("\n".join(record_lines(record)))
-
-
-@runs.command("show")
-@click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True)
-@refusals
-def runs_show(run_id: str, as_json: bool) -> None:
-    """Status, agent, usage against budgets, output, last error and any open tool call."""
-    api = _api()
-    record = api.get(run_id)
-    entry = api.open_call(run_id)
-    if as_json:
-        _dump(
-            {**_record_json(record), "open_call": entry.model_dump(mode="json") if entry else None}
-        )
-        return
-    lines = record_lines(record)
-    if entry is not None:
-        lines += open_call_lines(entry)
-    click.echo("\n".join(lines))
 
 
 @main.command("sweep")

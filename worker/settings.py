@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     """How often the crash sweeper (`celery -A worker beat`, `ratchet sweep`) looks for orphans."""
     max_recovery_attempts: int = Field(default=5, ge=1)
     """Sweeper resumes in a row without progress before a run is dead-lettered."""
+    retention_s: int = Field(default=604_800, gt=0)
+    """How long a finished run's record and events are kept after it finished (default 7 days)."""
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """A worker serves Prometheus metrics on this port when set (needs `ratchet[metrics]`)."""
+    agents: str = ""
+    """Comma-separated agent files the worker checks at start (longest turn vs the broker)."""
 
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:
@@ -71,6 +77,10 @@ class Settings(BaseSettings):
     @property
     def resolved_run_store(self) -> str:
         return self.run_store or f"sqlite://{self.resolved_data_dir / 'runs.sqlite3'}"
+
+    @property
+    def agent_files(self) -> list[Path]:
+        return [Path(part.strip()) for part in self.agents.split(",") if part.strip()]
 
     @property
     def broker_folders(self) -> dict[str, Path]:
