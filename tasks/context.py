@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.agent import Agent, load_agent
+from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from worker.settings import Settings, get_settings
 
@@ -23,6 +25,33 @@ class Context:
     runs: RunStore
     _agents: dict[str, tuple[tuple[int, int], Agent]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
+
+    CHECKPOINTS_KEPT = 256
+    """Runs whose last checkpoint this process remembers (least recently used dropped)."""
+
+    def remember_checkpoint(self, state: RunState) -> None:
+        """Keep the state this process just saved as the run's snapshot."""
+        with self._lock:
+            self._checkpoints[state.run_id] = state
+            self._checkpoints.move_to_end(state.run_id)
+            while len(self._checkpoints) > self.CHECKPOINTS_KEPT:
+                self._checkpoints.popitem(last=False)
+
+    def recall_checkpoint(self, run_id: str, last_seq: int) -> RunState | None:
+        """The remembered snapshot of ``run_id`` if the run is still exactly there.
+
+        The event log is the truth: a state whose seq is the log's last seq is the fold
+        of that log, whoever saved the snapshot, so reading the snapshot again would
+        return the same state.
+        """
+        with self._lock:
+            state = self._checkpoints.get(run_id)
+        return state if state is not None and state.seq == last_seq else None
+
+    def forget_checkpoint(self, run_id: str) -> None:
+        with self._lock:
+            self._checkpoints.pop(run_id, None)
 
     def agent(self, path: str | Path) -> Agent:
         """The agent at ``path``, reloaded when the file changes (a deploy may edit it)."""

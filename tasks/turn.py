@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -90,6 +91,7 @@ TOOL_TIMEOUT_ATTEMPTS = 3
 """Tries in all for an idempotent tool that times out, before its call fails."""
 
 _stopping = threading.Event()
+_heartbeats_lock = threading.Lock()
 
 
 @worker_shutting_down.connect
@@ -113,30 +115,71 @@ class CallTimedOut(Exception):
         self.timeout_s = timeout_s
 
 
-def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run ``call`` in a daemon thread; raise CallTimedOut if it takes over ``timeout_s``.
+class _Callers:
+    """Daemon threads that run model and tool calls, so a turn can stop waiting for one.
 
-    The thread is abandoned, not stopped (Python cannot stop a thread): it is a
-    daemon, so it never holds the process open at exit.
+    Reused across calls (a thread per call costs more than most tool calls). A
+    call that times out is abandoned, not stopped — Python cannot stop a thread —
+    and its thread is written off; a fresh one takes its place, so abandoned calls
+    never starve the next turn. Daemon threads never hold the process open at exit.
     """
-    box: dict[str, Any] = {}
-    done = threading.Event()
 
-    def target() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the waiting thread as is
-            box["error"] = exc
-        finally:
-            done.set()
+    def __init__(self) -> None:
+        self._idle: list[tuple[threading.Event, list[Any]]] = []
+        self._lock = threading.Lock()
 
-    threading.Thread(target=target, name=f"call-{what}", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise CallTimedOut(what, timeout_s)
-    if "error" in box:
-        raise box["error"]
-    value: T = box["value"]
-    return value
+    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
+        with self._lock:
+            slot = self._idle.pop() if self._idle else self._spawn()
+        wake, box = slot
+        done = threading.Event()
+        box[:] = [fn, done, None, None]
+        wake.set()
+        if not done.wait(timeout_s):
+            box[0] = None  # the thread exits when (if ever) the call returns
+            raise CallTimedOut(what, timeout_s)
+        value, error = box[2], box[3]
+        with self._lock:
+            self._idle.append(slot)
+        if error is not None:
+            raise error
+        result: T = value
+        return result
+
+    @staticmethod
+    def _spawn() -> tuple[threading.Event, list[Any]]:
+        wake = threading.Event()
+        box: list[Any] = [None, None, None, None]
+
+        def serve() -> None:
+            while True:
+                wake.wait()
+                wake.clear()
+                fn, done = box[0], box[1]
+                try:
+                    box[2], box[3] = fn(), None
+                except BaseException as exc:  # handed to the waiting thread as is
+                    box[2], box[3] = None, exc
+                abandoned = box[0] is None
+                done.set()
+                if abandoned:
+                    return
+
+        threading.Thread(target=serve, name="ratchet-call", daemon=True).start()
+        return wake, box
+
+
+_callers_by_pid: dict[int, _Callers] = {}
+
+
+def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``call`` on a caller thread; raise CallTimedOut if it takes over ``timeout_s``."""
+    pid = os.getpid()
+    with _heartbeats_lock:
+        callers = _callers_by_pid.get(pid)
+        if callers is None:
+            callers = _callers_by_pid[pid] = _Callers()
+    return callers.call(call, timeout_s, what)
 
 
 def new_owner() -> str:
@@ -219,6 +262,9 @@ def load_state(ctx: Context, run_id: str) -> tuple[RunState, int | None] | None:
     record = ctx.runs.get(run_id)
     if record is None:
         return None
+    remembered = ctx.recall_checkpoint(run_id, record.last_seq)
+    if remembered is not None:
+        return remembered, remembered.seq
     state = ctx.snapshots.load(run_id)
     snapshot_seq = state.seq if state is not None else None
     if state is None or state.seq < record.last_seq:
@@ -428,6 +474,7 @@ class Turn:
 
     def finish(self) -> str:
         """A terminal run keeps its events; its snapshot has served its purpose."""
+        self.ctx.forget_checkpoint(self.state.run_id)
         self.ctx.snapshots.delete(self.state.run_id)
         return self.state.status.value
 
@@ -464,6 +511,7 @@ class Turn:
             self._record_stall(str(error))
             raise error from exc
         self.snapshot_seq = self.state.seq
+        self.ctx.remember_checkpoint(self.state)
         failpoints.hit("snapshot.after_save", turn)
 
     def _record_stall(self, reason: str) -> None:
@@ -478,24 +526,63 @@ class Turn:
 
         It stops with the process: a worker that is killed or frozen lets the lease expire.
         """
-        stop = threading.Event()
-        interval = self.ctx.settings.lease_s / 3
-
-        def beat() -> None:
-            while not stop.wait(interval):
-                try:
-                    if not self.ctx.runs.acquire_lease(
-                        self.state.run_id, self.owner, self.ctx.settings.lease_s
-                    ):
-                        log.warning("run %s: lease lost during a call", self.state.run_id)
-                        return
-                except Exception:
-                    log.exception("run %s: heartbeat failed", self.state.run_id)
-
-        thread = threading.Thread(target=beat, name=f"heartbeat-{self.state.run_id}", daemon=True)
-        thread.start()
+        beat = _heartbeats().add(self.ctx, self.state.run_id, self.owner)
         try:
             yield
         finally:
-            stop.set()
-            thread.join()
+            _heartbeats().remove(beat)
+
+
+class _Heartbeats:
+    """One thread per process renews the lease of every turn in progress.
+
+    Most turns end long before their first renewal is due, so a thread per turn
+    would be started and joined for nothing.
+    """
+
+    def __init__(self) -> None:
+        self._due: dict[tuple[str, str], tuple[Context, float]] = {}
+        self._changed = threading.Condition()
+        threading.Thread(target=self._run, name="ratchet-heartbeats", daemon=True).start()
+
+    def add(self, ctx: Context, run_id: str, owner: str) -> tuple[str, str]:
+        key = (run_id, owner)
+        with self._changed:
+            self._due[key] = (ctx, time.monotonic() + ctx.settings.lease_s / 3)
+            self._changed.notify()
+        return key
+
+    def remove(self, key: tuple[str, str]) -> None:
+        with self._changed:
+            self._due.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                now = time.monotonic()
+                due = [(key, ctx) for key, (ctx, at) in self._due.items() if at <= now]
+                for key, ctx in due:
+                    self._due[key] = (ctx, now + ctx.settings.lease_s / 3)
+                if not due:
+                    wake = min((at for _, at in self._due.values()), default=now + 1.0)
+                    self._changed.wait(max(0.0, wake - now))
+                    continue
+            for (run_id, owner), ctx in due:
+                try:
+                    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+                        log.warning("run %s: lease lost during the turn", run_id)
+                except Exception:
+                    log.exception("run %s: heartbeat failed", run_id)
+
+
+_heartbeats_by_pid: dict[int, _Heartbeats] = {}
+
+
+def _heartbeats() -> _Heartbeats:
+    """This process's heartbeat thread (a forked pool child starts its own)."""
+    pid = os.getpid()
+    with _heartbeats_lock:
+        beats = _heartbeats_by_pid.get(pid)
+        if beats is None:
+            beats = _heartbeats_by_pid[pid] = _Heartbeats()
+    return beats
