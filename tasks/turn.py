@@ -79,6 +79,7 @@ from runtime.tools import ToolOutcome, ToolSpec, invoke
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
+from worker import metrics
 from worker.app import app
 
 log = logging.getLogger("ratchet.turn")
@@ -196,6 +197,7 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     """
     ctx = get_context()
     done = advance(ctx, validate_run_id(run_id), expected_seq)
+    metrics.turn_done(done.outcome)
     if done.outcome == "next":
         chain(run_id, done)
     return done.outcome
@@ -287,6 +289,7 @@ def append_events(
 ) -> RunState:
     """Append events after ``state`` (fenced by ``owner``'s lease and the seq); the new state."""
     now = ctx.runs.clock()
+    before = state.status
     events = []
     for kind, data in items:
         event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
@@ -295,6 +298,7 @@ def append_events(
     # A live run is overdue for the sweeper if nothing happens within one lease.
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
+    metrics.recorded(before, state.status, events)
     return state
 
 
@@ -379,12 +383,19 @@ class Turn:
             self.record([("model.failed", {"turn": turn, "error": str(exc), "timeout": True})])
             return
         except ProviderError as exc:
-            self.record(
-                [
-                    ("model.failed", {"turn": turn, "error": str(exc)}),
-                    ("run.failed", {"reason": f"model call for turn {turn} failed: {exc}"}),
-                ]
-            )
+            if exc.retryable:
+                # The provider is down for longer than its retries cover: nothing about
+                # the run is wrong, so park it for an operator rather than end it.
+                reason = (
+                    f"model call for turn {turn} failed: {exc}; once the provider is back, "
+                    f"`ratchet runs resume {self.state.run_id}`"
+                )
+                ending = ("run.stalled", {"reason": reason})
+            else:
+                ending = ("run.failed", {"reason": f"model call for turn {turn} failed: {exc}"})
+            self.record([("model.failed", {"turn": turn, "error": str(exc)}), ending])
+            if exc.retryable:
+                self.checkpoint()
             return
         failpoints.hit("model.response.received", turn)
         self.record(response_events(response))
@@ -505,7 +516,9 @@ class Turn:
         turn = self.state.usage.model_turns
         failpoints.hit("snapshot.before_save", turn)
         try:
+            started = time.perf_counter()
             self.ctx.snapshots.save(self.state, self.snapshot_seq)
+            metrics.checkpointed(time.perf_counter() - started, self.ctx.snapshots.last_save_bytes)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))
             self._record_stall(str(error))
