@@ -7,6 +7,7 @@ one line on stderr that says why and what to do.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -29,6 +30,10 @@ def refusals(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except BrokenPipeError:
+            # The reader went away (`| head`): not an error worth a line on stderr.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
         except (RatchetError, ValueError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
