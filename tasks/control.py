@@ -50,6 +50,7 @@ from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, valid
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.turn import new_owner, run_turn
+from worker import metrics
 from worker.app import app
 
 log = logging.getLogger("ratchet.control")
@@ -118,6 +119,7 @@ def record_events(
 ) -> RunState:
     """Fold and append events with the record they produce (fenced by seq, and lease if owned)."""
     now = ctx.runs.clock()
+    before = state.status
     events = []
     for kind, data in items:
         event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
@@ -125,6 +127,7 @@ def record_events(
         events.append(event)
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
+    metrics.recorded(before, state.status, events)
     return state
 
 
@@ -313,6 +316,7 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
             ctx.runs.append(cancelled, [event], None)
         except StaleWrite:
             continue  # a turn appended first; read the new tail and try again
+        metrics.recorded(record.status, RunStatus.CANCELLED, [event])
         ctx.snapshots.delete(run_id)
         log.info("run %s: cancelled (%s) at seq %s", run_id, reason, event.seq)
         return cancelled

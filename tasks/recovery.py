@@ -43,6 +43,7 @@ from runtime.recovery import (
 )
 from tasks.context import Context, get_context
 from tasks.turn import Advanced, advance, append_events, chain, load_state, new_owner, run_turn
+from worker import metrics
 from worker.app import app
 
 log = logging.getLogger("ratchet.recovery")
@@ -194,10 +195,34 @@ def sweep_orphans(ctx: Context, enqueue: Enqueue = enqueue_resume, limit: int = 
     return found
 
 
+PURGE_BATCH = 1000
+"""Finished runs one sweep purges at most: a backlog drains over several sweeps."""
+
+
+def purge_finished(ctx: Context, before_ms: int | None = None, limit: int = PURGE_BATCH) -> int:
+    """Delete finished runs last updated before ``before_ms`` (default: now − ``retention_s``).
+
+    Destructive: records and events go, and a dead-lettered run's snapshot with them.
+    Returns how many runs were purged.
+    """
+    if before_ms is None:
+        before_ms = ctx.runs.clock() - ctx.settings.retention_s * 1000
+    purged = ctx.runs.purge(before_ms, limit, forget=ctx.snapshots.delete)
+    metrics.purged(purged)
+    if purged:
+        log.info(
+            "retention: purged %s finished run(s) last updated before %s ms", purged, before_ms
+        )
+    return purged
+
+
 @app.task(name="ratchet.sweep", ignore_result=True)
 def sweep() -> int:
-    """One sweep (``celery -A worker beat`` sends it every ``sweep_interval_s``)."""
-    return len(sweep_orphans(get_context()))
+    """One sweep (``celery -A worker beat`` sends it every ``sweep_interval_s``), then retention."""
+    ctx = get_context()
+    found = len(sweep_orphans(ctx))
+    purge_finished(ctx)
+    return found
 
 
 # --- reconcile --------------------------------------------------------------

@@ -7,15 +7,19 @@
   that context installed for the session worker.
 - ``worker_processes``: ``celery -A worker worker`` subprocesses configured only
   by environment variables, as an operator would run them; they can be SIGKILLed.
+- ``rabbitmq_vhost``: an ``amqp://`` URL of a RabbitMQ virtual host of the test's
+  own, on the RabbitMQ at 127.0.0.1:5672 (guest/guest), deleted afterwards.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,3 +176,21 @@ def worker_processes(redis_url: str, ledger: Path, tmp_path: Path) -> Iterator[W
         yield processes
     finally:
         processes.stop_all()
+
+
+@pytest.fixture
+def rabbitmq_vhost() -> Iterator[str]:
+    """A RabbitMQ virtual host of this test's own, so no other worker takes its messages."""
+    # RabbitMQ's own tool comes with the server the RabbitMQ tests run against.
+    assert shutil.which("rabbitmqctl"), "rabbitmqctl not found: install rabbitmq-server"
+    vhost = f"ratchet-test-{uuid.uuid4().hex[:12]}"
+
+    def ctl(*args: str) -> None:
+        subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+
+    ctl("add_vhost", vhost)
+    try:
+        ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    finally:
+        ctl("delete_vhost", vhost)

@@ -86,6 +86,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def make_app(settings: Settings | None = None) -> Celery:
+    import worker.checks  # noqa: F401  (worker_init: the broker check, first)
+    import worker.metrics  # noqa: F401  (worker_init: Prometheus, if RATCHET_METRICS_PORT)
     from worker.consumer import ContinuationConsumer
 
     app = Celery("ratchet")

@@ -1,4 +1,4 @@
-"""Recovery commands: ``ratchet runs resume``, ``ratchet runs reconcile``, ``ratchet sweep``.
+"""Recovery commands: ``ratchet runs resume|reconcile|purge``, ``ratchet sweep``.
 
 Registered on the groups of :mod:`worker.cli` when it imports this module.
 """
@@ -6,7 +6,9 @@ Registered on the groups of :mod:`worker.cli` when it imports this module.
 from __future__ import annotations
 
 import json
+import re
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -67,3 +69,48 @@ def sweep(once: bool) -> None:
         if once:
             return
         time.sleep(interval_s)
+
+
+_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def cutoff_ms(before: str | None, older_than: str | None, now_ms: int) -> int:
+    """The purge cutoff from ``--before`` (ISO date or datetime; naive is UTC) or ``--older-than``."""
+    if (before is None) == (older_than is None):
+        raise RatchetError("give exactly one of --before DATE or --older-than AGE (e.g. 7d)")
+    if older_than is not None:
+        match = re.fullmatch(r"(\d+)([smhdw])", older_than.strip())
+        if match is None:
+            raise RatchetError(
+                f"--older-than {older_than!r} is not an age: a number and one of s, m, h, d, w (7d)"
+            )
+        return now_ms - int(match[1]) * _UNITS_S[match[2]] * 1000
+    assert before is not None
+    try:
+        moment = datetime.fromisoformat(before)
+    except ValueError as exc:
+        raise RatchetError(
+            f"--before {before!r} is not an ISO date or datetime (2025-01-31 or 2025-01-31T12:00)"
+        ) from exc
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+@runs.command("purge")
+@click.option("--before", default=None, help="Purge runs finished before this ISO date/datetime.")
+@click.option("--older-than", default=None, help="Purge runs finished longer ago than this (7d).")
+@refusals
+def runs_purge(before: str | None, older_than: str | None) -> None:
+    """Delete finished runs (completed, failed, cancelled, dead-lettered): records and events."""
+    from tasks.recovery import PURGE_BATCH, purge_finished
+
+    ctx = _api().ctx
+    before_ms = cutoff_ms(before, older_than, ctx.runs.clock())
+    total = 0
+    while True:
+        purged = purge_finished(ctx, before_ms, PURGE_BATCH)
+        total += purged
+        if purged < PURGE_BATCH:
+            break
+    click.echo(f"purged {total} finished run(s)")

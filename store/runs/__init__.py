@@ -11,6 +11,9 @@
 - **The tool journal** (requested → completed / failed) is the projection of
   the ``tool.*`` events, computed here once for every backend.
 - **Leases** say which worker advances a run; they expire unless renewed.
+- **Retention**: ``purge(before_ms)`` deletes finished runs (completed, failed,
+  cancelled, dead-lettered) last updated before ``before_ms`` — record, events
+  and lease — through an index of finished runs, never a scan of every run.
 - **Due times**: a live run carries ``due_at_ms``, the time by which its next
   step should have started. The sweeper asks for runs past due whose lease has
   expired; backends index it so that cost grows with the overdue runs only.
@@ -41,6 +44,12 @@ from runtime.models import (
     validate_run_id,
 )
 from store.retry import with_retries
+
+FINISHED_STATUSES = frozenset(
+    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED}
+)
+"""Statuses whose runs retention purges: nothing will move them on by itself. Parked
+(needs_reconciliation, stalled) and suspended runs wait for a person and are kept."""
 
 
 def wall_ms() -> int:
@@ -221,6 +230,29 @@ class RunStore(ABC):
         """Live runs past their due time whose lease has expired, most overdue first."""
         return with_retries(lambda: self._overdue(self.clock(), limit))
 
+    def purge(
+        self,
+        before_ms: int,
+        limit: int = 1000,
+        forget: Callable[[str], None] | None = None,
+    ) -> int:
+        """Delete up to ``limit`` finished runs last updated before ``before_ms``; how many.
+
+        Destructive: the record, events and lease of each go together, and the run
+        leaves every index (list, by status, overdue). Live, suspended and parked
+        runs are never touched. ``forget`` is called with each purged run id (the
+        sweeper deletes a dead-lettered run's snapshot with it).
+        """
+        if isinstance(before_ms, bool) or not isinstance(before_ms, int) or before_ms < 0:
+            raise ValueError(f"before_ms must be a time in ms since the epoch, not {before_ms!r}")
+        if limit < 1:
+            raise ValueError(f"limit must be 1 or more, not {limit}")
+        purged = with_retries(lambda: self._purge(before_ms, limit))
+        for run_id in purged:
+            if forget is not None:
+                forget(run_id)
+        return len(purged)
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the store is not used afterwards."""
 
@@ -254,3 +286,7 @@ class RunStore(ABC):
 
     @abstractmethod
     def _overdue(self, now_ms: int, limit: int) -> builtins.list[str]: ...
+
+    @abstractmethod
+    def _purge(self, before_ms: int, limit: int) -> builtins.list[str]:
+        """Delete finished runs with updated_at_ms < before_ms, oldest first; their ids."""

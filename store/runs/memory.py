@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from runtime.errors import LeaseLost, StaleWrite
 from runtime.models import Event, RunStatus
-from store.runs import Lease, RunRecord, RunStore, wall_ms
+from store.runs import FINISHED_STATUSES, Lease, RunRecord, RunStore, wall_ms
 
 
 class MemoryRunStore(RunStore):
@@ -89,3 +89,16 @@ class MemoryRunStore(RunStore):
                 if run_id not in self._leases or self._leases[run_id].expires_at_ms <= now_ms
             ]
         return free[:limit]
+
+    def _purge(self, before_ms: int, limit: int) -> list[str]:
+        with self._lock:
+            old = sorted(
+                (r.updated_at_ms, r.run_id)
+                for r in self._records.values()
+                if r.status in FINISHED_STATUSES and r.updated_at_ms < before_ms
+            )[:limit]
+            for _, run_id in old:
+                del self._records[run_id]
+                self._logs.pop(run_id, None)
+                self._leases.pop(run_id, None)
+        return [run_id for _, run_id in old]

@@ -10,10 +10,11 @@ so every key of one run lives in one Cluster slot, next to its snapshot)::
     {prefix}:runs:by_created          zset  run id scored by created_at_ms   (list)
     {prefix}:runs:status:<status>     zset  run id scored by created_at_ms   (list by status)
     {prefix}:runs:due                 zset  live run id scored by due_at_ms  (overdue)
+    {prefix}:runs:finished            zset  finished run id scored by updated_at_ms (purge)
 
 Every write is one Lua script, so the fences (last seq, lease owner and
 expiry) are checked and the events, record and indexes written atomically.
-The three ``runs:*`` indexes are global, in other slots than the run's keys:
+The four ``runs:*`` indexes are global, in other slots than the run's keys:
 the scripts touch them on a single node (and Sentinel); on Redis Cluster the
 index updates would move into separate calls after the per-run script.
 
@@ -32,7 +33,7 @@ import redis
 from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
 from store.packing import pack, unpack
-from store.runs import Lease, RunRecord, RunStore, wall_ms
+from store.runs import FINISHED_STATUSES, Lease, RunRecord, RunStore, wall_ms
 from store.snapshots.redis import DEFAULT_PREFIX, checked_prefix, connect, translated, where
 
 MAX_EVENT_BYTES = 64 * 1024 * 1024
@@ -43,9 +44,9 @@ and Redis never deletes a lease its owner still holds."""
 OVERDUE_BATCH = 200
 """Overdue run ids read per round trip while skipping those with a live lease."""
 
-# KEYS: record, events, by_created, status set of the new status, due.
+# KEYS: record, events, by_created, status set of the new status, due, finished.
 # ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
-#       first event's seq, first event JSON.
+#       first event's seq, first event JSON, finished-at ms or "".
 # Returns nil when created, else the existing run's last seq.
 _CREATE = """
 local found = redis.call('HGET', KEYS[1], 'last_seq')
@@ -63,13 +64,18 @@ if ARGV[6] == '' then
 else
   redis.call('ZADD', KEYS[5], ARGV[6], ARGV[1])
 end
+if ARGV[9] == '' then
+  redis.call('ZREM', KEYS[6], ARGV[1])
+else
+  redis.call('ZADD', KEYS[6], ARGV[9], ARGV[1])
+end
 return nil
 """
 
-# KEYS: record, events, lease, by_created, status set of the new status, due.
+# KEYS: record, events, lease, by_created, status set of the new status, due, finished.
 # ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
 #       expected last seq, "1" if fenced by a lease else "0", owner, now_ms,
-#       status-set key prefix, then (seq, event JSON) pairs.
+#       status-set key prefix, finished-at ms or "", then (seq, event JSON) pairs.
 # Returns nil when appended, {'stale', found seq or ''} or {'lease'}.
 # The old status's set is named from ARGV[11]: it is only known once the record
 # is read, inside the script (single node; see the module docstring for Cluster).
@@ -88,7 +94,7 @@ local old_status = redis.call('HGET', KEYS[1], 'status')
 if old_status ~= ARGV[4] then
   redis.call('ZREM', ARGV[11] .. old_status, ARGV[1])
 end
-for i = 12, #ARGV, 2 do
+for i = 13, #ARGV, 2 do
   redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
@@ -99,7 +105,32 @@ if ARGV[6] == '' then
 else
   redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
 end
+if ARGV[12] == '' then
+  redis.call('ZREM', KEYS[7], ARGV[1])
+else
+  redis.call('ZADD', KEYS[7], ARGV[12], ARGV[1])
+end
 return nil
+"""
+
+# KEYS: finished, by_created, due. ARGV: before_ms, limit, run-key prefix ("<prefix>:run:{"),
+# status-set key prefix. Deletes the oldest finished runs updated before before_ms; their ids.
+# The finished index holds only runs whose status is finished (append keeps it so), and
+# every index the run is in is cleaned with its keys: nothing dangles.
+_PURGE = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, ARGV[2])
+for _, id in ipairs(ids) do
+  local base = ARGV[3] .. id .. '}:'
+  local status = redis.call('HGET', base .. 'record', 'status')
+  if status then
+    redis.call('ZREM', ARGV[4] .. status, id)
+  end
+  redis.call('UNLINK', base .. 'record', base .. 'events', base .. 'lease')
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[3], id)
+end
+return ids
 """
 
 # KEYS: lease. ARGV: owner, now_ms, new expires_at_ms, TTL in ms. Returns 1 if taken.
@@ -154,10 +185,12 @@ class RedisRunStore(RunStore):
         self._by_created = f"{prefix}:runs:by_created"
         self._status_prefix = f"{prefix}:runs:status:"
         self._due = f"{prefix}:runs:due"
+        self._finished = f"{prefix}:runs:finished"
         self._create_script = client.register_script(_CREATE)
         self._append_script = client.register_script(_APPEND)
         self._acquire_script = client.register_script(_ACQUIRE)
         self._release_script = client.register_script(_RELEASE)
+        self._purge_script = client.register_script(_PURGE)
 
     @classmethod
     def from_url(
@@ -183,6 +216,10 @@ class RedisRunStore(RunStore):
             "" if record.due_at_ms is None else str(record.due_at_ms),
         ]
 
+    @staticmethod
+    def _finished_at(record: RunRecord) -> str:
+        return str(record.updated_at_ms) if record.status in FINISHED_STATUSES else ""
+
     # --- records and events -------------------------------------------------
 
     def _create(self, record: RunRecord, first: Event) -> None:
@@ -193,8 +230,14 @@ class RedisRunStore(RunStore):
             self._by_created,
             self._status_key(record.status),
             self._due,
+            self._finished,
         ]
-        args: list[str | bytes] = [*self._record_args(record), str(first.seq), _packed(first)]
+        args: list[str | bytes] = [
+            *self._record_args(record),
+            str(first.seq),
+            _packed(first),
+            self._finished_at(record),
+        ]
         with translated(self._where):
             found = cast("bytes | None", self._create_script(keys=keys, args=args))
         if found is not None:
@@ -212,6 +255,7 @@ class RedisRunStore(RunStore):
             self._by_created,
             self._status_key(record.status),
             self._due,
+            self._finished,
         ]
         args: list[str | bytes] = [
             *self._record_args(record),
@@ -220,6 +264,7 @@ class RedisRunStore(RunStore):
             owner or "",
             str(now_ms),
             self._status_prefix,
+            self._finished_at(record),
         ]
         for event in events:
             args += [str(event.seq), _packed(event)]
@@ -318,6 +363,13 @@ class RedisRunStore(RunStore):
                     break
                 offset += len(batch)
         return free[:limit]
+
+    def _purge(self, before_ms: int, limit: int) -> list[str]:
+        keys = [self._finished, self._by_created, self._due]
+        args = [str(before_ms), str(limit), f"{self._prefix}:run:{{", self._status_prefix]
+        with translated(self._where):
+            purged = cast("list[bytes]", self._purge_script(keys=keys, args=args))
+        return [run_id.decode() for run_id in purged]
 
     def close(self) -> None:
         with translated(self._where):

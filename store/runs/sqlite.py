@@ -18,7 +18,7 @@ from pathlib import Path
 
 from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
 from runtime.models import Event, RunStatus
-from store.runs import Lease, RunRecord, RunStore, wall_ms
+from store.runs import FINISHED_STATUSES, Lease, RunRecord, RunStore, wall_ms
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -27,7 +27,8 @@ CREATE TABLE IF NOT EXISTS runs (
     last_seq INTEGER NOT NULL,
     created_at_ms INTEGER NOT NULL,
     due_at_ms INTEGER,
-    record TEXT NOT NULL
+    record TEXT NOT NULL,
+    finished_at_ms INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, created_at_ms);
 CREATE INDEX IF NOT EXISTS runs_by_created ON runs (created_at_ms);
@@ -46,6 +47,10 @@ CREATE TABLE IF NOT EXISTS leases (
     expires_at_ms INTEGER NOT NULL
 ) WITHOUT ROWID;
 """
+_ROW = (
+    "(run_id, status, last_seq, created_at_ms, due_at_ms, record, finished_at_ms) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 class SqliteRunStore(RunStore):
@@ -57,9 +62,29 @@ class SqliteRunStore(RunStore):
         self._local = threading.local()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._connection().executescript(SCHEMA)
+            conn = self._connection()
+            conn.executescript(SCHEMA)
+            self._migrate(conn)
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        """Add ``finished_at_ms`` (the retention index) to a database made before it existed."""
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        if "finished_at_ms" not in columns:
+            finished = ", ".join(f"'{s.value}'" for s in FINISHED_STATUSES)
+            conn.executescript(
+                "BEGIN IMMEDIATE;"
+                "ALTER TABLE runs ADD COLUMN finished_at_ms INTEGER;"
+                "UPDATE runs SET finished_at_ms = json_extract(record, '$.updated_at_ms') "
+                f"WHERE status IN ({finished});"
+                "COMMIT;"
+            )
+        conn.execute(
+            "CREATE INDEX IF NOT EXISTS runs_by_finished ON runs (finished_at_ms) "
+            "WHERE finished_at_ms IS NOT NULL"
+        )
 
     def _connection(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -101,7 +126,8 @@ class SqliteRunStore(RunStore):
         )
 
     @staticmethod
-    def _record_row(record: RunRecord) -> tuple[str, str, int, int, int | None, str]:
+    def _record_row(record: RunRecord) -> tuple[str, str, int, int, int | None, str, int | None]:
+        finished = record.status in FINISHED_STATUSES
         return (
             record.run_id,
             record.status.value,
@@ -109,6 +135,7 @@ class SqliteRunStore(RunStore):
             record.created_at_ms,
             record.due_at_ms,
             record.model_dump_json(),
+            record.updated_at_ms if finished else None,
         )
 
     def _create(self, record: RunRecord, first: Event) -> None:
@@ -118,7 +145,7 @@ class SqliteRunStore(RunStore):
             ).fetchone()
             if row is not None:
                 raise StaleWrite(record.run_id, 0, row[0])
-            conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)", self._record_row(record))
+            conn.execute(f"INSERT INTO runs {_ROW}", self._record_row(record))
             self._insert_events(conn, record.run_id, [first])
 
     def _append(
@@ -138,7 +165,7 @@ class SqliteRunStore(RunStore):
                 if lease is None or lease[0] != owner or lease[1] <= now_ms:
                     raise LeaseLost(record.run_id, owner)
             self._insert_events(conn, record.run_id, events)
-            conn.execute("REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?)", self._record_row(record))
+            conn.execute(f"REPLACE INTO runs {_ROW}", self._record_row(record))
 
     def _get(self, run_id: str) -> RunRecord | None:
         with self._read() as conn:
@@ -201,6 +228,20 @@ class SqliteRunStore(RunStore):
                 (now_ms, now_ms, limit),
             ).fetchall()
         return [r[0] for r in rows]
+
+    def _purge(self, before_ms: int, limit: int) -> list[str]:
+        with self._tx() as conn:
+            run_ids = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT run_id FROM runs WHERE finished_at_ms IS NOT NULL "
+                    "AND finished_at_ms < ? ORDER BY finished_at_ms, run_id LIMIT ?",
+                    (before_ms, limit),
+                )
+            ]
+            for table in ("events", "leases", "runs"):
+                conn.executemany(f"DELETE FROM {table} WHERE run_id = ?", [(r,) for r in run_ids])
+        return run_ids
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

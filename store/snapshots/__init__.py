@@ -105,6 +105,10 @@ def _extends(new: tuple[Message, ...], old: tuple[Message, ...]) -> bool:
     return len(new) >= len(old) and new[: len(old)] == old
 
 
+_last_save = threading.local()
+"""Per thread: bytes written by the last successful save (any store), for metrics."""
+
+
 class SnapshotStore(ABC):
     """Contract every snapshot backend passes (see tests/contract/)."""
 
@@ -118,6 +122,12 @@ class SnapshotStore(ABC):
         # that a save finds its new messages without reading the store first.
         self._known_lock = threading.Lock()
         self._known_runs: OrderedDict[str, _Known] = OrderedDict()
+
+    @property
+    def last_save_bytes(self) -> int | None:
+        """Bytes the calling thread's last successful save wrote (for metrics); None before one."""
+        saved: int | None = getattr(_last_save, "nbytes", None)
+        return saved
 
     def save(self, state: RunState, expected_seq: int | None) -> None:
         """Store ``state`` as the run's snapshot if the stored one has seq ``expected_seq``.
@@ -137,6 +147,7 @@ class SnapshotStore(ABC):
             # its own document: that is success, not a conflict.
             if exc.found_seq != state.seq or self._get(run_id) != data:
                 raise
+        _last_save.nbytes = len(data)
 
     def load(self, run_id: str) -> RunState | None:
         """The run's snapshot, or ``None`` if it has none."""
@@ -196,6 +207,7 @@ class SnapshotStore(ABC):
                 ):
                     raise
             self._remember(run_id, state.seq, state.transcript, parts.tip)
+            _last_save.nbytes = len(parts.head) + sum(len(f) for f in parts.fragments)
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
 

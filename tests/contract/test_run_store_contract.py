@@ -7,7 +7,9 @@ Redis backend can show.
 
 from __future__ import annotations
 
+import sqlite3
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -429,6 +431,114 @@ def test_a_run_leaves_the_overdue_list_when_it_suspends_finishes_or_moves_on(
     assert run_store.overdue() == ["stays"]
 
 
+# --- retention ----------------------------------------------------------------
+
+
+def move_to(
+    store: RunStore,
+    run_id: str,
+    status: RunStatus,
+    at_ms: int,
+    seq: int = 2,
+    due: int | None = None,
+) -> None:
+    """Append one event that takes the run to ``status``, recorded as updated at ``at_ms``."""
+    latest = record(run_id, last_seq=seq, status=status, due_at_ms=due).model_copy(
+        update={"updated_at_ms": at_ms}
+    )
+    store.append(latest, [event(seq, f"to.{status.value}")], owner=None)
+
+
+FINISHED = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED)
+KEPT = (
+    RunStatus.MODEL,
+    RunStatus.NEEDS_USER_INPUT,
+    RunStatus.AWAITING_APPROVAL,
+    RunStatus.NEEDS_RECONCILIATION,
+    RunStatus.STALLED,
+)
+
+
+def test_purge_deletes_only_finished_runs_older_than_the_cutoff_and_counts_them(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    # Given old finished runs, old runs that are live, suspended or parked, and new finished ones
+    for status in FINISHED:
+        new_run(run_store, f"old-{status.value}", due_at_ms=T0_MS + 10)
+        move_to(run_store, f"old-{status.value}", status, T0_MS + 1_000)
+        new_run(run_store, f"new-{status.value}", due_at_ms=T0_MS + 10)
+        move_to(run_store, f"new-{status.value}", status, T0_MS + 9_000)
+    for status in KEPT:
+        new_run(run_store, f"kept-{status.value}", due_at_ms=T0_MS + 10)
+        due = T0_MS + 10 if status.is_live else None
+        move_to(run_store, f"kept-{status.value}", status, T0_MS + 1_000, due=due)
+    run_store.acquire_lease("old-completed", "worker-a", LEASE_S)
+    clock.advance(100_000)
+    kept_before = {s: unchanged(run_store, f"kept-{s.value}") for s in KEPT}
+    # When finished runs last updated before T0 + 5 s are purged
+    assert run_store.purge(before_ms=T0_MS + 5_000) == len(FINISHED)
+    # Then the old finished runs are gone: record, events, lease and every index
+    for status in FINISHED:
+        assert run_store.get(f"old-{status.value}") is None
+        assert run_store.events(f"old-{status.value}") == []
+        assert [r.run_id for r in run_store.list(status)] == [f"new-{status.value}"]
+    assert run_store.lease("old-completed") is None
+    listed = {r.run_id for r in run_store.list(limit=100)}
+    assert listed == {f"new-{s.value}" for s in FINISHED} | {f"kept-{s.value}" for s in KEPT}
+    assert run_store.overdue() == ["kept-model"]
+    # And everything else is untouched
+    for status in KEPT:
+        assert unchanged(run_store, f"kept-{status.value}") == kept_before[status]
+    assert all(run_store.get(f"new-{s.value}") is not None for s in FINISHED)
+    # And a second purge with the same cutoff finds nothing more
+    assert run_store.purge(before_ms=T0_MS + 5_000) == 0
+
+
+def test_purge_takes_the_oldest_first_up_to_its_limit_and_tells_forget(
+    run_store: RunStore,
+) -> None:
+    for i in range(5):
+        new_run(run_store, f"done-{i}")
+        move_to(run_store, f"done-{i}", RunStatus.COMPLETED, T0_MS + 100 * (5 - i))
+    forgotten: list[str] = []
+
+    assert run_store.purge(T0_MS + 10_000, limit=2, forget=forgotten.append) == 2
+
+    assert sorted(forgotten) == ["done-3", "done-4"]
+    assert {r.run_id for r in run_store.list()} == {"done-0", "done-1", "done-2"}
+    # A run finished exactly at the cutoff is not before it
+    assert run_store.purge(T0_MS + 300, limit=10) == 0
+    assert run_store.purge(T0_MS + 301, limit=10) == 1
+
+
+def test_a_dead_lettered_run_that_is_resumed_is_no_longer_purged(run_store: RunStore) -> None:
+    new_run(run_store, "revived")
+    move_to(run_store, "revived", RunStatus.DEAD_LETTERED, T0_MS + 100)
+    move_to(run_store, "revived", RunStatus.MODEL, T0_MS + 200, seq=3, due=T0_MS + 300)
+
+    assert run_store.purge(T0_MS + 10_000) == 0
+    assert run_store.get("revived") is not None and len(run_store.events("revived")) == 3
+
+
+def test_a_purged_run_id_can_be_used_again(run_store: RunStore) -> None:
+    new_run(run_store, "again")
+    move_to(run_store, "again", RunStatus.FAILED, T0_MS + 100)
+    assert run_store.purge(T0_MS + 10_000) == 1
+
+    new_run(run_store, "again")
+
+    assert run_store.events("again") == [created("again")]
+    assert run_store.purge(T0_MS + 10_000) == 0
+
+
+@pytest.mark.parametrize(("before_ms", "limit"), [(-1, 10), (10, 0), (1.5, 10), (True, 10)])
+def test_purge_refuses_a_bad_cutoff_or_limit(
+    run_store: RunStore, before_ms: Any, limit: int
+) -> None:
+    with pytest.raises(ValueError):
+        run_store.purge(before_ms, limit)
+
+
 # --- concurrency --------------------------------------------------------------
 
 
@@ -547,5 +657,37 @@ def test_an_append_to_a_dead_redis_raises_store_unavailable_and_works_after_rest
         redis_server.restart()
         new_run(store, "run-1")
         assert store.events("run-1") == [created("run-1")]
+    finally:
+        store.close()
+
+
+# --- sqlite only --------------------------------------------------------------
+
+
+def test_a_sqlite_database_made_before_retention_gets_its_finished_runs_indexed(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    from store.runs.sqlite import SqliteRunStore
+
+    # Given a database written by a version without the finished_at_ms column
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(
+            "CREATE TABLE runs (run_id TEXT PRIMARY KEY, status TEXT NOT NULL, "
+            "last_seq INTEGER NOT NULL, created_at_ms INTEGER NOT NULL, due_at_ms INTEGER, "
+            "record TEXT NOT NULL);"
+        )
+        for run_id, status in (("old-done", RunStatus.COMPLETED), ("old-live", RunStatus.MODEL)):
+            row = record(run_id, status=status)
+            conn.execute(
+                "INSERT INTO runs VALUES (?, ?, 1, ?, NULL, ?)",
+                (run_id, status.value, T0_MS, row.model_dump_json()),
+            )
+    conn.close()
+    # When the store opens it, its finished run is purged like any other
+    store = SqliteRunStore(path, clock=clock)
+    try:
+        assert store.purge(T0_MS + 1) == 1
+        assert [r.run_id for r in store.list()] == ["old-live"]
     finally:
         store.close()

@@ -8,11 +8,9 @@ subprocesses configured only by environment variables.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,24 +236,6 @@ def test_cancelling_a_run_during_a_slow_model_call_stops_it_at_its_next_write(
 
 
 # --- worker subprocesses ---------------------------------------------------------
-
-
-@pytest.fixture
-def rabbitmq_vhost() -> Iterator[str]:
-    """A RabbitMQ virtual host of this test's own, so no other worker takes its messages."""
-    # RabbitMQ's own tool comes with the server the RabbitMQ tests run against.
-    assert shutil.which("rabbitmqctl"), "rabbitmqctl not found: install rabbitmq-server"
-    vhost = f"ratchet-test-{uuid.uuid4().hex[:12]}"
-
-    def ctl(*args: str) -> None:
-        subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
-
-    ctl("add_vhost", vhost)
-    try:
-        ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
-    finally:
-        ctl("delete_vhost", vhost)
 
 
 def client_app(broker_url: str) -> Any:

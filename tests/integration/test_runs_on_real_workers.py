@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
+from tasks.start import create_run
 from tasks.turn import run_turn
 from tests.helpers import call, turn, write_agent
-from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses
+from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses, redis_context
 from worker.api import Ratchet
-from worker.app import app
+from worker.app import app, make_app
+from worker.settings import Settings
 
 
 def strictly_increasing(seqs: list[int]) -> bool:
@@ -92,12 +94,27 @@ def test_a_pickle_message_is_refused_and_runs_nothing(
     assert [e.type for e in ratchet.events(state.run_id)] == ["run.created"]
 
 
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
+    if request.param == "redis":
+        return redis_url
+    url: str = request.getfixturevalue("rabbitmq_vhost")
+    return url
+
+
 @pytest.mark.timeout(90)
-def test_a_worker_process_and_the_cli_in_another_process_complete_a_run_on_redis(
-    worker_processes: WorkerProcesses, ledger: Path
+def test_a_worker_process_and_the_cli_in_another_process_complete_a_run_on_each_broker(
+    worker_processes: WorkerProcesses,
+    broker_url: str,
+    redis_url: str,
+    ledger: Path,
+    tmp_path: Path,
 ) -> None:
-    worker_processes.start("--concurrency", "2")
-    env = worker_processes.base_env
+    # Given a worker process on the broker, with its stores on Redis
+    worker = worker_processes.start("--concurrency", "2", RATCHET_BROKER_URL=broker_url)
+    env = {**worker_processes.base_env, "RATCHET_BROKER_URL": broker_url}
+    # When the CLI, in another process, starts the example agent and waits
     started = subprocess.run(
         [
             sys.executable,
@@ -119,7 +136,8 @@ def test_a_worker_process_and_the_cli_in_another_process_complete_a_run_on_redis
         text=True,
         timeout=80,
     )
-    assert started.returncode == 0, started.stderr + worker_processes.started[0].log()
+    # Then the run completes with every transition recorded once, in order
+    assert started.returncode == 0, started.stderr + worker.log()
     assert started.stdout, started.stderr
     record = json.loads(started.stdout)
     assert record["status"] == "completed"
@@ -134,6 +152,30 @@ def test_a_worker_process_and_the_cli_in_another_process_complete_a_run_on_redis
     )
     seqs = [json.loads(line)["seq"] for line in events.stdout.splitlines()]
     assert strictly_increasing(seqs) and len(seqs) == 16
+
+    # When the broker delivers one turn message of another run twice, at once
+    ctx = redis_context(redis_url)
+    agent = write_agent(
+        tmp_path,
+        [turn("refund", call("issue_refund", order_id="D1", amount_cents=7)), turn("done")],
+    )
+    state = create_run(ctx, agent, "refund D1")
+    client = make_app(Settings(broker_url=broker_url))
+    try:
+        client.send_task("ratchet.turn", (state.run_id, state.seq))
+        client.send_task("ratchet.turn", (state.run_id, state.seq))
+        deadline = time.monotonic() + 30
+        while (done := ctx.runs.get(state.run_id)) is None or not done.status.is_terminal:
+            assert time.monotonic() < deadline, worker.log()
+            time.sleep(0.05)
+    finally:
+        client.close()
+    # Then the run completes and its refund happened exactly once
+    assert done.status == RunStatus.COMPLETED, done.error
+    assert ledger.read_text().splitlines() == ["refund B2 2900", "refund D1 7"]
+    types = [e.type for e in ctx.runs.events(state.run_id)]
+    assert types.count("tool.requested") == 1 and types.count("model.responded") == 2
+    ctx.close()
 
 
 @pytest.mark.timeout(90)

@@ -1,0 +1,176 @@
+"""Prometheus metrics of a worker: on when ``RATCHET_METRICS_PORT`` is set, else no-ops.
+
+``pip install 'ratchet[metrics]'`` (prometheus-client). The hooks below are
+called from the tasks; with metrics off each is one ``if`` and a return.
+
+**Prefork.** Celery's prefork pool runs turns in child processes, and a child
+cannot serve the port its parent owns. So ratchet uses prometheus-client's
+*multiprocess mode*: at ``worker_init`` (in the main process, before the pool
+forks) it points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory (an
+operator's own setting is used instead, and emptied), and starts one HTTP server
+on the port that sums every process's memory-mapped files at scrape time. Each
+pool child writes its own file; a child that dies or is replaced keeps its
+counts. The threads and solo pools record in the main process, which works the
+same way. Two workers on one host need two ports (and, if set, two directories).
+
+Exposed (all counters except the two histograms):
+
+- ``ratchet_events_total{type}`` — events appended;
+- ``ratchet_run_transitions_total{status}`` — runs entering a status (completed,
+  failed, suspended, …: the runs-by-status picture, counted, not scanned);
+- ``ratchet_turns_total{outcome}`` — turn tasks by outcome (next, completed,
+  suspended, leased, stale, …);
+- ``ratchet_checkpoint_seconds``, ``ratchet_checkpoint_bytes`` — snapshot save
+  latency and bytes written per checkpoint;
+- ``ratchet_resumes_total{by}`` (sweeper, operator), ``ratchet_suspensions_total{reason}``,
+  ``ratchet_continuations_total``, ``ratchet_parked_total``, ``ratchet_dead_lettered_total``,
+  ``ratchet_purged_runs_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from celery.signals import worker_init, worker_shutdown
+
+from runtime.models import Event, RunStatus
+from worker.settings import get_settings
+
+log = logging.getLogger("ratchet.metrics")
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+SIZE_BUCKETS = (256, 1024, 4096, 16_384, 65_536, 262_144, 1_048_576, 4_194_304, 16_777_216)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+            return Counter(name, doc, labels, registry=None)
+
+        self.events = counter("ratchet_events", "Events appended, by type.", ["type"])
+        self.transitions = counter("ratchet_run_transitions", "Runs entering a status.", ["status"])
+        self.turns = counter("ratchet_turns", "Turn tasks, by outcome.", ["outcome"])
+        self.checkpoint_s = Histogram(
+            "ratchet_checkpoint_seconds",
+            "Snapshot save latency.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=None,
+        )
+        self.checkpoint_bytes = Histogram(
+            "ratchet_checkpoint_bytes",
+            "Bytes written per snapshot save.",
+            buckets=SIZE_BUCKETS,
+            registry=None,
+        )
+        self.resumes = counter("ratchet_resumes", "Runs resumed, by who resumed them.", ["by"])
+        self.suspensions = counter("ratchet_suspensions", "Runs suspended, by reason.", ["reason"])
+        self.continuations = counter("ratchet_continuations", "Continuations applied.")
+        self.parked = counter("ratchet_parked", "Runs parked for reconciliation.")
+        self.dead_lettered = counter("ratchet_dead_lettered", "Runs dead-lettered by the sweeper.")
+        self.purged = counter("ratchet_purged_runs", "Finished runs purged by retention.")
+
+
+_on: _Metrics | None = None
+_made_directory: Path | None = None
+
+_BY_TYPE = {
+    "run.continued": "continuations",
+    "run.parked": "parked",
+    "run.dead_lettered": "dead_lettered",
+}
+
+
+# --- hooks (no-ops unless enabled) -----------------------------------------------
+
+
+def recorded(before: RunStatus | None, after: RunStatus, events: Sequence[Event]) -> None:
+    """Events were appended, taking a run from status ``before`` to ``after``."""
+    if _on is None:
+        return
+    for event in events:
+        _on.events.labels(event.type).inc()
+        if event.type == "run.resumed":
+            _on.resumes.labels(str(event.data.get("by", "unknown"))).inc()
+        elif event.type == "run.suspended":
+            _on.suspensions.labels(str(event.data.get("reason", "unknown"))).inc()
+        elif event.type in _BY_TYPE:
+            getattr(_on, _BY_TYPE[event.type]).inc()
+    if after != before:
+        _on.transitions.labels(after.value).inc()
+
+
+def turn_done(outcome: str) -> None:
+    if _on is not None:
+        _on.turns.labels(outcome).inc()
+
+
+def checkpointed(seconds: float, nbytes: int | None) -> None:
+    if _on is None:
+        return
+    _on.checkpoint_s.observe(seconds)
+    if nbytes is not None:
+        _on.checkpoint_bytes.observe(nbytes)
+
+
+def purged(count: int) -> None:
+    if _on is not None and count:
+        _on.purged.inc(count)
+
+
+# --- switching on ------------------------------------------------------------------
+
+
+def enable(port: int, directory: Path | None = None) -> None:
+    """Multiprocess mode in ``directory`` (default: a new temporary one) and serve ``port``.
+
+    Call in the worker's main process before the pool forks. Raises ImportError
+    naming the extra when prometheus-client is missing.
+    """
+    global _on, _made_directory
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "RATCHET_METRICS_PORT is set but prometheus-client is not installed: "
+            "pip install 'ratchet[metrics]'"
+        ) from exc
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
+
+    if directory is None:
+        directory = Path(tempfile.mkdtemp(prefix="ratchet-metrics-"))
+        _made_directory = directory
+    directory.mkdir(parents=True, exist_ok=True)
+    # Files left by an earlier worker would be summed into this one's counts.
+    for stale in directory.glob("*.db"):
+        stale.unlink()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    # prometheus-client picks its value class when first imported; pick again now.
+    values.ValueClass = values.get_value_class()
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(directory))
+    start_http_server(port, registry=registry)
+    _on = _Metrics()
+    log.info("metrics on :%s/metrics (multiprocess directory %s)", port, directory)
+
+
+@worker_init.connect
+def _enable_at_worker_start(**_: Any) -> None:
+    port = get_settings().metrics_port
+    if port is None:
+        return
+    configured = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    enable(port, Path(configured) if configured else None)
+
+
+@worker_shutdown.connect
+def _remove_directory(**_: Any) -> None:
+    if _made_directory is not None:
+        shutil.rmtree(_made_directory, ignore_errors=True)
