@@ -49,7 +49,8 @@ from runtime.fsm import apply, rebuild
 from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
-from tasks.turn import new_owner, run_turn
+from tasks.journal import append_events, new_owner
+from tasks.turn import run_turn
 from worker import metrics
 from worker.app import app
 
@@ -112,23 +113,6 @@ def holding_lease(ctx: Context, record: RunRecord, wait_s: float | None = None) 
         yield owner
     finally:
         ctx.runs.release_lease(record.run_id, owner)
-
-
-def record_events(
-    ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
-) -> RunState:
-    """Fold and append events with the record they produce (fenced by seq, and lease if owned)."""
-    now = ctx.runs.clock()
-    before = state.status
-    events = []
-    for kind, data in items:
-        event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
-        state = apply(state, event)
-        events.append(event)
-    due = now + int(ctx.settings.lease_s * 1000)
-    ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
-    metrics.recorded(before, state.status, events)
-    return state
 
 
 def _max_suspended_s(events: list[Event]) -> int | None:
@@ -202,7 +186,7 @@ def _continue_holding_lease(
         )
     agent = ctx.agent(state.agent_file)
     data = continued_event_data(state, agent, events, continuation, now)
-    state = record_events(ctx, state, [("run.continued", data)], owner)
+    state = append_events(ctx, state, [("run.continued", data)], owner)
     try:
         ctx.snapshots.save(state, loaded.snapshot_seq)
     except StaleWrite as exc:
@@ -226,7 +210,7 @@ def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) ->
         "suspension_seq": suspension.seq,
         "suspended_ms": suspended_for_ms(suspension, now),
     }
-    record_events(ctx, state, [("run.expired", data)], owner)
+    append_events(ctx, state, [("run.expired", data)], owner)
     ctx.snapshots.delete(state.run_id)
     log.warning("run %s: expired: %s", state.run_id, reason)
 

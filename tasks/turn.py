@@ -40,14 +40,11 @@ at once instead of waiting for the lease to expire.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from celery.signals import worker_shutting_down
 
@@ -66,33 +63,28 @@ from runtime.fsm import (
     Idle,
     RunTool,
     Suspend,
-    apply,
     decide,
     response_events,
     suspension_event,
     tool_events,
     unknown_tool_outcome,
 )
-from runtime.models import Event, RunState, ToolCall, validate_run_id
+from runtime.models import RunState, ToolCall, validate_run_id
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome, ToolSpec, invoke
-from store.runs import RunRecord
 from tasks import failpoints
+from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, get_context
+from tasks.journal import append_events, load_state, new_owner
 from worker import metrics
 from worker.app import app
 
 log = logging.getLogger("ratchet.turn")
 
-_HOST = socket.gethostname()
-
-T = TypeVar("T")
-
 TOOL_TIMEOUT_ATTEMPTS = 3
 """Tries in all for an idempotent tool that times out, before its call fails."""
 
 _stopping = threading.Event()
-_heartbeats_lock = threading.Lock()
 
 
 @worker_shutting_down.connect
@@ -106,86 +98,6 @@ def _on_worker_shutting_down(**_: Any) -> None:
 def stopping() -> bool:
     """This process was told to shut down: end turns at the next transition boundary."""
     return _stopping.is_set()
-
-
-class CallTimedOut(Exception):
-    """A model or tool call did not return in time and was abandoned."""
-
-    def __init__(self, what: str, timeout_s: float) -> None:
-        super().__init__(f"{what} did not return within {timeout_s:g} s and was abandoned")
-        self.timeout_s = timeout_s
-
-
-class _Callers:
-    """Daemon threads that run model and tool calls, so a turn can stop waiting for one.
-
-    Reused across calls (a thread per call costs more than most tool calls). A
-    call that times out is abandoned, not stopped — Python cannot stop a thread —
-    and its thread is written off; a fresh one takes its place, so abandoned calls
-    never starve the next turn. Daemon threads never hold the process open at exit.
-    """
-
-    def __init__(self) -> None:
-        self._idle: list[tuple[threading.Event, list[Any]]] = []
-        self._lock = threading.Lock()
-
-    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
-        with self._lock:
-            slot = self._idle.pop() if self._idle else self._spawn()
-        wake, box = slot
-        done = threading.Event()
-        box[:] = [fn, done, None, None]
-        wake.set()
-        if not done.wait(timeout_s):
-            box[0] = None  # the thread exits when (if ever) the call returns
-            raise CallTimedOut(what, timeout_s)
-        value, error = box[2], box[3]
-        with self._lock:
-            self._idle.append(slot)
-        if error is not None:
-            raise error
-        result: T = value
-        return result
-
-    @staticmethod
-    def _spawn() -> tuple[threading.Event, list[Any]]:
-        wake = threading.Event()
-        box: list[Any] = [None, None, None, None]
-
-        def serve() -> None:
-            while True:
-                wake.wait()
-                wake.clear()
-                fn, done = box[0], box[1]
-                try:
-                    box[2], box[3] = fn(), None
-                except BaseException as exc:  # handed to the waiting thread as is
-                    box[2], box[3] = None, exc
-                abandoned = box[0] is None
-                done.set()
-                if abandoned:
-                    return
-
-        threading.Thread(target=serve, name="ratchet-call", daemon=True).start()
-        return wake, box
-
-
-_callers_by_pid: dict[int, _Callers] = {}
-
-
-def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run ``call`` on a caller thread; raise CallTimedOut if it takes over ``timeout_s``."""
-    pid = os.getpid()
-    with _heartbeats_lock:
-        callers = _callers_by_pid.get(pid)
-        if callers is None:
-            callers = _callers_by_pid[pid] = _Callers()
-    return callers.call(call, timeout_s, what)
-
-
-def new_owner() -> str:
-    """A lease owner id unique to this attempt at this run, on this host and process."""
-    return f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
 @app.task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -253,53 +165,6 @@ def advance(
         return Advanced("fenced", -1, 0)
     finally:
         ctx.runs.release_lease(run_id, owner)
-
-
-def load_state(ctx: Context, run_id: str) -> tuple[RunState, int | None] | None:
-    """The run's state and the seq of its stored snapshot; None if there is no such run.
-
-    A stale or missing snapshot is healed here: the events are the truth, and the
-    ones the snapshot lacks are folded onto it.
-    """
-    record = ctx.runs.get(run_id)
-    if record is None:
-        return None
-    remembered = ctx.recall_checkpoint(run_id, record.last_seq)
-    if remembered is not None:
-        return remembered, remembered.seq
-    state = ctx.snapshots.load(run_id)
-    snapshot_seq = state.seq if state is not None else None
-    if state is None or state.seq < record.last_seq:
-        for event in ctx.runs.events(run_id, after_seq=snapshot_seq or 0):
-            state = apply(state, event)
-        if snapshot_seq is not None:
-            log.info(
-                "run %s: snapshot at seq %s was stale; rebuilt to %s from events",
-                run_id,
-                snapshot_seq,
-                record.last_seq,
-            )
-    if state is None:
-        raise ValueError(f"run {run_id} has a record but no events to rebuild its state from")
-    return state, snapshot_seq
-
-
-def append_events(
-    ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
-) -> RunState:
-    """Append events after ``state`` (fenced by ``owner``'s lease and the seq); the new state."""
-    now = ctx.runs.clock()
-    before = state.status
-    events = []
-    for kind, data in items:
-        event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
-        state = apply(state, event)
-        events.append(event)
-    # A live run is overdue for the sweeper if nothing happens within one lease.
-    due = now + int(ctx.settings.lease_s * 1000)
-    ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
-    metrics.recorded(before, state.status, events)
-    return state
 
 
 class Turn:
@@ -539,63 +404,8 @@ class Turn:
 
         It stops with the process: a worker that is killed or frozen lets the lease expire.
         """
-        beat = _heartbeats().add(self.ctx, self.state.run_id, self.owner)
+        beat = heartbeats().add(self.ctx, self.state.run_id, self.owner)
         try:
             yield
         finally:
-            _heartbeats().remove(beat)
-
-
-class _Heartbeats:
-    """One thread per process renews the lease of every turn in progress.
-
-    Most turns end long before their first renewal is due, so a thread per turn
-    would be started and joined for nothing.
-    """
-
-    def __init__(self) -> None:
-        self._due: dict[tuple[str, str], tuple[Context, float]] = {}
-        self._changed = threading.Condition()
-        threading.Thread(target=self._run, name="ratchet-heartbeats", daemon=True).start()
-
-    def add(self, ctx: Context, run_id: str, owner: str) -> tuple[str, str]:
-        key = (run_id, owner)
-        with self._changed:
-            self._due[key] = (ctx, time.monotonic() + ctx.settings.lease_s / 3)
-            self._changed.notify()
-        return key
-
-    def remove(self, key: tuple[str, str]) -> None:
-        with self._changed:
-            self._due.pop(key, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                now = time.monotonic()
-                due = [(key, ctx) for key, (ctx, at) in self._due.items() if at <= now]
-                for key, ctx in due:
-                    self._due[key] = (ctx, now + ctx.settings.lease_s / 3)
-                if not due:
-                    wake = min((at for _, at in self._due.values()), default=now + 1.0)
-                    self._changed.wait(max(0.0, wake - now))
-                    continue
-            for (run_id, owner), ctx in due:
-                try:
-                    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
-                        log.warning("run %s: lease lost during the turn", run_id)
-                except Exception:
-                    log.exception("run %s: heartbeat failed", run_id)
-
-
-_heartbeats_by_pid: dict[int, _Heartbeats] = {}
-
-
-def _heartbeats() -> _Heartbeats:
-    """This process's heartbeat thread (a forked pool child starts its own)."""
-    pid = os.getpid()
-    with _heartbeats_lock:
-        beats = _heartbeats_by_pid.get(pid)
-        if beats is None:
-            beats = _heartbeats_by_pid[pid] = _Heartbeats()
-    return beats
+            heartbeats().remove(beat)
