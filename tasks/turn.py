@@ -139,7 +139,7 @@ def advance(
     ``owner``: a caller that already holds the lease (a resume) passes its owner id.
     """
     owner = owner or new_owner()
-    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+    if not _take_lease(ctx, run_id, owner):
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
         return Advanced("leased", -1, 0)
     try:
@@ -165,6 +165,23 @@ def advance(
         return Advanced("fenced", -1, 0)
     finally:
         ctx.runs.release_lease(run_id, owner)
+
+
+LEASE_PATIENCE_S = 0.5
+"""How long a turn waits for a lease another worker holds before calling itself a duplicate.
+
+The holder may be a late duplicate of the *previous* turn's message, which only
+reads the run, finds it moved on, and lets go within milliseconds; a chained
+turn that gave up at once would leave the run to the sweeper."""
+
+
+def _take_lease(ctx: Context, run_id: str, owner: str) -> bool:
+    deadline = time.monotonic() + LEASE_PATIENCE_S
+    while not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class Turn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,17 @@ def test_a_changed_agent_stalls_the_run_and_says_what_changed(tmp_path: Path, le
     assert record is not None and record.status == RunStatus.STALLED
     assert record.error is not None
     assert "changed: system" in record.error and "start the run again" in record.error
+
+
+def test_a_turn_waits_out_a_late_duplicate_that_briefly_holds_the_lease(
+    tmp_path: Path, ledger: Path
+) -> None:
+    # Given a late duplicate of an earlier message holding the run's lease for a moment
+    agent = write_agent(tmp_path, [turn("done")])
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "x").run_id
+    assert ctx.runs.acquire_lease(run_id, "late-duplicate", 30)
+    threading.Timer(0.1, ctx.runs.release_lease, (run_id, "late-duplicate")).start()
+
+    # When the run's real next turn arrives meanwhile, it waits instead of giving up
+    assert advance(ctx, run_id, 1).outcome == "completed"

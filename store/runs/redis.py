@@ -4,7 +4,7 @@ Key layout (``prefix`` defaults to ``ratchet``; ``{<id>}`` is the run's hash tag
 so every key of one run lives in one Cluster slot, next to its snapshot)::
 
     {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status
-    {prefix}:run:{<id>}:events        zset  Event JSON scored by seq (zlib-packed when that
+    {prefix}:run:{<id>}:events        list  Event JSON at index seq - 1 (zlib-packed when that
                                             makes it shorter: see store.packing)
     {prefix}:run:{<id>}:lease         hash  owner, expires_at_ms (PX TTL: lease + grace)
     {prefix}:runs:by_created          zset  run id scored by created_at_ms   (list)
@@ -56,7 +56,7 @@ end
 -- An event log without a record is debris of a removed run; the id starts afresh.
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[7], ARGV[8])
+redis.call('RPUSH', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 if ARGV[6] == '' then
@@ -94,8 +94,10 @@ local old_status = redis.call('HGET', KEYS[1], 'status')
 if old_status ~= ARGV[4] then
   redis.call('ZREM', ARGV[11] .. old_status, ARGV[1])
 end
+-- The fence above makes the log contiguous, so an event's index is its seq - 1
+-- (a list costs a few bytes an entry; a sorted set costs about a hundred).
 for i = 13, #ARGV, 2 do
-  redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('RPUSH', KEYS[2], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
@@ -302,10 +304,8 @@ class RedisRunStore(RunStore):
             return []
         key = self._run_key(run_id, "events")
         with translated(self._where):
-            if limit is None:
-                found = self._client.zrangebyscore(key, f"({after_seq}", "+inf")
-            else:
-                found = self._client.zrangebyscore(key, f"({after_seq}", "+inf", start=0, num=limit)
+            stop = -1 if limit is None else max(after_seq, 0) + limit - 1
+            found = self._client.lrange(key, max(after_seq, 0), stop)
         return [_unpacked(data, self._where) for data in cast("list[bytes]", found)]
 
     # --- leases -------------------------------------------------------------
