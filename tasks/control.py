@@ -215,17 +215,19 @@ def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) ->
     log.warning("run %s: expired: %s", state.run_id, reason)
 
 
-@app.task(
-    name="ratchet.continue",
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    ignore_result=True,
-    autoretry_for=(RunBusy, StoreUnavailable),
-    retry_backoff=1,
-    retry_backoff_max=30,
-    max_retries=20,
-)
+CONTROL_TASK_OPTIONS: dict[str, Any] = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "ignore_result": True,
+    # A run busy with a turn, or a store briefly away: ask again, backing off up to 30 s.
+    "autoretry_for": (RunBusy, StoreUnavailable),
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "max_retries": 20,
+}
+
+
+@app.task(name="ratchet.continue", bind=True, **CONTROL_TASK_OPTIONS)
 def continue_run(
     self: Any,
     run_id: str,
@@ -307,16 +309,7 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
     raise RunBusy(run_id, "moving", 0)
 
 
-@app.task(
-    name="ratchet.cancel",
-    acks_late=True,
-    reject_on_worker_lost=True,
-    ignore_result=True,
-    autoretry_for=(RunBusy, StoreUnavailable),
-    retry_backoff=1,
-    retry_backoff_max=30,
-    max_retries=20,
-)
+@app.task(name="ratchet.cancel", **CONTROL_TASK_OPTIONS)
 def cancel_run(run_id: str, reason: str | None = None) -> str:
     """Cancel a run. Returns cancelled | refused (the reason is logged)."""
     try:
