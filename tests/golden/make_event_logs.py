@@ -1,0 +1,273 @@
+"""Record the golden event logs in ``tests/golden/events/`` from real runs of this build.
+
+Run once when a new event type (or a new shape of an old one) is written, then
+commit the new files beside the old ones; never rewrite a file that is there.
+``tests/test_golden_event_logs.py`` folds every file on every test run, so a
+change that cannot read a log an earlier build wrote fails the build (the
+replayer tests of Temporal's SDK are the model).
+
+    python -m tests.golden.make_event_logs
+
+Each scenario drives a run in-process on memory stores through the same code
+the tasks use (turns, continuations, cancel, reconcile, resume, the sweeper's
+dead-lettering, expiry), with the scripted provider; the one event only a
+network provider writes (``model.retrying``) comes from the suite's
+OpenAI-compatible server on 127.0.0.1. Beside each ``NAME.jsonl`` goes
+``NAME.state.json``: the snapshot document of the folded state, as this build
+encodes it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runtime.continuation import make_continuation
+from runtime.fsm import apply, rebuild
+from runtime.models import Event, RunState
+from runtime.recovery import OPERATOR, SWEEPER
+from store.snapshots import format as snapshot_format
+from tasks.context import Context
+from tasks.control import apply_continuation, cancel, expire_suspended
+from tasks.journal import append_events, new_owner
+from tasks.recovery import reconcile, resume
+from tasks.start import create_run
+from tests.helpers import call, drive, memory_context, turn, write_agent
+
+EVENTS = Path(__file__).parent / "events"
+INPUT = "Refund order B2, it never arrived."
+
+
+def _no_enqueue(run_id: str, seq: int) -> None:
+    """The scenarios take the next turn themselves."""
+
+
+def _events(ctx: Context, run_id: str) -> list[Event]:
+    return list(ctx.runs.events(run_id, after_seq=0))
+
+
+def tools_and_answer(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [
+            turn("Looking it up.", call("lookup_order", order_id="B2"), call("no_such_tool")),
+            turn("Refunded.", call("issue_refund", order_id="B2", amount_cents=2900)),
+            turn("Order B2 is refunded."),
+        ],
+        name="tools-and-answer",
+    )
+    run = create_run(ctx, agent, INPUT, "golden-tools-and-answer")
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
+def ask_and_continue(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")],
+        name="ask-and-continue",
+    )
+    run = create_run(ctx, agent, "Refund my order.", "golden-ask-and-continue")
+    done = drive(ctx, run.run_id)
+    answer = make_continuation(run.run_id, "golden-c1", input="B2", suspension_seq=done.seq)
+    apply_continuation(ctx, answer, _no_enqueue)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
+def approval_denied_then_approved(ctx: Context, home: Path) -> str:
+    refund = call("issue_refund", order_id="B2", amount_cents=2900)
+    agent = write_agent(
+        home,
+        [turn("Refunding.", refund), turn("Refunding again.", refund), turn("Refunded.")],
+        name="approvals",
+        require_approval=["issue_refund"],
+    )
+    run = create_run(ctx, agent, INPUT, "golden-approvals")
+    done = drive(ctx, run.run_id)
+    deny = make_continuation(run.run_id, "golden-d1", deny="too much", suspension_seq=done.seq)
+    apply_continuation(ctx, deny, _no_enqueue)
+    done = drive(ctx, run.run_id)
+    approve = make_continuation(run.run_id, "golden-a1", approve=True, suspension_seq=done.seq)
+    apply_continuation(ctx, approve, _no_enqueue)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
+def blocked_then_cancelled(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home, [turn("I need a manager.", call("blocked", reason="over the limit"))], name="blocked"
+    )
+    run = create_run(ctx, agent, INPUT, "golden-blocked-cancelled")
+    drive(ctx, run.run_id)
+    cancel(ctx, run.run_id, "the customer withdrew the request")
+    return run.run_id
+
+
+def suspension_expired(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [turn("Which order?", call("request_user_input", prompt="Which order?"))],
+        name="expires",
+        extra="max_suspended_s = 1",
+    )
+    run = create_run(ctx, agent, "Refund my order.", "golden-expired")
+    drive(ctx, run.run_id)
+    expire_suspended(ctx, now_ms=ctx.runs.clock() + 60_000)
+    return run.run_id
+
+
+def parked_reconciled(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2900)), turn("Done.")],
+        name="parked",
+    )
+    run = create_run(ctx, agent, INPUT, "golden-parked-reconciled")
+    # Given a worker that journaled the refund as requested and died before its outcome
+    arguments = {"order_id": "B2", "amount_cents": 2900}
+    responded = {
+        "content": "Refunding.",
+        "tool_calls": [{"id": "call_1_1", "name": "issue_refund", "arguments": arguments}],
+        "usage": {"input_tokens": 10, "output_tokens": 5},
+    }
+    requested = {"call_id": "call_1_1", "name": "issue_refund", "arguments": arguments}
+    owner = new_owner()
+    assert ctx.runs.acquire_lease(run.run_id, owner, 10.0)
+    append_events(
+        ctx,
+        _state(ctx, run.run_id),
+        [
+            ("model.requested", {"turn": 0}),
+            ("model.responded", responded),
+            ("tool.requested", requested),
+        ],
+        owner,
+    )
+    ctx.runs.release_lease(run.run_id, owner)
+    # When the next turn finds the call with no outcome, it parks the run
+    drive(ctx, run.run_id)
+    # and an operator records what really happened
+    reconcile(ctx, run.run_id, "call_1_1", "result", {"refund_id": "R-1"}, enqueue=_no_enqueue)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
+def dead_lettered(ctx: Context, home: Path) -> str:
+    # A model that never answers in time: each sweeper resume makes no progress.
+    agent = write_agent(
+        home,
+        [{**turn("slow"), "sleep_s": 0.3}],
+        name="dead-lettered",
+        extra="model_timeout_s = 0.05",
+    )
+    run = create_run(ctx, agent, INPUT, "golden-dead-lettered")
+    for _ in range(ctx.settings.max_recovery_attempts + 1):
+        state = _state(ctx, run.run_id)
+        if not state.status.is_live:
+            break
+        resume(ctx, run.run_id, SWEEPER, state.seq)
+    return run.run_id
+
+
+def budget_failed_and_model_timeout(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [
+            {**turn("slow"), "sleep_s": 0.3},
+            turn("Looking.", call("lookup_order", order_id="B2")),
+            turn("Looking again.", call("lookup_order", order_id="A1")),
+        ],
+        name="budget",
+        budgets={"max_turns": 2},
+        extra="model_timeout_s = 0.1",
+    )
+    run = create_run(ctx, agent, INPUT, "golden-budget-failed")
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
+def provider_stalled_resumed(ctx: Context, home: Path) -> str:
+    import os
+
+    from tests.openai_server import serve
+
+    os.environ["GOLDEN_OPENAI_KEY"] = "sk-golden-not-a-secret"
+    with serve() as server:
+        # A rate limit, then errors past the provider's retries: the run stalls
+        server.enqueue_fixture("rate_limited")
+        server.enqueue_fixture("server_error")
+        path = home / "retried.toml"
+        path.write_text(
+            "\n".join(
+                [
+                    'name = "retried"',
+                    'model = "openai:gpt-test"',
+                    'system = "You are a refund desk."',
+                    "tools = []",
+                    "[provider]",
+                    f'base_url = "{server.url}"',
+                    'api_key_env = "GOLDEN_OPENAI_KEY"',
+                    "timeout_s = 5",
+                    "max_attempts = 2",
+                    "max_retry_s = 10",
+                ]
+            )
+            + "\n"
+        )
+        run = create_run(ctx, path, INPUT, "golden-provider-stalled")
+        drive(ctx, run.run_id)
+        # and once the provider is back an operator resumes it
+        server.enqueue_fixture("text_answer")
+        resume(ctx, run.run_id, OPERATOR)
+        drive(ctx, run.run_id)
+    return run.run_id
+
+
+def _state(ctx: Context, run_id: str) -> RunState:
+    state = rebuild(_events(ctx, run_id))
+    assert state is not None
+    return state
+
+
+SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
+    "tools-and-answer": tools_and_answer,
+    "ask-and-continue": ask_and_continue,
+    "approvals": approval_denied_then_approved,
+    "blocked-cancelled": blocked_then_cancelled,
+    "expired": suspension_expired,
+    "parked-reconciled": parked_reconciled,
+    "dead-lettered": dead_lettered,
+    "budget-failed": budget_failed_and_model_timeout,
+    "provider-stalled-resumed": provider_stalled_resumed,
+}
+
+
+def main() -> None:
+    EVENTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d")
+    for name, scenario in SCENARIOS.items():
+        with tempfile.TemporaryDirectory() as home:
+            ctx = memory_context()
+            run_id = scenario(ctx, Path(home))
+            events = _events(ctx, run_id)
+        state = None
+        for event in events:
+            state = apply(state, event)
+        assert state is not None
+        base = EVENTS / f"{stamp}-{name}"
+        if base.with_suffix(".jsonl").exists():
+            print(f"{base.name}: exists, left as it is")
+            continue
+        lines = [json.dumps(e.model_dump(mode="json"), sort_keys=True) for e in events]
+        base.with_suffix(".jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        (EVENTS / f"{base.name}.state.json").write_bytes(snapshot_format.encode(state))
+        kinds = sorted({e.type for e in events})
+        print(f"{base.name}: {len(events)} events, ends {state.status.value}: {', '.join(kinds)}")
+
+
+if __name__ == "__main__":
+    main()
