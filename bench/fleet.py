@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.growth import T0_MS, created, tool_result, vocabulary  # noqa: E402
-from bench.turns import start_worker, stop, wait_for, write_agent  # noqa: E402
+from bench.turns import start_worker, stop, wait_for, warm_up, write_agent  # noqa: E402
 from runtime.fsm import apply  # noqa: E402
 from runtime.models import Event, RunState, RunStatus, Suspension  # noqa: E402
 from store.runs import RunRecord  # noqa: E402
@@ -55,7 +55,7 @@ def bench_fleet(url: str, env: dict[str, str], args: argparse.Namespace, workdir
         start_worker("worker", env, 1, workdir / f"worker-{i}.log") for i in range(args.workers)
     ]
     try:
-        time.sleep(3.0)  # worker boot; measured time starts at the first enqueue
+        warm_up(env, workers=args.workers)
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
         from worker.api import Ratchet

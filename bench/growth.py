@@ -55,9 +55,6 @@ from tests.redis_server import running_redis_server  # noqa: E402
 WINDOW = 20
 T0_MS = 1_700_000_000_000
 RESULT_CHARS = 2048
-LANGGRAPH_KB_PER_TURN = 435.0
-"""LangGraph's checkpoint growth by turn 200, as the issue quotes it."""
-DBOS_KB_PER_TURN = 3.1
 
 
 def vocabulary(rng: random.Random, size: int = 3000) -> list[str]:
@@ -231,9 +228,6 @@ def report(result: Result, turns: int, document_bytes: int) -> None:
     )
     print(
         f"  stored per turn, event log incl.: {stored:.2f} KiB  (snapshot {result.stored_snapshot_bytes / turns / kib:.2f} + event log {result.stored_event_bytes / turns / kib:.2f}; target <= 2.5)"
-    )
-    print(
-        f"  for comparison: LangGraph ~{LANGGRAPH_KB_PER_TURN:.0f} KB/turn written by turn 200, DBOS ~{DBOS_KB_PER_TURN} KB/turn"
     )
     print(f"  load of the whole snapshot at the end: {result.load_seconds * 1000:.1f} ms")
 

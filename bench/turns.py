@@ -97,8 +97,18 @@ def wait_for(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-de
         time.sleep(0.01)
 
 
-def warm_up(env: dict[str, str]) -> None:
-    time.sleep(2.0)  # worker boot; measured time starts at the first enqueue
+def warm_up(env: dict[str, str], workers: int = 1, timeout_s: float = 60.0) -> None:
+    """Wait until ``workers`` workers on the broker answer a ping: measured time starts after."""
+    from celery import Celery
+
+    probe = Celery("bench-probe", broker=env["RATCHET_BROKER_URL"])
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(probe.control.ping(timeout=0.5) or []) < workers:
+            if time.monotonic() > deadline:
+                raise SystemExit("the benchmark's workers did not answer a ping; see their logs")
+    finally:
+        probe.close()
 
 
 def bench_baseline(
