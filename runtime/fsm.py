@@ -21,6 +21,7 @@ from typing import Any
 
 from runtime.agent import Agent
 from runtime.errors import BudgetExhausted, BudgetUnenforceable
+from runtime.fork import FORK_KEY, fold_fork
 from runtime.models import (
     Event,
     Message,
@@ -120,6 +121,8 @@ def _responded(state: RunState, data: dict[str, Any]) -> RunState:
 
 def _initial(event: Event) -> RunState:
     d = event.data
+    if FORK_KEY in d:
+        return fold_fork(event, rebuild)
     transcript = []
     if d.get("system"):
         transcript.append(Message(role="system", content=d["system"]))

@@ -190,3 +190,23 @@ class Ratchet:
         from tasks.recovery import sweep_orphans
 
         return sweep_orphans(self.ctx)
+
+    def fork(
+        self,
+        run_id: str,
+        at_seq: int | None = None,
+        new_run_id: str | None = None,
+        *,
+        rebind: bool = False,
+    ) -> tuple[str, tuple[str, ...]]:
+        """A new run at ``run_id``'s state at ``at_seq`` (default: its last); (new id, notes).
+
+        The original is untouched. ``notes`` name the calls the fork will run again
+        although the original already ran them (tools that are not idempotent).
+        RunRefused for a seq that cannot be forked (ended there, or a call in flight),
+        BindingChanged when the agent changed since and ``rebind`` is not set.
+        """
+        from tasks.fork import fork
+
+        forked = fork(self.ctx, run_id, at_seq, new_run_id, rebind=rebind)
+        return forked.state.run_id, forked.notes

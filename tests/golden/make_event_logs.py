@@ -32,6 +32,7 @@ from runtime.recovery import OPERATOR, SWEEPER
 from store.snapshots import format as snapshot_format
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
+from tasks.fork import fork
 from tasks.journal import append_events, new_owner
 from tasks.recovery import reconcile, resume
 from tasks.start import create_run
@@ -227,6 +228,14 @@ def provider_stalled_resumed(ctx: Context, home: Path) -> str:
     return run.run_id
 
 
+def forked(ctx: Context, home: Path) -> str:
+    original = tools_and_answer(ctx, home)
+    at = next(e.seq for e in _events(ctx, original) if e.type == "tool.completed")
+    fork(ctx, original, at, "golden-forked", enqueue=_no_enqueue)
+    drive(ctx, "golden-forked")
+    return "golden-forked"
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
@@ -243,6 +252,7 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "dead-lettered": dead_lettered,
     "budget-failed": budget_failed_and_model_timeout,
     "provider-stalled-resumed": provider_stalled_resumed,
+    "forked": forked,
 }
 
 

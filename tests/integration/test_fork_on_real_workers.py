@@ -1,0 +1,85 @@
+"""`ratchet runs fork` from another process, carried on by a real `celery -A worker worker`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.models import RunStatus
+from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses
+
+
+def wait_until_finished(env: dict[str, str], run_id: str, log: Callable[[], str]) -> Any:
+    deadline = time.monotonic() + 60
+    while True:
+        shown = cli(env, "runs", "show", run_id, "--json")
+        record = json.loads(shown.stdout)
+        if record["status"] in ("completed", "failed", "cancelled"):
+            return record
+        assert time.monotonic() < deadline, log()
+        time.sleep(0.1)
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_before_the_refund_runs_on_a_real_worker_and_says_it_refunds_again(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path
+) -> None:
+    # Given the example refund desk ran to completion on a real worker
+    worker = worker_processes.start("--concurrency", "2", RATCHET_BROKER_URL=redis_url)
+    env = {**worker_processes.base_env, "RATCHET_BROKER_URL": redis_url}
+    started = cli(
+        env,
+        "runs",
+        "start",
+        str(EXAMPLE_AGENT),
+        "--input",
+        "Refund order B2",
+        "--wait",
+        "--timeout",
+        "60",
+        "--json",
+    )
+    assert started.returncode == 0, started.stderr + worker.log()
+    original = json.loads(started.stdout)["run_id"]
+    listed = cli(env, "runs", "events", original, "--json")
+    events = [json.loads(line) for line in listed.stdout.splitlines()]
+    asked = [
+        e["seq"]
+        for e in events
+        if e["type"] == "model.responded"
+        and any(c["name"] == "issue_refund" for c in e["data"]["tool_calls"])
+    ]
+    assert len(asked) == 1, events
+    # When an operator forks it where the model had asked for the refund
+    forked = cli(env, "runs", "fork", original, "--at", str(asked[0]), "--run-id", "fork-b2")
+    # Then the CLI says the fork refunds again, and the worker carries the fork to the end
+    assert forked.returncode == 0, forked.stderr
+    assert f"run fork-b2: forked from {original} at seq {asked[0]}" in forked.stdout
+    assert "will run `issue_refund`" in forked.stdout and "not idempotent" in forked.stdout
+    record = wait_until_finished(env, "fork-b2", worker.log)
+    assert record["status"] == RunStatus.COMPLETED.value, record
+    assert ledger.read_text().splitlines() == ["refund B2 2900", "refund B2 2900"]
+    # and the original is as it was
+    again = [
+        json.loads(line)
+        for line in cli(env, "runs", "events", original, "--json").stdout.splitlines()
+    ]
+    assert again == events
