@@ -71,8 +71,9 @@ class ProviderError(RatchetError):
 class BudgetExhausted(RatchetError):
     def __init__(self, budget: str, used: float, limit: float) -> None:
         super().__init__(
-            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; "
-            "raise it in the agent file and start a new run",
+            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give the run more "
+            f"with `ratchet runs budget RUN --{budget.replace('_', '-')} +N --reason WHY`, "
+            "or raise it in the agent file for new runs",
             budget,
             used,
             limit,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.agent import Agent
+from runtime.budget import fold_raise
 from runtime.errors import BudgetExhausted, BudgetUnenforceable
 from runtime.fork import FORK_KEY, fold_fork
 from runtime.models import (
@@ -265,6 +266,7 @@ FOLDS: dict[str, Fold] = {
     "run.parked": _ended(RunStatus.NEEDS_RECONCILIATION, "reason"),
     "run.stalled": _ended(RunStatus.STALLED, "reason"),
     "run.dead_lettered": _ended(RunStatus.DEAD_LETTERED, "reason"),
+    "run.budget_raised": lambda state, event: fold_raise(state, event.data, _live_status(state)),
 }
 """How each event type changes the state. Every type ever written must stay here."""
 
@@ -318,6 +320,8 @@ class Suspend:
 @dataclass(frozen=True)
 class Fail:
     reason: str
+    budget: str | None = None
+    """The budget that ran out, when one did: an operator may raise it (`runs budget`)."""
 
 
 @dataclass(frozen=True)
@@ -377,8 +381,10 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
             check_tool_budgets(state, now_ms)
             return RunTool(call)
         check_model_budgets(state, now_ms)
-    except BudgetExhausted as exc:
+    except BudgetUnenforceable as exc:
         return Fail(str(exc))
+    except BudgetExhausted as exc:
+        return Fail(str(exc), exc.budget)
     request = ModelRequest(
         messages=state.transcript, tools=agent.declarations(), turn=state.usage.model_turns
     )

@@ -224,7 +224,8 @@ class Turn:
             if isinstance(action, Idle):
                 return "idle"
             if isinstance(action, Fail):
-                self.record([("run.failed", {"reason": action.reason})])
+                budget = {"budget": action.budget} if action.budget else {}
+                self.record([("run.failed", {"reason": action.reason, **budget})])
                 return self.finish()
             if isinstance(action, Suspend):
                 self.record([suspension_event(action)])

@@ -210,3 +210,17 @@ class Ratchet:
 
         forked = fork(self.ctx, run_id, at_seq, new_run_id, rebind=rebind)
         return forked.state.run_id, forked.notes
+
+    def raise_budgets(
+        self, run_id: str, changes: dict[str, str], reason: str, by: str = "operator"
+    ) -> RunRecord:
+        """Give a run more: ``changes`` maps a budget to ``"+N"`` (N more) or ``"N"`` (new limit).
+
+        Recorded as ``run.budget_raised`` with ``by`` and ``reason``; a run that had
+        stopped on a budget goes on from where it stopped. RunRefused for a run that
+        ended another way; ValueError for a change that is not a raise.
+        """
+        from tasks.budget import raise_budgets
+
+        raise_budgets(self.ctx, run_id, changes, by, reason)
+        return self.get(run_id)

@@ -1,9 +1,11 @@
-"""Runs made from other runs: ``ratchet runs fork``.
+"""Runs made from other runs, and runs given more: ``ratchet runs fork``, ``ratchet runs budget``.
 
 Registered on the groups of :mod:`worker.cli` when it imports this module.
 """
 
 from __future__ import annotations
+
+import getpass
 
 import click
 
@@ -39,3 +41,40 @@ def runs_fork(
     click.echo(f"run {fork_id}: forked from {run_id} at {where}")
     for note in notes:
         click.echo(f"  note: {note}")
+
+
+@runs.command("budget")
+@click.argument("run_id")
+@click.option("--max-turns", default=None, metavar="+N|N", help="More model calls.")
+@click.option("--max-total-tokens", default=None, metavar="+N|N", help="More tokens.")
+@click.option("--max-tool-calls", default=None, metavar="+N|N", help="More tool calls.")
+@click.option("--timeout-seconds", default=None, metavar="+N|N", help="More running time.")
+@click.option("--reason", required=True, help="Why: kept in the run's events with who.")
+@click.option("--by", default=None, help="Who raises it (default: operator:$USER).")
+@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@refusals
+def runs_budget(
+    run_id: str,
+    max_turns: str | None,
+    max_total_tokens: str | None,
+    max_tool_calls: str | None,
+    timeout_seconds: str | None,
+    reason: str,
+    by: str | None,
+    as_json: bool,
+) -> None:
+    """Give RUN_ID more budget; a run that stopped on a budget goes on from where it stopped."""
+    given = {
+        "max_turns": max_turns,
+        "max_total_tokens": max_total_tokens,
+        "max_tool_calls": max_tool_calls,
+        "timeout_seconds": timeout_seconds,
+    }
+    changes = {budget: value for budget, value in given.items() if value is not None}
+    who = by or f"operator:{getpass.getuser()}"
+    record = _api().raise_budgets(run_id, changes, reason, by=who)
+    if as_json:
+        _dump(record.model_dump(mode="json"))
+        return
+    limits = ", ".join(f"{k} {v}" for k, v in sorted(record.budgets.items()) if k in changes)
+    click.echo(f"run {run_id} ({record.status.value}): budgets raised to {limits}, by {who}")

@@ -32,6 +32,7 @@ from runtime.recovery import OPERATOR, SWEEPER
 from store.snapshots import format as snapshot_format
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
+from tasks.budget import raise_budgets
 from tasks.fork import fork
 from tasks.journal import append_events, new_owner
 from tasks.recovery import reconcile, resume
@@ -236,6 +237,20 @@ def forked(ctx: Context, home: Path) -> str:
     return "golden-forked"
 
 
+def budget_raised(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [turn("Looking.", call("lookup_order", order_id="A1"))] * 2 + [turn("Found A1.")],
+        name="raised",
+        budgets={"max_turns": 2},
+    )
+    run = create_run(ctx, agent, INPUT, "golden-budget-raised")
+    drive(ctx, run.run_id)
+    raise_budgets(ctx, run.run_id, {"max_turns": "+1"}, "operator:golden", "one more", _no_enqueue)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
@@ -253,6 +268,7 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "budget-failed": budget_failed_and_model_timeout,
     "provider-stalled-resumed": provider_stalled_resumed,
     "forked": forked,
+    "budget-raised": budget_raised,
 }
 
 

@@ -1,4 +1,4 @@
-"""`ratchet runs fork` from another process, carried on by a real `celery -A worker worker`."""
+"""`ratchet runs fork` and `ratchet runs budget` from another process, on a real worker."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from runtime.models import RunStatus
+from tests.helpers import call, turn, write_agent
 from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses
 
 
@@ -83,3 +84,67 @@ def test_a_fork_before_the_refund_runs_on_a_real_worker_and_says_it_refunds_agai
         for line in cli(env, "runs", "events", original, "--json").stdout.splitlines()
     ]
     assert again == events
+
+
+@pytest.mark.timeout(120)
+def test_a_run_stopped_on_max_turns_completes_on_a_real_worker_after_a_top_up(
+    worker_processes: WorkerProcesses, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a run that a real worker stopped on max_turns 2
+    agent = write_agent(
+        tmp_path,
+        [
+            *(turn(f"look {n}", call("lookup_order", order_id="A1")) for n in range(3)),
+            turn("Found A1."),
+        ],
+        budgets={"max_turns": 2},
+    )
+    worker = worker_processes.start("--concurrency", "1", RATCHET_BROKER_URL=redis_url)
+    env = {**worker_processes.base_env, "RATCHET_BROKER_URL": redis_url}
+    started = cli(
+        env,
+        "runs",
+        "start",
+        str(agent),
+        "--input",
+        "find A1",
+        "--run-id",
+        "topped",
+        "--wait",
+        "--timeout",
+        "60",
+        "--json",
+    )
+    assert json.loads(started.stdout)["status"] == "failed", started.stderr + worker.log()
+    # When an operator gives it two more turns from another process
+    raised = cli(
+        env,
+        "runs",
+        "budget",
+        "topped",
+        "--max-turns",
+        "+2",
+        "--reason",
+        "ticket 42",
+        "--by",
+        "operator:ana",
+    )
+    assert raised.returncode == 0, raised.stderr
+    assert "budgets raised to max_turns 4, by operator:ana" in raised.stdout
+    # Then the worker carries it on to completion, and its events hold the audit record
+    record = wait_until_finished(env, "topped", worker.log)
+    assert record["status"] == "completed", record
+    assert record["output"] == "Found A1."
+    events = [
+        json.loads(line)
+        for line in cli(env, "runs", "events", "topped", "--json").stdout.splitlines()
+    ]
+    audit = [e["data"] for e in events if e["type"] == "run.budget_raised"]
+    assert audit == [
+        {
+            "by": "operator:ana",
+            "reason": "ticket 42",
+            "budgets": {"max_turns": 4},
+            "was": {"max_turns": 2},
+        }
+    ]
