@@ -58,6 +58,8 @@ class AgentSpec(BaseModel):
     # run go on — that must not make its resume refused as a changed agent.
     max_suspended_s: int | None = Field(default=None, ge=1)
     """How long a suspended run may wait for an answer before it expires; ``None``: forever."""
+    wake_on_input: bool = False
+    """A run in a `wait` may be woken early by an answer (`runs continue --input`)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ def _binding_document(
     if spec.max_suspended_s is not None:
         # Only when set: agents without it keep the binding their runs started with.
         document["max_suspended_s"] = spec.max_suspended_s
+    if spec.wake_on_input:
+        document["wake_on_input"] = True
     return document
 
 

@@ -231,7 +231,7 @@ def check_suspended(state: RunState, events: list[Event], continuation: Continua
         raise RunRefused(
             state.run_id,
             state.status.value,
-            "only a suspended run (needs_user_input, blocked, awaiting_approval) can be "
+            "only a suspended run (needs_user_input, blocked, awaiting_approval, waiting) can be "
             f"continued; see `ratchet runs show {state.run_id}`",
         )
     if asked is not None and asked != suspension.seq:
@@ -274,7 +274,8 @@ def suspended_for_ms(suspension: Suspension, now_ms: int) -> int:
 
 def expiry_reason(suspension: Suspension, max_suspended_s: int | None, now_ms: int) -> str | None:
     """Why the run expires instead of continuing, or None while it may still wait."""
-    if max_suspended_s is None:
+    if max_suspended_s is None or suspension.reason == RunStatus.WAITING:
+        # max_suspended_s bounds a wait for a person; a timer's length is its own.
         return None
     waited_ms = suspended_for_ms(suspension, now_ms)
     if waited_ms <= max_suspended_s * 1000:
@@ -301,6 +302,13 @@ def continued_event_data(
     step — the deadline counted without the time suspended.
     """
     suspension = check_suspended(state, events, continuation)
+    if suspension.reason == RunStatus.WAITING and not agent.spec.wake_on_input:
+        raise RunRefused(
+            state.run_id,
+            state.status.value,
+            f"it is in a {suspension.prompt!r}, and its agent does not take answers during a "
+            "wait (`wake_on_input = true` in the agent file lets it); cancel it, or let it wake",
+        )
     created = events[0].data.get("binding_document") if events else None
     check_binding(state, agent, created)
     data = {

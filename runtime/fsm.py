@@ -33,6 +33,8 @@ from runtime.models import (
     Usage,
 )
 from runtime.providers import ModelRequest, ModelResponse
+from runtime.timers import WAIT, wait_problem, woken_content
+from runtime.timers import prompt as timer_prompt
 from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome
 
 # --- events -----------------------------------------------------------------
@@ -214,6 +216,19 @@ def _continued(state: RunState, event: Event) -> RunState:
     return _tool_result(state, suspension.call_id, False, denied, counts=False)
 
 
+def _woken(state: RunState, event: Event) -> RunState:
+    """A wait is over: its call is answered with how long it waited."""
+    suspension = state.suspension
+    if suspension is None:
+        raise ValueError(f"run {state.run_id}: run.woken at seq {event.seq} but not waiting")
+    waited = max(0, event.at_ms - suspension.since_ms)
+    state = state.model_copy(
+        update={"suspension": None, "suspended_ms": state.suspended_ms + waited}
+    )
+    content = woken_content(suspension, event.at_ms)
+    return _tool_result(state, suspension.call_id, True, content, counts=False)
+
+
 def _reconciled(state: RunState, event: Event) -> RunState:
     """An operator decided the outcome of a call cut short by a crash."""
     d = event.data
@@ -257,6 +272,7 @@ FOLDS: dict[str, Fold] = {
     "tool.reconciled": _reconciled,
     "run.suspended": _suspended,
     "run.continued": _continued,
+    "run.woken": _woken,
     "run.resumed": _resumed,
     "run.completed": _ended(RunStatus.COMPLETED, "output"),
     "run.failed": _ended(RunStatus.FAILED, "reason"),
@@ -318,6 +334,14 @@ class Suspend:
 
 
 @dataclass(frozen=True)
+class RefuseCall:
+    """A call the runtime answers with an error without running anything (bad `wait`)."""
+
+    call: ToolCall
+    error: str
+
+
+@dataclass(frozen=True)
 class Fail:
     reason: str
     budget: str | None = None
@@ -331,7 +355,7 @@ class Idle:
     why: str
 
 
-Action = CallModel | RunTool | Suspend | Fail | Idle
+Action = CallModel | RunTool | RefuseCall | Suspend | Fail | Idle
 
 
 def _check_deadline(state: RunState, now_ms: int) -> None:
@@ -368,6 +392,11 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
         if state.pending:
             call = state.pending[0]
             spec = agent.tools.get(call.name)
+            if spec is not None and spec.control and call.name == WAIT:
+                problem = wait_problem(call.arguments, now_ms)
+                if problem is not None:
+                    return RefuseCall(call, problem)
+                return Suspend(RunStatus.WAITING, call, timer_prompt(call.arguments, now_ms))
             if spec is not None and spec.control:
                 reason = (
                     RunStatus.NEEDS_USER_INPUT
@@ -434,6 +463,7 @@ __all__ = [
     "CallModel",
     "Fail",
     "Idle",
+    "RefuseCall",
     "RunTool",
     "Suspend",
     "Usage",

@@ -39,6 +39,8 @@ class RunStatus(StrEnum):
     NEEDS_USER_INPUT = "needs_user_input"
     BLOCKED = "blocked"
     AWAITING_APPROVAL = "awaiting_approval"
+    WAITING = "waiting"
+    """Waiting for a time (the `wait` tool); no person is needed."""
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -62,7 +64,7 @@ class RunStatus(StrEnum):
 
 LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.MODEL, RunStatus.TOOLS})
 SUSPENDED_STATUSES = frozenset(
-    {RunStatus.NEEDS_USER_INPUT, RunStatus.BLOCKED, RunStatus.AWAITING_APPROVAL}
+    {RunStatus.NEEDS_USER_INPUT, RunStatus.BLOCKED, RunStatus.AWAITING_APPROVAL, RunStatus.WAITING}
 )
 TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
 

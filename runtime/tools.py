@@ -7,8 +7,9 @@ A tool that raises does the same. ``@tool(idempotent=True)`` marks a tool safe
 to run again when a crash leaves its outcome unknown; the default is not
 idempotent, and such a call is parked for an operator instead of repeated.
 
-Two control tools are built in, ``request_user_input`` and ``blocked``: the
-runtime never executes them, it suspends the run until a person answers.
+Three control tools are built in, ``request_user_input`` and ``blocked`` (the
+run waits for a person's answer) and ``wait`` (the run waits for a time, see
+runtime/timers.py): the runtime never executes them, it suspends the run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
 from runtime.errors import ToolError
+from runtime.timers import WAIT, WaitArguments
 
 INVALID_ARGUMENTS_KEY = "__invalid_json__"
 """Mirrors runtime.providers.INVALID_ARGUMENTS_KEY (tools must not import providers)."""
@@ -153,6 +155,11 @@ CONTROL_TOOLS: dict[str, ToolSpec] = {
         BLOCKED,
         "Say the task cannot go on without outside help, and wait until it is given.",
         _ReasonArguments,
+    ),
+    WAIT: _control(
+        WAIT,
+        "Wait for a while (seconds) or until a time, then go on. Nothing runs meanwhile.",
+        WaitArguments,
     ),
 }
 

@@ -6,6 +6,7 @@ Task names are stable (``ratchet.*``): durable messages outlive module paths.
 from tasks.control import cancel_run, continue_run
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.start import start_run
+from tasks.timers import wake_run
 from tasks.turn import run_turn
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "run_turn",
     "start_run",
     "sweep",
+    "wake_run",
 ]

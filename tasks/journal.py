@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.fsm import apply
 from runtime.models import Event, RunState
+from runtime.timers import due_at_ms
 from store.runs import RunRecord
 from tasks.context import Context
 from worker import metrics
@@ -69,8 +70,11 @@ def append_events(
         event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
         state = apply(state, event)
         events.append(event)
-    # A live run is overdue for the sweeper if nothing happens within one lease.
-    due = now + int(ctx.settings.lease_s * 1000)
+    # A live run is overdue for the sweeper if nothing happens within one lease; a
+    # waiting one is due a sweep before it wakes, so the sweeper schedules its wake-up.
+    due = due_at_ms(state, int(ctx.settings.sweep_interval_s * 1000))
+    if due is None:
+        due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
     metrics.recorded(before, state.status, events)
     return state

@@ -41,7 +41,10 @@ from runtime.recovery import (
     consecutive_recoveries,
     dead_letter_data,
 )
+from runtime.timers import wake_at_ms
+from store.runs import RunRecord, wall_ms
 from tasks.context import Context, get_context
+from tasks.timers import wake_run
 from tasks.turn import Advanced, advance, append_events, chain, load_state, new_owner, run_turn
 from worker import metrics
 from worker.app import app
@@ -176,8 +179,22 @@ def enqueue_turn(run_id: str, seq: int) -> None:
     run_turn.apply_async((run_id, seq))
 
 
-def sweep_orphans(ctx: Context, enqueue: Enqueue = enqueue_resume, limit: int = 1000) -> list[str]:
+def enqueue_wake(run_id: str, record: RunRecord) -> None:
+    assert record.suspension is not None
+    countdown_s = max(0.0, (wake_at_ms(record.suspension) - wall_ms()) / 1000)
+    wake_run.apply_async((run_id, record.last_seq), countdown=countdown_s)
+
+
+Wake = Callable[[str, RunRecord], None]
+
+
+def sweep_orphans(
+    ctx: Context, enqueue: Enqueue = enqueue_resume, limit: int = 1000, wake: Wake = enqueue_wake
+) -> list[str]:
     """Enqueue a resume for every live run past due whose lease expired; their ids.
+
+    A waiting run (a ``wait`` timer) is due one sweep before it wakes: its
+    wake-up is enqueued with an ETA instead (``wake``), and its id is returned too.
 
     Reads the run store's due index (cost grows with the overdue runs, not with
     every run) plus one record per overdue run, for the seq the resume must find.
@@ -186,6 +203,11 @@ def sweep_orphans(ctx: Context, enqueue: Enqueue = enqueue_resume, limit: int = 
     found = []
     for run_id in ctx.runs.overdue(limit):
         record = ctx.runs.get(run_id)
+        if record is not None and record.status == RunStatus.WAITING:
+            # Not an orphan: a timer one sweep from its time; wake it then (ETA).
+            wake(run_id, record)
+            found.append(run_id)
+            continue
         if record is None or not record.status.is_live:
             continue
         enqueue(run_id, record.last_seq)

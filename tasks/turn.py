@@ -58,9 +58,11 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.fsm import (
+    Action,
     CallModel,
     Fail,
     Idle,
+    RefuseCall,
     RunTool,
     Suspend,
     decide,
@@ -69,13 +71,14 @@ from runtime.fsm import (
     tool_events,
     unknown_tool_outcome,
 )
-from runtime.models import RunState, ToolCall, validate_run_id
+from runtime.models import RunState, RunStatus, ToolCall, validate_run_id
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome, ToolSpec, invoke
 from tasks import failpoints
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load_state, new_owner
+from tasks.timers import schedule_wake
 from worker import metrics
 from worker.app import app
 
@@ -221,16 +224,6 @@ class Turn:
                 )
                 return "next"
             action = decide(self.state, self.agent, self.ctx.runs.clock())
-            if isinstance(action, Idle):
-                return "idle"
-            if isinstance(action, Fail):
-                budget = {"budget": action.budget} if action.budget else {}
-                self.record([("run.failed", {"reason": action.reason, **budget})])
-                return self.finish()
-            if isinstance(action, Suspend):
-                self.record([suspension_event(action)])
-                self.checkpoint()
-                return "suspended"
             if isinstance(action, CallModel):
                 if asked_model:
                     return "next"
@@ -238,9 +231,32 @@ class Turn:
                 self.call_model(action.request)
                 if self.state.status.is_terminal:
                     return self.finish()
-            elif isinstance(action, RunTool):
-                if not self.run_tool(action.call):
-                    return "parked"
+                continue
+            ended = self.perform(action)
+            if ended is not None:
+                return ended
+
+    def perform(self, action: Action) -> str | None:
+        """Carry out one action other than a model call; the turn's outcome if it ends it."""
+        if isinstance(action, Idle):
+            return "idle"
+        if isinstance(action, Fail):
+            budget = {"budget": action.budget} if action.budget else {}
+            self.record([("run.failed", {"reason": action.reason, **budget})])
+            return self.finish()
+        if isinstance(action, Suspend):
+            self.record([suspension_event(action)])
+            self.checkpoint()
+            if action.reason == RunStatus.WAITING:
+                schedule_wake(self.ctx, self.state)
+            return "suspended"
+        if isinstance(action, RefuseCall):
+            self.record(tool_events(action.call, ToolOutcome(False, action.error)))
+            self.checkpoint()
+            return None
+        if isinstance(action, RunTool) and not self.run_tool(action.call):
+            return "parked"
+        return None
 
     def call_model(self, request: ModelRequest) -> None:
         turn = request.turn + 1

@@ -43,6 +43,7 @@ from runtime.models import (
     Usage,
     validate_run_id,
 )
+from runtime.timers import is_timer
 from store.retry import with_retries
 
 FINISHED_STATUSES = frozenset(
@@ -95,7 +96,8 @@ class RunRecord(Strict):
             budgets=state.budgets.model_dump(mode="json"),
             suspended_ms=state.suspended_ms,
             recovery_attempts=state.recovery_attempts,
-            due_at_ms=due_at_ms if state.status.is_live else None,
+            # A waiting run (runtime/timers.py) is in the due index too: at its wake-up.
+            due_at_ms=due_at_ms if state.status.is_live or is_timer(state) else None,
             suspension=state.suspension if state.status.is_suspended else None,
         )
 

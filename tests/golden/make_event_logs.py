@@ -30,13 +30,14 @@ from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState
 from runtime.recovery import OPERATOR, SWEEPER
 from store.snapshots import format as snapshot_format
+from tasks.budget import raise_budgets
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
-from tasks.budget import raise_budgets
 from tasks.fork import fork
 from tasks.journal import append_events, new_owner
 from tasks.recovery import reconcile, resume
 from tasks.start import create_run
+from tasks.timers import wake
 from tests.helpers import call, drive, memory_context, turn, write_agent
 
 EVENTS = Path(__file__).parent / "events"
@@ -251,6 +252,21 @@ def budget_raised(ctx: Context, home: Path) -> str:
     return run.run_id
 
 
+def waited(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [turn("Waiting.", call("wait", seconds=0.05, reason="courier")), turn("Scanned.")],
+        name="waits",
+        tools=["wait"],
+    )
+    run = create_run(ctx, agent, INPUT, "golden-waited")
+    drive(ctx, run.run_id)
+    time.sleep(0.06)
+    wake(ctx, run.run_id, _state(ctx, run.run_id).seq)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
@@ -269,6 +285,7 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "provider-stalled-resumed": provider_stalled_resumed,
     "forked": forked,
     "budget-raised": budget_raised,
+    "waited": waited,
 }
 
 
