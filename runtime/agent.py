@@ -58,6 +58,8 @@ class AgentSpec(BaseModel):
     # run go on — that must not make its resume refused as a changed agent.
     max_suspended_s: int | None = Field(default=None, ge=1)
     """How long a suspended run may wait for an answer before it expires; ``None``: forever."""
+    children: dict[str, str] = {}
+    """Agents this one may start with `run_child`: a name for the model, a file (relative)."""
     wake_on_input: bool = False
     """A run in a `wait` may be woken early by an answer (`runs continue --input`)."""
 
@@ -102,6 +104,8 @@ def _binding_document(
         document["max_suspended_s"] = spec.max_suspended_s
     if spec.wake_on_input:
         document["wake_on_input"] = True
+    if spec.children:
+        document["children"] = dict(sorted(spec.children.items()))
     return document
 
 
@@ -119,6 +123,22 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise AgentFileError(str(path), "(file)", "no such file") from exc
     except tomllib.TOMLDecodeError as exc:
         raise AgentFileError(str(path), "(file)", f"not valid TOML: {exc}") from exc
+
+
+def child_agent_path(agent_path: Path, relative: str) -> Path:
+    """Where a child agent's file is: beside (or under) the parent's."""
+    return (agent_path.parent / relative).resolve()
+
+
+def _check_children(path: Path, spec: AgentSpec, tools: dict[str, ToolSpec]) -> None:
+    if spec.children and "run_child" not in tools:
+        raise AgentFileError(str(path), "children", "list `run_child` in `tools` to start them")
+    for name, relative in spec.children.items():
+        key = f"children.{name}"
+        if not name.replace("_", "").replace("-", "").isalnum() or len(name) > 64:
+            raise AgentFileError(str(path), key, "a child's name is letters, digits, - and _")
+        if not relative.endswith(".toml") or not child_agent_path(path, relative).is_file():
+            raise AgentFileError(str(path), key, f"no agent file {relative!r} beside this one")
 
 
 def load_agent(path: str | Path) -> Agent:
@@ -148,6 +168,7 @@ def load_agent(path: str | Path) -> Agent:
             raise AgentFileError(
                 str(path), "policy.require_approval", f"`{name}` is not one of the agent's tools"
             )
+    _check_children(path, spec, tools)
     try:
         provider = make_provider(spec.model, path, raw)
     except ValueError as exc:

@@ -21,6 +21,13 @@ from typing import Any
 
 from runtime.agent import Agent
 from runtime.budget import fold_raise
+from runtime.children import (
+    RUN_CHILD,
+    child_problem,
+    child_result,
+    child_run_id,
+    with_child_usage,
+)
 from runtime.errors import BudgetExhausted, BudgetUnenforceable
 from runtime.fork import FORK_KEY, fold_fork
 from runtime.models import (
@@ -142,6 +149,7 @@ def _initial(event: Event) -> RunState:
             "budgets": d["budgets"],
             "created_at_ms": d["created_at_ms"],
             "transcript": tuple(transcript),
+            "parent": (d.get("parent") or {}).get("run_id"),
         }
     )
 
@@ -225,6 +233,10 @@ def _woken(state: RunState, event: Event) -> RunState:
     state = state.model_copy(
         update={"suspension": None, "suspended_ms": state.suspended_ms + waited}
     )
+    if event.data.get("by") == "child":
+        ok, content = child_result(suspension, event.data)
+        state = state.model_copy(update={"usage": with_child_usage(state.usage, event.data)})
+        return _tool_result(state, suspension.call_id, ok, content, counts=False)
     content = woken_content(suspension, event.at_ms)
     return _tool_result(state, suspension.call_id, True, content, counts=False)
 
@@ -273,6 +285,7 @@ FOLDS: dict[str, Fold] = {
     "run.suspended": _suspended,
     "run.continued": _continued,
     "run.woken": _woken,
+    "run.parent_told": lambda state, event: state.model_copy(update={"parent_told": True}),
     "run.resumed": _resumed,
     "run.completed": _ended(RunStatus.COMPLETED, "output"),
     "run.failed": _ended(RunStatus.FAILED, "reason"),
@@ -334,6 +347,14 @@ class Suspend:
 
 
 @dataclass(frozen=True)
+class StartChild:
+    """Start (or find) the child run of a `run_child` call, then wait for it."""
+
+    call: ToolCall
+    child_id: str
+
+
+@dataclass(frozen=True)
 class RefuseCall:
     """A call the runtime answers with an error without running anything (bad `wait`)."""
 
@@ -355,7 +376,7 @@ class Idle:
     why: str
 
 
-Action = CallModel | RunTool | RefuseCall | Suspend | Fail | Idle
+Action = CallModel | RunTool | StartChild | RefuseCall | Suspend | Fail | Idle
 
 
 def _check_deadline(state: RunState, now_ms: int) -> None:
@@ -392,6 +413,11 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
         if state.pending:
             call = state.pending[0]
             spec = agent.tools.get(call.name)
+            if spec is not None and spec.control and call.name == RUN_CHILD:
+                problem = child_problem(call.arguments, agent.spec.children)
+                if problem is not None:
+                    return RefuseCall(call, problem)
+                return StartChild(call, child_run_id(state.run_id, call.id))
             if spec is not None and spec.control and call.name == WAIT:
                 problem = wait_problem(call.arguments, now_ms)
                 if problem is not None:
@@ -464,6 +490,7 @@ __all__ = [
     "Fail",
     "Idle",
     "RefuseCall",
+    "StartChild",
     "RunTool",
     "Suspend",
     "Usage",

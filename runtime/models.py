@@ -10,7 +10,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from runtime.errors import InvalidRunId
 
@@ -183,6 +183,21 @@ class RunState(Strict):
     recovery_attempts: int = 0
     output: str | None = None
     error: str | None = None
+    parent: str | None = None
+    """The run that started this one as a child (runtime/children.py); told when it ends."""
+    parent_told: bool = False
+    """The parent has been told how this child ended (or no longer waits for it)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_lineage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Absent unless set: a run that is nobody's child encodes exactly as format 1
+        # always has, byte for byte (the golden snapshot holds this build to it).
+        data: dict[str, Any] = handler(self)
+        if data.get("parent") is None:
+            data.pop("parent", None)
+            if not data.get("parent_told"):
+                data.pop("parent_told", None)
+        return data
 
     @property
     def deadline_ms(self) -> int:

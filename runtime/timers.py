@@ -84,7 +84,9 @@ def wake_at_ms(suspension: Suspension) -> int:
 
 
 def is_timer(state: RunState) -> bool:
-    return state.status == RunStatus.WAITING and state.suspension is not None
+    """Waiting for a time (not for a child run, which is `waiting` too)."""
+    suspension = state.suspension
+    return state.status == RunStatus.WAITING and suspension is not None and suspension.tool == WAIT
 
 
 def due_at_ms(state: RunState, lead_ms: int) -> int | None:

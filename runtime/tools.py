@@ -7,9 +7,10 @@ A tool that raises does the same. ``@tool(idempotent=True)`` marks a tool safe
 to run again when a crash leaves its outcome unknown; the default is not
 idempotent, and such a call is parked for an operator instead of repeated.
 
-Three control tools are built in, ``request_user_input`` and ``blocked`` (the
-run waits for a person's answer) and ``wait`` (the run waits for a time, see
-runtime/timers.py): the runtime never executes them, it suspends the run.
+Four control tools are built in, ``request_user_input`` and ``blocked`` (the
+run waits for a person's answer), ``wait`` (for a time, runtime/timers.py) and
+``run_child`` (for a child run, runtime/children.py): the runtime never
+executes them, it suspends the run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, TypeVar, overload
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
+from runtime.children import RUN_CHILD, ChildArguments
 from runtime.errors import ToolError
 from runtime.timers import WAIT, WaitArguments
 
@@ -155,6 +157,12 @@ CONTROL_TOOLS: dict[str, ToolSpec] = {
         BLOCKED,
         "Say the task cannot go on without outside help, and wait until it is given.",
         _ReasonArguments,
+    ),
+    RUN_CHILD: _control(
+        RUN_CHILD,
+        "Start one of this agent's child agents with an input, and wait until it ends; "
+        "its output (or its failure) is the result.",
+        ChildArguments,
     ),
     WAIT: _control(
         WAIT,

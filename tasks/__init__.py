@@ -3,6 +3,7 @@
 Task names are stable (``ratchet.*``): durable messages outlive module paths.
 """
 
+from tasks.children import deliver_run
 from tasks.control import cancel_run, continue_run
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.start import start_run
@@ -11,6 +12,7 @@ from tasks.turn import run_turn
 
 __all__ = [
     "cancel_run",
+    "deliver_run",
     "continue_run",
     "reconcile_run",
     "resume_run",

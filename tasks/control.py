@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from runtime.children import RUN_CHILD, child_run_id
 from runtime.continuation import (
     Continuation,
     check_suspended,
@@ -48,6 +49,7 @@ from runtime.errors import (
 from runtime.fsm import apply, rebuild
 from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
+from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_events, new_owner
 from tasks.turn import run_turn
@@ -281,6 +283,8 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
                 run_id, record.status.value, "it has already finished; there is nothing to cancel"
             )
         now = ctx.runs.clock()
+        first = ctx.runs.events(run_id, after_seq=0, limit=1)
+        is_child = bool(first and first[0].data.get("parent"))
         event = Event(
             seq=record.last_seq + 1,
             type="run.cancelled",
@@ -294,7 +298,8 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
                 "error": reason,
                 "last_seq": event.seq,
                 "updated_at_ms": now,
-                "due_at_ms": None,
+                # A child stays due until its parent is told (runtime/children.py).
+                "due_at_ms": now if is_child else None,
                 "suspension": None,
             }
         )
@@ -305,8 +310,23 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
         metrics.recorded(record.status, RunStatus.CANCELLED, [event])
         ctx.snapshots.delete(run_id)
         log.info("run %s: cancelled (%s) at seq %s", run_id, reason, event.seq)
+        _cancel_child(ctx, record, run_id)
+        if is_child:
+            tell_parent_soon(run_id)
         return cancelled
     raise RunBusy(run_id, "moving", 0)
+
+
+def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
+    """Cancelling a parent cancels the child run it waits for."""
+    suspension = record.suspension
+    if suspension is None or suspension.tool != RUN_CHILD:
+        return
+    child = child_run_id(run_id, suspension.call_id)
+    try:
+        cancel(ctx, child, f"its parent run {run_id} was cancelled")
+    except (RunNotFound, RunRefused) as exc:
+        log.info("run %s: child %s not cancelled: %s", run_id, child, exc)
 
 
 @app.task(name="ratchet.cancel", **CONTROL_TASK_OPTIONS)

@@ -11,6 +11,8 @@ Points, in the order a turn passes them:
 - ``model.response.checkpointed``  the answer is in the events and the snapshot
 - ``tool.requested``               the call is journaled as requested; not run yet
 - ``tool.completed``               the tool ran; its outcome is not journaled yet
+- ``child.created``                a `run_child` call's child run is recorded; not enqueued
+- ``child.enqueued``               the child's first turn is on the broker; parent not suspended
 - ``snapshot.before_save``         events are appended; the snapshot is not saved
 - ``snapshot.after_save``          the snapshot is saved
 - ``turn.enqueued``                the next turn is on the broker; the lease is released
@@ -26,6 +28,8 @@ POINTS = (
     "model.response.checkpointed",
     "tool.requested",
     "tool.completed",
+    "child.created",
+    "child.enqueued",
     "snapshot.before_save",
     "snapshot.after_save",
     "turn.enqueued",

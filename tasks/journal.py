@@ -13,6 +13,7 @@ import socket
 import uuid
 from typing import Any
 
+from runtime.children import awaiting_delivery
 from runtime.fsm import apply
 from runtime.models import Event, RunState
 from runtime.timers import due_at_ms
@@ -73,6 +74,8 @@ def append_events(
     # A live run is overdue for the sweeper if nothing happens within one lease; a
     # waiting one is due a sweep before it wakes, so the sweeper schedules its wake-up.
     due = due_at_ms(state, int(ctx.settings.sweep_interval_s * 1000))
+    if due is None and awaiting_delivery(state):
+        due = now  # a child that ended: its parent is told now, or by the sweeper
     if due is None:
         due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)

@@ -41,8 +41,9 @@ from runtime.recovery import (
     consecutive_recoveries,
     dead_letter_data,
 )
-from runtime.timers import wake_at_ms
+from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
+from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.timers import wake_run
 from tasks.turn import Advanced, advance, append_events, chain, load_state, new_owner, run_turn
@@ -189,7 +190,11 @@ Wake = Callable[[str, RunRecord], None]
 
 
 def sweep_orphans(
-    ctx: Context, enqueue: Enqueue = enqueue_resume, limit: int = 1000, wake: Wake = enqueue_wake
+    ctx: Context,
+    enqueue: Enqueue = enqueue_resume,
+    limit: int = 1000,
+    wake: Wake = enqueue_wake,
+    tell: Callable[[str], None] = tell_parent_soon,
 ) -> list[str]:
     """Enqueue a resume for every live run past due whose lease expired; their ids.
 
@@ -203,9 +208,14 @@ def sweep_orphans(
     found = []
     for run_id in ctx.runs.overdue(limit):
         record = ctx.runs.get(run_id)
-        if record is not None and record.status == RunStatus.WAITING:
+        if record is not None and record.suspension is not None and record.suspension.tool == WAIT:
             # Not an orphan: a timer one sweep from its time; wake it then (ETA).
             wake(run_id, record)
+            found.append(run_id)
+            continue
+        if record is not None and record.status.is_terminal:
+            # Only a child whose parent was not told yet is terminal and due.
+            tell(run_id)
             found.append(run_id)
             continue
         if record is None or not record.status.is_live:

@@ -64,6 +64,7 @@ from runtime.fsm import (
     Idle,
     RefuseCall,
     RunTool,
+    StartChild,
     Suspend,
     decide,
     response_events,
@@ -76,6 +77,7 @@ from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome, ToolSpec, invoke
 from tasks import failpoints
 from tasks.calls import CallTimedOut, bounded, heartbeats
+from tasks.children import start_child, tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load_state, new_owner
 from tasks.timers import schedule_wake
@@ -250,6 +252,12 @@ class Turn:
             if action.reason == RunStatus.WAITING:
                 schedule_wake(self.ctx, self.state)
             return "suspended"
+        if isinstance(action, StartChild):
+            start_child(self.ctx, self.state, action.call, action.child_id)
+            wait = Suspend(RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}")
+            self.record([suspension_event(wait)])
+            self.checkpoint()
+            return "suspended"
         if isinstance(action, RefuseCall):
             self.record(tool_events(action.call, ToolOutcome(False, action.error)))
             self.checkpoint()
@@ -386,6 +394,9 @@ class Turn:
         """A terminal run keeps its events; its snapshot has served its purpose."""
         self.ctx.forget_checkpoint(self.state.run_id)
         self.ctx.snapshots.delete(self.state.run_id)
+        if self.state.parent is not None:
+            # The fast path; the sweeper tells the parent if this process dies first.
+            tell_parent_soon(self.state.run_id)
         return self.state.status.value
 
     def _stall_on_binding(self) -> str:

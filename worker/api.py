@@ -112,11 +112,15 @@ class Ratchet:
             time.sleep(poll_s)
 
     def wait(self, run_id: str, timeout_s: float = 300, poll_s: float = 0.05) -> RunRecord:
-        """Poll until the run is no longer live (finished, suspended or parked), or time out."""
+        """Poll until the run is finished, waits for a person, or is parked; or time out.
+
+        A run in a `wait` or waiting for a child run goes on by itself: it is waited for.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             record = self.get(run_id)
-            if not record.status.is_live or time.monotonic() > deadline:
+            going_on = record.status.is_live or record.status == RunStatus.WAITING
+            if not going_on or time.monotonic() > deadline:
                 return record
             time.sleep(poll_s)
 
@@ -224,3 +228,21 @@ class Ratchet:
 
         raise_budgets(self.ctx, run_id, changes, by, reason)
         return self.get(run_id)
+
+    def lineage(self, run_id: str) -> dict[str, Any]:
+        """The runs this one is linked to: ``parent``, ``children`` (in order), ``forked_from``."""
+        from runtime.children import RUN_CHILD, child_run_id
+
+        events = self.events(run_id)
+        created = events[0].data if events else {}
+        children = [
+            child_run_id(run_id, e.data["call_id"])
+            for e in events
+            if e.type == "run.suspended" and e.data.get("tool") == RUN_CHILD
+        ]
+        fork = created.get("fork")
+        return {
+            "parent": (created.get("parent") or {}).get("run_id"),
+            "children": list(dict.fromkeys(children)),
+            "forked_from": {"run_id": fork["run_id"], "seq": fork["seq"]} if fork else None,
+        }

@@ -69,6 +69,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "ratchet.sweep": {"queue": CONTROL_QUEUE},
             "ratchet.reconcile": {"queue": CONTROL_QUEUE},
             "ratchet.wake": {"queue": CONTROL_QUEUE},
+            "ratchet.deliver": {"queue": CONTROL_QUEUE},
         },
         # `celery -A worker beat` sends the crash sweeper; a sweep that waited longer
         # than one interval is dropped, since the next one is already on its way.

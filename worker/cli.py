@@ -18,7 +18,7 @@ import click
 from runtime.errors import RatchetError
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
-from worker.render import event_line, open_call_lines, record_lines
+from worker.render import event_line, lineage_lines, open_call_lines, record_lines
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -138,12 +138,17 @@ def runs_show(run_id: str, as_json: bool) -> None:
     api = _api()
     record = api.get(run_id)
     entry = api.open_call(run_id)
+    lineage = api.lineage(run_id)
     if as_json:
         _dump(
-            {**_record_json(record), "open_call": entry.model_dump(mode="json") if entry else None}
+            {
+                **_record_json(record),
+                "open_call": entry.model_dump(mode="json") if entry else None,
+                "lineage": lineage,
+            }
         )
         return
-    lines = record_lines(record)
+    lines = record_lines(record) + lineage_lines(lineage)
     if entry is not None:
         lines += open_call_lines(entry)
     click.echo("\n".join(lines))

@@ -115,6 +115,19 @@ def record_lines(record: RunRecord, now_ms: int | None = None) -> list[str]:
     return lines
 
 
+def lineage_lines(lineage: dict[str, Any]) -> list[str]:
+    """The runs a run is linked to, for `runs show`: its parent, children, fork origin."""
+    lines = []
+    if lineage.get("parent"):
+        lines.append(f"parent     {lineage['parent']}")
+    for child in lineage.get("children") or ():
+        lines.append(f"child      {child}")
+    fork = lineage.get("forked_from")
+    if fork:
+        lines.append(f"forked     from {fork['run_id']} at seq {fork['seq']}")
+    return lines
+
+
 def open_call_lines(entry: JournalEntry) -> list[str]:
     """The tool call a run has open: what an operator checks before reconciling it."""
     arguments = json.dumps(entry.arguments, sort_keys=True, ensure_ascii=False)

@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import Field
 
+from runtime.children import awaiting_delivery
 from runtime.errors import StaleWrite
 from runtime.models import (
     Event,
@@ -97,9 +98,14 @@ class RunRecord(Strict):
             suspended_ms=state.suspended_ms,
             recovery_attempts=state.recovery_attempts,
             # A waiting run (runtime/timers.py) is in the due index too: at its wake-up.
-            due_at_ms=due_at_ms if state.status.is_live or is_timer(state) else None,
+            # and so is a child that ended before its parent was told (runtime/children.py).
+            due_at_ms=due_at_ms if _swept(state) else None,
             suspension=state.suspension if state.status.is_suspended else None,
         )
+
+
+def _swept(state: RunState) -> bool:
+    return state.status.is_live or is_timer(state) or awaiting_delivery(state)
 
 
 class JournalEntry(Strict):

@@ -25,12 +25,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from runtime.children import child_run_id
 from runtime.continuation import make_continuation
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState
 from runtime.recovery import OPERATOR, SWEEPER
 from store.snapshots import format as snapshot_format
 from tasks.budget import raise_budgets
+from tasks.children import deliver
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
 from tasks.fork import fork
@@ -267,6 +269,30 @@ def waited(ctx: Context, home: Path) -> str:
     return run.run_id
 
 
+def parent_and_child(ctx: Context, home: Path) -> str:
+    """The child's log is the golden one here: it holds run.parent_told; the parent's woken."""
+    write_agent(home, [turn("A1 is a kettle.")], name="kettle")
+    agent = write_agent(
+        home,
+        [turn("Asking.", call("run_child", agent="kettle", input="Look up A1")), turn("Done.")],
+        name="parent",
+        tools=["run_child"],
+        extra='[children]\nkettle = "kettle.toml"',
+    )
+    run = create_run(ctx, agent, INPUT, "golden-parent")
+    drive(ctx, run.run_id)  # starts the child (its first turn goes to an unconsumed broker)
+    child = child_run_id(run.run_id, "call_1_1")
+    drive(ctx, child)
+    deliver(ctx, child)
+    drive(ctx, run.run_id)
+    return child
+
+
+def parent_woken(ctx: Context, home: Path) -> str:
+    parent_and_child(ctx, home)
+    return "golden-parent"
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
@@ -286,10 +312,15 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "forked": forked,
     "budget-raised": budget_raised,
     "waited": waited,
+    "child-told": parent_and_child,
+    "parent-woken": parent_woken,
 }
 
 
 def main() -> None:
+    from worker.app import app
+
+    app.conf.broker_url = "memory://"  # the scenarios' enqueues go nowhere
     EVENTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d")
     for name, scenario in SCENARIOS.items():

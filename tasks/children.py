@@ -1,0 +1,99 @@
+"""Child runs (see runtime/children.py): start one for a `run_child` call; tell its parent.
+
+``start_child`` is the parent's turn's side: create the child if it is absent
+(its id is fixed by the call), enqueue its first turn. ``ratchet.deliver`` is
+the child's side: once it has ended, record ``run.woken`` on the parent if the
+parent still waits for it, then ``run.parent_told`` on the child. Both are
+safe to repeat after a crash at any point, so the sweeper can simply do them
+again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from runtime.agent import child_agent_path
+from runtime.children import awaiting_delivery, waits_for, woken_by_child
+from runtime.errors import RunBusy, StaleWrite
+from runtime.fsm import apply, created_event
+from runtime.models import Event, RunState, ToolCall, validate_run_id
+from store.runs import RunRecord
+from tasks import failpoints
+from tasks.context import Context, get_context
+from tasks.journal import append_events, load_state
+from worker.app import CONTROL_QUEUE, app
+
+log = logging.getLogger("ratchet.children")
+
+
+def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -> None:
+    """Record the child run of ``call`` unless it exists, and enqueue its first turn."""
+    # Not at the top: tasks.control imports the turn task, which starts children.
+    from tasks.control import chain_turn
+
+    agent = ctx.agent(parent.agent_file)
+    child_agent = ctx.agent(
+        child_agent_path(agent.path, agent.spec.children[call.arguments["agent"]])
+    )
+    now = ctx.runs.clock()
+    data = created_event(child_id, child_agent, call.arguments["input"], now)
+    data["parent"] = {"run_id": parent.run_id, "call_id": call.id}
+    first = Event(seq=1, type="run.created", at_ms=now, data=data)
+    state = apply(None, first)
+    due = now + int(ctx.settings.lease_s * 1000)
+    turn = parent.usage.model_turns
+    try:
+        ctx.runs.create(RunRecord.from_state(state, now, due), first)
+        ctx.snapshots.save(state, None)
+    except StaleWrite:
+        existing = ctx.runs.events(child_id, after_seq=0, limit=1)
+        made_by = existing[0].data.get("parent") if existing else None
+        if made_by != data["parent"]:
+            raise
+        log.info("run %s: child %s of call %s already started", parent.run_id, child_id, call.id)
+    failpoints.hit("child.created", turn)
+    record = ctx.runs.get(child_id)
+    if record is not None and record.last_seq == 1:
+        chain_turn(child_id, 1)
+    failpoints.hit("child.enqueued", turn)
+
+
+def tell_parent_soon(child_id: str) -> None:
+    deliver_run.apply_async((child_id,), queue=CONTROL_QUEUE)
+
+
+@app.task(name="ratchet.deliver", ignore_result=True)
+def deliver_run(child_id: str) -> str:
+    """Tell an ended child's parent how it ended. Returns told | stale | busy."""
+    return deliver(get_context(), validate_run_id(child_id))
+
+
+def deliver(ctx: Context, child_id: str) -> str:
+    from tasks.control import chain_turn, holding_lease
+
+    loaded = load_state(ctx, child_id)
+    if loaded is None or not awaiting_delivery(loaded[0]):
+        return "stale"
+    child = loaded[0]
+    assert child.parent is not None
+    outcome = "not waiting"
+    parent_record = ctx.runs.get(child.parent)
+    if parent_record is not None and parent_record.status.is_suspended:
+        try:
+            with holding_lease(ctx, parent_record, wait_s=1.0) as owner:
+                parent_loaded = load_state(ctx, child.parent)
+                if parent_loaded is not None and waits_for(parent_loaded[0], child_id):
+                    parent = append_events(
+                        ctx, parent_loaded[0], [("run.woken", woken_by_child(child))], owner
+                    )
+                    outcome = "told"
+        except RunBusy:
+            log.info("run %s: its parent %s is busy; the sweeper tells it", child_id, child.parent)
+            return "busy"
+        if outcome == "told":
+            chain_turn(parent.run_id, parent.seq)
+    append_events(
+        ctx, child, [("run.parent_told", {"parent": child.parent, "outcome": outcome})], None
+    )
+    log.info("run %s: ended %s; parent %s %s", child_id, child.status.value, child.parent, outcome)
+    return "told" if outcome == "told" else "stale"
