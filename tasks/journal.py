@@ -16,6 +16,7 @@ from typing import Any
 from runtime.fsm import apply
 from runtime.models import Event, RunState
 from store.runs import RunRecord
+from tasks import tracing
 from tasks.context import Context
 from worker import metrics
 
@@ -73,4 +74,5 @@ def append_events(
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
     metrics.recorded(before, state.status, events)
+    tracing.committed(ctx, state, events)  # only now: the events are committed
     return state
