@@ -64,7 +64,8 @@ class Console:
     ) -> HTMLResponse:
         nonce = secrets.token_urlsafe(16)
         flashes = []
-        if session is not None:
+        # A live fragment shows no flashes, so it must not use them up.
+        if session is not None and not template.startswith("_"):
             flashes, session.flashes = session.flashes, []
         html = _templates.get_template(template).render(
             nonce=nonce,
@@ -155,9 +156,17 @@ class Console:
         session = self.session(request)
         if session is None and not self.bearer(request):
             return self.login_redirect(request)
-        return await self._run_page(
-            request, session, live=bool(request.query_params.get("live"))
-        )
+        live = bool(request.query_params.get("live"))
+        seen = request.query_params.get("version")
+        if live and seen:
+            # The poll's cheap path: one record read, no events, when nothing moved.
+            try:
+                record = await run_in_threadpool(self.api.get, request.path_params["run_id"])
+            except (InvalidRunId, RunNotFound):
+                return Response(status_code=404)
+            if f"{record.status.value}:{record.last_seq}" == seen:
+                return Response(status_code=204, headers={"Cache-Control": "no-store"})
+        return await self._run_page(request, session, live=live)
 
     async def _run_page(
         self,
