@@ -34,6 +34,7 @@ import hashlib
 import importlib
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -426,7 +427,12 @@ def _exporter(name: str) -> Any:
             f"RATCHET_OTEL_EXPORTER={name!r}: give otlp, console or module:callable "
             "(a callable returning a SpanExporter)"
         )
-    factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
+    try:
+        factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"RATCHET_OTEL_EXPORTER={name!r}: {exc}; give otlp, console or module:callable"
+        ) from exc
     return factory()
 
 
@@ -463,7 +469,12 @@ def enabled() -> _Tracing | None:
 @worker_init.connect
 def _check_at_worker_start(**_: Any) -> None:
     # A worker that was asked to trace and cannot refuses to start, saying why.
-    enabled()
+    try:
+        enabled()
+    except Exception as exc:
+        # SystemExit passes through Celery's signal dispatch (it catches Exception only).
+        print(f"ratchet: refusing to start: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from exc
 
 
 @worker_process_shutdown.connect

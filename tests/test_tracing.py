@@ -19,7 +19,7 @@ from tasks import tracing
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from tests.test_golden_event_logs import LOGS, read_log
-from tests.workers import ROOT
+from tests.workers import ROOT, WorkerProcess, worker_env
 
 
 @pytest.fixture
@@ -155,3 +155,22 @@ def test_without_the_setting_no_opentelemetry_module_is_imported(tmp_path: Path)
     # Then it completes and never imported opentelemetry
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_worker_told_to_trace_where_it_cannot_refuses_to_start(
+    redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    # Given a worker whose exporter setting names nothing that exists
+    env = worker_env(redis_url, ledger, tmp_path / "data", RATCHET_OTEL_EXPORTER="no_such:exporter")
+    worker = WorkerProcess(env, tmp_path / "worker.log").start()
+    try:
+        # When it starts, Then it exits at once with one line saying why
+        assert worker.wait(60) == 2, worker.log()[-2000:]
+    finally:
+        worker.kill()
+    assert (
+        "ratchet: refusing to start: RATCHET_OTEL_EXPORTER='no_such:exporter': "
+        "No module named 'no_such'; give otlp, console or module:callable"
+    ) in worker.log()
