@@ -130,6 +130,15 @@ def test_a_run_waiting_for_approval_is_approved_from_the_page_and_completes(
     assert "completed" in row.text and "refund-desk" in row.text
     count = browser.find_element(By.CSS_SELECTOR, '[data-count="completed"]').text
     assert count == "completed 1"
+    # And a run that starts meanwhile appears in the list and its count, without a reload
+    browser.get(f"{console_server.url}/")
+    mark_page(browser)
+    another = create_run(ctx, agent, "and order C3").run_id
+    WebDriverWait(browser, 30).until(
+        lambda b: b.find_elements(By.CSS_SELECTOR, f'tr[data-run="{another}"]')
+    )
+    assert browser.find_element(By.CSS_SELECTOR, '[data-count="queued"]').text == "queued 1"
+    assert not_reloaded(browser)
 
 
 def test_a_parked_run_is_reconciled_from_the_page(

@@ -33,6 +33,9 @@ from worker.console import actions, views
 from worker.console.auth import COOKIE, Session, Sessions, same_secret
 
 POLL_MS = 1500
+"""How often a run page asks whether its run moved (cheap: one record read)."""
+LIST_POLL_MS = 3000
+"""How often the runs page reads its list and counts again (a list read per status)."""
 MAX_FORM_BYTES = 64 * 1024
 
 _templates = Environment(
@@ -67,12 +70,12 @@ class Console:
         # A live fragment shows no flashes, so it must not use them up.
         if session is not None and not template.startswith("_"):
             flashes, session.flashes = session.flashes, []
+        values.setdefault("poll_ms", POLL_MS)
         html = _templates.get_template(template).render(
             nonce=nonce,
             csrf=session.csrf if session else "",
             logged_in=session is not None,
             flashes=flashes,
-            poll_ms=POLL_MS,
             **values,
         )
         return HTMLResponse(html, status_code, headers=_headers(nonce))
@@ -150,7 +153,13 @@ class Console:
             views.runs_page, self.api, status, params.get("agent", "").strip(), max(page_number, 1)
         )
         template = "_runs_live.html" if params.get("live") else "runs.html"
-        return self.page(template, session=session, listing=listing, live_src=_live_src(request))
+        return self.page(
+            template,
+            session=session,
+            listing=listing,
+            live_src=_live_src(request),
+            poll_ms=LIST_POLL_MS,
+        )
 
     async def run(self, request: Request) -> Response:
         session = self.session(request)
