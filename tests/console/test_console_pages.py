@@ -221,8 +221,11 @@ def test_run_data_is_shown_as_text_and_pages_forbid_other_scripts(
         assert page.text.count("<script") == page.text.count(f'<script nonce="{nonce.group(1)}"')
         assert page.headers["x-frame-options"] == "DENY"
         # And a login never sends the browser to another site
-        escape = await client.post("/login", data={"token": TOKEN, "next": "//evil.example/"})
-        assert escape.headers["location"] == "/"
+        for elsewhere in ("//evil.example/", "/\t/evil.example/", "/\\evil.example", "https://e.x"):
+            escape = await client.post("/login", data={"token": TOKEN, "next": elsewhere})
+            assert escape.headers["location"] == "/", elsewhere
+        back = await client.post("/login", data={"token": TOKEN, "next": f"/runs/{run_id}"})
+        assert back.headers["location"] == f"/runs/{run_id}"
         # And the page's poll costs one record read while nothing moves
         version = f"queued:{ratchet.get(run_id).last_seq}"
         unchanged = await client.get(f"/runs/{run_id}?live=1&version={version}")

@@ -14,6 +14,7 @@ POST needs the session's CSRF token and a same-origin ``Origin`` when one is sen
 
 from __future__ import annotations
 
+import re
 import secrets
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,8 @@ class Console:
         origin = request.headers.get("origin")
         if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
             return None
-        if int(request.headers.get("content-length") or 0) > MAX_FORM_BYTES:
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > MAX_FORM_BYTES:
             return None
         async with request.form(max_files=0, max_fields=32) as form:
             fields = {k: v for k, v in form.items() if isinstance(v, str)}
@@ -249,9 +251,16 @@ def _headers(nonce: str) -> dict[str, str]:
     }
 
 
+_LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9/_.~%?=&+-]*")
+
+
 def _local(target: str | None) -> str:
-    """Only a path on this console: a login never sends a browser elsewhere."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+    """Only a path on this console: a login never sends a browser elsewhere.
+
+    Browsers drop tabs and newlines from URLs and read ``\\`` as ``/``, so anything
+    but plain path and query characters is refused, not cleaned.
+    """
+    if not target or not _LOCAL_PATH.fullmatch(target):
         return "/"
     return target
 
