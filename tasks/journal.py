@@ -18,6 +18,7 @@ from runtime.fsm import apply
 from runtime.models import Event, RunState
 from runtime.timers import due_at_ms
 from store.runs import RunRecord
+from tasks import tracing
 from tasks.context import Context
 from worker import metrics
 
@@ -80,4 +81,5 @@ def append_events(
         due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
     metrics.recorded(before, state.status, events)
+    tracing.committed(ctx, state, events)  # only now: the events are committed
     return state

@@ -207,3 +207,4 @@ def demo(agent_file: str | None, text: str) -> None:
 
 # Command modules register themselves on the groups above.
 from worker import cli_control, cli_lineage, cli_recovery  # noqa: E402,F401
+from worker.console import command as console_command  # noqa: E402,F401

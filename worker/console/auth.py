@@ -1,0 +1,99 @@
+"""Who may use the console: one shared token, then a session cookie and a CSRF token.
+
+- The token comes from ``RATCHET_CONSOLE_TOKEN`` and is compared in constant time
+  (:func:`hmac.compare_digest`); it is never written to a page, a log or an error.
+- A login makes a session: a random id in an ``HttpOnly``, ``SameSite=Strict``
+  cookie, held in this process's memory (a restart logs everyone out), with a CSRF
+  token of its own that every action form carries and every POST must return.
+- Scripts may send ``Authorization: Bearer TOKEN`` instead of a cookie, for reads.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from runtime.errors import RatchetError
+
+COOKIE = "ratchet_console"
+SESSION_S = 12 * 3600
+"""How long a login lasts."""
+MIN_TOKEN_CHARS = 16
+
+
+class ConsoleSettings(BaseSettings):
+    """The console's settings live with its optional extra, not in the core Settings."""
+
+    model_config = SettingsConfigDict(env_prefix="RATCHET_CONSOLE_", extra="ignore")
+
+    token: SecretStr | None = None
+    """The secret an operator types to log in; at least 16 characters."""
+    host: str = "127.0.0.1"
+    """Where the console listens; anything but loopback is plain HTTP to the network."""
+    port: int = Field(default=8765, ge=1, le=65535)
+
+
+def console_token(settings: ConsoleSettings) -> str:
+    """The configured token; a RatchetError saying how to set one if it is missing or short."""
+    token = settings.token.get_secret_value() if settings.token is not None else ""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise RatchetError(
+            "the console needs RATCHET_CONSOLE_TOKEN, a secret of at least "
+            f"{MIN_TOKEN_CHARS} characters (make one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+    return token
+
+
+def same_secret(given: str | None, expected: str) -> bool:
+    """Constant-time comparison; an absent value is never equal."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
+@dataclass
+class Session:
+    csrf: str
+    expires_at: float
+    flashes: list[str] = field(default_factory=list)
+    """Outcomes of actions, shown once on the next page (post, redirect, get)."""
+
+
+class Sessions:
+    """Logged-in browsers of this process. Thread-safe."""
+
+    def __init__(self, lifetime_s: float = SESSION_S) -> None:
+        self.lifetime_s = lifetime_s
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def open(self) -> tuple[str, Session]:
+        session_id = secrets.token_urlsafe(32)
+        session = Session(secrets.token_urlsafe(32), time.monotonic() + self.lifetime_s)
+        with self._lock:
+            now = time.monotonic()
+            for old in [k for k, s in self._sessions.items() if s.expires_at < now]:
+                del self._sessions[old]
+            self._sessions[session_id] = session
+        return session_id, session
+
+    def get(self, session_id: str | None) -> Session | None:
+        if not session_id:
+            return None
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None and session.expires_at < time.monotonic():
+                del self._sessions[session_id]
+                return None
+        return session
+
+    def close(self, session_id: str | None) -> None:
+        with self._lock:
+            self._sessions.pop(session_id or "", None)
