@@ -586,7 +586,10 @@ class _RedactKeys(logging.Filter):
             keys = [k for k in _keys_in_use if k]
         if not keys:
             return True
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is the handler's to report, not ours
+            return True
         redacted = message
         for key in keys:
             redacted = redacted.replace(key, "[redacted]")
