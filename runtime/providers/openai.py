@@ -53,9 +53,10 @@ Guarantees:
   127.0.0.0/8, ``::1``): refused at load when the file names a key variable, and
   at each call before any request when a key would be sent.
 - **DEBUG logs**: httpcore logs response headers at DEBUG, and a server that
-  echoes the key puts it there. This module raises the ``httpcore`` logger to
-  WARNING unless the operator set its level, and filters ``httpx``/``httpcore``
-  records to redact every key a call is using, whatever their level.
+  echoes the key puts it there. Importing this module raises the ``httpcore``
+  logger to WARNING unless the operator set its level, and every
+  ``httpx``/``httpcore`` record has the key of a call in flight redacted,
+  whatever its level (:mod:`runtime.providers.redaction`).
 - **The API key** is read from the environment at each call and never kept
   on the provider. It is not in ``identity()``, the repr, logs, observer
   payloads or exceptions; text quoted from a server's response is redacted
@@ -73,11 +74,7 @@ import math
 import os
 import random
 import re
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -88,8 +85,10 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from runtime.errors import ProviderError
 from runtime.models import Message, TokenUsage
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
+from runtime.providers.redaction import guard_http_logs, redacted_in_logs
 
 log = logging.getLogger("ratchet.providers.openai")
+guard_http_logs()
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 BASE_URL_ENV = "RATCHET_OPENAI_BASE_URL"
@@ -264,7 +263,7 @@ class OpenAIProvider:
         attempts = 0
         try:
             with (
-                _redacted_in_logs(key),
+                redacted_in_logs(key),
                 httpx.Client(timeout=t.timeout_s, headers=headers) as client,
             ):
                 for attempt in retrying:
@@ -559,72 +558,3 @@ def _quote(text: str, key: str | None, limit: int) -> str:
 
 def _redact(text: str, key: str | None) -> str:
     return text.replace(key, "[redacted]") if key else text
-
-
-# --- keys out of the HTTP libraries' logs -------------------------------------------
-
-_HTTP_LOGGERS = (
-    "httpx",
-    "httpcore",
-    "httpcore.connection",
-    "httpcore.http11",
-    "httpcore.http2",
-    "httpcore.proxy",
-    "httpcore.socks",
-)
-"""A logger's filters see only records logged on that very logger, so each is named."""
-
-_keys_in_use: Counter[str] = Counter()
-_keys_lock = threading.Lock()
-
-
-class _RedactKeys(logging.Filter):
-    """Replaces every key a call is using, wherever it appears in a record's message."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        with _keys_lock:
-            keys = [k for k in _keys_in_use if k]
-        if not keys:
-            return True
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record is the handler's to report, not ours
-            return True
-        redacted = message
-        for key in keys:
-            redacted = redacted.replace(key, "[redacted]")
-        if redacted != message:
-            record.msg, record.args = redacted, ()
-        return True
-
-
-@contextmanager
-def _redacted_in_logs(key: str | None) -> Iterator[None]:
-    if not key:
-        yield
-        return
-    with _keys_lock:
-        _keys_in_use[key] += 1
-    try:
-        yield
-    finally:
-        with _keys_lock:
-            _keys_in_use[key] -= 1
-            if _keys_in_use[key] <= 0:
-                del _keys_in_use[key]
-
-
-def _guard_http_logs() -> None:
-    redact = _RedactKeys()
-    for name in _HTTP_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _RedactKeys) for f in logger.filters):
-            logger.addFilter(redact)
-    core = logging.getLogger("httpcore")
-    if core.level == logging.NOTSET:
-        # httpcore logs only at DEBUG, headers included; a worker at --loglevel DEBUG
-        # would print what a server echoes back. An operator's explicit level is kept.
-        core.setLevel(logging.WARNING)
-
-
-_guard_http_logs()
