@@ -47,7 +47,7 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     server = subprocess.Popen(
         [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(directory)],
+         "127.0.0.1", "--save", "", "--appendonly", "yes", "--dir", str(directory)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 10

@@ -51,7 +51,7 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes",
             "--dir",
             str(directory),
         ],  # fmt: skip

@@ -12,13 +12,19 @@
     [policy]
     require_approval = ["issue_refund"]
 
-A bad file is refused with an :class:`AgentFileError` naming the file and the key.
+A bad file is refused with an :class:`AgentFileError` naming the file and the key,
+and nothing else escapes the loader. Errors name files, keys and positions, never
+what a file contains. The script must lie in the agent file's directory (after
+following symlinks) unless the operator sets ``RATCHET_ALLOW_OUTSIDE_SCRIPTS=1``:
+otherwise an agent file could point the worker at any file it can read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +39,13 @@ from runtime.tools import ToolSpec, load_tool
 
 SNAPSHOT_FORMAT_VERSION = 1
 """The snapshot format this build writes; part of every binding."""
+
+MAX_TIMEOUT_S = 7 * 86_400.0
+"""The longest timeout an agent may set: finite, and far below what the OS's waits accept."""
+MAX_AGENT_FILE_BYTES = 1 << 20
+MAX_SCRIPT_BYTES = 16 << 20
+OUTSIDE_SCRIPTS_ENV = "RATCHET_ALLOW_OUTSIDE_SCRIPTS"
+"""``1``: an agent file's ``script`` may name a file outside the agent file's directory."""
 
 
 class AgentSpec(BaseModel):
@@ -49,14 +62,14 @@ class AgentSpec(BaseModel):
     tools: list[str] = []
     budgets: Budgets = Budgets()
     policy: Policy = Policy()
-    model_timeout_s: float = Field(default=120.0, gt=0)
+    model_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     """Longest wait for one model call (with its retries); then the attempt is abandoned."""
-    tool_timeout_s: float = Field(default=300.0, gt=0)
+    tool_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     """Longest wait for one tool call; then its outcome is unknown (see tasks/turn.py)."""
     # The timeouts stay out of the binding on purpose: they bound how long a worker
     # waits, not what the run does, and raising one is how an operator lets a slow
     # run go on — that must not make its resume refused as a changed agent.
-    max_suspended_s: int | None = Field(default=None, ge=1)
+    max_suspended_s: int | None = Field(default=None, ge=1, le=10 * 365 * 86_400)
     """How long a suspended run may wait for an answer before it expires; ``None``: forever."""
     children: dict[str, str] = {}
     """Agents this one may start with `run_child`: a name for the model, a file (relative)."""
@@ -115,14 +128,92 @@ def describe_binding_change(before: dict[str, Any], after: dict[str, Any]) -> st
     return "changed: " + ", ".join(changed) if changed else "changed"
 
 
+def _read_regular_file(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file; OSError or ValueError (said in words) if not.
+
+    Opened non-blocking and checked with fstat: a FIFO or a device named as an agent
+    file or a script must not hang or flood the worker.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
+
+
 def _load_toml(path: Path) -> dict[str, Any]:
+    where = str(path)
     try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
+        data = _read_regular_file(path, MAX_AGENT_FILE_BYTES)
     except FileNotFoundError as exc:
-        raise AgentFileError(str(path), "(file)", "no such file") from exc
+        raise AgentFileError(where, "(file)", "no such file") from exc
+    except OSError as exc:
+        raise AgentFileError(where, "(file)", f"cannot be read: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise AgentFileError(where, "(file)", str(exc)) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AgentFileError(
+            where, "(file)", f"not UTF-8 text (invalid byte at offset {exc.start})"
+        ) from exc
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise AgentFileError(str(path), "(file)", f"not valid TOML: {exc}") from exc
+        # tomllib's messages name a position (and at most one offending character).
+        raise AgentFileError(where, "(file)", f"not valid TOML: {exc}") from exc
+    except RecursionError as exc:
+        raise AgentFileError(where, "(file)", "not valid TOML: nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer over Python's digit limit
+        raise AgentFileError(where, "(file)", f"not valid TOML: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:160] if lines else type(exc).__name__
+
+
+def _resolve(path: str | Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte
+        raise AgentFileError(str(path)[:200], "(file)", f"not a usable path: {exc}") from exc
+
+
+def _script_path(path: Path, script: str) -> Path:
+    """The script's absolute path, refused if it leaves the agent file's directory."""
+    where = str(path)
+    try:
+        resolved = (path.parent / script).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise AgentFileError(where, "script", f"not a usable path ({type(exc).__name__})") from exc
+    inside = resolved.is_relative_to(path.parent)
+    if not inside and os.environ.get(OUTSIDE_SCRIPTS_ENV) != "1":
+        raise AgentFileError(
+            where,
+            "script",
+            f"{resolved} is outside the agent file's directory {path.parent}; move the "
+            f"script beside the agent file, or set {OUTSIDE_SCRIPTS_ENV}=1 on the workers "
+            "to allow any readable file",
+        )
+    try:
+        _read_regular_file(resolved, MAX_SCRIPT_BYTES)
+    except OSError as exc:
+        raise AgentFileError(where, "script", f"{resolved} cannot be read: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise AgentFileError(where, "script", f"{resolved}: {exc}") from exc
+    return resolved
+
+
+def _validation_problem(exc: ValidationError) -> tuple[str, str]:
+    """The key and the problem of pydantic's first error, never quoting the value."""
+    err = exc.errors(include_input=False, include_url=False)[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(file)"
+    problem = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+    return key, problem
 
 
 def child_agent_path(agent_path: Path, relative: str) -> Path:
@@ -142,16 +233,56 @@ def _check_children(path: Path, spec: AgentSpec, tools: dict[str, ToolSpec]) -> 
 
 
 def load_agent(path: str | Path) -> Agent:
-    """Load and check an agent file; every problem names the file and the key."""
-    path = Path(path).resolve()
+    """Load and check an agent file; every problem names the file and the key.
+
+    Raises AgentFileError and nothing else.
+    """
+    path = _resolve(path)
+    try:
+        return _load(path)
+    except AgentFileError:
+        raise
+    except RecursionError as exc:
+        raise AgentFileError(str(path), "(file)", "nested too deeply") from exc
+
+
+def _load(path: Path) -> Agent:
     raw = _load_toml(path)
     try:
         spec = AgentSpec.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "(file)"
-        problem = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        key, problem = _validation_problem(exc)
         raise AgentFileError(str(path), key, problem) from exc
+    tools = _load_tools(path, spec)
+    for name in spec.policy.require_approval:
+        if name not in tools:
+            raise AgentFileError(
+                str(path), "policy.require_approval", f"`{name}` is not one of the agent's tools"
+            )
+    _check_children(path, spec, tools)
+    settings = dict(raw)
+    if spec.script and spec.model == "scripted":
+        settings["script"] = str(_script_path(path, spec.script))
+    try:
+        provider = make_provider(spec.model, path, settings)
+    except ValueError as exc:
+        key = _provider_key(str(exc))
+        raise AgentFileError(str(path), key, str(exc)) from exc
+    if spec.script is not None and spec.model != "scripted":
+        raise AgentFileError(str(path), "script", "only the `scripted` provider plays a script")
+    document = _binding_document(spec, provider, tools)
+    binding = "sha256:" + hashlib.sha256(canonical_json(document)).hexdigest()
+    return Agent(spec, path, tools, provider, binding, document)
+
+
+def _provider_key(problem: str) -> str:
+    """The key a provider's ValueError is about: each names its part of the file first."""
+    if problem.startswith("`[provider]"):
+        return "provider"
+    return "script" if problem.startswith("script ") else "model"
+
+
+def _load_tools(path: Path, spec: AgentSpec) -> dict[str, ToolSpec]:
     tools: dict[str, ToolSpec] = {}
     for index, reference in enumerate(spec.tools):
         try:
@@ -163,18 +294,4 @@ def load_agent(path: str | Path) -> Agent:
                 str(path), f"tools[{index}]", f"two tools named `{tool_spec.name}`"
             )
         tools[tool_spec.name] = tool_spec
-    for name in spec.policy.require_approval:
-        if name not in tools:
-            raise AgentFileError(
-                str(path), "policy.require_approval", f"`{name}` is not one of the agent's tools"
-            )
-    _check_children(path, spec, tools)
-    try:
-        provider = make_provider(spec.model, path, raw)
-    except ValueError as exc:
-        raise AgentFileError(str(path), "model", str(exc)) from exc
-    if spec.script is not None and spec.model != "scripted":
-        raise AgentFileError(str(path), "script", "only the `scripted` provider plays a script")
-    document = _binding_document(spec, provider, tools)
-    binding = "sha256:" + hashlib.sha256(canonical_json(document)).hexdigest()
-    return Agent(spec, path, tools, provider, binding, document)
+    return tools

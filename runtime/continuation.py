@@ -154,7 +154,10 @@ def parse_message(body: object) -> dict[str, Any]:
         raise MalformedContinuation(f"the body is a JSON {_json_kind(body)}, not an object")
     unknown = sorted(str(k) for k in body if k not in MESSAGE_KEYS)
     if unknown:
-        raise MalformedContinuation(f"unknown key(s) {', '.join(unknown)}")
+        # repr, cut short: a key is the sender's text, and it ends up in a log line.
+        shown = ", ".join(repr(k)[:40] for k in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise MalformedContinuation(f"unknown key(s) {shown}{more}")
     if "run_id" not in body:
         raise MalformedContinuation("`run_id` is missing")
     expected: dict[str, tuple[type, ...]] = {

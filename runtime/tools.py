@@ -1,6 +1,15 @@
 """Tools: plain Python functions the model may call.
 
-A tool is named ``module:function``. Its JSON schema comes from its type
+A tool is named ``module:function``, and it must be a plain Python function
+(``def`` in a module, not a class, a builtin, a C function or another callable).
+Functions of the standard library and of ratchet's own packages are refused
+unless the operator allowlists them by reference in ``RATCHET_STDLIB_TOOLS``
+(comma-separated ``module:function``): ``os:abort`` or ``os:fork`` as a "tool"
+would let an agent file take a worker down. Loading a tool imports its module,
+which runs the module's top-level code in the worker: only people trusted to run
+code on the workers may write agent files (README, "Trust model").
+
+Its JSON schema comes from its type
 hints; pydantic validates the model's arguments, and arguments that do not
 validate go back to the model as an error result rather than crashing the run.
 A tool that raises does the same. ``@tool(idempotent=True)`` marks a tool safe
@@ -17,6 +26,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -35,6 +47,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 REQUEST_USER_INPUT = "request_user_input"
 BLOCKED = "blocked"
+
+STDLIB_TOOLS_ENV = "RATCHET_STDLIB_TOOLS"
+"""Comma-separated ``module:function`` references allowed although they are refused by default."""
+REFUSED_PACKAGES = frozenset(sys.stdlib_module_names) | {"runtime", "store", "tasks", "worker"}
+"""Top-level packages whose functions are not tools: the standard library and ratchet itself."""
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What OpenAI-compatible APIs accept as a function name."""
+WHAT_A_TOOL_IS = (
+    "a tool must be a plain Python function (`def`) in a module of your own, "
+    "named `module:function`"
+)
 
 
 @overload
@@ -84,8 +109,16 @@ class ToolOutcome:
 
 
 def _arguments_model(name: str, fn: Callable[..., Any]) -> type[BaseModel]:
-    signature = inspect.signature(fn)
-    hints = inspect.get_annotations(fn, eval_str=True)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise ToolError(name, f"its signature cannot be read ({type(exc).__name__})") from exc
+    try:
+        hints = inspect.get_annotations(fn, eval_str=True)
+    except Exception as exc:  # evaluating a string hint runs arbitrary expressions
+        raise ToolError(
+            name, f"its type hints cannot be evaluated ({_short(exc)}); import what they name"
+        ) from exc
     fields: dict[str, Any] = {}
     for param in signature.parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
@@ -96,22 +129,44 @@ def _arguments_model(name: str, fn: Callable[..., Any]) -> type[BaseModel]:
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (annotation, default)
     config = ConfigDict(extra="forbid")
-    model: type[BaseModel] = create_model(f"{name}_arguments", __config__=config, **fields)
+    try:
+        model: type[BaseModel] = create_model(f"{name}_arguments", __config__=config, **fields)
+    except Exception as exc:  # pydantic refuses a type it cannot validate
+        raise ToolError(name, f"its parameter types cannot be validated ({_short(exc)})") from exc
     return model
 
 
+def _short(exc: BaseException) -> str:
+    """The exception's type and first line, cut short: enough to fix, never a page."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0][:160] if lines else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def spec_from_function(fn: Callable[..., Any], reference: str) -> ToolSpec:
-    marks = getattr(fn, "__ratchet_tool__", {})
+    """The :class:`ToolSpec` of a plain function; ToolError if it cannot be a tool."""
+    marks = getattr(fn, "__ratchet_tool__", None)
+    if not isinstance(marks, dict):
+        marks = {}
     name = marks.get("name") or fn.__name__
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ToolError(reference, "its name must be 1-64 letters, digits, `_` or `-`")
     model = _arguments_model(reference, fn)
-    schema = model.model_json_schema()
+    try:
+        schema = model.model_json_schema()
+    except Exception as exc:  # e.g. PydanticInvalidForJsonSchema for a TypeVar or a callable
+        raise ToolError(
+            reference,
+            f"its parameters cannot be described as JSON schema ({_short(exc)}); "
+            "use str, int, float, bool, lists, dicts or pydantic models",
+        ) from exc
     schema.pop("title", None)
     for prop in schema.get("properties", {}).values():
         prop.pop("title", None)
     return ToolSpec(
         name=name,
         reference=reference,
-        description=inspect.cleandoc(fn.__doc__ or "").strip(),
+        description=inspect.cleandoc(fn.__doc__ if isinstance(fn.__doc__, str) else "").strip(),
         parameters=schema,
         idempotent=bool(marks.get("idempotent", False)),
         control=False,
@@ -173,25 +228,86 @@ CONTROL_TOOLS: dict[str, ToolSpec] = {
 
 
 def load_tool(reference: str) -> ToolSpec:
-    """Resolve ``module:function`` (or a control tool's name) to a :class:`ToolSpec`."""
+    """Resolve ``module:function`` (or a control tool's name) to a :class:`ToolSpec`.
+
+    Raises ToolError (and nothing else) saying what a tool must be. Importing the
+    module runs its top-level code; a module of the standard library or of ratchet
+    is not imported at all unless ``RATCHET_STDLIB_TOOLS`` names the reference.
+    """
     if reference in CONTROL_TOOLS:
         return CONTROL_TOOLS[reference]
     module_name, sep, attr = reference.partition(":")
-    if not sep or not module_name or not attr:
+    if not sep or not _MODULE.fullmatch(module_name) or not _IDENTIFIER.fullmatch(attr):
         raise ToolError(
             reference,
-            "expected `module:function` (or a built-in control tool: "
-            + ", ".join(sorted(CONTROL_TOOLS))
-            + ")",
+            "expected `module:function` (an absolute module path and a function name) "
+            "or a built-in control tool: " + ", ".join(sorted(CONTROL_TOOLS)),
         )
+    allowed = reference in allowlisted_references()
+    if not allowed and _refused_package(module_name):
+        raise ToolError(reference, _refused_message(module_name))
+    module = _import(reference, module_name)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ToolError(reference, f"module `{module_name}` has no function `{attr}`")
+    if not inspect.isfunction(fn):
+        raise ToolError(reference, f"`{attr}` is {_kind(fn)}, not a function; {WHAT_A_TOOL_IS}")
+    defined_in = str(getattr(fn, "__module__", None) or "")
+    if not allowed and _refused_package(defined_in):
+        # A module of one's own may re-export `os.path.join`: where it is defined counts.
+        raise ToolError(reference, _refused_message(defined_in))
+    return spec_from_function(fn, reference)
+
+
+def allowlisted_references() -> frozenset[str]:
+    """The references ``RATCHET_STDLIB_TOOLS`` allows although their package is refused."""
+    raw = os.environ.get(STDLIB_TOOLS_ENV, "")
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _refused_package(module_name: str) -> bool:
+    return module_name.split(".", 1)[0] in REFUSED_PACKAGES or module_name == "__main__"
+
+
+def _refused_message(module_name: str) -> str:
+    top = module_name.split(".", 1)[0]
+    where = "ratchet's own" if top in {"runtime", "store", "tasks", "worker"} else "the standard"
+    return (
+        f"`{module_name}` is part of {where} library, whose functions are not tools "
+        f"({WHAT_A_TOOL_IS}); wrap what you need in a function of your own, or, if the "
+        f"operator accepts it, add the reference to {STDLIB_TOOLS_ENV}"
+    )
+
+
+def _kind(value: object) -> str:
+    if inspect.isclass(value):
+        return "a class"
+    if inspect.isbuiltin(value) or type(value).__name__ in {"method-wrapper", "wrapper_descriptor"}:
+        return "a builtin or C function"
+    if inspect.ismethod(value):
+        return "a bound method"
+    if inspect.ismodule(value):
+        return "a module"
+    return "a callable object" if callable(value) else "not callable"
+
+
+def _import(reference: str, module_name: str) -> Any:
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as exc:
         raise ToolError(reference, f"module `{module_name}` cannot be imported: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ToolError(reference, f"module `{module_name}` has no function `{attr}`")
-    return spec_from_function(fn, reference)
+    except SyntaxError as exc:
+        raise ToolError(
+            reference,
+            f"module `{module_name}` cannot be imported: a syntax error at "
+            f"{exc.filename}:{exc.lineno}",
+        ) from exc
+    except (Exception, SystemExit) as exc:  # the module's top-level code raised
+        raise ToolError(
+            reference,
+            f"module `{module_name}` raised {type(exc).__name__} while being imported; "
+            f"import it in Python on the worker to see why",
+        ) from exc
 
 
 def invoke(spec: ToolSpec, arguments: dict[str, Any]) -> ToolOutcome:

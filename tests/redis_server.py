@@ -9,7 +9,11 @@ Fixtures:
 
 Tests that need a server nobody else uses open one with
 :func:`running_redis_server`. Nothing here binds or connects anywhere but
-127.0.0.1, and nothing is persisted (``--save "" --appendonly no``).
+127.0.0.1. Servers run with AOF on (``--appendonly yes``, no RDB saves), as a
+production store must: a worker refuses to start on a store without it
+(worker/checks.py). ``kill()`` discards the AOF, so a killed server still comes
+back empty, as a host that lost its disk would; ``appendonly=False`` starts a
+server that keeps nothing, for the tests of that refusal.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ def _binary() -> str:
 class RedisServer:
     """One ``redis-server`` process the tests own."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, appendonly: bool = True) -> None:
         self.directory = directory
+        self.appendonly = appendonly
         self.port = port if port is not None else _free_port()
         self.url = f"redis://{HOST}:{self.port}"
         self.log = directory / "redis.log"
@@ -88,7 +93,7 @@ class RedisServer:
             "--port", str(self.port),
             "--bind", HOST,
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.appendonly else "no",
             "--dir", str(self.directory),
             "--databases", "16",
             "--daemonize", "no",
@@ -115,12 +120,15 @@ class RedisServer:
             time.sleep(0.02)
 
     def kill(self) -> None:
-        """SIGKILL the server, as a crashed host would; its data is gone."""
+        """SIGKILL the server, as a crashed host would, and discard its AOF: its data is gone."""
         if self._process is not None:
             if self._process.poll() is None:
                 os.kill(self._process.pid, signal.SIGKILL)
             self._process.wait()
             self._process = None
+        # Redis 7 keeps the AOF in a directory, Redis 6 in one file.
+        shutil.rmtree(self.directory / "appendonlydir", ignore_errors=True)
+        (self.directory / "appendonly.aof").unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Start again on the same port (killing the server first if it still runs)."""
@@ -147,9 +155,9 @@ class RedisServer:
 
 
 @contextmanager
-def running_redis_server(directory: Path) -> Iterator[RedisServer]:
+def running_redis_server(directory: Path, appendonly: bool = True) -> Iterator[RedisServer]:
     """A server of one's own, stopped on exit."""
-    server = RedisServer(directory)
+    server = RedisServer(directory, appendonly=appendonly)
     server.start()
     try:
         yield server

@@ -92,5 +92,5 @@ def test_a_bad_agent_file_is_refused_naming_the_file_and_the_key(
 def test_a_missing_script_is_refused_naming_the_key(tmp_path: Path) -> None:
     path = write_agent(tmp_path, [turn("x")])
     (tmp_path / "test-agent.script.json").unlink()
-    with pytest.raises(AgentFileError, match=r"`model`: script .* cannot be read"):
+    with pytest.raises(AgentFileError, match=r"`script`: .* cannot be read"):
         load_agent(path)

@@ -452,7 +452,7 @@ def test_cancelling_a_suspended_run_makes_it_terminal_and_later_answers_are_refu
         ({"run_id": "r", "input": 5}, "`input` must be str"),
         ({"run_id": "r", "approve": "yes"}, "`approve` must be bool, not string"),
         ({"run_id": "r", "suspension_seq": True, "input": "x"}, "`suspension_seq` must be int"),
-        ({"run_id": "r", "input": "x", "reply_to": "q"}, "unknown key(s) reply_to"),
+        ({"run_id": "r", "input": "x", "reply_to": "q"}, "unknown key(s) 'reply_to'"),
     ],
 )
 def test_a_malformed_plain_json_message_is_refused_with_its_reason(

@@ -28,7 +28,7 @@ from tests.openai_server import OpenAIServer, load_fixture, serve
 pytestmark = pytest.mark.timeout(30)
 
 KEY = "sk-test-ratchet-5f0c9a1e7b3d4c2a8e6f0b1d3c5a7e9f"
-KEY_VAR = "TEST_KEY_VAR"
+KEY_VAR = "TEST_API_KEY"
 
 LOOKUP = {
     "name": "lookup_order",

@@ -43,7 +43,7 @@ from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
-KEY_VAR = "OPENAI_RUNS_TEST_KEY"
+KEY_VAR = "OPENAI_RUNS_TEST_API_KEY"
 TOOLS = ["examples.refunds:lookup_order", "examples.refunds:issue_refund"]
 LOOKUP_ID, REFUND_ID = "call_Hk7pT2mQw9sR", "call_Zb4nV6xLc1dF"
 """Call ids as the recording has them."""

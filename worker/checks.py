@@ -1,5 +1,8 @@
 """Checks a worker makes before it consumes anything: ``worker_init`` refuses a bad fleet config.
 
+Two checks: the broker's visibility timeout against the longest turn (below), and
+that every Redis store keeps an append-only file (at the end of this module).
+
 **The broker check.** A Redis broker redelivers a message whose task has run
 longer than ``visibility_timeout`` — while the first copy still runs (CELERY-NOTES:
 three copies of a 35 s task with a 10 s timeout). Ratchet's fencing makes the
@@ -128,5 +131,127 @@ def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
         problem = f"ratchet: refusing to start: an agent in RATCHET_AGENTS cannot be loaded: {exc}"
     if problem is not None:
         # SystemExit passes through Celery's signal dispatch (it catches Exception only).
+        print(problem, file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+# --- the store persistence check ---------------------------------------------------
+#
+# A Redis store that keeps nothing durable comes back from a restart empty, or at its
+# last RDB save: the runs' events and snapshots roll back to that point, the leases
+# and tool journals with them, and the sweeper resumes each run from where the store
+# says it was — re-running every tool call since, idempotent or not (issue 9: ten
+# refunds charged twice, all "completed"). Only the append-only file records every
+# write before it is acknowledged, so a store without AOF refuses to start the
+# worker; RDB snapshots alone do not count. RATCHET_ALLOW_VOLATILE_STORE=1 is the
+# operator saying they accept the rollback (a throwaway environment).
+
+REDIS_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class Persistence:
+    durable: bool | None
+    """True with AOF on, False without, None when the server would not say."""
+    evidence: str
+    """What the server answered, for the operator."""
+
+
+def redis_persistence(client: Any) -> Persistence:
+    """Ask a Redis server whether it keeps an append-only file.
+
+    ``CONFIG GET appendonly`` first; a server that refuses CONFIG (renamed, or denied
+    by an ACL, as managed services do) is asked ``INFO persistence`` instead. Raises
+    redis-py's connection errors when the server cannot be reached.
+    """
+    import redis
+
+    try:
+        value = client.config_get("appendonly").get("appendonly")
+        if value is not None:
+            return Persistence(value == "yes", f"CONFIG GET appendonly: {value}")
+    except redis.exceptions.ResponseError:  # unknown command, NOPERM
+        pass
+    try:
+        info = client.info("persistence")
+    except redis.exceptions.ResponseError:
+        return Persistence(None, "the server refuses both CONFIG and INFO")
+    if "aof_enabled" in info:
+        enabled = str(info["aof_enabled"]) == "1"
+        return Persistence(enabled, f"INFO persistence: aof_enabled:{info['aof_enabled']}")
+    return Persistence(None, "INFO persistence does not report aof_enabled")
+
+
+def store_persistence_problem(settings: Settings) -> str | None:
+    """One line saying why a Redis store makes this worker refuse to start, or None.
+
+    Logs a warning (and returns None) when a server cannot be asked, or when
+    ``RATCHET_ALLOW_VOLATILE_STORE`` accepts a store without AOF.
+    """
+    import redis
+
+    from store.snapshots.redis import connect, where
+
+    stores = {"snapshot store": settings.resolved_snapshot_store}
+    stores["run store"] = settings.resolved_run_store
+    servers: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
+    for name, url in stores.items():
+        if url.startswith(REDIS_STORE_SCHEMES):
+            try:
+                kwargs = redis.connection.parse_url(url)
+            except ValueError:
+                continue  # opening the store says what is wrong with its URL
+            server = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
+            servers.setdefault(server, []).append((name, url))
+    for named in servers.values():
+        names = " and ".join(name for name, _ in named)
+        url = named[0][1]
+        client = connect(url)
+        try:
+            persistence = redis_persistence(client)
+        except redis.exceptions.RedisError as exc:
+            log.warning(
+                "cannot check that the %s's Redis at %s keeps an append-only file (%s); "
+                "without AOF a restart rolls runs back and re-runs their tools",
+                names,
+                where(url),
+                type(exc).__name__,
+            )
+            continue
+        finally:
+            client.close()
+        if persistence.durable is None:
+            log.warning(
+                "cannot tell whether the %s's Redis at %s keeps an append-only file (%s); "
+                "make sure it runs with appendonly yes: without it a restart rolls runs "
+                "back and re-runs their tools",
+                names,
+                where(url),
+                persistence.evidence,
+            )
+        elif not persistence.durable and settings.allow_volatile_store:
+            log.warning(
+                "the %s's Redis at %s keeps no append-only file (%s); started anyway "
+                "because RATCHET_ALLOW_VOLATILE_STORE is set: a restart of it rolls runs "
+                "back and re-runs their tools",
+                names,
+                where(url),
+                persistence.evidence,
+            )
+        elif not persistence.durable:
+            return (
+                f"ratchet: refusing to start: the {names}'s Redis at {where(url)} keeps no "
+                f"append-only file ({persistence.evidence}), so a restart rolls runs back and "
+                "re-runs tools that already ran (RDB snapshots alone lose the writes since "
+                "the last save); run it with `--appendonly yes` (CONFIG SET appendonly yes), "
+                "or set RATCHET_ALLOW_VOLATILE_STORE=1 to accept the rollback"
+            )
+    return None
+
+
+@worker_init.connect
+def _check_store_persistence(**_: Any) -> None:
+    problem = store_persistence_problem(get_settings())
+    if problem is not None:
         print(problem, file=sys.stderr, flush=True)
         raise SystemExit(2)

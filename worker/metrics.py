@@ -1,5 +1,10 @@
 """Prometheus metrics of a worker: on when ``RATCHET_METRICS_PORT`` is set, else no-ops.
 
+The server binds ``RATCHET_METRICS_ADDRESS``, 127.0.0.1 by default: the metrics
+name runs' statuses and tools' outcomes, which is nobody else's business, and a
+scraper on another host is a choice an operator makes (``0.0.0.0`` or an interface's
+address), not a default.
+
 ``pip install 'ratchet[metrics]'`` (prometheus-client). The hooks below are
 called from the tasks; with metrics off each is one ``if`` and a return.
 
@@ -128,8 +133,8 @@ def purged(count: int) -> None:
 # --- switching on ------------------------------------------------------------------
 
 
-def enable(port: int, directory: Path | None = None) -> None:
-    """Multiprocess mode in ``directory`` (default: a new temporary one) and serve ``port``.
+def enable(port: int, directory: Path | None = None, address: str = "127.0.0.1") -> None:
+    """Multiprocess mode in ``directory`` (default: a new temporary one); serve ``address:port``.
 
     Call in the worker's main process before the pool forks. Raises ImportError
     naming the extra when prometheus-client is missing.
@@ -156,18 +161,21 @@ def enable(port: int, directory: Path | None = None) -> None:
     values.ValueClass = values.get_value_class()
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(directory))
-    start_http_server(port, registry=registry)
+    start_http_server(port, addr=address, registry=registry)
     _on = _Metrics()
-    log.info("metrics on :%s/metrics (multiprocess directory %s)", port, directory)
+    shown = f"[{address}]" if ":" in address else address
+    log.info("metrics on %s:%s/metrics (multiprocess directory %s)", shown, port, directory)
 
 
 @worker_init.connect
 def _enable_at_worker_start(**_: Any) -> None:
-    port = get_settings().metrics_port
-    if port is None:
+    settings = get_settings()
+    if settings.metrics_port is None:
         return
     configured = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    enable(port, Path(configured) if configured else None)
+    enable(
+        settings.metrics_port, Path(configured) if configured else None, settings.metrics_address
+    )
 
 
 @worker_shutdown.connect

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     """A worker serves Prometheus metrics on this port when set (needs `ratchet[metrics]`)."""
     agents: str = ""
     """Comma-separated agent files the worker checks at start (longest turn vs the broker)."""
+    metrics_address: str = Field(default="127.0.0.1", min_length=1)
+    """Address the metrics server binds; `0.0.0.0` (or `::`) exposes it on every interface."""
+    allow_volatile_store: bool = False
+    """Start although a Redis store keeps nothing durable (no AOF): a restart then rolls it back."""
 
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:

@@ -45,6 +45,18 @@ Guarantees:
   that one-key object, so the model sees its own text beside the error.
   Empty ``arguments`` (some servers send ``""`` for a tool without
   parameters) mean ``{}``; an object instead of a string is taken as is.
+- **Which key, sent where**: ``api_key_env`` may only name a variable the
+  operator allows in ``RATCHET_OPENAI_KEY_VARIABLES`` (comma-separated names or
+  ``fnmatch`` patterns; default ``RATCHET_OPENAI_API_KEY,*_API_KEY``), so an
+  agent file cannot send ``AWS_SECRET_ACCESS_KEY`` as a Bearer token. A key is
+  never sent over plain ``http://`` to a host other than loopback (``localhost``,
+  127.0.0.0/8, ``::1``): refused at load when the file names a key variable, and
+  at each call before any request when a key would be sent.
+- **DEBUG logs**: httpcore logs response headers at DEBUG, and a server that
+  echoes the key puts it there. Importing this module raises the ``httpcore``
+  logger to WARNING unless the operator set its level, and every
+  ``httpx``/``httpcore`` record has the key of a call in flight redacted,
+  whatever its level (:mod:`runtime.providers.redaction`).
 - **The API key** is read from the environment at each call and never kept
   on the provider. It is not in ``identity()``, the repr, logs, observer
   payloads or exceptions; text quoted from a server's response is redacted
@@ -54,6 +66,8 @@ Guarantees:
 from __future__ import annotations
 
 import email.utils
+import fnmatch
+import ipaddress
 import json
 import logging
 import math
@@ -71,12 +85,16 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from runtime.errors import ProviderError
 from runtime.models import Message, TokenUsage
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
+from runtime.providers.redaction import guard_http_logs, redacted_in_logs
 
 log = logging.getLogger("ratchet.providers.openai")
+guard_http_logs()
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 BASE_URL_ENV = "RATCHET_OPENAI_BASE_URL"
 API_KEY_ENV = "RATCHET_OPENAI_API_KEY"
+KEY_VARIABLES_ENV = "RATCHET_OPENAI_KEY_VARIABLES"
+DEFAULT_KEY_VARIABLES = f"{API_KEY_ENV},*_API_KEY"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 8.0
@@ -110,7 +128,35 @@ class ProviderTable(BaseModel):
                 "must be the NAME of an environment variable (letters, digits, `_`), "
                 "not the key itself"
             )
+        if value is not None and not key_variable_allowed(value):
+            raise ValueError(
+                f"names the variable {value}, which is not one the operator allows as a key "
+                f"({KEY_VARIABLES_ENV}={allowed_key_variables()}); name an allowed variable, "
+                f"or ask the operator to add it to {KEY_VARIABLES_ENV}"
+            )
         return value
+
+
+def allowed_key_variables() -> str:
+    """The operator's list of key variables (names or fnmatch patterns), comma-separated."""
+    return os.environ.get(KEY_VARIABLES_ENV) or DEFAULT_KEY_VARIABLES
+
+
+def key_variable_allowed(name: str) -> bool:
+    """Whether ``api_key_env`` may name ``name`` (case-sensitive match of any pattern)."""
+    patterns = [p.strip() for p in allowed_key_variables().split(",") if p.strip()]
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` (and its subdomains, RFC 6761), 127.0.0.0/8 or ``::1``."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_provider_table(settings: dict[str, Any]) -> ProviderTable:
@@ -147,14 +193,26 @@ class OpenAIProvider:
     def __init__(self, model: str, base_url: str, table: ProviderTable | None = None) -> None:
         if not model.strip():
             raise ValueError('the model name is empty: write `model = "openai:<model-name>"`')
-        url = httpx.URL(base_url.rstrip("/"))
-        if url.scheme not in ("http", "https") or not url.host:
+        try:
+            url = httpx.URL(base_url.rstrip("/"))
+        except httpx.InvalidURL:
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.host:
+            # Not quoted: a URL may carry credentials.
             raise ValueError(
-                f"base_url must be an http(s) URL with a host, e.g. {DEFAULT_BASE_URL}"
+                f"`[provider] base_url`: not an http(s) URL with a host, e.g. {DEFAULT_BASE_URL}"
             )
         self.model = model
         self._url = url
         self._table = table or ProviderTable()
+        if self._table.api_key_env is not None and not self._key_may_travel():
+            raise ValueError(
+                f"`[provider] api_key_env`: a key would be sent over plain http to "
+                f"{self._host}; use https, or a loopback base_url"
+            )
+
+    def _key_may_travel(self) -> bool:
+        return self._url.scheme == "https" or is_loopback(self._url.host)
 
     @classmethod
     def from_settings(cls, model: str, settings: dict[str, Any]) -> OpenAIProvider:
@@ -185,6 +243,12 @@ class OpenAIProvider:
         key = self._api_key()
         headers = {"Accept": "application/json"}
         if key:
+            if not self._key_may_travel():
+                raise ProviderError(
+                    f"{self._describe()}: refusing to send the API key over plain http to a "
+                    "host that is not loopback; use an https base_url (or unset the key "
+                    "variable for a server that needs none)"
+                )
             headers["Authorization"] = f"Bearer {key}"
         payload = self.payload(request)
         t = self._table
@@ -198,7 +262,10 @@ class OpenAIProvider:
         started = time.monotonic()
         attempts = 0
         try:
-            with httpx.Client(timeout=t.timeout_s, headers=headers) as client:
+            with (
+                redacted_in_logs(key),
+                httpx.Client(timeout=t.timeout_s, headers=headers) as client,
+            ):
                 for attempt in retrying:
                     with attempt:
                         attempts += 1
@@ -224,6 +291,12 @@ class OpenAIProvider:
         name = self._table.api_key_env
         if name is None:
             return os.environ.get(API_KEY_ENV) or None
+        if not key_variable_allowed(name):
+            # Checked again here: the operator's list may have changed since the file loaded.
+            raise ProviderError(
+                f"{self._describe()}: `[provider] api_key_env` names {name}, which "
+                f"{KEY_VARIABLES_ENV} does not allow as a key; name an allowed variable"
+            )
         key = os.environ.get(name)
         if not key:
             raise ProviderError(

@@ -44,6 +44,18 @@ class _Script(BaseModel):
     turns: list[_ScriptTurn]
 
 
+def _where(exc: ValidationError) -> str:
+    """Pydantic's first error as position and problem, without the input it quotes."""
+    err = exc.errors(include_input=False, include_url=False, include_context=False)[0]
+    if err["type"] == "json_invalid":
+        return "not JSON (" + err["msg"].removeprefix("Invalid JSON: ") + ")"
+    loc = list(err["loc"])
+    if err["type"] == "extra_forbidden":
+        # The unknown key is the file's own text: say where it is, not what it says.
+        return f"an unknown key in `{'.'.join(map(str, loc[:-1])) or '(top)'}`"
+    return f"`{'.'.join(map(str, loc)) or '(top)'}`: {err['msg']}"
+
+
 class ScriptedProvider:
     def __init__(self, path: Path) -> None:
         try:
@@ -53,7 +65,8 @@ class ScriptedProvider:
         try:
             self._script = _Script.model_validate_json(raw)
         except ValidationError as exc:
-            raise ValueError(f"script {path} is not a valid script: {exc}") from exc
+            # Name the place, never the value: the file may not be a script at all.
+            raise ValueError(f"script {path} is not a valid script: {_where(exc)}") from None
         self._path = path
         self._digest = hashlib.sha256(raw).hexdigest()
 
