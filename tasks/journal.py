@@ -68,7 +68,7 @@ def load(ctx: Context, run_id: str, *, whole_log: bool = False, set_aside: bool 
     if record is None:
         raise RunNotFound(run_id)
     if not whole_log:
-        remembered = ctx.recall_checkpoint(record.run_id, record.last_seq)
+        remembered = ctx.recall_checkpoint(record)
         if remembered is not None:
             return Loaded(record, remembered, remembered.seq, None)
     events = ctx.runs.events(run_id) if whole_log else None
