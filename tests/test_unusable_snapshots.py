@@ -347,3 +347,41 @@ def test_a_snapshot_of_an_earlier_run_with_the_same_id_is_set_aside(
     saved = ctx.snapshots.load("reused")
     assert saved is not None
     assert [m.content for m in saved.transcript if m.role == "user"] == ["second"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"doc": b"{truncated"}, id="not-a-packed-document"),
+        pytest.param({"seq": b"five", "head": b"x", "n": b"1", "size": b"1", "chain": b"0"},
+                     id="unparsable-parts"),
+    ],
+)  # fmt: skip
+def test_on_redis_an_unusable_snapshot_is_renamed_into_its_quarantine_and_the_run_goes_on(
+    redis_url: str, tmp_path: Path, ledger: Path, fields: dict[str, bytes],
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    from store.snapshots.redis import RedisSnapshotStore
+    from tests.workers import redis_context
+
+    ctx = redis_context(redis_url)
+    try:
+        run_id = two_runs(ctx, tmp_path)
+        record = ctx.runs.get(run_id)
+        assert record is not None and isinstance(ctx.snapshots, RedisSnapshotStore)
+        client = ctx.snapshots._client
+        key = f"ratchet:run:{{{run_id}}}:snapshot"
+        client.delete(key)
+        client.hset(key, mapping={"seq": str(record.last_seq).encode(), **fields})
+        ctx.forget_checkpoint(run_id)
+        with caplog.at_level(logging.WARNING):
+            assert advance(ctx, run_id, record.last_seq).outcome == "suspended"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and f"snapshot of run {run_id} in snapshot store" in warnings[0]
+        aside = client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
+        assert len(aside) == 1 and client.hgetall(aside[0])[b"seq"] == fields.get(
+            "seq", str(record.last_seq).encode()
+        )
+        assert ctx.snapshots.load(run_id) is not None
+    finally:
+        ctx.close()

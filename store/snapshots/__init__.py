@@ -257,7 +257,12 @@ class SnapshotStore(ABC):
                 base = known.tip if _extends(messages, known.transcript) else None
                 diverged = base is None
             else:
-                stored = with_retries(lambda: self._read_tip(run_id))
+                try:
+                    stored = with_retries(lambda: self._read_tip(run_id))
+                except (ValueError, TypeError) as exc:
+                    raise SnapshotMalformed(
+                        self.where(run_id), f"its stored seq or tip does not parse ({exc!r:.80})"
+                    ) from exc
                 # Nothing stored at the expected seq: the compare-and-set refuses the
                 # save anyway. Stored whole (no tip): the save replaces it.
                 if stored is not None and stored[0] == expected_seq and stored[1] is not None:
