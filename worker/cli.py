@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from runtime.errors import RatchetError, RunStateLost
+from runtime.errors import RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
 from worker.render import event_line, open_call_lines, record_lines
@@ -143,7 +143,10 @@ def runs_show(run_id: str, as_json: bool) -> None:
         try:
             snapshot_seq = api.load(run_id).snapshot_seq
         except RunStateLost as exc:
-            lost = str(exc)
+            lost = f"none: {exc}"
+        except StoreError as exc:
+            # The record is still worth showing when the snapshot store is away.
+            lost = f"unknown: {exc}"
     if as_json:
         _dump(
             {
@@ -155,7 +158,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
         return
     lines = record_lines(record)
     if lost is not None:
-        lines.append(f"snapshot   none: {lost}")
+        lines.append(f"snapshot   {lost}")
     elif not record.status.is_terminal:
         lines.append(
             f"snapshot   seq {snapshot_seq}"
