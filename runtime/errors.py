@@ -18,6 +18,7 @@
     ├── InvalidContinuation       a continuation's answer is not acceptable (size, blank, UTF-8)
     ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
+    ├── RunStateLost              no usable snapshot, and the events cannot rebuild the state
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
     │   ├── SnapshotWrongKind
@@ -207,6 +208,18 @@ class BindingChanged(RatchetError):
             agent,
             changed,
         )
+
+
+class RunStateLost(RatchetError):
+    def __init__(self, run_id: str, problem: str) -> None:
+        super().__init__(
+            f"run {run_id} has no usable snapshot and its events cannot rebuild its state "
+            f"({problem}); read them with `ratchet runs events {run_id}` and start the run "
+            "again with `ratchet runs start`",
+            run_id,
+            problem,
+        )
+        self.run_id, self.problem = run_id, problem
 
 
 class SnapshotError(RatchetError):

@@ -15,7 +15,7 @@ from runtime.errors import RunNotFound
 from runtime.models import RunState, validate_run_id
 from tasks.context import Context
 from tasks.control import chain_turn, holding_lease
-from tasks.journal import append_events, load_state
+from tasks.journal import append_events, load
 
 
 def raise_budgets(
@@ -36,10 +36,7 @@ def raise_budgets(
     if record is None:
         raise RunNotFound(run_id)
     with holding_lease(ctx, record) as owner:
-        loaded = load_state(ctx, run_id)
-        if loaded is None:
-            raise RunNotFound(run_id)
-        state = loaded[0]
+        state = load(ctx, run_id).state
         last = ctx.runs.events(run_id, after_seq=state.seq - 1, limit=1)[0]
         data = plan_raise(state, last, changes, by, reason, ctx.runs.clock())
         revived = not (state.status.is_live or state.status.is_suspended)

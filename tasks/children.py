@@ -14,13 +14,13 @@ import logging
 
 from runtime.agent import child_agent_path
 from runtime.children import awaiting_delivery, waits_for, woken_by_child
-from runtime.errors import RunBusy, StaleWrite
+from runtime.errors import RunBusy, RunNotFound, StaleWrite
 from runtime.fsm import apply, created_event
 from runtime.models import Event, RunState, ToolCall, validate_run_id
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load_state
+from tasks.journal import append_events, load
 from worker.app import CONTROL_QUEUE, app
 
 log = logging.getLogger("ratchet.children")
@@ -71,20 +71,22 @@ def deliver_run(child_id: str) -> str:
 def deliver(ctx: Context, child_id: str) -> str:
     from tasks.control import chain_turn, holding_lease
 
-    loaded = load_state(ctx, child_id)
-    if loaded is None or not awaiting_delivery(loaded[0]):
+    try:
+        child = load(ctx, child_id, set_aside=False).state
+    except RunNotFound:
         return "stale"
-    child = loaded[0]
+    if not awaiting_delivery(child):
+        return "stale"
     assert child.parent is not None
     outcome = "not waiting"
     parent_record = ctx.runs.get(child.parent)
     if parent_record is not None and parent_record.status.is_suspended:
         try:
             with holding_lease(ctx, parent_record, wait_s=1.0) as owner:
-                parent_loaded = load_state(ctx, child.parent)
-                if parent_loaded is not None and waits_for(parent_loaded[0], child_id):
+                parent = load(ctx, child.parent).state
+                if waits_for(parent, child_id):
                     parent = append_events(
-                        ctx, parent_loaded[0], [("run.woken", woken_by_child(child))], owner
+                        ctx, parent, [("run.woken", woken_by_child(child))], owner
                     )
                     outcome = "told"
         except RunBusy:

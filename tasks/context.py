@@ -15,6 +15,7 @@ from pathlib import Path
 from runtime.agent import Agent, load_agent
 from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
+from store.runs import RunRecord
 from worker.settings import Settings, get_settings
 
 
@@ -38,16 +39,26 @@ class Context:
             while len(self._checkpoints) > self.CHECKPOINTS_KEPT:
                 self._checkpoints.popitem(last=False)
 
-    def recall_checkpoint(self, run_id: str, last_seq: int) -> RunState | None:
-        """The remembered snapshot of ``run_id`` if the run is still exactly there.
+    def recall_checkpoint(self, record: RunRecord) -> RunState | None:
+        """The remembered snapshot of the run ``record`` shows, if the run is still exactly there.
 
         The event log is the truth: a state whose seq is the log's last seq is the fold
         of that log, whoever saved the snapshot, so reading the snapshot again would
-        return the same state.
+        return the same state. But a run id names more than one run over time (a
+        finished run may be purged and its id used again), so seq alone does not say
+        it is the same log: the remembered state must produce exactly the stored
+        record (creation time, input, agent, status, usage, …), else it is another
+        run's past and is not used.
         """
         with self._lock:
-            state = self._checkpoints.get(run_id)
-        return state if state is not None and state.seq == last_seq else None
+            state = self._checkpoints.get(record.run_id)
+        if state is None or state.seq != record.last_seq:
+            return None
+        if state.created_at_ms != record.created_at_ms or (
+            RunRecord.from_state(state, record.updated_at_ms, record.due_at_ms) != record
+        ):
+            return None
+        return state
 
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 from runtime.children import RUN_CHILD, child_run_id
 from runtime.continuation import (
@@ -46,12 +46,11 @@ from runtime.errors import (
     StoreUnavailable,
     SuspensionExpired,
 )
-from runtime.fsm import apply, rebuild
 from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
-from tasks.journal import append_events, new_owner
+from tasks.journal import append_events, load, new_owner, save_snapshot
 from tasks.turn import run_turn
 from worker import metrics
 from worker.app import app
@@ -65,35 +64,6 @@ LEASE_POLL_S = 0.002
 
 def new_continuation_id() -> str:
     return uuid.uuid4().hex
-
-
-class Loaded(NamedTuple):
-    events: list[Event]
-    state: RunState
-    snapshot_seq: int | None
-    """Seq of the stored snapshot (the CAS's expected value); None if there is none."""
-
-
-def load(ctx: Context, run_id: str) -> Loaded:
-    """The run's whole event log and its state: the snapshot plus any events it lacks."""
-    events = ctx.runs.events(run_id)
-    if not events:
-        raise RunNotFound(run_id)
-    try:
-        snapshot = ctx.snapshots.load(run_id)
-    except SnapshotError as exc:
-        # The events are the truth; a snapshot that cannot be read is rebuilt from them.
-        log.warning("run %s: %s; rebuilding the state from its events", run_id, exc)
-        snapshot = None
-    snapshot_seq = snapshot.seq if snapshot is not None else None
-    if snapshot is None or snapshot.seq > events[-1].seq:
-        state = rebuild(events)
-    else:
-        state = snapshot
-        for event in events[snapshot.seq :]:
-            state = apply(state, event)
-    assert state is not None
-    return Loaded(events, state, snapshot_seq)
 
 
 @contextmanager
@@ -166,8 +136,8 @@ def _continue_holding_lease(
     ctx: Context, continuation: Continuation, owner: str
 ) -> tuple[str, int | None]:
     """(outcome, seq to chain the next turn at, or None)."""
-    loaded = load(ctx, continuation.run_id)
-    state, events = loaded.state, loaded.events
+    loaded = load(ctx, continuation.run_id, whole_log=True)
+    state, events = loaded.state, loaded.log()
     applied = find_applied(events, continuation)
     if applied is not None:
         log.info(
@@ -190,9 +160,10 @@ def _continue_holding_lease(
     data = continued_event_data(state, agent, events, continuation, now)
     state = append_events(ctx, state, [("run.continued", data)], owner)
     try:
-        ctx.snapshots.save(state, loaded.snapshot_seq)
-    except StaleWrite as exc:
-        # The event is recorded; the next turn rebuilds the state from the events.
+        save_snapshot(ctx, state, loaded.snapshot_seq)
+    except (StaleWrite, SnapshotError) as exc:
+        # The event is recorded, so the turn must be chained whatever the snapshot's
+        # fate: the turn's load rebuilds the state from the events.
         log.warning("run %s: snapshot not saved after the continuation: %s", state.run_id, exc)
     log.info(
         "run %s: continuation %s applied at seq %s after %.1fs suspended",
@@ -370,11 +341,11 @@ def expire_suspended(ctx: Context, now_ms: int | None = None, limit: int = 1000)
 
 def _expire_if_overdue(ctx: Context, record: RunRecord, now: int) -> bool:
     with holding_lease(ctx, record, wait_s=0) as owner:
-        loaded = load(ctx, record.run_id)
+        loaded = load(ctx, record.run_id, whole_log=True)
         suspension = loaded.state.suspension
         if suspension is None or not loaded.state.status.is_suspended:
             return False
-        reason = expiry_reason(suspension, _max_suspended_s(loaded.events), now)
+        reason = expiry_reason(suspension, _max_suspended_s(loaded.log()), now)
         if reason is None:
             return False
         _expire(ctx, loaded.state, reason, owner, now)

@@ -1,8 +1,10 @@
 """The two I/O steps every task shares: load a run's state, append its next events.
 
-A turn, a resume, a reconciliation and a continuation all read a run the same
-way (snapshot, healed from the event log when stale) and write it the same way
-(events and the record they produce, fenced by seq and, when owned, the lease).
+A turn, a resume, a reconciliation, a continuation and ``ratchet runs show``
+all read a run through :func:`load` (the snapshot, healed from the event log
+when stale, and treated as missing when it cannot be used) and every task
+writes it the same way (events and the record they produce, fenced by seq
+and, when owned, the lease).
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import logging
 import os
 import socket
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.children import awaiting_delivery
-from runtime.fsm import apply
-from runtime.models import Event, RunState
+from runtime.errors import RunNotFound, RunStateLost, SnapshotError, SnapshotTooLarge
+from runtime.fsm import apply, rebuild
+from runtime.models import Event, RunState, RunStatus
 from runtime.timers import due_at_ms
 from store.runs import RunRecord
 from tasks import tracing
@@ -32,33 +35,163 @@ def new_owner() -> str:
     return f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
-def load_state(ctx: Context, run_id: str) -> tuple[RunState, int | None] | None:
-    """The run's state and the seq of its stored snapshot; None if there is no such run.
+class Loaded(NamedTuple):
+    """A run as :func:`load` found it."""
 
-    A stale or missing snapshot is healed here: the events are the truth, and the
-    ones the snapshot lacks are folded onto it.
+    record: RunRecord
+    state: RunState
+    snapshot_seq: int | None
+    """Seq of the stored snapshot: the next save's expected value. None if there is none,
+    or there was one that could not be used (moved aside)."""
+    events: list[Event] | None
+    """The whole event log when it was read (``whole_log=True``, or a rebuild); else None."""
+
+    def log(self) -> list[Event]:
+        """The whole event log; only after ``load(..., whole_log=True)``."""
+        assert self.events is not None, "load(..., whole_log=True) reads the whole log"
+        return self.events
+
+
+def load(ctx: Context, run_id: str, *, whole_log: bool = False, set_aside: bool = True) -> Loaded:
+    """The run's state: its snapshot with the events it lacks folded on, else the fold of all.
+
+    The one way every task and command reads a run. The events are the truth; a
+    snapshot is a shortcut, and one that cannot be used is treated as missing:
+    one the store refuses (malformed, another kind or version, too large, a
+    symbolic link, another run's state), one of an earlier run that had this id,
+    one ahead of the event log, or one the events after it do not fold onto. One
+    WARNING names it and what is wrong; with ``set_aside`` (callers that hold the
+    run's lease, so they never move a snapshot a worker is replacing) it is moved
+    to the store's quarantine, never deleted; the state is rebuilt from the events.
+
+    Raises RunNotFound (no record), RunStateLost (the events cannot give a state
+    either), StoreUnavailable.
     """
     record = ctx.runs.get(run_id)
     if record is None:
-        return None
-    remembered = ctx.recall_checkpoint(run_id, record.last_seq)
-    if remembered is not None:
-        return remembered, remembered.seq
-    state = ctx.snapshots.load(run_id)
-    snapshot_seq = state.seq if state is not None else None
-    if state is None or state.seq < record.last_seq:
-        for event in ctx.runs.events(run_id, after_seq=snapshot_seq or 0):
+        raise RunNotFound(run_id)
+    if not whole_log:
+        remembered = ctx.recall_checkpoint(record)
+        if remembered is not None:
+            return Loaded(record, remembered, remembered.seq, None)
+    events = ctx.runs.events(run_id) if whole_log else None
+    try:
+        snapshot = ctx.snapshots.load(run_id)
+    except SnapshotError as exc:
+        _unusable(ctx, run_id, str(exc), set_aside)
+        snapshot = None
+    if snapshot is not None:
+        record, events, problem = _check(ctx, record, events, snapshot)
+        if problem is None:
+            loaded = _healed(ctx, record, events, snapshot)
+            if isinstance(loaded, Loaded):
+                return loaded
+            problem = loaded
+        _unusable(ctx, run_id, problem, set_aside)
+    if events is None:
+        events = ctx.runs.events(run_id)
+    try:
+        rebuilt = rebuild(events)
+    except ValueError as exc:
+        raise RunStateLost(run_id, str(exc)) from exc
+    if rebuilt is None:
+        raise RunStateLost(run_id, "its event log is empty")
+    return Loaded(record, rebuilt, None, events)
+
+
+def _healed(
+    ctx: Context, record: RunRecord, events: list[Event] | None, snapshot: RunState
+) -> Loaded | str:
+    """The snapshot with the events it lacks folded on; what is wrong if they do not fold."""
+    if events is not None:
+        tail = [e for e in events if e.seq > snapshot.seq]
+    else:
+        tail = ctx.runs.events(record.run_id, after_seq=snapshot.seq)
+    state = snapshot
+    try:
+        for event in tail:
             state = apply(state, event)
-        if snapshot_seq is not None:
-            log.info(
-                "run %s: snapshot at seq %s was stale; rebuilt to %s from events",
-                run_id,
-                snapshot_seq,
-                record.last_seq,
-            )
-    if state is None:
-        raise ValueError(f"run {run_id} has a record but no events to rebuild its state from")
-    return state, snapshot_seq
+    except ValueError as exc:
+        return (
+            f"{ctx.snapshots.where(record.run_id)} is at seq {snapshot.seq}, and the run's "
+            f"events after it do not fold onto it ({exc})"
+        )
+    if tail:
+        log.info(
+            "run %s: snapshot at seq %s was stale; rebuilt to %s from events",
+            record.run_id,
+            snapshot.seq,
+            state.seq,
+        )
+    return Loaded(record, state, snapshot.seq, events)
+
+
+def _check(
+    ctx: Context, record: RunRecord, events: list[Event] | None, snapshot: RunState
+) -> tuple[RunRecord, list[Event] | None, str | None]:
+    """Whether a decoded snapshot is this run's; (record, events, problem or None)."""
+    where = ctx.snapshots.where(record.run_id)
+    if snapshot.created_at_ms != record.created_at_ms:
+        # Run ids may be reused once a finished run is purged.
+        problem = (
+            f"{where} is of an earlier run with this id (created at {snapshot.created_at_ms} ms, "
+            f"this one at {record.created_at_ms} ms)"
+        )
+        return record, events, problem
+    last = events[-1].seq if events else record.last_seq
+    if snapshot.seq > last:
+        # Read after the log: a worker may have moved the run on in between. Look again.
+        fresh = ctx.runs.get(record.run_id)
+        if fresh is not None and fresh.last_seq >= snapshot.seq:
+            return fresh, (ctx.runs.events(record.run_id) if events is not None else None), None
+        problem = (
+            f"{where} is at seq {snapshot.seq}, ahead of the run's event log, which ends at "
+            f"seq {last}"
+        )
+        return record, events, problem
+    return record, events, None
+
+
+def save_snapshot(ctx: Context, state: RunState, expected_seq: int | None) -> None:
+    """Save ``state`` as the run's snapshot (CAS on ``expected_seq``), for a lease holder.
+
+    A stored snapshot that cannot even be read for its seq (damaged since it was
+    loaded, or never loaded: this process remembered the state) is set aside as
+    :func:`load` would, and the save expects none. Raises StaleWrite,
+    SnapshotTooLarge, StoreUnavailable.
+    """
+    try:
+        ctx.snapshots.save(state, expected_seq)
+    except SnapshotTooLarge:
+        raise
+    except SnapshotError as exc:
+        _unusable(ctx, state.run_id, str(exc), set_aside=True, then="the checkpoint is saved anew")
+        ctx.snapshots.save(state, None)
+
+
+def _unusable(
+    ctx: Context,
+    run_id: str,
+    problem: str,
+    set_aside: bool,
+    then: str = "the state is rebuilt from the run's events",
+) -> None:
+    if not set_aside:
+        log.warning(
+            "run %s: %s; rebuilding the state from the run's events (left in place: the worker "
+            "that holds the run moves it aside)",
+            run_id,
+            problem,
+        )
+        return
+    moved = ctx.snapshots.quarantine(run_id)
+    log.warning(
+        "run %s: %s; %s, and %s",
+        run_id,
+        problem,
+        f"moved it to {moved} for inspection" if moved else "it was gone when moved aside",
+        then,
+    )
 
 
 def append_events(
@@ -83,3 +216,32 @@ def append_events(
     metrics.recorded(before, state.status, events)
     tracing.committed(ctx, state, events)  # only now: the events are committed
     return state
+
+
+def append_ending(
+    ctx: Context,
+    record: RunRecord,
+    kind: str,
+    status: RunStatus,
+    data: dict[str, Any],
+    owner: str | None,
+) -> RunRecord:
+    """End a run whose state cannot be loaded: one event, and the record changed as the fold would.
+
+    For a run :func:`load` raises RunStateLost on; fenced like :func:`append_events`.
+    """
+    now = ctx.runs.clock()
+    event = Event(seq=record.last_seq + 1, type=kind, at_ms=now, data=data)
+    ended = record.model_copy(
+        update={
+            "status": status,
+            "error": str(data.get("reason") or kind),
+            "last_seq": event.seq,
+            "updated_at_ms": now,
+            "due_at_ms": None,
+            "suspension": None,
+        }
+    )
+    ctx.runs.append(ended, [event], owner)
+    metrics.recorded(record.status, status, [event])
+    return ended

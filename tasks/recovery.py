@@ -27,9 +27,8 @@ from runtime.agent import describe_binding_change
 from runtime.errors import (
     LeaseLost,
     RatchetError,
-    RunNotFound,
     RunRefused,
-    SnapshotError,
+    RunStateLost,
     StaleWrite,
 )
 from runtime.models import Event, RunState, RunStatus, validate_run_id
@@ -45,8 +44,9 @@ from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
+from tasks.journal import append_ending, append_events, load, new_owner
 from tasks.timers import wake_run
-from tasks.turn import Advanced, advance, append_events, chain, load_state, new_owner, run_turn
+from tasks.turn import Advanced, advance, chain, run_turn
 from worker import metrics
 from worker.app import app
 
@@ -58,20 +58,23 @@ DECISIONS = ("result", "retry", "fail")
 # --- classification ---------------------------------------------------------
 
 
-def examine(ctx: Context, run_id: str) -> tuple[RunState | None, list[Event], Verdict]:
-    """Rebuild the run and classify it for resume. RunNotFound if there is no such run."""
+def examine(
+    ctx: Context, run_id: str, set_aside: bool = True
+) -> tuple[RunState | None, list[Event], Verdict]:
+    """Load the run (:func:`tasks.journal.load`) and classify it for resume.
+
+    ``set_aside``: move an unusable snapshot aside (callers that hold the lease).
+    RunNotFound if there is no such run; a run whose events cannot give a state
+    is classified with ``state`` None (restart-required).
+    """
     run_id = validate_run_id(run_id)
-    if ctx.runs.get(run_id) is None:
-        raise RunNotFound(run_id)
-    events = ctx.runs.events(run_id)
     state: RunState | None
     try:
-        loaded = load_state(ctx, run_id)
-        state = loaded[0] if loaded else None
-    except (SnapshotError, ValueError) as exc:
-        # An unreadable snapshot and events that do not fold: no checkpoint at all.
-        log.warning("run %s: cannot rebuild its state: %s", run_id, exc)
-        state = None
+        loaded = load(ctx, run_id, whole_log=True, set_aside=set_aside)
+        state, events = loaded.state, loaded.log()
+    except RunStateLost as exc:
+        log.warning("%s", exc)
+        state, events = None, ctx.runs.events(run_id)
     binding, change = None, "binding"
     if state is not None:
         try:
@@ -111,7 +114,7 @@ def resume(ctx: Context, run_id: str, by: str, seen_seq: int | None = None) -> A
         return Advanced("leased", -1, 0)
     try:
         state, events, verdict = examine(ctx, run_id)
-        seq = state.seq if state is not None else (events[-1].seq if events else -1)
+        seq = state.seq if state is not None else _last_seq(ctx, run_id)
         if seen_seq is not None and seq != seen_seq:
             log.info(
                 "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
@@ -143,6 +146,12 @@ def resume(ctx: Context, run_id: str, by: str, seen_seq: int | None = None) -> A
     return advance(ctx, run_id, resumed.seq, owner=owner)
 
 
+def _last_seq(ctx: Context, run_id: str) -> int:
+    """The seq the run's record shows (what the sweeper saw), for a run with no state."""
+    record = ctx.runs.get(run_id)
+    return record.last_seq if record is not None else -1
+
+
 def _dead_letter(
     ctx: Context,
     run_id: str,
@@ -154,12 +163,21 @@ def _dead_letter(
 ) -> Advanced:
     """The sweeper gives up on a run: leaving it live would find it again every sweep."""
     try:
-        if state is None or not state.status.is_live:
+        record = ctx.runs.get(run_id)
+        live = state.status.is_live if state is not None else bool(record and record.status.is_live)
+        if record is None or not live:
             log.warning("run %s: not resumed: %s", run_id, verdict.reason)
             return Advanced("refused", state.seq if state else -1, 0)
         data = dead_letter_data(run_id, history, ctx.settings.max_recovery_attempts)
         if not verdict.eligible:
             data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
+        if state is None:
+            # Nothing to fold onto, but left live the run would be found every sweep.
+            ended = append_ending(
+                ctx, record, "run.dead_lettered", RunStatus.DEAD_LETTERED, data, owner
+            )
+            log.error("run %s: dead-lettered: %s", run_id, data["reason"])
+            return Advanced("dead_lettered", ended.last_seq, ended.usage.model_turns)
         state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
         log.error("run %s: dead-lettered: %s", run_id, data["reason"])
         return Advanced("dead_lettered", state.seq, state.usage.model_turns)
@@ -282,10 +300,7 @@ def reconcile(
     if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
         raise RunRefused(run_id, "leased", "a worker holds its lease; try again in a moment")
     try:
-        loaded = load_state(ctx, run_id)
-        if loaded is None:
-            raise RunNotFound(run_id)
-        state = loaded[0]
+        state = load(ctx, run_id).state
         if state.status != RunStatus.NEEDS_RECONCILIATION:
             raise RunRefused(
                 run_id,

@@ -16,7 +16,7 @@ from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load_state
+from tasks.journal import append_events, load
 from worker.app import CONTROL_QUEUE, app
 
 log = logging.getLogger("ratchet.timers")
@@ -48,10 +48,9 @@ def wake(ctx: Context, run_id: str, seq: int) -> str:
         return "stale"
     try:
         with holding_lease(ctx, record, wait_s=1.0) as owner:
-            loaded = load_state(ctx, run_id)
-            if loaded is None or loaded[0].seq != seq or not is_timer(loaded[0]):
+            state = load(ctx, run_id).state
+            if state.seq != seq or not is_timer(state):
                 return "stale"
-            state = loaded[0]
             assert state.suspension is not None
             now = ctx.runs.clock()
             if now < wake_at_ms(state.suspension):

@@ -2,8 +2,9 @@
 
 1. Take the run's **lease**. Another worker holds it: this message is a
    duplicate delivery, do nothing.
-2. **Load** the snapshot; if it is older than the event log (a crash between
-   appending events and saving the snapshot), fold the missing events onto it.
+2. **Load** the run (:func:`tasks.journal.load`): the snapshot, with the events
+   it lacks folded on (a crash between appending events and saving it); a
+   snapshot that cannot be used is moved aside and the state rebuilt from events.
 3. If the run is not at the seq the message expects, the message is late or
    duplicated: do nothing.
 4. Ask :func:`runtime.fsm.decide` what happens next, do it, record it:
@@ -53,6 +54,7 @@ from runtime.errors import (
     BindingChanged,
     LeaseLost,
     ProviderError,
+    RunNotFound,
     SnapshotFailed,
     StaleWrite,
     StoreUnavailable,
@@ -79,7 +81,7 @@ from tasks import failpoints
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child, tell_parent_soon
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load_state, new_owner
+from tasks.journal import append_events, load, new_owner, save_snapshot
 from tasks.timers import schedule_wake
 from worker import metrics
 from worker.app import app
@@ -204,11 +206,12 @@ class Turn:
 
     @classmethod
     def open(cls, ctx: Context, run_id: str, owner: str) -> Turn | None:
-        loaded = load_state(ctx, run_id)
-        if loaded is None:
+        try:
+            loaded = load(ctx, run_id)
+        except RunNotFound:
             return None
-        state, snapshot_seq = loaded
-        return cls(ctx, ctx.agent(state.agent_file), state, snapshot_seq, owner)
+        state = loaded.state
+        return cls(ctx, ctx.agent(state.agent_file), state, loaded.snapshot_seq, owner)
 
     # --- the turn -----------------------------------------------------------
 
@@ -427,7 +430,7 @@ class Turn:
         failpoints.hit("snapshot.before_save", turn)
         try:
             started = time.perf_counter()
-            self.ctx.snapshots.save(self.state, self.snapshot_seq)
+            save_snapshot(self.ctx, self.state, self.snapshot_seq)
             metrics.checkpointed(time.perf_counter() - started, self.ctx.snapshots.last_save_bytes)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))

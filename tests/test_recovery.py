@@ -18,9 +18,10 @@ from runtime.recovery import OPERATOR, SWEEPER
 from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
 from tasks.context import Context
+from tasks.journal import append_events, load, new_owner
 from tasks.recovery import reconcile, resume, sweep_orphans
 from tasks.start import create_run
-from tasks.turn import Turn, advance, append_events, load_state, new_owner
+from tasks.turn import Turn, advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main as cli
@@ -69,9 +70,8 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
     """A run whose worker died after journaling issue_refund as requested: parked."""
     run_id = create_run(ctx, agent, "refund B2").run_id
     assert advance(ctx, run_id, None).outcome == "next"
-    loaded = load_state(ctx, run_id)
-    assert loaded is not None
-    state = loaded[0]
+    loaded = load(ctx, run_id)
+    state = loaded.state
     responded = {
         "content": "refund",
         "tool_calls": [
@@ -187,11 +187,10 @@ def test_a_run_recovered_too_often_without_progress_is_dead_lettered_with_its_hi
     run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
     # Given three sweeper recoveries, each followed by a worker dying before any progress
     for attempt in (1, 2, 3):
-        loaded = load_state(ctx, run_id)
-        assert loaded is not None
+        loaded = load(ctx, run_id)
         append_events(
             ctx,
-            loaded[0],
+            loaded.state,
             [
                 ("run.resumed", {"by": SWEEPER, "attempt": attempt}),
                 ("model.requested", {"turn": 1}),
@@ -333,9 +332,8 @@ def test_a_stale_snapshot_is_healed_on_resume_and_the_run_continues(
     run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
     assert advance(ctx, run_id, None).outcome == "next"
     # The snapshot falls behind the events (a crash between append and save)
-    loaded = load_state(ctx, run_id)
-    assert loaded is not None
-    append_events(ctx, loaded[0], [("model.requested", {"turn": 2})], None)
+    loaded = load(ctx, run_id)
+    append_events(ctx, loaded.state, [("model.requested", {"turn": 2})], None)
     assert resume(ctx, run_id, OPERATOR).outcome == "next"
     assert drive(ctx, run_id).outcome == "completed"
     assert ledger_lines(ledger) == ["refund B2 2900"]

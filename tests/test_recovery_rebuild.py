@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from runtime.fsm import rebuild
 from runtime.models import RunState, RunStatus
 from store.snapshots import format as snapshot_format
+from tasks.journal import append_events, load
 from tasks.start import create_run
-from tasks.turn import append_events, load_state
 from tests.helpers import call, drive, memory_context, turn, write_agent
 
 CALLS = st.sampled_from(
@@ -108,9 +108,10 @@ def test_every_prefix_of_a_runs_events_folds_to_the_snapshot_saved_there(
             outcome = drive(ctx, run_id).outcome
             if outcome != "suspended":
                 break
-            loaded = load_state(ctx, run_id)
-            assert loaded is not None
-            append_events(ctx, loaded[0], [("run.continued", answer(loaded[0], approve))], None)
+            loaded = load(ctx, run_id)
+            append_events(
+                ctx, loaded.state, [("run.continued", answer(loaded.state, approve))], None
+            )
 
         events = ctx.runs.events(run_id)
         assert [e.seq for e in events] == list(range(1, len(events) + 1))

@@ -6,10 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from runtime.errors import SnapshotMalformed, SnapshotUnsupportedVersion, SnapshotWrongKind
+from runtime.errors import (
+    SnapshotError,
+    SnapshotMalformed,
+    SnapshotUnsupportedVersion,
+    SnapshotWrongKind,
+)
 from runtime.fsm import rebuild
-from runtime.models import RunStatus
+from runtime.models import RunState, RunStatus
 from store.snapshots import format as snapshot_format
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -110,3 +117,71 @@ def test_the_golden_run_rebuilt_from_its_events_matches_its_snapshot(tmp_path: P
     saved = ctx.snapshots.load(run_id)
     assert saved is not None
     assert rebuild(ctx.runs.events(run_id)) == saved
+
+
+# --- fuzz: only the documented refusals escape the decoder ----------------------
+
+GOLDEN_BYTES = (GOLDEN / "snapshot-v1.json").read_bytes()
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@st.composite
+def damaged_golden(draw: st.DrawFn) -> bytes:
+    """The golden document with a slice cut out, replaced, or the tail dropped."""
+    data = GOLDEN_BYTES
+    start = draw(st.integers(0, len(data)))
+    end = draw(st.integers(start, min(len(data), start + 64)))
+    return data[:start] + draw(st.binary(max_size=16)) + data[end:]
+
+
+@st.composite
+def golden_with_a_value_replaced(draw: st.DrawFn) -> bytes:
+    """The golden document with one field, at any depth, set to any JSON value."""
+    value: object = json.loads(GOLDEN_BYTES)
+    path: list[object] = []
+    node = value
+    while isinstance(node, (dict, list)) and node and draw(st.booleans()):
+        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        path.append(key)
+        node = node[key]  # type: ignore[index]
+    replacement = draw(JSON_VALUES)
+    if not path:
+        return json.dumps(replacement).encode()
+    parent = value
+    for key in path[:-1]:
+        parent = parent[key]  # type: ignore[index]
+    parent[path[-1]] = replacement  # type: ignore[index]
+    return json.dumps(value).encode()
+
+
+DOCUMENTS = (
+    st.binary(max_size=512)
+    | damaged_golden()
+    | golden_with_a_value_replaced()
+    | JSON_VALUES.map(lambda v: json.dumps(v).encode())
+)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(DOCUMENTS)
+@example(b'{"kind": "ratchet.snapshot", "version": 1, "run": ' + b"7" * 5000 + b"}")
+@example(b"[" * 50_000 + b"]" * 50_000)
+@example(b'{"kind": "ratchet.snapshot", "version": 1, "run": ' + b"[" * 50_000 + b"}")
+@example(b'{"kind": "ratchet.snapshot", "version": true, "run": {}}')
+@example(b'{"kind": ["ratchet.snapshot"], "version": 1}')
+@example(b"\xef\xbb\xbf" + GOLDEN_BYTES)
+def test_the_decoder_refuses_any_bytes_only_with_a_snapshot_error_naming_where(data: bytes) -> None:
+    try:
+        state = snapshot_format.decode(data, "snapshots/fuzzed.json")
+    except SnapshotError as refused:
+        message = str(refused)
+        assert message.startswith("snapshots/fuzzed.json"), message
+        assert len(message) < 600, "a refusal names the problem, it does not quote the file"
+    else:
+        assert isinstance(state, RunState)

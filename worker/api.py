@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from runtime.models import Event, RunStatus, validate_run_id
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
+from tasks.journal import Loaded, load, new_owner
 from tasks.start import create_run
 from tasks.turn import run_turn
 
@@ -124,6 +126,30 @@ class Ratchet:
                 return record
             time.sleep(poll_s)
 
+    def load(self, run_id: str) -> Loaded:
+        """The run as a worker loads it: its state, and the seq of its snapshot if usable.
+
+        An unusable snapshot is treated as missing (the state is rebuilt from the
+        events) and, unless a worker holds the run right now, moved aside with one
+        WARNING, exactly as the run's next turn would. RunNotFound if there is no run.
+        """
+        self.get(run_id)
+        with self._lease_if_free(run_id) as held:
+            return load(self.ctx, run_id, set_aside=held)
+
+    @contextmanager
+    def _lease_if_free(self, run_id: str) -> Iterator[bool]:
+        """Hold the run's lease for a moment if no worker does; whether it is held."""
+        owner = new_owner()
+        held = self.ctx.runs.acquire_lease(
+            validate_run_id(run_id), owner, self.ctx.settings.lease_s
+        )
+        try:
+            yield held
+        finally:
+            if held:
+                self.ctx.runs.release_lease(run_id, owner)
+
     def snapshot_document(self, run_id: str) -> bytes | None:
         """The run's snapshot exactly as stored, or None (finished runs have none)."""
         self.get(run_id)
@@ -141,7 +167,8 @@ class Ratchet:
         """
         from tasks.recovery import examine, resume_run
 
-        state, _, verdict = examine(self.ctx, run_id)
+        with self._lease_if_free(run_id) as held:
+            state, _, verdict = examine(self.ctx, run_id, set_aside=held)
         if verdict.refusal is not None:
             raise verdict.refusal
         assert state is not None

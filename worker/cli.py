@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from runtime.errors import RatchetError
+from runtime.errors import RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
 from worker.render import event_line, lineage_lines, open_call_lines, record_lines
@@ -139,16 +139,34 @@ def runs_show(run_id: str, as_json: bool) -> None:
     record = api.get(run_id)
     entry = api.open_call(run_id)
     lineage = api.lineage(run_id)
+    snapshot_seq, lost = None, None
+    if not record.status.is_terminal:
+        try:
+            snapshot_seq = api.load(run_id).snapshot_seq
+        except RunStateLost as exc:
+            lost = f"none: {exc}"
+        except StoreError as exc:
+            # The record is still worth showing when the snapshot store is away.
+            lost = f"unknown: {exc}"
     if as_json:
         _dump(
             {
                 **_record_json(record),
                 "open_call": entry.model_dump(mode="json") if entry else None,
+                "snapshot_seq": snapshot_seq,
                 "lineage": lineage,
             }
         )
         return
     lines = record_lines(record) + lineage_lines(lineage)
+    if lost is not None:
+        lines.append(f"snapshot   {lost}")
+    elif not record.status.is_terminal:
+        lines.append(
+            f"snapshot   seq {snapshot_seq}"
+            if snapshot_seq is not None
+            else "snapshot   none usable; the state is rebuilt from the run's events"
+        )
     if entry is not None:
         lines += open_call_lines(entry)
     click.echo("\n".join(lines))

@@ -47,6 +47,8 @@ CREATE TABLE IF NOT EXISTS leases (
     expires_at_ms INTEGER NOT NULL
 ) WITHOUT ROWID;
 """
+SQLITE_FILES = ("-wal", "-shm", "-journal")
+"""The files SQLite keeps beside a database (path + suffix)."""
 _ROW = (
     "(run_id, status, last_seq, created_at_ms, due_at_ms, record, finished_at_ms) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -62,11 +64,24 @@ class SqliteRunStore(RunStore):
         self._local = threading.local()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._refuse_links()
             conn = self._connection()
             conn.executescript(SCHEMA)
             self._migrate(conn)
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+
+    def _refuse_links(self) -> None:
+        """SQLite will not open its own files through a link (it uses O_NOFOLLOW) and then
+        says only "unable to open database file": say which file and what to do."""
+        for suffix in SQLITE_FILES:
+            sibling = self.path.with_name(self.path.name + suffix)
+            if sibling.is_symlink():
+                raise StoreUnavailable(
+                    f"run store {self.path}",
+                    f"{sibling} is a symbolic link, which SQLite never follows; remove it "
+                    "(a database's -wal, -shm and -journal files are SQLite's own)",
+                )
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:

@@ -33,8 +33,9 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from runtime.errors import SnapshotTooLarge, StaleWrite
+from runtime.errors import SnapshotMalformed, SnapshotTooLarge, StaleWrite
 from runtime.models import Message, RunState, validate_run_id
 from store.retry import with_retries
 from store.snapshots import format as snapshot_format
@@ -153,20 +154,55 @@ class SnapshotStore(ABC):
         """The run's snapshot, or ``None`` if it has none."""
         run_id = validate_run_id(run_id)
         tip: TranscriptTip | None = None
-        if self.appends_transcript:
-            found = with_retries(lambda: self._read(run_id))
-            if found is None:
-                return None
-            data, tip = found
-        else:
-            stored = with_retries(lambda: self._get(run_id))
-            if stored is None:
-                return None
-            data = stored
-        state = snapshot_format.decode(data, f"snapshot of run {run_id}", self.max_bytes)
+        try:
+            if self.appends_transcript:
+                found = with_retries(lambda: self._read(run_id))
+                if found is None:
+                    return None
+                data, tip = found
+            else:
+                stored = with_retries(lambda: self._get(run_id))
+                if stored is None:
+                    return None
+                data = stored
+        except (ValueError, TypeError, RecursionError) as exc:
+            # A backend's own framing (a seq field, a packed head) that does not parse.
+            raise SnapshotMalformed(
+                self.where(run_id), f"its stored parts do not parse ({type(exc).__name__})"
+            ) from exc
+        state = snapshot_format.decode(data, self.where(run_id), self.max_bytes)
+        if state.run_id != run_id:
+            # A copied file, or a link to another run's: never another run's state.
+            raise SnapshotMalformed(
+                self.where(run_id), f"it holds the state of run {state.run_id[:80]!r}"
+            )
         if tip is not None:
             self._remember(run_id, state.seq, state.transcript, tip)
         return state
+
+    def where(self, run_id: str) -> str:
+        """The run's snapshot as an error message names it (a file's path, a key)."""
+        return f"snapshot of run {run_id}"
+
+    def quarantine(self, run_id: str) -> str | None:
+        """Move the run's stored snapshot aside for a person to inspect; where it went.
+
+        Destructive for the run (it has no snapshot afterwards: the next load
+        rebuilds it from events, the next save expects none), never for the
+        document: it is kept, not deleted, under a name of its own per move
+        (``quarantine/<run>.<UTC time>`` in the backend's terms). ``None`` if
+        nothing was stored. Raises StoreUnavailable after bounded retries.
+        """
+        run_id = validate_run_id(run_id)
+        if self.appends_transcript:
+            self._forget(run_id)
+        stamp = self.stamp()
+        return with_retries(lambda: self._quarantine(run_id, stamp))
+
+    @staticmethod
+    def stamp() -> str:
+        """The UTC time of a move aside, as it appears in a quarantined name (sorts by time)."""
+        return datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
 
     def load_document(self, run_id: str) -> bytes | None:
         """The snapshot exactly as a person reads it (``ratchet snapshots show``)."""
@@ -221,7 +257,12 @@ class SnapshotStore(ABC):
                 base = known.tip if _extends(messages, known.transcript) else None
                 diverged = base is None
             else:
-                stored = with_retries(lambda: self._read_tip(run_id))
+                try:
+                    stored = with_retries(lambda: self._read_tip(run_id))
+                except (ValueError, TypeError) as exc:
+                    raise SnapshotMalformed(
+                        self.where(run_id), f"its stored seq or tip does not parse ({exc!r:.80})"
+                    ) from exc
                 # Nothing stored at the expected seq: the compare-and-set refuses the
                 # save anyway. Stored whole (no tip): the save replaces it.
                 if stored is not None and stored[0] == expected_seq and stored[1] is not None:
@@ -297,6 +338,14 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def _get(self, run_id: str) -> bytes | None: ...
+
+    @abstractmethod
+    def _quarantine(self, run_id: str, stamp: str) -> str | None:
+        """Move the run's stored document (whatever its state) aside under ``stamp``; where to.
+
+        Afterwards the run has no snapshot. Never delete the document; ``None``
+        if the run had none. Must work on a document that cannot be decoded.
+        """
 
     @abstractmethod
     def _delete(self, run_id: str) -> None: ...

@@ -107,26 +107,59 @@ def assemble(head: bytes, fragments: Sequence[bytes]) -> bytes:
 
 
 def decode(data: bytes, where: str, max_bytes: int = MAX_BYTES) -> RunState:
-    """Read a snapshot document, refusing anything that is not one this build reads."""
+    """Read a snapshot document, refusing anything that is not one this build reads.
+
+    Every refusal is a :class:`~runtime.errors.SnapshotError` whose message names
+    ``where`` and what is wrong (never the document's contents): nothing else
+    escapes, whatever the bytes (fuzzed in ``tests/test_snapshot_format.py``).
+    """
     if len(data) > max_bytes:
         raise SnapshotMalformed(where, f"{len(data)} bytes is over the {max_bytes}-byte limit")
+    if not data.strip():
+        raise SnapshotMalformed(where, "the file is empty")
     try:
         value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SnapshotMalformed(where, f"not JSON ({exc})") from exc
+        raise SnapshotMalformed(where, f"not JSON ({_position(exc)})") from exc
+    except RecursionError as exc:
+        raise SnapshotMalformed(where, "not JSON this build reads (nested too deeply)") from exc
+    except ValueError as exc:
+        # Python refuses integers of more than sys.get_int_max_str_digits() digits.
+        raise SnapshotMalformed(where, f"not JSON this build reads ({_first_clause(exc)})") from exc
     if not isinstance(value, dict):
         raise SnapshotMalformed(where, "the document is not a JSON object")
     kind = value.get("kind")
     if kind != KIND:
-        raise SnapshotWrongKind(where, str(kind), KIND)
+        raise SnapshotWrongKind(where, _shown(kind), KIND)
     version = value.get("version")
-    if version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         readable = ", ".join(f"`{v}`" for v in READABLE_VERSIONS)
-        raise SnapshotUnsupportedVersion(where, version, readable)
+        raise SnapshotUnsupportedVersion(where, _shown(version), readable)
     try:
         return SnapshotV1.model_validate(value).run
     except ValidationError as exc:
-        err = exc.errors()[0]
+        err = exc.errors(include_url=False, include_input=False)[0]
         loc = ".".join(str(p) for p in err["loc"])
         problem = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         raise SnapshotMalformed(where, f"`{loc}`: {problem}") from exc
+    except (RecursionError, ValueError, TypeError) as exc:
+        # pydantic reports what it can as ValidationError; a value it cannot even
+        # walk (nested deeper than the interpreter allows) is refused the same way.
+        raise SnapshotMalformed(where, f"cannot be validated ({type(exc).__name__})") from exc
+
+
+def _position(exc: UnicodeDecodeError | json.JSONDecodeError) -> str:
+    """Where the bytes stop being JSON, without quoting them."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    return f"not UTF-8 at byte {exc.start}"
+
+
+def _first_clause(exc: Exception) -> str:
+    return str(exc).split(":", 1)[0][:120]
+
+
+def _shown(value: object) -> str:
+    """A found kind or version for a message: short, and never a whole document."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)[:40]
+    return text if len(text) <= 40 else text[:39] + "…"

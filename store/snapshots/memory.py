@@ -13,8 +13,11 @@ class MemorySnapshotStore(SnapshotStore):
     name = "memory snapshot store"
 
     def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.Lock()
         self._docs: dict[str, tuple[int, bytes]] = {}
+        self.quarantined: dict[str, bytes] = {}
+        """Documents moved aside, by ``<run>.<stamp>``: kept for the process's life."""
 
     def _put(self, run_id: str, state: RunState, data: bytes, expected_seq: int | None) -> None:
         with self._lock:
@@ -28,6 +31,15 @@ class MemorySnapshotStore(SnapshotStore):
         with self._lock:
             found = self._docs.get(run_id)
         return found[1] if found else None
+
+    def _quarantine(self, run_id: str, stamp: str) -> str | None:
+        with self._lock:
+            found = self._docs.pop(run_id, None)
+            if found is None:
+                return None
+            name = f"{run_id}.{stamp}"
+            self.quarantined[name] = found[1]
+        return f"memory quarantine {name}"
 
     def _delete(self, run_id: str) -> None:
         with self._lock:

@@ -8,6 +8,8 @@ Key layout (``prefix`` defaults to ``ratchet``, setting ``RATCHET_REDIS_PREFIX``
                                               (or doc: a whole document, see below)
     {prefix}:run:{<run_id>}:transcript  list  one fragment per message, in order
     {prefix}:snapshots                  set   ids of the runs that have a snapshot
+    {prefix}:quarantine:{<run_id>}:<UTC time>:snapshot / :transcript
+                                        an unusable snapshot moved aside, kept for a person
 
 A save sends the head and only the messages added since the stored seq, so
 the bytes a checkpoint writes stay flat however long the transcript grows;
@@ -99,6 +101,20 @@ redis.call('SADD', KEYS[2], ARGV[4])
 return nil
 """
 
+# KEYS[1] the run's snapshot hash, KEYS[2] the transcript list, KEYS[3] and KEYS[4] their
+# quarantined names, KEYS[5] the index set. ARGV: run id. Returns 1 when moved, 0 if none.
+_QUARANTINE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+redis.call('RENAME', KEYS[1], KEYS[3])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('RENAME', KEYS[2], KEYS[4])
+end
+redis.call('SREM', KEYS[5], ARGV[1])
+return 1
+"""
+
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,  # includes BusyLoadingError (a restarted server)
     redis.exceptions.TimeoutError,
@@ -170,6 +186,7 @@ class RedisSnapshotStore(SnapshotStore):
         self._index = f"{prefix}:snapshots"
         self._put_script = client.register_script(_PUT)
         self._put_parts_script = client.register_script(_PUT_PARTS)
+        self._quarantine_script = client.register_script(_QUARANTINE)
         self.bytes_written = 0
         """Payload bytes sent by saves (heads and fragments, packed): what a checkpoint costs."""
 
@@ -252,7 +269,7 @@ class RedisSnapshotStore(SnapshotStore):
             pipe.lrange(self._transcript_key(run_id), 0, -1)
             fields, stored = cast("tuple[list[bytes | None], list[bytes]]", tuple(pipe.execute()))
         doc, head, n, size, chain = fields
-        what = f"snapshot of run {run_id} in {self._where}"
+        what = self.where(run_id)
         try:
             if doc is not None:
                 return unpack(doc, self.max_bytes), None
@@ -277,6 +294,25 @@ class RedisSnapshotStore(SnapshotStore):
     def _get(self, run_id: str) -> bytes | None:
         found = self._read(run_id)
         return found[0] if found is not None else None
+
+    def where(self, run_id: str) -> str:
+        return f"snapshot of run {run_id} in {self._where}"
+
+    def _quarantine(self, run_id: str, stamp: str) -> str | None:
+        # The run's hash tag stays in the quarantined names: one Cluster slot, one script.
+        aside = f"{self._prefix}:quarantine:{{{run_id}}}:{stamp}"
+        with translated(self._where):
+            moved = self._quarantine_script(
+                keys=[
+                    self._key(run_id),
+                    self._transcript_key(run_id),
+                    f"{aside}:snapshot",
+                    f"{aside}:transcript",
+                    self._index,
+                ],
+                args=[run_id],
+            )
+        return f"{aside}:snapshot (and :transcript)" if moved else None
 
     def _delete(self, run_id: str) -> None:
         with translated(self._where):

@@ -10,6 +10,7 @@ Object layout under ``prefix``::
 
     heads/<run_id>                                       the run's head (written last)
     transcripts/<run_id>/<start>-<end>-<before>-<after>  messages [start, end) of one save
+    quarantine/<run_id>.<UTC time>/heads/… transcripts/…  an unusable snapshot moved aside
 
 A head is a zlib-packed JSON line ``{"seq", "form", "length", "size",
 "chain"}`` followed by the document with an empty transcript (``form:
@@ -260,7 +261,7 @@ class S3SnapshotStore(SnapshotStore):
         if found is None:
             return None
         etag, body = found
-        what = f"snapshot of run {run_id} in {self._where}"
+        what = self.where(run_id)
         try:
             line, _, document = unpack(body, self.max_bytes + 4096).partition(b"\n")
             meta = json.loads(line)
@@ -410,6 +411,25 @@ class S3SnapshotStore(SnapshotStore):
                     Bucket=self._bucket,
                     Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
                 )
+
+    def where(self, run_id: str) -> str:
+        return f"snapshot of run {run_id} in {self._where}"
+
+    def _quarantine(self, run_id: str, stamp: str) -> str | None:
+        aside = f"{self._prefix}quarantine/{run_id}.{stamp}/"
+        with self._translated():
+            keys = [self._head_key(run_id), *self._keys(self._transcript_prefix(run_id))]
+            if self._get_object(keys[0]) is None:
+                return None
+            # Copied first and deleted after: a crash between leaves two copies, never none.
+            for key in keys:
+                self._client.copy_object(
+                    Bucket=self._bucket,
+                    Key=aside + key[len(self._prefix) :],
+                    CopySource={"Bucket": self._bucket, "Key": key},
+                )
+        self._delete(run_id)
+        return f"s3://{self._bucket}/{aside}"
 
     def _list(self) -> builtins.list[str]:
         prefix = f"{self._prefix}heads/"

@@ -435,6 +435,75 @@ def test_the_refusal_survives_pickling_as_celery_would_carry_it(
     assert str(pickle.loads(pickle.dumps(refused.value))) == str(refused.value)
 
 
+# --- an unusable snapshot is moved aside, never deleted -------------------------
+
+
+def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
+    """What the backend keeps in its quarantine for ``run_id`` (each backend's own place)."""
+    from store.snapshots.memory import MemorySnapshotStore
+    from store.snapshots.s3 import S3SnapshotStore
+
+    if isinstance(store, MemorySnapshotStore):
+        return [d for name, d in store.quarantined.items() if name.startswith(f"{run_id}.")]
+    if isinstance(store, FileSnapshotStore):
+        return [p.read_bytes() for p in (store.directory / "quarantine").glob(f"{run_id}.*.json")]
+    if isinstance(store, RedisSnapshotStore):
+        keys = store._client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
+        return [b"".join(v for v in store._client.hvals(k)) for k in keys]
+    assert isinstance(store, S3SnapshotStore)
+    prefix = f"{store._prefix}quarantine/{run_id}."
+    return [b"" for key in store._keys(prefix) if "/heads/" in key]
+
+
+@pytest.mark.parametrize("document", [b"{truncated", b"", edited_document(_future_version)])
+def test_an_unusable_snapshot_moved_aside_is_kept_and_the_run_has_none(
+    snapshot_store: SnapshotStore, document: bytes
+) -> None:
+    put_raw(snapshot_store, "run-1", document)
+    snapshot_store.save(make_state("run-2"), None)
+
+    where = snapshot_store.quarantine("run-1")
+
+    assert where
+    assert snapshot_store.load("run-1") is None
+    assert snapshot_store.load_document("run-1") is None
+    assert snapshot_store.list() == ["run-2"]
+    assert len(quarantined_documents(snapshot_store, "run-1")) == 1
+    # The run starts afresh: the next save expects no snapshot
+    snapshot_store.save(make_state("run-1", seq=7), None)
+    loaded = snapshot_store.load("run-1")
+    assert loaded is not None and loaded.seq == 7
+    assert snapshot_store.load("run-2") == make_state("run-2")
+
+
+def test_a_good_snapshot_moved_aside_twice_is_kept_twice(snapshot_store: SnapshotStore) -> None:
+    snapshot_store.save(make_state(seq=1), None)
+    assert snapshot_store.quarantine("run-1")
+    snapshot_store.save(make_state(seq=2), None)
+    snapshot_store.save(make_state(seq=3, content="longer"), 2)
+    assert snapshot_store.quarantine("run-1")
+    assert len(quarantined_documents(snapshot_store, "run-1")) == 2
+    assert snapshot_store.load("run-1") is None
+
+
+def test_moving_aside_a_run_without_a_snapshot_returns_none(
+    snapshot_store: SnapshotStore,
+) -> None:
+    assert snapshot_store.quarantine("run-1") is None
+    assert quarantined_documents(snapshot_store, "run-1") == []
+
+
+def test_a_snapshot_holding_another_runs_state_is_refused_naming_that_run(
+    snapshot_store: SnapshotStore,
+) -> None:
+    put_raw(snapshot_store, "run-1", snapshot_format.encode(make_state("run-2")))
+
+    with pytest.raises(SnapshotMalformed, match="holds the state of run 'run-2'") as refused:
+        snapshot_store.load("run-1")
+
+    assert "snapshot of run run-1" in str(refused.value)
+
+
 # --- file: a write killed midway ----------------------------------------------
 
 BIG_CHARS = 2 * 1024 * 1024

@@ -1,0 +1,96 @@
+"""A process's remembered checkpoint is used only for the very run it was saved for.
+
+Two processes (two contexts, each with its own store objects) share the
+embedded stores on disk: the file snapshot store and the SQLite run store. Run
+ids may be reused once a finished run is purged, so "run X at seq 5" is not
+one run's identity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.models import RunState, RunStatus
+from store.runs import wall_ms
+from store.runs.sqlite import SqliteRunStore
+from store.snapshots.file import FileSnapshotStore
+from tasks.context import Context
+from tasks.control import cancel
+from tasks.recovery import purge_finished
+from tasks.start import create_run
+from tasks.turn import advance
+from tests.helpers import call, turn, write_agent
+from worker.settings import Settings
+
+
+class CountingFileSnapshotStore(FileSnapshotStore):
+    """The file store, counting the snapshots this process reads."""
+
+    loads = 0
+
+    def load(self, run_id: str) -> RunState | None:
+        self.loads += 1
+        return super().load(run_id)
+
+
+def process(data: Path) -> Context:
+    """What one worker process opens: its own store objects over the shared files."""
+    return Context(
+        Settings(),
+        CountingFileSnapshotStore(data / "snapshots"),
+        SqliteRunStore(data / "runs.sqlite3"),
+    )
+
+
+def agent(directory: Path, name: str) -> Path:
+    return write_agent(
+        directory / name,
+        [turn(f"{name} look", call("lookup_order", order_id="B2")), turn(f"{name} done")],
+        name=name,
+    )
+
+
+@pytest.fixture(autouse=True)
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
+
+
+def test_a_process_never_serves_a_purged_runs_checkpoint_to_a_new_run_with_its_id(
+    tmp_path: Path,
+) -> None:
+    p, q = process(tmp_path / "data"), process(tmp_path / "data")
+    # Given run X checkpointed at seq 5 in process P
+    first = create_run(p, agent(tmp_path, "old"), "refund B2", run_id="X")
+    done = advance(p, "X", None)
+    assert (done.outcome, done.seq) == ("next", 5)
+    # And X cancelled and purged
+    cancel(q, "X")
+    assert purge_finished(q, before_ms=wall_ms() + 1) == 1
+    # And a new run X, created later, driven to seq 5 by process Q
+    while wall_ms() <= first.created_at_ms:
+        pass
+    create_run(q, agent(tmp_path, "new"), "refund B2", run_id="X")
+    assert advance(q, "X", None) == done
+    # When P takes X's next turn
+    assert advance(p, "X", 5).outcome == "completed"
+    # Then it was the new run's, not the purged run's remembered state
+    record = p.runs.get("X")
+    assert record is not None
+    assert (record.agent, record.status, record.output) == ("new", RunStatus.COMPLETED, "new done")
+    p.close()
+    q.close()
+
+
+def test_the_process_that_checkpointed_a_run_takes_its_next_turn_without_reading_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    p = process(tmp_path / "data")
+    assert isinstance(p.snapshots, CountingFileSnapshotStore)
+    create_run(p, agent(tmp_path, "only"), "refund B2", run_id="X")
+    done = advance(p, "X", None)
+    before = p.snapshots.loads
+    assert advance(p, "X", done.seq).outcome == "completed"
+    assert p.snapshots.loads == before
+    p.close()
