@@ -11,6 +11,7 @@ again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from runtime.agent import child_agent_path
 from runtime.children import awaiting_delivery, waits_for, woken_by_child
@@ -68,7 +69,10 @@ def deliver_run(child_id: str) -> str:
     return deliver(get_context(), validate_run_id(child_id))
 
 
-def deliver(ctx: Context, child_id: str) -> str:
+def deliver(
+    ctx: Context, child_id: str, enqueue: Callable[[str, int], None] | None = None
+) -> str:
+    """:func:`deliver_run`'s work; ``enqueue`` chains the parent's turn (default: the broker)."""
     from tasks.control import chain_turn, holding_lease
 
     try:
@@ -93,7 +97,7 @@ def deliver(ctx: Context, child_id: str) -> str:
             log.info("run %s: its parent %s is busy; the sweeper tells it", child_id, child.parent)
             return "busy"
         if outcome == "told":
-            chain_turn(parent.run_id, parent.seq)
+            (enqueue or chain_turn)(parent.run_id, parent.seq)
     append_events(
         ctx, child, [("run.parent_told", {"parent": child.parent, "outcome": outcome})], None
     )

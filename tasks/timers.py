@@ -11,6 +11,7 @@ only once the time has come — so a duplicate does nothing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
@@ -39,7 +40,10 @@ def wake_run(run_id: str, seq: int) -> str:
     return wake(get_context(), validate_run_id(run_id), seq)
 
 
-def wake(ctx: Context, run_id: str, seq: int) -> str:
+def wake(
+    ctx: Context, run_id: str, seq: int, enqueue: Callable[[str, int], None] | None = None
+) -> str:
+    """:func:`wake_run`'s work; ``enqueue`` chains the next turn (default: the broker)."""
     # Not at the top: tasks.control imports the turn task, which schedules wake-ups.
     from tasks.control import chain_turn, holding_lease
 
@@ -63,5 +67,5 @@ def wake(ctx: Context, run_id: str, seq: int) -> str:
         log.info("run %s: a worker holds the lease; the sweeper will wake it", run_id)
         return "busy"
     log.info("run %s: woken at seq %s", run_id, state.seq)
-    chain_turn(run_id, state.seq)
+    (enqueue or chain_turn)(run_id, state.seq)
     return "woken"

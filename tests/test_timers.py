@@ -43,6 +43,28 @@ def clocked(clock: Clock, **settings: Any) -> Context:
     return ctx
 
 
+@pytest.fixture(autouse=True)
+def scheduled(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The turn's fast-path wake-ups, kept here instead of published to a broker.
+
+    In-process tests must not publish: a message sent before the session's
+    worker fixture points the app at Redis would bind the app's producer to
+    another transport for the rest of the session.
+    """
+    calls: list[tuple[str, int]] = []
+
+    def schedule(ctx: Context, state: RunState) -> None:
+        assert state.suspension is not None
+        calls.append((state.run_id, wake_at_ms(state.suspension)))
+
+    monkeypatch.setattr("tasks.turn.schedule_wake", schedule)
+    return calls
+
+
+def no_enqueue(run_id: str, seq: int) -> None:
+    """The tests take the next turn themselves."""
+
+
 def state_of(ctx: Context, run_id: str) -> RunState:
     state = rebuild(list(ctx.runs.events(run_id, after_seq=0)))
     assert state is not None
@@ -78,7 +100,9 @@ def waiting_run(ctx: Context, tmp_path: Path, extra: str = "", **budgets: Any) -
     return run_id
 
 
-def test_a_wait_suspends_the_run_and_the_sweeper_wakes_it_on_time(tmp_path: Path) -> None:
+def test_a_wait_suspends_the_run_and_the_sweeper_wakes_it_on_time(
+    tmp_path: Path, scheduled: list[tuple[str, int]]
+) -> None:
     clock = Clock()
     ctx = clocked(clock, sweep_interval_s=0.5)
     sweep = Sweep(ctx)
@@ -99,17 +123,17 @@ def test_a_wait_suspends_the_run_and_the_sweeper_wakes_it_on_time(tmp_path: Path
     assert sweep() == [run_id]
     assert sweep.woken == [(run_id, wake_at)] and sweep.resumed == []
     # A wake that arrives early does nothing
-    assert wake(ctx, run_id, state.seq) == "early"
+    assert wake(ctx, run_id, state.seq, no_enqueue) == "early"
     assert state_of(ctx, run_id).status == RunStatus.WAITING
     # On time, it wakes the run, and the model reads how long it waited
     clock.now_ms = wake_at + 3
-    assert wake(ctx, run_id, state.seq) == "woken"
+    assert wake(ctx, run_id, state.seq, no_enqueue) == "woken"
     woken = state_of(ctx, run_id)
     assert woken.status == RunStatus.MODEL
     result = json.loads(woken.transcript[-1].content)
     assert result["type"] == "wait_over" and result["waited_s"] == 2.003
     # and a second copy of the wake is stale
-    assert wake(ctx, run_id, state.seq) == "stale"
+    assert wake(ctx, run_id, state.seq, no_enqueue) == "stale"
     assert drive(ctx, run_id).outcome == "completed"
     # The wait was suspended time: it did not run down the deadline
     assert state_of(ctx, run_id).suspended_ms == 2003
@@ -184,4 +208,4 @@ def test_a_cancel_ends_a_wait_and_max_suspended_s_does_not(tmp_path: Path) -> No
     assert state_of(ctx, run_id).status == RunStatus.WAITING
     cancel(ctx, run_id, "parcel found")
     assert state_of(ctx, run_id).status == RunStatus.CANCELLED
-    assert wake(ctx, run_id, state_of(ctx, run_id).seq) == "stale"
+    assert wake(ctx, run_id, state_of(ctx, run_id).seq, no_enqueue) == "stale"

@@ -264,7 +264,7 @@ def waited(ctx: Context, home: Path) -> str:
     run = create_run(ctx, agent, INPUT, "golden-waited")
     drive(ctx, run.run_id)
     time.sleep(0.06)
-    wake(ctx, run.run_id, _state(ctx, run.run_id).seq)
+    wake(ctx, run.run_id, _state(ctx, run.run_id).seq, _no_enqueue)
     drive(ctx, run.run_id)
     return run.run_id
 
@@ -283,7 +283,7 @@ def parent_and_child(ctx: Context, home: Path) -> str:
     drive(ctx, run.run_id)  # starts the child (its first turn goes to an unconsumed broker)
     child = child_run_id(run.run_id, "call_1_1")
     drive(ctx, child)
-    deliver(ctx, child)
+    deliver(ctx, child, _no_enqueue)
     drive(ctx, run.run_id)
     return child
 
