@@ -127,6 +127,11 @@ def load_agent(path: str | Path) -> Agent:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"]) or "(file)"
         problem = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "extra_forbidden" and "key" in key.rsplit(".", 1)[-1].lower():
+            problem += (
+                "; a secret never goes in an agent file: export it where the workers run "
+                "(RATCHET_OPENAI_API_KEY, or name your variable with `[provider] api_key_env`)"
+            )
         raise AgentFileError(str(path), key, problem) from exc
     tools: dict[str, ToolSpec] = {}
     for index, reference in enumerate(spec.tools):

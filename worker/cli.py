@@ -16,9 +16,10 @@ from typing import Any, TypeVar
 import click
 
 from runtime.errors import RatchetError
-from runtime.models import Event, RunStatus
+from runtime.models import Event, RunStatus, validate_run_id
 from store.runs import RunRecord
-from worker.render import event_line, open_call_lines, record_lines
+from worker.exits import wait_exit
+from worker.render import event_line, open_call_lines, record_lines, run_times, when_utc
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +35,13 @@ def refusals(fn: F) -> F:
             # The reader went away (`| head`): not an error worth a line on stderr.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
+        except FileNotFoundError as exc:
+            click.echo(
+                f"ratchet: no such file: {exc.filename}; check the path "
+                "(agent files are .toml, e.g. examples/refund-desk.toml)",
+                err=True,
+            )
+            sys.exit(1)
         except (RatchetError, ValueError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
@@ -60,6 +68,19 @@ def _event_json(event: Event) -> dict[str, Any]:
     return event.model_dump(mode="json")
 
 
+def _given_run_id(value: str | None) -> str | None:
+    """``--run-id``: checked as given; an empty one is refused, not replaced by a new id."""
+    if value is None:
+        return None
+    try:
+        return validate_run_id(value)
+    except RatchetError as exc:
+        raise click.BadParameter(
+            f"{value[:80]!r} is not a run id: use 1-64 letters, digits, `-` and `_`, "
+            "or leave --run-id out for a generated one"
+        ) from exc
+
+
 @click.group()
 @click.version_option(package_name="ratchet")
 def main() -> None:
@@ -74,8 +95,18 @@ def runs() -> None:
 @runs.command("start")
 @click.argument("agent_file", type=click.Path(dir_okay=False))
 @click.option("--input", "text", required=True, help="What the agent should do.")
-@click.option("--run-id", default=None, help="Use this id instead of a generated one.")
-@click.option("--wait", is_flag=True, help="Wait until the run completes, fails or suspends.")
+@click.option(
+    "--run-id",
+    default=None,
+    callback=lambda _c, _p, v: _given_run_id(v),
+    help="Use this id instead of a generated one.",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait until the run completes, fails, suspends or parks; the exit status says which "
+    "(0 completed, 3 failed, 4 waits for a person, 5 needs an operator, 6 timed out).",
+)
 @click.option(
     "--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds --wait waits."
 )
@@ -102,31 +133,60 @@ def runs_start(
             f"follow it with `ratchet runs events {run_id} --follow`",
             err=True,
         )
-        sys.exit(1)
-    if record.status in (RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED):
-        sys.exit(1)
+    sys.exit(wait_exit(record.status))
+
+
+def _since_ms(since: str, now_ms: int) -> int:
+    """``--since``: an age (``2h``, ``7d``) or an ISO date/datetime (naive is UTC)."""
+    from worker.cli_recovery import cutoff_ms
+
+    if since[:1].isdigit() and since[-1:] in "smhdw" and since[:-1].isdigit():
+        return cutoff_ms(None, since, now_ms, option="--since")
+    return cutoff_ms(since, None, now_ms, option="--since")
 
 
 @runs.command("list")
 @click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
-@click.option("--limit", default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--agent", default=None, help="Only this agent's runs (its name).")
+@click.option("--since", default=None, help="Only runs created since: an age (2h, 7d) or a date.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--cursor", default=None, help="Start after this cursor (printed by the last page).")
+@click.option("--json", "as_json", is_flag=True, help="{runs: [...], next_cursor}.")
 @refusals
-def runs_list(status: str | None, limit: int, as_json: bool) -> None:
-    """List runs, newest first."""
-    records = _api().list(RunStatus(status) if status else None, limit)
+def runs_list(
+    status: str | None,
+    agent: str | None,
+    since: str | None,
+    limit: int,
+    cursor: str | None,
+    as_json: bool,
+) -> None:
+    """List runs, newest first, a page at a time."""
+    api = _api()
+    since_ms = _since_ms(since, api.ctx.runs.clock()) if since is not None else None
+    records, next_cursor = api.list_page(
+        RunStatus(status) if status else None,
+        agent=agent,
+        since_ms=since_ms,
+        limit=limit,
+        cursor=cursor,
+    )
     if as_json:
-        _dump([_record_json(r) for r in records])
+        _dump({"runs": [_record_json(r) for r in records], "next_cursor": next_cursor})
         return
     click.echo(
-        f"{'RUN':32}  {'STATUS':20}  {'AGENT':20}  {'TURNS':>5}  {'TOOLS':>5}  {'TOKENS':>7}"
+        f"{'RUN':32}  {'STATUS':20}  {'AGENT':20}  {'CREATED (UTC)':19}  {'UPDATED (UTC)':19}  "
+        f"{'TURNS':>5}  {'TOOLS':>5}  {'TOKENS':>7}"
     )
     for r in records:
         u = r.usage
         click.echo(
-            f"{r.run_id:32}  {r.status.value:20}  {r.agent[:20]:20}  {u.model_turns:>5}  "
-            f"{u.tool_calls:>5}  {u.total_tokens:>7}"
+            f"{r.run_id:32}  {r.status.value:20}  {r.agent[:20]:20}  "
+            f"{when_utc(r.created_at_ms):19}  {when_utc(r.updated_at_ms):19}  "
+            f"{u.model_turns:>5}  {u.tool_calls:>5}  {u.total_tokens:>7}"
         )
+    if next_cursor is not None:
+        click.echo(f"more: ratchet runs list --cursor {next_cursor}", err=True)
 
 
 @runs.command("show")
@@ -139,11 +199,20 @@ def runs_show(run_id: str, as_json: bool) -> None:
     record = api.get(run_id)
     entry = api.open_call(run_id)
     if as_json:
+        now_ms = api.ctx.runs.clock()
+        running_ms, suspended_ms = run_times(record, now_ms)
         _dump(
-            {**_record_json(record), "open_call": entry.model_dump(mode="json") if entry else None}
+            {
+                **_record_json(record),
+                # As the text view counts them: the current suspension included.
+                "running_ms": running_ms,
+                "suspended_ms": suspended_ms,
+                "suspension_seq": record.suspension.seq if record.suspension else None,
+                "open_call": entry.model_dump(mode="json") if entry else None,
+            }
         )
         return
-    lines = record_lines(record)
+    lines = record_lines(record, api.ctx.runs.clock())
     if entry is not None:
         lines += open_call_lines(entry)
     click.echo("\n".join(lines))
@@ -151,13 +220,20 @@ def runs_show(run_id: str, as_json: bool) -> None:
 
 @runs.command("events")
 @click.argument("run_id")
-@click.option("--follow", is_flag=True, help="Keep printing events as they are appended.")
+@click.option(
+    "--follow", is_flag=True, help="Keep printing events as they are appended, until it finishes."
+)
+@click.option(
+    "--until-suspended",
+    is_flag=True,
+    help="With --follow: stop once the run suspends or parks instead of when it finishes.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @refusals
-def runs_events(run_id: str, follow: bool, as_json: bool) -> None:
+def runs_events(run_id: str, follow: bool, until_suspended: bool, as_json: bool) -> None:
     """The run's events, one line each, seq first."""
     api = _api()
-    events = api.follow(run_id) if follow else api.events(run_id)
+    events = api.follow(run_id, until_suspended=until_suspended) if follow else api.events(run_id)
     for event in events:
         _dump(_event_json(event)) if as_json else click.echo(event_line(event))
 
