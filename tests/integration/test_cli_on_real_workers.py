@@ -220,3 +220,27 @@ def test_resume_with_no_worker_says_none_took_it_and_exits_6(
         assert "no worker took it within 1s" in result.stderr
     finally:
         ctx.close()
+
+
+# --- the demo (item 18) -------------------------------------------------------
+
+
+def test_the_demo_summarises_before_its_worker_stops_and_keeps_one_log(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(tmp_path / "data"))
+    for _ in range(2):
+        demo = subprocess.run(
+            [sys.executable, "-m", "worker", "demo"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert demo.returncode == 0, demo
+    lines = demo.stdout.splitlines()
+    summary = next(i for i, line in enumerate(lines) if ": completed in " in line)
+    assert lines[-1] == "stopping the demo worker…" and summary < len(lines) - 1
+    log = tmp_path / "data" / "demo-worker.log"
+    assert log.read_text().count(" ready.") == 1  # this demo's worker only
+    assert (tmp_path / "data" / "demo-worker.log.1").read_text().count(" ready.") == 1
