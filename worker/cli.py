@@ -133,6 +133,18 @@ def runs_start(
             f"follow it with `ratchet runs events {run_id} --follow`",
             err=True,
         )
+    elif record.status.is_suspended:
+        click.echo(
+            f"ratchet: run {run_id} waits for a person ({record.status.value}): "
+            f"`ratchet runs show {run_id}`, then `ratchet runs continue {run_id} …`",
+            err=True,
+        )
+    elif not record.status.is_terminal:
+        click.echo(
+            f"ratchet: run {run_id} is {record.status.value} and needs an operator: "
+            f"`ratchet runs show {run_id}`",
+            err=True,
+        )
     sys.exit(wait_exit(record.status))
 
 
