@@ -10,8 +10,8 @@
   record carries a ``run_id`` attribute: the run of the ratchet task in progress.
   ``RATCHET_LOG_FORMAT=json`` makes a worker log one JSON object per line with a
   ``run_id`` field.
-- **Quiet sweeps.** Celery logs two INFO lines per task; for ``ratchet.sweep``
-  (every 2 s) they are dropped — kept at DEBUG — unless the sweep found something.
+- **Quiet sweeps.** Celery logs two INFO lines per task, and beat one per send; for
+  ``ratchet.sweep`` (every 2 s) they are kept at DEBUG unless the sweep found something.
 - **Told when a run stops.** With ``RATCHET_NOTIFY_TASK=name`` a worker sends
   that Celery task, kwargs ``run_id``, ``status``, ``output``, ``error``, to
   ``RATCHET_NOTIFY_QUEUE`` whenever a task of its leaves a run completed, failed,
@@ -148,16 +148,22 @@ class RunIdFilter(logging.Filter):
 
 
 class QuietSweeps(logging.Filter):
-    """Celery's received/succeeded lines of a sweep that found nothing: DEBUG, not INFO."""
+    """Celery's lines about a sweep that found nothing: DEBUG, not INFO.
+
+    The worker's received/succeeded lines (succeeded stays INFO when it found
+    runs), and beat's "Sending due task ratchet.sweep" every interval.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        data = getattr(record, "data", None)
-        if not isinstance(data, dict) or data.get("name") != "ratchet.sweep":
-            return True
-        found = str(data.get("return_value", "0"))
-        if "return_value" in data and found not in ("0", "None"):
-            return True
         if record.levelno != logging.INFO:
+            return True
+        data = getattr(record, "data", None)
+        if record.name == "celery.beat":
+            if not (isinstance(record.args, tuple) and "ratchet.sweep" in record.args):
+                return True
+        elif not isinstance(data, dict) or data.get("name") != "ratchet.sweep":
+            return True
+        elif "return_value" in data and str(data["return_value"]) not in ("0", "None"):
             return True
         if not logging.getLogger().isEnabledFor(logging.DEBUG):
             return False
@@ -187,7 +193,7 @@ class JsonFormatter(logging.Formatter):
 
 
 _quiet = QuietSweeps()
-for _name in ("celery.app.trace", "celery.worker.strategy"):
+for _name in ("celery.app.trace", "celery.worker.strategy", "celery.beat"):
     logging.getLogger(_name).addFilter(_quiet)
 
 

@@ -207,3 +207,48 @@ def test_json_logs_carry_the_run_id_and_a_stopped_run_is_notified(
     assert any(d["logger"] == "celery.app.trace" and "succeeded" in d["message"] for d in mine)
     assert any(d["logger"].startswith("ratchet.") for d in mine), documents
     assert all({"time", "level", "logger", "message", "run_id"} <= set(d) for d in documents)
+
+
+def test_beat_sends_sweeps_without_an_info_line_each(
+    redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    import redis as redis_client
+
+    from tests.workers import worker_env
+
+    env = worker_env(redis_url, ledger, tmp_path / "data", RATCHET_SWEEP_INTERVAL_S="0.2")
+    log_path = tmp_path / "beat.log"
+    with log_path.open("wb") as log:
+        beat = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "worker",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(tmp_path / "schedule"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        queue = redis_client.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 60
+        while queue.llen("ratchet.control") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queue.llen("ratchet.control") >= 3, log_path.read_text()
+    finally:
+        beat.kill()
+        beat.wait(timeout=30)
+    text = log_path.read_text()
+    assert "beat: Starting..." in text
+    assert "Sending due task ratchet.sweep" not in text, text
