@@ -95,28 +95,17 @@ def test_runs_list_filters_by_agent_and_age_pages_with_a_cursor_and_shows_times(
 
     first = cli("runs", "list", "--agent", "desk", "--limit", "2", "--json")
     assert first.exit_code == 0, first.output
-    page = json.loads(first.output)
-    assert [r["run_id"] for r in page["runs"]] == newest_desk[:2]
-    assert page["next_cursor"]
-    second = json.loads(
-        cli(
-            "runs",
-            "list",
-            "--agent",
-            "desk",
-            "--limit",
-            "2",
-            "--json",
-            "--cursor",
-            page["next_cursor"],
-        ).output
-    )
-    assert [r["run_id"] for r in second["runs"]] == newest_desk[2:]
-    assert second["next_cursor"] is None
+    page = json.loads(first.stdout)
+    assert [r["run_id"] for r in page] == newest_desk[:2]
+    cursor = f"{page[-1]['created_at_ms']}.{page[-1]['run_id']}"  # as the docstring says
+    assert first.stderr == f"more: ratchet runs list --cursor {cursor}\n"
+    second = cli("runs", "list", "--agent", "desk", "--limit", "2", "--json", "--cursor", cursor)
+    assert [r["run_id"] for r in json.loads(second.stdout)] == newest_desk[2:]
+    assert second.stderr == ""  # the last page
 
     # --since 150s: the runs created in the last two and a half minutes (the last three)
-    recent = json.loads(cli("runs", "list", "--since", "150s", "--json").output)
-    assert [r["run_id"] for r in recent["runs"]] == [ids[4], ids[3], ids[2]]
+    recent = json.loads(cli("runs", "list", "--since", "150s", "--json").stdout)
+    assert [r["run_id"] for r in recent] == [ids[4], ids[3], ids[2]]
 
     table = cli("runs", "list", "--limit", "1")
     assert table.exit_code == 0
@@ -295,7 +284,7 @@ def test_purge_on_a_terminal_asks_first_and_no_keeps_everything(tmp_path: Path) 
     assert "delete 2 finished run(s) last updated before" in seen, seen
     assert code == 1 and "Aborted" in seen
     code, seen = run_on_a_terminal(["runs", "list", "--json"], env, b"")
-    assert sorted(r["run_id"] for r in json.loads(seen)["runs"]) == sorted(ids)
+    assert sorted(r["run_id"] for r in json.loads(seen)) == sorted(ids)
 
     code, seen = run_on_a_terminal(["runs", "purge", "--older-than", "0s"], env, b"y\n")
     assert code == 0 and "purged 2 finished run(s)" in seen, seen

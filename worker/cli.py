@@ -163,7 +163,7 @@ def _since_ms(since: str, now_ms: int) -> int:
 @click.option("--since", default=None, help="Only runs created since: an age (2h, 7d) or a date.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--cursor", default=None, help="Start after this cursor (printed by the last page).")
-@click.option("--json", "as_json", is_flag=True, help="{runs: [...], next_cursor}.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array of run records.")
 @refusals
 def runs_list(
     status: str | None,
@@ -173,7 +173,12 @@ def runs_list(
     cursor: str | None,
     as_json: bool,
 ) -> None:
-    """List runs, newest first, a page at a time."""
+    """List runs, newest first, a page at a time.
+
+    When more runs follow, the command for the next page goes to stderr:
+    ``more: ratchet runs list --cursor C`` (C is ``CREATED_AT_MS.RUN_ID`` of the
+    last run shown, so a script reading --json can build it too).
+    """
     api = _api()
     since_ms = _since_ms(since, api.ctx.runs.clock()) if since is not None else None
     records, next_cursor = api.list_page(
@@ -183,8 +188,10 @@ def runs_list(
         limit=limit,
         cursor=cursor,
     )
+    if next_cursor is not None:
+        click.echo(f"more: ratchet runs list --cursor {next_cursor}", err=True)
     if as_json:
-        _dump({"runs": [_record_json(r) for r in records], "next_cursor": next_cursor})
+        _dump([_record_json(r) for r in records])
         return
     click.echo(
         f"{'RUN':32}  {'STATUS':20}  {'AGENT':20}  {'CREATED (UTC)':19}  {'UPDATED (UTC)':19}  "
@@ -197,8 +204,6 @@ def runs_list(
             f"{when_utc(r.created_at_ms):19}  {when_utc(r.updated_at_ms):19}  "
             f"{u.model_turns:>5}  {u.tool_calls:>5}  {u.total_tokens:>7}"
         )
-    if next_cursor is not None:
-        click.echo(f"more: ratchet runs list --cursor {next_cursor}", err=True)
 
 
 @runs.command("show")
