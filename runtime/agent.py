@@ -252,6 +252,11 @@ def _load(path: Path) -> Agent:
         spec = AgentSpec.model_validate(raw)
     except ValidationError as exc:
         key, problem = _validation_problem(exc)
+        if problem == "unknown key" and "key" in key.rsplit(".", 1)[-1].lower():
+            problem += (
+                "; a secret never goes in an agent file: export it where the workers run "
+                "(RATCHET_OPENAI_API_KEY, or name your variable with `[provider] api_key_env`)"
+            )
         raise AgentFileError(str(path), key, problem) from exc
     tools = _load_tools(path, spec)
     for name in spec.policy.require_approval:

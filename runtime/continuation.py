@@ -11,7 +11,9 @@ Every continuation carries a ``continuation_id``. The same continuation
 delivered twice is applied once (:func:`find_applied` finds it among the
 run's ``run.continued`` events); a different answer to a suspension already
 answered, an answer to a run that is not suspended, or one naming another
-suspension (``suspension_seq``) is refused. Nothing here does I/O:
+suspension (``suspension_seq``) is refused. An answer must name its suspension
+(``suspension_seq``) or itself (``continuation_id``): one that names neither is
+refused (:func:`check_pinned`) unless a setting allows it. Nothing here does I/O:
 ``tasks/control.py`` reads the run, calls these checks, and records the event.
 """
 
@@ -71,6 +73,31 @@ class Continuation(Strict):
         if self.input is not None:
             return "an input"
         return "an approval" if self.approve else "a denial"
+
+
+def check_pinned(
+    run_id: str,
+    continuation_id: object,
+    suspension_seq: object,
+    *,
+    allow_unpinned: bool = False,
+) -> None:
+    """Refuse an answer that says neither which suspension it answers nor its own id.
+
+    Such an answer applies to whichever suspension is current when it arrives: a
+    client retrying an approval after the run has moved on to its next approval
+    would approve that one too. ``allow_unpinned`` (the setting
+    ``RATCHET_ALLOW_UNPINNED_CONTINUATIONS``) accepts it anyway.
+    """
+    if allow_unpinned or continuation_id is not None or suspension_seq is not None:
+        return
+    raise InvalidContinuation(
+        run_id,
+        "the answer names neither a continuation_id nor a suspension_seq, so a late retry "
+        "could answer a later question; send suspension_seq (the seq `ratchet runs show` "
+        "prints for the suspension) or a continuation_id of your own "
+        "(or set RATCHET_ALLOW_UNPINNED_CONTINUATIONS=1 to accept such answers)",
+    )
 
 
 def check_text(run_id: str, what: str, value: object) -> str:

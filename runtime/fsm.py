@@ -154,7 +154,7 @@ def _initial(event: Event) -> RunState:
     )
 
 
-INFORMATIONAL_EVENTS = frozenset({"model.failed"})
+INFORMATIONAL_EVENTS = frozenset({"model.failed", "run.resume_refused"})
 """Events that record what happened without changing what happens next."""
 
 Fold = Callable[[RunState, Event], RunState]

@@ -29,6 +29,7 @@ from typing import Any
 from runtime.children import RUN_CHILD, child_run_id
 from runtime.continuation import (
     Continuation,
+    check_pinned,
     check_suspended,
     continued_event_data,
     expiry_reason,
@@ -212,10 +213,18 @@ def continue_run(
 ) -> str:
     """Apply one continuation. Returns continued | duplicate | refused (the reason is logged).
 
-    Without a ``continuation_id`` the task id stands in: a redelivery of this very
-    message is then still recognised as a duplicate.
+    An answer naming neither ``continuation_id`` nor ``suspension_seq`` is refused
+    unless ``RATCHET_ALLOW_UNPINNED_CONTINUATIONS`` is set; then the task id stands
+    in for the id, so a redelivery of this very message is still a duplicate.
     """
     try:
+        ctx = get_context()
+        check_pinned(
+            run_id,
+            continuation_id,
+            suspension_seq,
+            allow_unpinned=ctx.settings.allow_unpinned_continuations,
+        )
         continuation = make_continuation(
             validate_run_id(run_id),
             continuation_id or self.request.id or new_continuation_id(),
@@ -224,7 +233,7 @@ def continue_run(
             deny=deny,
             suspension_seq=suspension_seq,
         )
-        return apply_continuation(get_context(), continuation)
+        return apply_continuation(ctx, continuation)
     except (RunBusy, StoreUnavailable):
         raise
     except RatchetError as exc:

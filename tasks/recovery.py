@@ -128,6 +128,11 @@ def resume(ctx: Context, run_id: str, by: str, seen_seq: int | None = None) -> A
             return _dead_letter(ctx, run_id, state, events, verdict, history, owner)
         if not verdict.eligible:
             log.warning("%s", verdict.reason)
+            if state is not None and not state.status.is_terminal:
+                # Recorded, so the operator who asked (`ratchet runs resume`) is told.
+                data = {"by": by, "status": state.status.value, "reason": verdict.reason}
+                seq = append_events(ctx, state, [("run.resume_refused", data)], owner).seq
+            ctx.runs.release_lease(run_id, owner)
             return Advanced("refused", seq, turns)
         assert state is not None
         attempt = state.recovery_attempts + 1

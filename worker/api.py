@@ -21,15 +21,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from runtime.continuation import make_continuation
+from runtime.continuation import check_pinned, make_continuation
 from runtime.errors import RunNotFound, RunRefused
-from runtime.models import Event, RunStatus, validate_run_id
+from runtime.models import TERMINAL_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.journal import Loaded, load, new_owner
 from tasks.start import create_run
 from tasks.turn import run_turn
+
+FINISHED = frozenset(TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED})
+"""Statuses nothing moves on from by itself (dead-lettered: only an operator's resume)."""
+
+
+def make_cursor(record: RunRecord) -> str:
+    """Where the next page of `list_page` starts: just after this record."""
+    return f"{record.created_at_ms}.{record.run_id}"
+
+
+def parse_cursor(cursor: str) -> tuple[int, str]:
+    created, _, run_id = cursor.partition(".")
+    if not created.isdigit() or not run_id:
+        raise ValueError(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
+    return int(created), validate_run_id(run_id)
 
 
 class Ratchet:
@@ -61,12 +76,22 @@ class Ratchet:
 
         ``input`` answers a question or a blocker; ``approve=True`` or ``deny=REASON``
         a tool awaiting approval. The same ``continuation_id`` twice is applied once
-        (``duplicate``). Refusals name the run and the problem: InvalidContinuation,
+        (``duplicate``). Give ``continuation_id`` or ``suspension_seq`` (the seq
+        :meth:`suspension` shows), or both: an answer that names neither could
+        answer a later question than the one it was written for, so it is refused
+        (InvalidContinuation) unless ``RATCHET_ALLOW_UNPINNED_CONTINUATIONS`` is set. Refusals name the run and the problem: InvalidContinuation,
         RunNotFound, RunRefused (and SuspensionAlreadyAnswered, SuspensionMismatch,
         SuspensionExpired), BindingChanged.
         """
+        run_id = validate_run_id(run_id)
+        check_pinned(
+            run_id,
+            continuation_id,
+            suspension_seq,
+            allow_unpinned=self.ctx.settings.allow_unpinned_continuations,
+        )
         continuation = make_continuation(
-            validate_run_id(run_id),
+            run_id,
             continuation_id or new_continuation_id(),
             input=input,
             approve=True if approve else None,
@@ -92,14 +117,69 @@ class Ratchet:
     def list(self, status: RunStatus | None = None, limit: int = 100) -> list[RunRecord]:
         return self.ctx.runs.list(status, limit)
 
+    def list_page(
+        self,
+        status: RunStatus | None = None,
+        *,
+        agent: str | None = None,
+        since_ms: int | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[builtins.list[RunRecord], str | None]:
+        """One page of runs, newest first, and the cursor of the next page (None: no more).
+
+        ``agent`` keeps one agent's runs, ``since_ms`` those created at or after it;
+        ``cursor`` is what the previous page returned.
+        """
+        if limit < 1:
+            raise ValueError(f"--limit must be at least 1, not {limit}")
+        after = parse_cursor(cursor) if cursor is not None else None
+        scan = max(limit * 2, 100)
+        while True:
+            found = self.ctx.runs.list(status, scan)
+            page: builtins.list[RunRecord] = []
+            for record in found:
+                key = (record.created_at_ms, record.run_id)
+                if after is not None and key >= after:
+                    continue
+                if since_ms is not None and record.created_at_ms < since_ms:
+                    break
+                if agent is not None and record.agent != agent:
+                    continue
+                page.append(record)
+                if len(page) > limit:
+                    break
+            exhausted = len(found) < scan or (
+                since_ms is not None and bool(found) and found[-1].created_at_ms < since_ms
+            )
+            if len(page) > limit or exhausted:
+                break
+            scan *= 4
+        more = len(page) > limit
+        page = page[:limit]
+        return page, (make_cursor(page[-1]) if more and page else None)
+
+    def suspension(self, run_id: str) -> Suspension | None:
+        """What the run waits for (its ``seq`` is what an answer names), or None."""
+        record = self.get(run_id)
+        return record.suspension if record.status.is_suspended else None
+
     def events(self, run_id: str, after_seq: int = 0) -> builtins.list[Event]:
         self.get(run_id)
         return self.ctx.runs.events(run_id, after_seq)
 
     def follow(
-        self, run_id: str, poll_s: float = 0.05, timeout_s: float | None = None
+        self,
+        run_id: str,
+        poll_s: float = 0.05,
+        timeout_s: float | None = None,
+        until_suspended: bool = False,
     ) -> Iterator[Event]:
-        """Yield the run's events as they are appended, until it stops being live."""
+        """Yield the run's events as they are appended, until it is terminal.
+
+        A suspended or parked run is followed on: a person or an operator may move it.
+        ``until_suspended``: stop as soon as it is not live (suspended, parked, stalled).
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         seq = 0
         while True:
@@ -107,7 +187,8 @@ class Ratchet:
                 seq = event.seq
                 yield event
             record = self.get(run_id)
-            if not record.status.is_live and record.last_seq <= seq:
+            stopped = record.status in FINISHED or (until_suspended and not record.status.is_live)
+            if stopped and record.last_seq <= seq:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 return
@@ -182,6 +263,42 @@ class Ratchet:
             )
         resume_run.apply_async((run_id, "operator", None))
         return state.status.value
+
+    def resume_and_wait(self, run_id: str, timeout_s: float = 10.0) -> tuple[str, Event | None]:
+        """Resume the run and wait up to ``timeout_s`` for a worker's answer.
+
+        Returns (the status it had, the worker's ``run.resumed`` event), or (status,
+        None) when no worker took the resume in time. Raises RunRefused when the run
+        cannot resume — refused here at once, or by the worker, which classifies again
+        with what it sees (its own agent files and tool modules) and records why in a
+        ``run.resume_refused`` event.
+        """
+        before = self.get(run_id).last_seq
+        status = self.resume(run_id)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for event in self.ctx.runs.events(run_id, after_seq=before):
+                if event.type == "run.resumed" and event.data.get("by") == "operator":
+                    return status, event
+                if event.type == "run.resume_refused":
+                    raise RunRefused(
+                        run_id,
+                        str(event.data.get("status") or status),
+                        f"a worker refused to resume it: {event.data.get('reason')}",
+                    )
+            if time.monotonic() > deadline:
+                return status, None
+            time.sleep(0.05)
+
+    def purge_candidates(self, before_ms: int, limit: int = 100_000) -> builtins.list[RunRecord]:
+        """The finished runs a purge with this cutoff would delete (what `--dry-run` lists)."""
+        found = [
+            record
+            for status in sorted(FINISHED)
+            for record in self.ctx.runs.list(status, limit)
+            if record.updated_at_ms < before_ms
+        ]
+        return sorted(found, key=lambda r: (r.updated_at_ms, r.run_id))
 
     def reconcile(
         self,

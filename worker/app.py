@@ -84,12 +84,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "imports": ("tasks",),
         # Read by worker.consumer.ContinuationConsumer (plain-JSON continuations).
         "ratchet_continuations_queue": settings.continuations_queue,
+        # Flower and `celery events` see every task without `-E` (RATCHET_TASK_EVENTS=0: off);
+        # worker.observe gives the tasks readable arguments and names runs in the logs.
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
     }
 
 
 def make_app(settings: Settings | None = None) -> Celery:
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
     import worker.metrics  # noqa: F401  (worker_init: Prometheus, if RATCHET_METRICS_PORT)
+    import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
     from worker.consumer import ContinuationConsumer
 
     app = Celery("ratchet")

@@ -16,9 +16,17 @@ from typing import Any, TypeVar
 import click
 
 from runtime.errors import RatchetError, RunStateLost, StoreError
-from runtime.models import Event, RunStatus
+from runtime.models import Event, RunStatus, validate_run_id
 from store.runs import RunRecord
-from worker.render import event_line, lineage_lines, open_call_lines, record_lines
+from worker.exits import wait_exit
+from worker.render import (
+    event_line,
+    lineage_lines,
+    open_call_lines,
+    record_lines,
+    run_times,
+    when_utc,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +42,13 @@ def refusals(fn: F) -> F:
             # The reader went away (`| head`): not an error worth a line on stderr.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
+        except FileNotFoundError as exc:
+            click.echo(
+                f"ratchet: no such file: {exc.filename}; check the path "
+                "(agent files are .toml, e.g. examples/refund-desk.toml)",
+                err=True,
+            )
+            sys.exit(1)
         except (RatchetError, ValueError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
@@ -60,6 +75,19 @@ def _event_json(event: Event) -> dict[str, Any]:
     return event.model_dump(mode="json")
 
 
+def _given_run_id(value: str | None) -> str | None:
+    """``--run-id``: checked as given; an empty one is refused, not replaced by a new id."""
+    if value is None:
+        return None
+    try:
+        return validate_run_id(value)
+    except RatchetError as exc:
+        raise click.BadParameter(
+            f"{value[:80]!r} is not a run id: use 1-64 letters, digits, `-` and `_`, "
+            "or leave --run-id out for a generated one"
+        ) from exc
+
+
 @click.group()
 @click.version_option(package_name="ratchet")
 def main() -> None:
@@ -74,8 +102,18 @@ def runs() -> None:
 @runs.command("start")
 @click.argument("agent_file", type=click.Path(dir_okay=False))
 @click.option("--input", "text", required=True, help="What the agent should do.")
-@click.option("--run-id", default=None, help="Use this id instead of a generated one.")
-@click.option("--wait", is_flag=True, help="Wait until the run completes, fails or suspends.")
+@click.option(
+    "--run-id",
+    default=None,
+    callback=lambda _c, _p, v: _given_run_id(v),
+    help="Use this id instead of a generated one.",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait until the run completes, fails, suspends or parks; the exit status says which "
+    "(0 completed, 3 failed, 4 waits for a person, 5 needs an operator, 6 timed out).",
+)
 @click.option(
     "--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds --wait waits."
 )
@@ -102,30 +140,76 @@ def runs_start(
             f"follow it with `ratchet runs events {run_id} --follow`",
             err=True,
         )
-        sys.exit(1)
-    if record.status in (RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED):
-        sys.exit(1)
+    elif record.status.is_suspended:
+        click.echo(
+            f"ratchet: run {run_id} waits for a person ({record.status.value}): "
+            f"`ratchet runs show {run_id}`, then `ratchet runs continue {run_id} …`",
+            err=True,
+        )
+    elif not record.status.is_terminal:
+        click.echo(
+            f"ratchet: run {run_id} is {record.status.value} and needs an operator: "
+            f"`ratchet runs show {run_id}`",
+            err=True,
+        )
+    sys.exit(wait_exit(record.status))
+
+
+def _since_ms(since: str, now_ms: int) -> int:
+    """``--since``: an age (``2h``, ``7d``) or an ISO date/datetime (naive is UTC)."""
+    from worker.cli_recovery import cutoff_ms
+
+    if since[:1].isdigit() and since[-1:] in "smhdw" and since[:-1].isdigit():
+        return cutoff_ms(None, since, now_ms, option="--since")
+    return cutoff_ms(since, None, now_ms, option="--since")
 
 
 @runs.command("list")
 @click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
-@click.option("--limit", default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--agent", default=None, help="Only this agent's runs (its name).")
+@click.option("--since", default=None, help="Only runs created since: an age (2h, 7d) or a date.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--cursor", default=None, help="Start after this cursor (printed by the last page).")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array of run records.")
 @refusals
-def runs_list(status: str | None, limit: int, as_json: bool) -> None:
-    """List runs, newest first."""
-    records = _api().list(RunStatus(status) if status else None, limit)
+def runs_list(
+    status: str | None,
+    agent: str | None,
+    since: str | None,
+    limit: int,
+    cursor: str | None,
+    as_json: bool,
+) -> None:
+    """List runs, newest first, a page at a time.
+
+    When more runs follow, the command for the next page goes to stderr:
+    ``more: ratchet runs list --cursor C`` (C is ``CREATED_AT_MS.RUN_ID`` of the
+    last run shown, so a script reading --json can build it too).
+    """
+    api = _api()
+    since_ms = _since_ms(since, api.ctx.runs.clock()) if since is not None else None
+    records, next_cursor = api.list_page(
+        RunStatus(status) if status else None,
+        agent=agent,
+        since_ms=since_ms,
+        limit=limit,
+        cursor=cursor,
+    )
+    if next_cursor is not None:
+        click.echo(f"more: ratchet runs list --cursor {next_cursor}", err=True)
     if as_json:
         _dump([_record_json(r) for r in records])
         return
     click.echo(
-        f"{'RUN':32}  {'STATUS':20}  {'AGENT':20}  {'TURNS':>5}  {'TOOLS':>5}  {'TOKENS':>7}"
+        f"{'RUN':32}  {'STATUS':20}  {'AGENT':20}  {'CREATED (UTC)':19}  {'UPDATED (UTC)':19}  "
+        f"{'TURNS':>5}  {'TOOLS':>5}  {'TOKENS':>7}"
     )
     for r in records:
         u = r.usage
         click.echo(
-            f"{r.run_id:32}  {r.status.value:20}  {r.agent[:20]:20}  {u.model_turns:>5}  "
-            f"{u.tool_calls:>5}  {u.total_tokens:>7}"
+            f"{r.run_id:32}  {r.status.value:20}  {r.agent[:20]:20}  "
+            f"{when_utc(r.created_at_ms):19}  {when_utc(r.updated_at_ms):19}  "
+            f"{u.model_turns:>5}  {u.tool_calls:>5}  {u.total_tokens:>7}"
         )
 
 
@@ -149,16 +233,22 @@ def runs_show(run_id: str, as_json: bool) -> None:
             # The record is still worth showing when the snapshot store is away.
             lost = f"unknown: {exc}"
     if as_json:
+        now_ms = api.ctx.runs.clock()
+        running_ms, suspended_ms = run_times(record, now_ms)
         _dump(
             {
                 **_record_json(record),
+                # As the text view counts them: the current suspension included.
+                "running_ms": running_ms,
+                "suspended_ms": suspended_ms,
+                "suspension_seq": record.suspension.seq if record.suspension else None,
                 "open_call": entry.model_dump(mode="json") if entry else None,
                 "snapshot_seq": snapshot_seq,
                 "lineage": lineage,
             }
         )
         return
-    lines = record_lines(record) + lineage_lines(lineage)
+    lines = record_lines(record, api.ctx.runs.clock()) + lineage_lines(lineage)
     if lost is not None:
         lines.append(f"snapshot   {lost}")
     elif not record.status.is_terminal:
@@ -174,13 +264,20 @@ def runs_show(run_id: str, as_json: bool) -> None:
 
 @runs.command("events")
 @click.argument("run_id")
-@click.option("--follow", is_flag=True, help="Keep printing events as they are appended.")
+@click.option(
+    "--follow", is_flag=True, help="Keep printing events as they are appended, until it finishes."
+)
+@click.option(
+    "--until-suspended",
+    is_flag=True,
+    help="With --follow: stop once the run suspends or parks instead of when it finishes.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @refusals
-def runs_events(run_id: str, follow: bool, as_json: bool) -> None:
+def runs_events(run_id: str, follow: bool, until_suspended: bool, as_json: bool) -> None:
     """The run's events, one line each, seq first."""
     api = _api()
-    events = api.follow(run_id) if follow else api.events(run_id)
+    events = api.follow(run_id, until_suspended=until_suspended) if follow else api.events(run_id)
     for event in events:
         _dump(_event_json(event)) if as_json else click.echo(event_line(event))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from runtime.models import Suspension
 from tasks.control import new_continuation_id
 from worker.cli import _api, _dump, _record_json, refusals, runs
 from worker.render import record_lines
@@ -36,9 +37,18 @@ def runs_continue(
     suspension_seq: int | None,
     as_json: bool,
 ) -> None:
-    """Answer suspended run RUN_ID and queue its next turn."""
+    """Answer suspended run RUN_ID and queue its next turn.
+
+    It answers the suspension `runs show` shows (or the one --suspension-seq names)
+    and says which: if the run has moved on to another question meanwhile, the
+    answer is refused rather than applied to a question it was not written for.
+    """
+    api = _api()
     continuation_id = continuation_id or new_continuation_id()
-    outcome = _api().continue_run(
+    shown = api.suspension(run_id) if suspension_seq is None else None
+    if shown is not None:
+        suspension_seq = shown.seq
+    outcome = api.continue_run(
         run_id,
         input=text,
         approve=approve or None,
@@ -47,13 +57,30 @@ def runs_continue(
         suspension_seq=suspension_seq,
     )
     if as_json:
-        _dump({"run_id": run_id, "continuation_id": continuation_id, "outcome": outcome})
+        _dump(
+            {
+                "run_id": run_id,
+                "continuation_id": continuation_id,
+                "suspension_seq": suspension_seq,
+                "outcome": outcome,
+            }
+        )
     elif outcome == "duplicate":
         click.echo(
             f"run {run_id}: continuation {continuation_id} was already applied; nothing to do"
         )
     else:
-        click.echo(f"run {run_id}: continued ({continuation_id}); its next turn is queued")
+        what = f" {shown.reason.value}: {_asked(shown)}" if shown is not None else ""
+        click.echo(
+            f"run {run_id}: continued ({continuation_id}), answering the suspension at seq "
+            f"{suspension_seq}{what}; its next turn is queued"
+        )
+
+
+def _asked(suspension: Suspension) -> str:
+    if suspension.reason.value == "awaiting_approval":
+        return f"tool {suspension.tool}"
+    return repr(" ".join(suspension.prompt.split())[:60])
 
 
 @runs.command("cancel")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -14,17 +15,52 @@ from typing import Any
 import click
 
 from runtime.errors import RatchetError
-from worker.cli import _api, main, refusals, runs
-from worker.render import record_lines
+from worker.cli import _api, _dump, _record_json, main, refusals, runs
+from worker.exits import Exit
+from worker.render import record_lines, when_utc
 
 
 @runs.command("resume")
 @click.argument("run_id")
+@click.option(
+    "--wait",
+    "wait_s",
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for a worker to take the resume (0: do not wait).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @refusals
-def runs_resume(run_id: str) -> None:
-    """Resume a stopped run from its last checkpoint (refused, with the reason, if it cannot)."""
-    status = _api().resume(run_id)
-    click.echo(f"run {run_id} ({status}): resume enqueued")
+def runs_resume(run_id: str, wait_s: float, as_json: bool) -> None:
+    """Resume a stopped run from its last checkpoint (refused, with the reason, if it cannot).
+
+    The run is classified here first; then a worker classifies it again with what
+    it sees, and its answer is waited for: resumed (exit 0), refused (exit 1), or
+    no worker took it in time (exit 6).
+    """
+    api = _api()
+    if wait_s <= 0:
+        status = api.resume(run_id)
+        outcome: dict[str, Any] = {"run_id": run_id, "status": status, "outcome": "enqueued"}
+        _dump(outcome) if as_json else click.echo(f"run {run_id} ({status}): resume enqueued")
+        return
+    status, resumed = api.resume_and_wait(run_id, timeout_s=wait_s)
+    if resumed is not None:
+        outcome = {"run_id": run_id, "status": status, "outcome": "resumed", "seq": resumed.seq}
+        if as_json:
+            _dump(outcome)
+        else:
+            click.echo(f"run {run_id} ({status}): resumed by a worker at seq {resumed.seq}")
+        return
+    if as_json:
+        _dump({"run_id": run_id, "status": status, "outcome": "enqueued"})
+    click.echo(
+        f"ratchet: run {run_id} ({status}): resume enqueued, but no worker took it within "
+        f"{wait_s:g}s; is a worker consuming ratchet.turns? "
+        f"(`ratchet runs events {run_id} --follow` shows when one does)",
+        err=True,
+    )
+    sys.exit(Exit.TIMEOUT)
 
 
 @runs.command("reconcile")
@@ -33,9 +69,15 @@ def runs_resume(run_id: str) -> None:
 @click.option("--result", "result_json", default=None, help="The call's outcome, as JSON.")
 @click.option("--retry", is_flag=True, help="The call did not happen: run it again.")
 @click.option("--fail", "fail_reason", default=None, help="The call failed: tell the model why.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
 @refusals
 def runs_reconcile(
-    run_id: str, call_id: str, result_json: str | None, retry: bool, fail_reason: str | None
+    run_id: str,
+    call_id: str,
+    result_json: str | None,
+    retry: bool,
+    fail_reason: str | None,
+    as_json: bool,
 ) -> None:
     """Decide the outcome of CALL_ID, the call a parked run has open; the run then goes on."""
     chosen = [result_json is not None, retry, fail_reason is not None]
@@ -51,21 +93,29 @@ def runs_reconcile(
     else:
         decision = "retry" if retry else "fail"
     record = _api().reconcile(run_id, call_id, decision, result=result, reason=fail_reason)
+    if as_json:
+        _dump({**_record_json(record), "call_id": call_id, "decision": decision})
+        return
     click.echo(f"run {run_id}: call {call_id} reconciled ({decision}); the run goes on")
     click.echo("\n".join(record_lines(record)))
 
 
 @main.command("sweep")
 @click.option("--once", is_flag=True, help="Sweep once and exit (default: every interval).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per sweep.")
 @refusals
-def sweep(once: bool) -> None:
+def sweep(once: bool, as_json: bool) -> None:
     """Find orphaned runs (lease expired, next step overdue) and enqueue a resume for each."""
     api = _api()
     interval_s = api.ctx.settings.sweep_interval_s
     while True:
         found = api.sweep()
-        if found or once:
+        if as_json:
+            _dump({"orphaned": found})
+        elif found:
             click.echo(f"sweep: {len(found)} orphaned run(s), resume enqueued: {' '.join(found)}")
+        elif once:
+            click.echo("sweep: no orphaned runs")
         if once:
             return
         time.sleep(interval_s)
@@ -74,43 +124,104 @@ def sweep(once: bool) -> None:
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def cutoff_ms(before: str | None, older_than: str | None, now_ms: int) -> int:
-    """The purge cutoff from ``--before`` (ISO date or datetime; naive is UTC) or ``--older-than``."""
+def cutoff_ms(
+    before: str | None, older_than: str | None, now_ms: int, option: str | None = None
+) -> int:
+    """The purge cutoff from ``--before`` (ISO date or datetime; naive is UTC) or ``--older-than``.
+
+    ``option`` names the option in messages when it is neither (``--since``).
+    """
     if (before is None) == (older_than is None):
         raise RatchetError("give exactly one of --before DATE or --older-than AGE (e.g. 7d)")
     if older_than is not None:
+        name = option or "--older-than"
         match = re.fullmatch(r"(\d+)([smhdw])", older_than.strip())
         if match is None:
             raise RatchetError(
-                f"--older-than {older_than!r} is not an age: a number and one of s, m, h, d, w (7d)"
+                f"{name} {older_than!r} is not an age: a number and one of s, m, h, d, w (7d)"
             )
-        return now_ms - int(match[1]) * _UNITS_S[match[2]] * 1000
+        cutoff = now_ms - int(match[1]) * _UNITS_S[match[2]] * 1000
+        if cutoff < 0:
+            raise RatchetError(
+                f"{name} {older_than} reaches back before 1970; nothing is that old, "
+                "give a smaller age (e.g. 3650d)"
+            )
+        return cutoff
     assert before is not None
+    name = option or "--before"
     try:
         moment = datetime.fromisoformat(before)
     except ValueError as exc:
         raise RatchetError(
-            f"--before {before!r} is not an ISO date or datetime (2025-01-31 or 2025-01-31T12:00)"
+            f"{name} {before!r} is not an ISO date or datetime (2025-01-31 or 2025-01-31T12:00)"
         ) from exc
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1000)
+    cutoff = int(moment.timestamp() * 1000)
+    if cutoff < 0:
+        raise RatchetError(f"{name} {before} is before 1970; give a later date")
+    return cutoff
 
 
 @runs.command("purge")
 @click.option("--before", default=None, help="Purge runs finished before this ISO date/datetime.")
 @click.option("--older-than", default=None, help="Purge runs finished longer ago than this (7d).")
+@click.option("--dry-run", is_flag=True, help="List what would be purged; delete nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation on a terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @refusals
-def runs_purge(before: str | None, older_than: str | None) -> None:
-    """Delete finished runs (completed, failed, cancelled, dead-lettered): records and events."""
+def runs_purge(
+    before: str | None, older_than: str | None, dry_run: bool, yes: bool, as_json: bool
+) -> None:
+    """Delete finished runs (completed, failed, cancelled, dead-lettered): records and events.
+
+    Irreversible. On a terminal it says how many and asks first (--yes skips the
+    question); --dry-run lists them and deletes nothing.
+    """
     from tasks.recovery import PURGE_BATCH, purge_finished
 
-    ctx = _api().ctx
+    api = _api()
+    ctx = api.ctx
     before_ms = cutoff_ms(before, older_than, ctx.runs.clock())
+    cutoff = datetime.fromtimestamp(before_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    if dry_run or (not yes and sys.stdin.isatty()):
+        candidates = api.purge_candidates(before_ms)
+        if dry_run:
+            if as_json:
+                _dump(
+                    {
+                        "dry_run": True,
+                        "before_ms": before_ms,
+                        "would_purge": [r.run_id for r in candidates],
+                    }
+                )
+                return
+            for r in candidates:
+                click.echo(
+                    f"{r.run_id:32}  {r.status.value:14}  updated {when_utc(r.updated_at_ms)}"
+                )
+            click.echo(
+                f"would purge {len(candidates)} finished run(s) last updated before {cutoff}"
+            )
+            return
+        if not candidates:
+            _dump({"purged": 0, "before_ms": before_ms}) if as_json else click.echo(
+                "purged 0 finished run(s)"
+            )
+            return
+        click.confirm(
+            f"delete {len(candidates)} finished run(s) last updated before {cutoff}, "
+            "records and events, for good?",
+            abort=True,
+            err=True,
+        )
     total = 0
     while True:
         purged = purge_finished(ctx, before_ms, PURGE_BATCH)
         total += purged
         if purged < PURGE_BATCH:
             break
-    click.echo(f"purged {total} finished run(s)")
+    if as_json:
+        _dump({"purged": total, "before_ms": before_ms})
+    else:
+        click.echo(f"purged {total} finished run(s)")

@@ -43,7 +43,10 @@ def _start_worker(log_path: Path) -> subprocess.Popen[bytes]:
         f"demo-{os.getpid()}@%h",
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
+    # One demo's log at a time (and the one before, as .1): it must not grow forever.
+    if log_path.exists():
+        log_path.replace(log_path.with_name(log_path.name + ".1"))
+    with log_path.open("wb") as log:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
 
@@ -63,26 +66,30 @@ def run_demo(agent_file: str | None, text: str) -> int:
         started = time.monotonic()
         run_id = api.start(agent_file, text)
         click.echo(f"started run {run_id} of {agent_file}; a worker is starting…\n")
-        for event in api.follow(run_id, timeout_s=120):
+        for event in api.follow(run_id, timeout_s=120, until_suspended=True):
             click.echo(event_line(event))
         wall_s = time.monotonic() - started
         record = api.get(run_id)
+        # The summary first: stopping the worker takes a few seconds of Celery's shutdown.
+        u = record.usage
+        click.echo("")
+        click.echo(f"run {run_id}: {record.status.value} in {wall_s:.2f}s (including worker start)")
+        click.echo(
+            f"  turns {u.model_turns}, tool calls {u.tool_calls}, tokens {u.total_tokens} "
+            f"(in {u.input_tokens}, out {u.output_tokens}), events {record.last_seq}"
+        )
+        if record.output:
+            click.echo(f"  output: {record.output}")
+        click.echo(f"  events:    `ratchet runs events {run_id}` ({settings.resolved_run_store})")
+        click.echo(
+            f"  snapshots: {settings.resolved_snapshot_store} (deleted once a run completes)"
+        )
+        click.echo(f"  worker log: {log_path}")
+        click.echo("stopping the demo worker…")
     finally:
         worker.send_signal(signal.SIGTERM)
         try:
             worker.wait(timeout=20)
         except subprocess.TimeoutExpired:
             worker.kill()
-    u = record.usage
-    click.echo("")
-    click.echo(f"run {run_id}: {record.status.value} in {wall_s:.2f}s (including worker start)")
-    click.echo(
-        f"  turns {u.model_turns}, tool calls {u.tool_calls}, tokens {u.total_tokens} "
-        f"(in {u.input_tokens}, out {u.output_tokens}), events {record.last_seq}"
-    )
-    if record.output:
-        click.echo(f"  output: {record.output}")
-    click.echo(f"  events:    `ratchet runs events {run_id}` ({settings.resolved_run_store})")
-    click.echo(f"  snapshots: {settings.resolved_snapshot_store} (deleted once a run completes)")
-    click.echo(f"  worker log: {log_path}")
     return 0 if record.status.value == "completed" else 1

@@ -55,6 +55,8 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
         else:
             answer = "approved" if d.get("approved") else f"denied: {d.get('reason')}"
         return f"{answer} [{d.get('continuation_id')}] after {_seconds(d.get('suspended_ms', 0))}"
+    if kind == "run.resume_refused":
+        return _clip(f"resume by {d.get('by')} refused: {d.get('reason', '')}", 90)
     if kind == "run.suspended":
         return f"{d['reason']}: {_clip(d.get('prompt', ''), 60)}"
     return _clip(json.dumps(d, sort_keys=True), 70)
@@ -68,14 +70,26 @@ def _seconds(ms: int) -> str:
     return f"{max(ms, 0) / 1000:.1f}s"
 
 
-def time_lines(record: RunRecord, now_ms: int) -> list[str]:
-    """Time running (what the deadline counts) and time suspended (what it does not)."""
+def when_utc(at_ms: int) -> str:
+    """A moment as `runs list` prints it: to the second, UTC."""
+    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def run_times(record: RunRecord, now_ms: int) -> tuple[int, int]:
+    """(ms running, ms suspended) so far: the current suspension counts as suspended."""
     waiting = record.suspension
     ended_ms = now_ms if record.status.is_live else record.updated_at_ms
     if waiting is not None:
         ended_ms = waiting.since_ms
     running_ms = ended_ms - record.created_at_ms - record.suspended_ms
-    suspended_ms = record.suspended_ms + (now_ms - waiting.since_ms if waiting else 0)
+    suspended_ms = record.suspended_ms + (max(0, now_ms - waiting.since_ms) if waiting else 0)
+    return max(running_ms, 0), suspended_ms
+
+
+def time_lines(record: RunRecord, now_ms: int) -> list[str]:
+    """Time running (what the deadline counts) and time suspended (what it does not)."""
+    waiting = record.suspension
+    running_ms, suspended_ms = run_times(record, now_ms)
     timeout = record.budgets.get("timeout_seconds")
     of = f" of {timeout}s" if timeout else ""
     lines = [f"time       running {_seconds(running_ms)}{of}, suspended {_seconds(suspended_ms)}"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,6 +53,17 @@ class Settings(BaseSettings):
     """Address the metrics server binds; `0.0.0.0` (or `::`) exposes it on every interface."""
     allow_volatile_store: bool = False
     """Start although a Redis store keeps nothing durable (no AOF): a restart then rolls it back."""
+    # --- observability and answers (issue 10: items 11, 15, 16) ---
+    task_events: bool = True
+    """Workers send Celery task events (Flower, `celery events`); 0 turns them off."""
+    log_format: Literal["text", "json"] = "text"
+    """`json`: a worker logs one JSON object per line, with a `run_id` field."""
+    allow_unpinned_continuations: bool = False
+    """Accept answers that name neither a continuation_id nor a suspension_seq (unsafe)."""
+    notify_task: str | None = None
+    """A Celery task name a worker sends (run_id, status) to when a run stops (ends, suspends, parks)."""
+    notify_queue: str = "celery"
+    """The queue `notify_task` is sent to."""
 
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:

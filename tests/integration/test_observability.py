@@ -1,0 +1,254 @@
+"""What Flower, the logs and a client see: real ``celery -A worker worker`` subprocesses,
+a real event receiver on the real broker, the worker's own log file."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kombu import Connection
+
+from runtime.models import RunStatus
+from tasks.context import Context
+from tasks.start import create_run
+from tests.helpers import call, turn, write_agent
+from tests.workers import WorkerProcess, WorkerProcesses, redis_context
+from worker.app import celery_config, make_app
+from worker.settings import Settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+LOOKUP = [turn("look", call("lookup_order", order_id="B2")), turn("Done.")]
+
+
+class Events:
+    """A Celery event receiver on the broker, in a thread; keeps every event it sees."""
+
+    def __init__(self, broker_url: str) -> None:
+        self.app = make_app(Settings(broker_url=broker_url))
+        self.seen: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.receiver: Any = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.ready = threading.Event()
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        with self.lock:
+            self.seen.append(event)
+
+    def _run(self) -> None:
+        with self.app.connection_for_read() as connection:
+            self.receiver = self.app.events.Receiver(connection, handlers={"*": self._on_event})
+            self.ready.set()
+            self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def __enter__(self) -> Events:
+        self.thread.start()
+        assert self.ready.wait(30)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        if self.receiver is not None:
+            self.receiver.should_stop = True
+        self.thread.join(timeout=10)
+        self.app.close()
+
+    def wait_for(
+        self, found: Callable[[dict[str, Any]], bool], timeout_s: float = 60
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                for event in self.seen:
+                    if found(event):
+                        return event
+            time.sleep(0.05)
+        with self.lock:
+            kinds = sorted({e.get("type", "?") for e in self.seen})
+        raise AssertionError(f"no such event in {timeout_s}s; seen types: {kinds}")
+
+
+def send(broker_url: str, name: str, args: tuple[Any, ...] = ()) -> str:
+    client = make_app(Settings(broker_url=broker_url))
+    try:
+        return str(client.send_task(name, args).id)
+    finally:
+        client.close()
+
+
+def wait_run(ctx: Context, run_id: str, timeout_s: float = 60) -> RunStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = ctx.runs.get(run_id)
+        if record is not None and record.status.is_terminal:
+            return record.status
+        time.sleep(0.05)
+    raise AssertionError(f"run {run_id} did not finish in {timeout_s}s")
+
+
+@pytest.fixture
+def ctx(redis_url: str) -> Iterator[Context]:
+    context = redis_context(redis_url, lease_s=0.5)
+    try:
+        yield context
+    finally:
+        context.close()
+
+
+def online(events: Events) -> None:
+    events.wait_for(lambda e: e.get("type") in ("worker-online", "worker-heartbeat"))
+
+
+def log_lines(worker: WorkerProcess, needle: str) -> list[str]:
+    return [line for line in worker.log().splitlines() if needle in line]
+
+
+def test_a_worker_sends_task_events_by_default_with_readable_arguments_and_logs_run_ids(
+    worker_processes: WorkerProcesses, redis_url: str, ctx: Context, tmp_path: Path
+) -> None:
+    with Events(redis_url) as events:
+        worker = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="0.5")
+        online(events)
+        run_id = create_run(ctx, write_agent(tmp_path, LOOKUP, name="desk"), "refund").run_id
+        send(redis_url, "ratchet.turn", (run_id, 1))
+        assert wait_run(ctx, run_id) == RunStatus.COMPLETED, worker.log()
+        # Flower's view: every turn received and succeeded, named, with run, agent and seq.
+        received = events.wait_for(
+            lambda e: (
+                e.get("type") == "task-received"
+                and e.get("name") == "ratchet.turn"
+                and f"run_id='{run_id}'" in str(e.get("args"))
+                and "seq=" in str(e.get("args"))
+                and "agent='desk'" in str(e.get("args"))
+            )
+        )
+        events.wait_for(
+            lambda e: e.get("type") == "task-succeeded" and e.get("uuid") == received["uuid"]
+        )
+        # A chained turn is published by the worker: its task-sent event is there too.
+        chained = events.wait_for(
+            lambda e: (
+                e.get("type") == "task-received"
+                and e.get("name") == "ratchet.turn"
+                and f"run_id='{run_id}'" in str(e.get("args"))
+                and "seq=1" not in str(e.get("args"))
+            )
+        )
+        events.wait_for(lambda e: e.get("type") == "task-sent" and e.get("uuid") == chained["uuid"])
+        # Celery's own task lines name the run.
+        assert any(f"(run {run_id})" in line for line in log_lines(worker, "ratchet.turn["))
+
+        # Sweeps that find nothing leave no INFO line; one that finds an orphan does.
+        empty = [send(redis_url, "ratchet.sweep") for _ in range(3)]
+        for task_id in empty:
+            events.wait_for(
+                lambda e, t=task_id: e.get("type") == "task-succeeded" and e.get("uuid") == t
+            )
+        assert log_lines(worker, "ratchet.sweep[") == [], log_lines(worker, "ratchet.sweep[")
+        orphan = create_run(ctx, write_agent(tmp_path / "o", LOOKUP, name="desk"), "x").run_id
+        deadline = time.monotonic() + 30
+        while orphan not in ctx.runs.overdue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = send(redis_url, "ratchet.sweep")
+        events.wait_for(lambda e: e.get("type") == "task-succeeded" and e.get("uuid") == found)
+        assert wait_run(ctx, orphan) == RunStatus.COMPLETED
+        sweep_lines = log_lines(worker, "ratchet.sweep[")
+        # (Its "received" line stays at DEBUG: nothing is known then.)
+        assert len(sweep_lines) == 1 and found in sweep_lines[0], sweep_lines
+        assert "INFO" in sweep_lines[0] and sweep_lines[0].endswith(": 1")
+        assert log_lines(worker, "sweep: 1 overdue run(s)")
+
+
+def test_task_events_can_be_turned_off_with_a_setting() -> None:
+    on = celery_config(Settings())
+    off = celery_config(Settings(task_events=False))
+    assert on["worker_send_task_events"] and on["task_send_sent_event"]
+    assert not off["worker_send_task_events"] and not off["task_send_sent_event"]
+
+
+def test_json_logs_carry_the_run_id_and_a_stopped_run_is_notified(
+    worker_processes: WorkerProcesses, redis_url: str, ctx: Context, tmp_path: Path
+) -> None:
+    worker = worker_processes.start(
+        "--pool",
+        "threads",
+        RATCHET_LOG_FORMAT="json",
+        RATCHET_NOTIFY_TASK="myapp.run_stopped",
+        RATCHET_NOTIFY_QUEUE="myapp.ratchet-runs",
+    )
+    run_id = create_run(ctx, write_agent(tmp_path, LOOKUP), "refund").run_id
+    send(redis_url, "ratchet.turn", (run_id, 1))
+    assert wait_run(ctx, run_id) == RunStatus.COMPLETED, worker.log()
+
+    # The notification: a Celery task message on the client's queue.
+    with Connection(redis_url) as connection:
+        queue = connection.SimpleQueue("myapp.ratchet-runs")
+        message = queue.get(timeout=60)
+        assert message.headers["task"] == "myapp.run_stopped"
+        args, kwargs, _ = message.decode()
+        message.ack()
+        queue.close()
+    assert kwargs["run_id"] == run_id and kwargs["status"] == "completed"
+    assert kwargs["output"] == "Done."
+
+    documents = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        documents = [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
+        if any(d["logger"] == "ratchet.observe" for d in documents):
+            break
+        time.sleep(0.05)
+    mine = [d for d in documents if d.get("run_id") == run_id]
+    assert any(d["logger"] == "celery.app.trace" and "succeeded" in d["message"] for d in mine)
+    assert any(d["logger"].startswith("ratchet.") for d in mine), documents
+    assert all({"time", "level", "logger", "message", "run_id"} <= set(d) for d in documents)
+
+
+def test_beat_sends_sweeps_without_an_info_line_each(
+    redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    import redis as redis_client
+
+    from tests.workers import worker_env
+
+    env = worker_env(redis_url, ledger, tmp_path / "data", RATCHET_SWEEP_INTERVAL_S="0.2")
+    log_path = tmp_path / "beat.log"
+    with log_path.open("wb") as log:
+        beat = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "worker",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(tmp_path / "schedule"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        queue = redis_client.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 60
+        while queue.llen("ratchet.control") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queue.llen("ratchet.control") >= 3, log_path.read_text()
+    finally:
+        beat.kill()
+        beat.wait(timeout=30)
+    text = log_path.read_text()
+    assert "beat: Starting..." in text
+    assert "Sending due task ratchet.sweep" not in text, text

@@ -1,0 +1,360 @@
+"""The ``ratchet`` command against real stores: listing, showing, purging, answering.
+
+In-process through click's CliRunner with a memory or SQLite context, and as a
+subprocess on a pseudo-terminal where the command must know it talks to a person.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from runtime.errors import InvalidContinuation, SuspensionAlreadyAnswered
+from store.runs import RunRecord
+from store.runs.memory import MemoryRunStore
+from store.runs.sqlite import SqliteRunStore
+from tasks.context import Context, set_context
+from tasks.start import create_run
+from tests.helpers import call, drive, memory_context, turn, write_agent
+from worker.api import Ratchet
+from worker.cli import main
+from worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
+TWO_APPROVALS = [
+    turn("first", call("issue_refund", order_id="B2", amount_cents=100)),
+    turn("second", call("issue_refund", order_id="B2", amount_cents=200)),
+    turn("Both refunded."),
+]
+
+
+class Clock:
+    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "ledger"
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
+    return path
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def ctx(clock: Clock, ledger: Path) -> Iterator[Context]:
+    context = memory_context()
+    context.runs = MemoryRunStore(clock=clock)
+    set_context(context)
+    try:
+        yield context
+    finally:
+        set_context(None)
+
+
+def cli(*args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def finished_run(ctx: Context, agent: Path, text: str = "refund B2") -> str:
+    run_id = create_run(ctx, agent, text).run_id
+    drive(ctx, run_id)
+    return run_id
+
+
+# --- runs list (item 9) ---------------------------------------------------------
+
+
+def test_runs_list_filters_by_agent_and_age_pages_with_a_cursor_and_shows_times(
+    ctx: Context, clock: Clock, tmp_path: Path
+) -> None:
+    desk = write_agent(tmp_path / "a", [turn("Done.")], name="desk")
+    other = write_agent(tmp_path / "b", [turn("Done.")], name="other")
+    ids = []
+    for i in range(5):
+        clock.now_ms += 60_000
+        ids.append(finished_run(ctx, desk if i != 2 else other))
+    newest_desk = [ids[4], ids[3], ids[1], ids[0]]
+
+    first = cli("runs", "list", "--agent", "desk", "--limit", "2", "--json")
+    assert first.exit_code == 0, first.output
+    page = json.loads(first.stdout)
+    assert [r["run_id"] for r in page] == newest_desk[:2]
+    cursor = f"{page[-1]['created_at_ms']}.{page[-1]['run_id']}"  # as the docstring says
+    assert first.stderr == f"more: ratchet runs list --cursor {cursor}\n"
+    second = cli("runs", "list", "--agent", "desk", "--limit", "2", "--json", "--cursor", cursor)
+    assert [r["run_id"] for r in json.loads(second.stdout)] == newest_desk[2:]
+    assert second.stderr == ""  # the last page
+
+    # --since 150s: the runs created in the last two and a half minutes (the last three)
+    recent = json.loads(cli("runs", "list", "--since", "150s", "--json").stdout)
+    assert [r["run_id"] for r in recent] == [ids[4], ids[3], ids[2]]
+
+    table = cli("runs", "list", "--limit", "1")
+    assert table.exit_code == 0
+    header, row = table.stdout.splitlines()[:2]
+    assert "CREATED (UTC)" in header and "UPDATED (UTC)" in header
+    assert "2023-11-14 22:" in row  # the injected clock, to the second
+    assert "more: ratchet runs list --cursor " in table.stderr
+
+    bad = cli("runs", "list", "--cursor", "nonsense")
+    assert bad.exit_code == 1 and "is not a cursor a previous page printed" in bad.output
+
+
+# --- runs show (items 16, 18) ---------------------------------------------------
+
+
+def test_show_json_counts_the_current_suspension_as_the_text_view_does_and_gives_its_seq(
+    ctx: Context, clock: Clock, tmp_path: Path
+) -> None:
+    run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund").run_id
+    drive(ctx, run_id)
+    clock.now_ms += 1_800
+    shown = json.loads(cli("runs", "show", run_id, "--json").output)
+    text = cli("runs", "show", run_id).output
+    suspension_seq = ctx.runs.get(run_id).suspension.seq  # type: ignore[union-attr]
+    assert shown["suspended_ms"] == 1_800
+    assert "suspended 1.8s" in text
+    assert shown["suspension_seq"] == suspension_seq
+    assert f"(seq {suspension_seq}," in text
+
+
+# --- continue: the suspension it answers (item 16) ----------------------------
+
+
+def wait_for(api: Ratchet, run_id: str, done: Callable[[RunRecord], bool]) -> RunRecord:
+    deadline = time.monotonic() + 60
+    while True:
+        record = api.ctx.runs.get(run_id)
+        if record is not None and done(record):
+            return record
+        assert time.monotonic() < deadline, f"run {run_id} did not get there: {record}"
+        time.sleep(0.02)
+
+
+def suspended_at(api: Ratchet, run_id: str, after_seq: int = 0) -> int:
+    """Wait until the run waits for a person at a suspension after ``after_seq``; its seq."""
+    record = wait_for(
+        api,
+        run_id,
+        lambda r: (
+            r.status.is_suspended and r.suspension is not None and r.suspension.seq > after_seq
+        ),
+    )
+    assert record.suspension is not None
+    return record.suspension.seq
+
+
+# These answer runs, which chains turns: on the session worker (a real broker), never
+# on the default app's broker.
+
+
+def test_the_cli_answers_the_suspension_it_shows_and_says_which(
+    ratchet: Ratchet, tmp_path: Path
+) -> None:
+    agent = write_agent(tmp_path, TWO_APPROVALS, require_approval=["issue_refund"])
+    run_id = ratchet.start(agent, "refund twice")
+    first_seq = suspended_at(ratchet, run_id)
+    answered = cli("runs", "continue", run_id, "--approve", "--json")
+    assert answered.exit_code == 0, answered.output
+    assert json.loads(answered.output)["suspension_seq"] == first_seq
+    second_seq = suspended_at(ratchet, run_id, first_seq)
+    text = cli("runs", "continue", run_id, "--approve")
+    assert text.exit_code == 0, text.output
+    assert f"answering the suspension at seq {second_seq} awaiting_approval: tool issue_refund" in (
+        text.output
+    )
+    assert wait_for(ratchet, run_id, lambda r: r.status.is_terminal).output == "Both refunded."
+
+
+def test_an_answer_naming_neither_its_id_nor_its_suspension_is_refused_unless_allowed(
+    ratchet: Ratchet, tmp_path: Path
+) -> None:
+    agent = write_agent(tmp_path, TWO_APPROVALS, require_approval=["issue_refund"])
+    run_id = ratchet.start(agent, "refund twice")
+    first_seq = suspended_at(ratchet, run_id)
+    assert ratchet.continue_run(run_id, approve=True, suspension_seq=first_seq) == "continued"
+    suspended_at(ratchet, run_id, first_seq)
+    # A client retrying its first approval late, without saying which one, is refused:
+    with pytest.raises(InvalidContinuation, match="neither a continuation_id nor a suspension_seq"):
+        ratchet.continue_run(run_id, approve=True)
+    # and the same retry naming the first suspension is refused as already answered.
+    with pytest.raises(SuspensionAlreadyAnswered):
+        ratchet.continue_run(run_id, approve=True, suspension_seq=first_seq)
+    assert [e.type for e in ratchet.events(run_id)].count("run.continued") == 1
+
+    ctx = ratchet.ctx
+    settings = ctx.settings.model_copy(update={"allow_unpinned_continuations": True})
+    lax = Ratchet(Context(settings, ctx.snapshots, ctx.runs))
+    assert lax.continue_run(run_id, approve=True) == "continued"
+    assert wait_for(ratchet, run_id, lambda r: r.status.is_terminal).status.value == "completed"
+
+
+def test_the_continue_task_refuses_an_unpinned_answer(ratchet: Ratchet, tmp_path: Path) -> None:
+    from tasks.control import continue_run
+
+    run_id = ratchet.start(write_agent(tmp_path, ASK), "refund")
+    seq = suspended_at(ratchet, run_id)
+    before = ratchet.events(run_id)
+    # The task body, run here (Celery's apply): what a worker does with such a message.
+    assert continue_run.apply(kwargs={"run_id": run_id, "input": "B2"}).get() == "refused"
+    assert ratchet.events(run_id) == before
+    pinned = {"run_id": run_id, "input": "B2", "suspension_seq": seq}
+    assert continue_run.apply(kwargs=pinned).get() == "continued"
+
+
+# --- purge (item 10) ------------------------------------------------------------
+
+
+def test_purge_dry_run_lists_and_deletes_nothing_and_an_absurd_age_is_named_as_typed(
+    ctx: Context, clock: Clock, tmp_path: Path
+) -> None:
+    agent = write_agent(tmp_path, [turn("Done.")])
+    old = [finished_run(ctx, agent) for _ in range(3)]
+    clock.now_ms += 10 * 86_400_000
+    fresh = finished_run(ctx, agent)
+    dry = cli("runs", "purge", "--older-than", "1d", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert "would purge 3 finished run(s)" in dry.output
+    assert all(run_id in dry.output for run_id in old) and fresh not in dry.output
+    assert all(ctx.runs.get(run_id) is not None for run_id in old)
+    as_json = json.loads(cli("runs", "purge", "--older-than", "1d", "--dry-run", "--json").output)
+    assert sorted(as_json["would_purge"]) == sorted(old)
+
+    absurd = cli("runs", "purge", "--older-than", "99999999999999d")
+    assert absurd.exit_code == 1
+    assert "--older-than 99999999999999d reaches back before 1970" in absurd.output
+    assert "before_ms" not in absurd.output
+
+    # Not on a terminal (a script): no question, and --json says how many.
+    done = cli("runs", "purge", "--older-than", "1d", "--json")
+    assert json.loads(done.output)["purged"] == 3
+    assert all(ctx.runs.get(run_id) is None for run_id in old) and ctx.runs.get(fresh)
+
+
+def run_on_a_terminal(args: list[str], env: dict[str, str], answer: bytes) -> tuple[int, str]:
+    """Run ``python -m worker ARGS`` with a pseudo-terminal as stdin/stdout; type ``answer``."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker", *args],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+        cwd=ROOT,
+    )
+    os.close(follower)
+    seen = b""
+    deadline = time.monotonic() + 60
+    typed = False
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        if not typed and b"[y/N]" in seen:
+            os.write(leader, answer)
+            typed = True
+        if process.poll() is not None and not ready:
+            break
+    code = process.wait(timeout=30)
+    os.close(leader)
+    return code, seen.decode(errors="replace")
+
+
+def test_purge_on_a_terminal_asks_first_and_no_keeps_everything(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(
+        RATCHET_DATA_DIR=str(data),
+        PYTHONPATH=str(ROOT),
+        RATCHET_EXAMPLE_LEDGER=str(tmp_path / "ledger"),
+    )
+    store = SqliteRunStore(data / "runs.sqlite3")
+    local = Context(Settings(data_dir=data), memory_context().snapshots, store)
+    agent = write_agent(tmp_path, [turn("Done.")])
+    ids = [finished_run(local, agent) for _ in range(2)]
+    store.close()
+
+    code, seen = run_on_a_terminal(["runs", "purge", "--older-than", "0s"], env, b"n\n")
+    assert "delete 2 finished run(s) last updated before" in seen, seen
+    assert code == 1 and "Aborted" in seen
+    code, seen = run_on_a_terminal(["runs", "list", "--json"], env, b"")
+    assert sorted(r["run_id"] for r in json.loads(seen)) == sorted(ids)
+
+    code, seen = run_on_a_terminal(["runs", "purge", "--older-than", "0s"], env, b"y\n")
+    assert code == 0 and "purged 2 finished run(s)" in seen, seen
+    code, seen = run_on_a_terminal(["runs", "purge", "--older-than", "0s", "--yes"], env, b"")
+    assert code == 0 and "purged 0 finished run(s)" in seen and "[y/N]" not in seen
+
+
+# --- --json everywhere (item 9) and small things (item 18) -------------------------
+
+
+def test_every_command_that_prints_has_json(ratchet: Ratchet, tmp_path: Path) -> None:
+    run_id = ratchet.start(write_agent(tmp_path, ASK), "refund")
+    seq = suspended_at(ratchet, run_id)
+    continued = json.loads(cli("runs", "continue", run_id, "--input", "B2", "--json").output)
+    assert continued["outcome"] == "continued" and continued["suspension_seq"] == seq
+    wait_for(ratchet, run_id, lambda r: r.status.is_terminal)
+    other = ratchet.start(write_agent(tmp_path / "x", ASK), "refund")
+    suspended_at(ratchet, other)
+    cancelled = json.loads(cli("runs", "cancel", other, "--json").output)
+    assert cancelled["status"] == "cancelled"
+    assert json.loads(cli("sweep", "--once", "--json").output) == {"orphaned": []}
+    refused = cli("runs", "resume", run_id, "--json")
+    assert refused.exit_code == 1 and "nothing to resume" in refused.output
+    for command in (
+        "resume",
+        "reconcile",
+        "purge",
+        "sweep",
+        "continue",
+        "cancel",
+        "list",
+        "show",
+        "events",
+        "start",
+    ):
+        group = [] if command == "sweep" else ["runs"]
+        assert "--json" in cli(*group, command, "--help").output, command
+
+
+def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
+    assert cli("sweep", "--once").output == "sweep: no orphaned runs\n"
+    missing = cli("runs", "start", str(tmp_path / "nope.toml"), "--input", "hi")
+    assert missing.exit_code == 1
+    assert "Errno" not in missing.output and "nope.toml" in missing.output
+    assert "check the path" in missing.output or "no such file" in missing.output
+    empty = cli("runs", "start", str(tmp_path / "nope.toml"), "--input", "hi", "--run-id", "")
+    assert empty.exit_code == 2 and "'' is not a run id" in empty.output
+    keyed = tmp_path / "keyed.toml"
+    keyed.write_text('name = "k"\nmodel = "scripted"\nscript = "k.json"\napi_key = "sk-x"\n')
+    refused = cli("runs", "start", str(keyed), "--input", "hi")
+    assert refused.exit_code == 1 and "RATCHET_OPENAI_API_KEY" in refused.output
+    assert "sk-x" not in refused.output
+    for package in ("runtime", "store", "tasks", "worker"):
+        assert (ROOT / package / "py.typed").is_file()

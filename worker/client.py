@@ -1,0 +1,107 @@
+"""For applications that speak only Celery: send ratchet's tasks from your own Celery app.
+
+Your app's messages go where *its* configuration routes them. Without a route,
+``app.send_task("ratchet.start", …)`` lands on Celery's default queue ``celery``,
+which ratchet's workers do not consume, and the run never starts. So either pass
+``queue=`` on every send (see :data:`QUEUES`), or route your app once::
+
+    from celery import Celery
+    from worker.client import route, start_run
+
+    app = Celery("shop", broker="redis://127.0.0.1:6379/0")   # the workers' broker
+    app.conf.task_serializer = "json"                        # ratchet accepts JSON only
+    route(app)
+    start_run(app, "examples/refund-desk.toml", "Refund order B2", run_id="order-b2")
+
+ratchet keeps no Celery results (``task_ignore_result``, no result backend):
+``AsyncResult.get()`` raises ``NotImplementedError: No result backend is
+configured``. What a run did is in the run store (``Ratchet().wait(run_id)``,
+``ratchet runs show``). To be told when a run stops, set
+``RATCHET_NOTIFY_TASK`` on the workers: they send that task, kwargs ``run_id``,
+``status``, ``output``, ``error``, to ``RATCHET_NOTIFY_QUEUE`` (see docs/celery.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TURNS_QUEUE = "ratchet.turns"
+CONTROL_QUEUE = "ratchet.control"
+
+QUEUES: dict[str, str] = {
+    "ratchet.start": TURNS_QUEUE,
+    "ratchet.turn": TURNS_QUEUE,
+    "ratchet.resume": TURNS_QUEUE,
+    "ratchet.continue": CONTROL_QUEUE,
+    "ratchet.cancel": CONTROL_QUEUE,
+    "ratchet.sweep": CONTROL_QUEUE,
+    "ratchet.reconcile": CONTROL_QUEUE,
+}
+"""The queue of each ratchet task (the workers' ``task_routes``)."""
+
+
+def route(app: Any) -> None:
+    """Route ``app``'s ratchet tasks to ratchet's queues, before any route it already has."""
+    ours = {name: {"queue": queue} for name, queue in QUEUES.items()}
+    existing = app.conf.task_routes
+    if existing is None:
+        app.conf.task_routes = ours
+    elif isinstance(existing, dict):
+        app.conf.task_routes = {**existing, **ours}
+    else:  # a list or tuple of routers: ours first
+        app.conf.task_routes = (ours, *existing)
+
+
+def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: Any) -> str:
+    """Send ``ratchet.start``: the worker creates ``run_id`` and takes its first turn.
+
+    ``agent_file`` is a path the workers can read. Sending the same ``run_id``
+    again does not start a second run. Returns the Celery task id.
+    """
+    kwargs = {"agent_file": agent_file, "text": text, "run_id": run_id}
+    return str(
+        app.send_task("ratchet.start", kwargs=kwargs, queue=QUEUES["ratchet.start"], **options).id
+    )
+
+
+def continue_run(
+    app: Any,
+    run_id: str,
+    *,
+    continuation_id: str | None = None,
+    suspension_seq: int | None = None,
+    input: str | None = None,
+    approve: bool | None = None,
+    deny: str | None = None,
+    **options: Any,
+) -> str:
+    """Send ``ratchet.continue``: one answer (input, approve or deny) to a suspended run.
+
+    Name the answer (``continuation_id``; the same id twice is applied once) or
+    the suspension it answers (``suspension_seq``, from ``runs show``): an answer
+    naming neither is refused by the workers. Returns the Celery task id.
+    """
+    if continuation_id is None and suspension_seq is None:
+        raise ValueError("give continuation_id or suspension_seq: which answer is this?")
+    kwargs = {
+        "run_id": run_id,
+        "continuation_id": continuation_id,
+        "suspension_seq": suspension_seq,
+        "input": input,
+        "approve": approve,
+        "deny": deny,
+    }
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return str(
+        app.send_task(
+            "ratchet.continue", kwargs=kwargs, queue=QUEUES["ratchet.continue"], **options
+        ).id
+    )
+
+
+def cancel_run(app: Any, run_id: str, reason: str | None = None, **options: Any) -> str:
+    """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
+    kwargs = {"run_id": run_id, "reason": reason}
+    return str(
+        app.send_task("ratchet.cancel", kwargs=kwargs, queue=QUEUES["ratchet.cancel"], **options).id
+    )

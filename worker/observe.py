@@ -1,0 +1,270 @@
+"""What Flower, ``celery events``, the logs and a foreign client see of ratchet's tasks.
+
+- **Readable tasks.** Every ``ratchet.*`` message is published with an
+  ``argsrepr`` naming the agent, the run and the seq (``agent='refund-desk',
+  run_id='…', seq=3``): Flower and ``celery events`` show that instead of a bare
+  tuple. It is set in Celery's ``before_task_publish`` signal, so every producer
+  (the API, a chained turn, the sweeper, the CLI) gets it.
+- **Run ids in the logs.** Celery's own task lines (``Task ratchet.turn[…]
+  received``, ``… succeeded in …``) get `` (run …)`` appended, and every log
+  record carries a ``run_id`` attribute: the run of the ratchet task in progress.
+  ``RATCHET_LOG_FORMAT=json`` makes a worker log one JSON object per line with a
+  ``run_id`` field.
+- **Quiet sweeps.** Celery logs two INFO lines per task, and beat one per send; for
+  ``ratchet.sweep`` (every 2 s) they are kept at DEBUG unless the sweep found something.
+- **Told when a run stops.** With ``RATCHET_NOTIFY_TASK=name`` a worker sends
+  that Celery task, kwargs ``run_id``, ``status``, ``output``, ``error``, to
+  ``RATCHET_NOTIFY_QUEUE`` whenever a task of its leaves a run completed, failed,
+  cancelled, suspended, parked, stalled or dead-lettered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    before_task_publish,
+    task_postrun,
+    task_prerun,
+)
+
+log = logging.getLogger("ratchet.observe")
+
+RUN_ID_POSITION = {
+    "ratchet.turn": 0,
+    "ratchet.resume": 0,
+    "ratchet.start": 2,
+    "ratchet.continue": 0,
+    "ratchet.cancel": 0,
+    "ratchet.reconcile": 0,
+}
+"""Where each task's run id is among its positional arguments (else kwarg ``run_id``)."""
+SEQ_POSITION = {"ratchet.turn": 1, "ratchet.resume": 2}
+
+STOPPED_OUTCOMES = frozenset(
+    {"completed", "failed", "cancelled", "suspended", "parked", "stalled", "dead_lettered"}
+)
+"""Task results after which the run no longer moves by itself: worth telling a client."""
+
+_current_run: ContextVar[str | None] = ContextVar("ratchet_run_id", default=None)
+_agents: dict[str, str] = {}
+_AGENTS_MAX = 10_000
+_ARGS_RUN_ID = re.compile(r"run_id='([A-Za-z0-9_-]{1,64})'")
+
+
+def _argument(args: Any, kwargs: Any, name: str, position: int | None) -> Any:
+    if isinstance(kwargs, dict) and kwargs.get(name) is not None:
+        return kwargs[name]
+    if position is not None and isinstance(args, list | tuple) and len(args) > position:
+        return args[position]
+    return None
+
+
+def _agent_of(task: str, run_id: str, args: Any, kwargs: Any) -> str | None:
+    """The run's agent name: from ``ratchet.start``'s agent file, else the run store (cached)."""
+    if task == "ratchet.start":
+        agent_file = _argument(args, kwargs, "agent_file", 0)
+        return Path(str(agent_file)).stem if agent_file else None
+    if run_id in _agents:
+        return _agents[run_id]
+    try:
+        import tasks.context as context
+
+        # Only a context this process already opened: a bare Celery client has none,
+        # and a label is not worth opening stores (or creating ./.ratchet) for.
+        ctx = context._context if context._context_pid == os.getpid() else None
+        record = ctx.runs.get(run_id) if ctx is not None else None
+    except Exception:  # noqa: BLE001 - a label is never worth failing a publish
+        return None
+    if record is None:
+        return None
+    if len(_agents) >= _AGENTS_MAX:
+        _agents.clear()
+    _agents[run_id] = record.agent
+    return record.agent
+
+
+def describe(task: str, args: Any, kwargs: Any) -> str | None:
+    """``agent='…', run_id='…', seq=N`` for a ratchet task's arguments; None for others."""
+    if task not in RUN_ID_POSITION:
+        return None
+    run_id = _argument(args, kwargs, "run_id", RUN_ID_POSITION[task])
+    if not isinstance(run_id, str):
+        return None
+    parts = []
+    agent = _agent_of(task, run_id, args, kwargs)
+    if agent:
+        parts.append(f"agent={agent!r}")
+    parts.append(f"run_id={run_id!r}")
+    seq = _argument(args, kwargs, "seq", SEQ_POSITION.get(task))
+    if isinstance(seq, int):
+        parts.append(f"seq={seq}")
+    return ", ".join(parts)
+
+
+@before_task_publish.connect
+def _readable_arguments(
+    sender: str | None = None, body: Any = None, headers: Any = None, **_: Any
+) -> None:
+    # Protocol 2: the body is (args, kwargs, embed) and Flower shows headers["argsrepr"].
+    if not isinstance(headers, dict) or not isinstance(body, list | tuple) or len(body) < 2:
+        return
+    label = describe(str(sender), body[0], body[1])
+    if label is not None:
+        headers["argsrepr"] = label
+
+
+# --- logs -------------------------------------------------------------------
+
+
+def _run_id_of(record: logging.LogRecord) -> str | None:
+    data = getattr(record, "data", None)
+    if isinstance(data, dict) and str(data.get("name", "")).startswith("ratchet."):
+        found = _ARGS_RUN_ID.search(str(data.get("args", "")))
+        if found:
+            return found[1]
+    return _current_run.get()
+
+
+class RunIdFilter(logging.Filter):
+    """Give every record a ``run_id`` (or None); name the run in Celery's task lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "run_id"):
+            record.run_id = _run_id_of(record)
+            data = getattr(record, "data", None)
+            if record.run_id and isinstance(data, dict) and "id" in data:
+                record.msg = f"{record.msg} (run {record.run_id})"
+        return True
+
+
+class QuietSweeps(logging.Filter):
+    """Celery's lines about a sweep that found nothing: DEBUG, not INFO.
+
+    The worker's received/succeeded lines (succeeded stays INFO when it found
+    runs), and beat's "Sending due task ratchet.sweep" every interval.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        data = getattr(record, "data", None)
+        if record.name == "celery.beat":
+            if not (isinstance(record.args, tuple) and "ratchet.sweep" in record.args):
+                return True
+        elif not isinstance(data, dict) or data.get("name") != "ratchet.sweep":
+            return True
+        elif "return_value" in data and str(data["return_value"]) not in ("0", "None"):
+            return True
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, process, message, run_id (and exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "process": record.processName,
+            "message": record.getMessage(),
+            "run_id": getattr(record, "run_id", None) or _run_id_of(record),
+        }
+        data = getattr(record, "data", None)
+        if isinstance(data, dict) and "id" in data:
+            document["task_id"] = str(data["id"])
+            document["task"] = str(data.get("name"))
+        if record.exc_info:
+            document["exc"] = self.formatException(record.exc_info)
+        return json.dumps(document, ensure_ascii=False)
+
+
+_quiet = QuietSweeps()
+for _name in ("celery.app.trace", "celery.worker.strategy", "celery.beat"):
+    logging.getLogger(_name).addFilter(_quiet)
+
+
+def configure_handlers(logger: logging.Logger, json_logs: bool) -> None:
+    """Add the run-id filter (and the JSON formatter) to every handler of ``logger``."""
+    for handler in logger.handlers:
+        if not any(isinstance(f, RunIdFilter) for f in handler.filters):
+            handler.addFilter(RunIdFilter())
+        if json_logs:
+            handler.setFormatter(JsonFormatter())
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _on_logging_setup(logger: logging.Logger | None = None, **_: Any) -> None:
+    from worker.settings import get_settings
+
+    if logger is not None:
+        configure_handlers(logger, get_settings().log_format == "json")
+
+
+# --- the run in progress, and telling a client it stopped --------------------
+
+
+def _task_run_id(task: Any, args: Any, kwargs: Any) -> str | None:
+    name = getattr(task, "name", "")
+    if name not in RUN_ID_POSITION:
+        return None
+    run_id = _argument(args, kwargs, "run_id", RUN_ID_POSITION[name])
+    return run_id if isinstance(run_id, str) else None
+
+
+@task_prerun.connect
+def _enter_run(task: Any = None, args: Any = None, kwargs: Any = None, **_: Any) -> None:
+    _current_run.set(_task_run_id(task, args, kwargs))
+
+
+@task_postrun.connect
+def _leave_run(
+    task: Any = None, args: Any = None, kwargs: Any = None, retval: Any = None, **_: Any
+) -> None:
+    try:
+        run_id = _task_run_id(task, args, kwargs)
+        if run_id is not None and retval in STOPPED_OUTCOMES:
+            _notify(task.app, run_id)
+    except Exception:  # noqa: BLE001 - a notification never fails the task
+        log.exception("run %s: could not send the notification task", _current_run.get())
+    finally:
+        _current_run.set(None)
+
+
+def _notify(app: Any, run_id: str) -> None:
+    from tasks.context import get_context
+
+    ctx = get_context()
+    name = ctx.settings.notify_task
+    if not name:
+        return
+    record = ctx.runs.get(run_id)
+    if record is None or record.status.is_live:
+        return
+    app.send_task(
+        name,
+        kwargs={
+            "run_id": run_id,
+            "status": record.status.value,
+            "output": record.output,
+            "error": record.error,
+        },
+        queue=ctx.settings.notify_queue,
+    )
+    log.info(
+        "run %s: %s; sent %s to %s", run_id, record.status.value, name, ctx.settings.notify_queue
+    )
