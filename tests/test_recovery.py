@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 from runtime.errors import BindingChanged, LeaseLost, RunRefused, StaleWrite
@@ -522,9 +523,20 @@ def test_a_turn_time_limit_not_below_the_visibility_timeout_is_refused() -> None
 
 
 @pytest.mark.timeout(180)
-def test_a_sweep_costs_about_the_same_with_ten_thousand_suspended_runs_present(
-    tmp_path: Path, redis_url: str, ledger: Path
+def test_a_sweep_costs_the_same_with_ten_thousand_suspended_runs_present(
+    tmp_path: Path, ledger: Path
 ) -> None:
+    # Cost counted, not timed: the commands Redis ran and the reads the keys touched
+    # (a timed comparison failed under load; bench/timers.py times the same thing), on a
+    # server of the test's own so that no other client's commands are counted.
+    from tests.redis_server import running_redis_server
+
+    (tmp_path / "redis").mkdir()
+    with running_redis_server(tmp_path / "redis") as private:
+        sweep_costs_the_same(tmp_path, f"{private.url}/0")
+
+
+def sweep_costs_the_same(tmp_path: Path, redis_url: str) -> None:
     from tests.workers import redis_context
 
     ctx = redis_context(redis_url)
@@ -533,19 +545,22 @@ def test_a_sweep_costs_about_the_same_with_ten_thousand_suspended_runs_present(
         create_run(ctx, agent, "x", run_id=f"orphan-{i}")
     # A minute later, every one of them is overdue.
     ctx.runs.clock = lambda: int(time.time() * 1000) + 60_000
+    server = redis.Redis.from_url(redis_url)
 
-    def sweep_cost() -> float:
-        best = float("inf")
-        for _ in range(7):
-            started = time.perf_counter()
-            assert len(sweep_orphans(ctx, lambda run, seq: None)) == 10
-            best = min(best, time.perf_counter() - started)
-        return best
+    def sweep_cost() -> tuple[int, int]:
+        before = server.info("stats")
+        assert len(sweep_orphans(ctx, lambda run, seq: None)) == 10
+        after = server.info("stats")
+        # the INFO call itself is one command; keyspace hits and misses count key reads
+        commands = after["total_commands_processed"] - before["total_commands_processed"] - 1
+        reads = sum(after[k] - before[k] for k in ("keyspace_hits", "keyspace_misses"))
+        return commands, reads
 
     without = sweep_cost()
     add_suspended_runs(ctx.runs, 10_000)  # type: ignore[arg-type]
     with_many = sweep_cost()
-    assert with_many < 2 * without + 0.002, (without, with_many)
+    assert with_many == without, (without, with_many)
+    server.close()
 
 
 def add_suspended_runs(runs: RedisRunStore, count: int) -> None:
