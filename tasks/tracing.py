@@ -54,7 +54,9 @@ log = logging.getLogger("ratchet.tracing")
 RUN_ENDS = frozenset({"run.completed", "run.failed", "run.cancelled", "run.expired"})
 """Events after which nothing can move the run on: they close the run's span."""
 TOOL_ENDS = frozenset({"tool.completed", "tool.failed", "tool.reconciled"})
-SUSPENSION_ENDS = frozenset({"run.continued", "run.expired", "run.cancelled"})
+SUSPENSION_ENDS = frozenset(
+    {"run.continued", "run.woken", "run.expired", "run.cancelled", "run.budget_raised"}
+)
 
 
 class TracingSettings(BaseSettings):
@@ -151,12 +153,19 @@ def step(cursor: Cursor, event: Event, state: RunState) -> tuple[Cursor, list[Sp
         c.tools[str(data["call_id"])] = event
     elif kind in TOOL_ENDS and str(data.get("call_id")) in c.tools:
         spans.append(_tool_span(c, event, base))
-    if kind == "run.suspended":
+    # A run stopped on a budget may be given more (run.budget_raised) and go on: its
+    # stop is a suspension of the trace, not its end, and the run span waits for that.
+    budget_stop = kind == "run.failed" and bool(data.get("budget"))
+    if budget_stop and c.turn_start is not None:
+        c.last_at_ms = event.at_ms
+        spans.append(_turn_span(c, base))
+        c.turn_start = None
+    if kind == "run.suspended" or budget_stop:
         c.suspended = event
     elif kind in SUSPENSION_ENDS and c.suspended is not None:
         spans.append(_suspension_span(c, event, base))
         c.suspended = None
-    if kind in RUN_ENDS:
+    if kind in RUN_ENDS and not budget_stop:
         if c.turn_start is not None:
             c.last_at_ms = event.at_ms
             spans.append(_turn_span(c, base))

@@ -35,6 +35,8 @@ QUEUES: dict[str, str] = {
     "ratchet.continue": CONTROL_QUEUE,
     "ratchet.cancel": CONTROL_QUEUE,
     "ratchet.sweep": CONTROL_QUEUE,
+    "ratchet.wake": CONTROL_QUEUE,
+    "ratchet.deliver": CONTROL_QUEUE,
     "ratchet.reconcile": CONTROL_QUEUE,
 }
 """The queue of each ratchet task (the workers' ``task_routes``)."""

@@ -64,6 +64,10 @@ async def act(
 ) -> httpx.Response:
     page = await client.get(f"/runs/{run_id}")
     form = {"csrf": csrf_of(page.text), **fields}
+    shown = re.search(r'name="suspension_seq" value="(\d*)"', page.text)
+    if action in ("answer", "approve", "deny") and shown and "suspension_seq" not in fields:
+        # As the page's own form does: an answer names the suspension the page shows.
+        form["suspension_seq"] = shown[1]
     confirm = await client.post(f"/runs/{run_id}/{action}", data=form)
     assert confirm.status_code == 200 and 'id="confirm"' in confirm.text, confirm.text[-1500:]
     return await client.post(f"/runs/{run_id}/{action}", data={**form, "confirmed": "yes"})

@@ -200,7 +200,7 @@ def provider_stalled_resumed(ctx: Context, home: Path) -> str:
 
     from tests.openai_server import serve
 
-    os.environ["GOLDEN_OPENAI_KEY"] = "sk-golden-not-a-secret"
+    os.environ["GOLDEN_OPENAI_API_KEY"] = "sk-golden-not-a-secret"
     with serve() as server:
         # A rate limit, then errors past the provider's retries: the run stalls
         server.enqueue_fixture("rate_limited")
@@ -215,7 +215,7 @@ def provider_stalled_resumed(ctx: Context, home: Path) -> str:
                     "tools = []",
                     "[provider]",
                     f'base_url = "{server.url}"',
-                    'api_key_env = "GOLDEN_OPENAI_KEY"',
+                    'api_key_env = "GOLDEN_OPENAI_API_KEY"',
                     "timeout_s = 5",
                     "max_attempts = 2",
                     "max_retry_s = 10",
@@ -293,6 +293,18 @@ def parent_woken(ctx: Context, home: Path) -> str:
     return "golden-parent"
 
 
+def resume_refused(ctx: Context, home: Path) -> str:
+    agent = write_agent(
+        home,
+        [turn("Which order?", call("request_user_input", prompt="Which order?"))],
+        name="refused",
+    )
+    run = create_run(ctx, agent, "Refund my order.", "golden-resume-refused")
+    drive(ctx, run.run_id)
+    resume(ctx, run.run_id, OPERATOR)  # a suspended run waits for an answer, not a resume
+    return run.run_id
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
@@ -314,6 +326,7 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "waited": waited,
     "child-told": parent_and_child,
     "parent-woken": parent_woken,
+    "resume-refused": resume_refused,
 }
 
 
