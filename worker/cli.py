@@ -201,4 +201,4 @@ def demo(agent_file: str | None, text: str) -> None:
 
 
 # Command modules register themselves on the groups above.
-from worker import cli_control, cli_recovery  # noqa: E402,F401
+from worker import cli_control, cli_recovery, cli_rejected  # noqa: E402,F401
