@@ -121,6 +121,8 @@ def test_a_worker_sets_aside_files_in_its_queue_folder_that_are_not_messages(
     }
     for name, content in bad.items():
         (queue / name).write_bytes(content)
+    torn_table = embedded.settings.broker_folders["control"] / "ratchet.turns.exchange"
+    torn_table.write_bytes(b'[["ratchet.tu')
     processes = WorkerProcesses(embedded_env(data, ledger), tmp_path)
     try:
         worker = processes.start("--pool", "threads")
@@ -128,10 +130,10 @@ def test_a_worker_sets_aside_files_in_its_queue_folder_that_are_not_messages(
         # Then each is set aside in the dead-letter folder, and the worker keeps running
         store = FolderRejected(rejected_folder(data))
         entries: list[Rejected] = wait_until(
-            "three set aside", lambda: store.list() if len(store.list()) >= 3 else None
+            "four set aside", lambda: store.list() if len(store.list()) >= 4 else None
         )
         alive(worker)
-        assert {e.raw_bytes() for e in entries} == set(bad.values())
+        assert {e.raw_bytes() for e in entries} == {*bad.values(), b'[["ratchet.tu'}
         assert not [p for p in queue.iterdir() if p.name.endswith(".msg")]
         # And the same worker takes a run to its end
         run_id = embedded.start(write_agent(tmp_path / "agent", [turn("Done.")]))
