@@ -37,7 +37,7 @@ from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
 from runtime.errors import MalformedContinuation
-from worker.rejected import message_bytes, set_aside
+from worker.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
 
@@ -67,6 +67,9 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
             )
         ]
 
+    def rejected_store(self) -> RejectedStore:
+        return store_for_app(self.app)
+
     def stop(self, parent: Any) -> None:
         self._close_consumers(parent, cancel=True)
 
@@ -94,7 +97,7 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
         try:
             fields = parse_message(body)
         except MalformedContinuation as exc:
-            set_aside(message_bytes(message), str(exc), self.queue_name)
+            set_aside(message_bytes(message), str(exc), self.queue_name, self.rejected_store)
             message.reject(requeue=False)
             return
         try:
@@ -113,6 +116,7 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
             message_bytes(message),
             f"continuation message refused: not a JSON message ({type(exc).__name__}: {exc})",
             self.queue_name,
+            self.rejected_store,
         )
         message.reject(requeue=False)
 
@@ -124,12 +128,16 @@ def _queue_of(message: Any) -> str:
 class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's worker consumer; what it refuses goes to the dead-letter store, in one line."""
 
+    def rejected_store(self) -> RejectedStore:
+        return store_for_app(self.app)
+
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         set_aside(
             message_bytes(message),
             f"the body cannot be decoded as {message.content_type!r} "
             f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
             _queue_of(message),
+            self.rejected_store,
         )
         message.ack()
 
@@ -138,6 +146,7 @@ class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
             message_bytes(message),
             "not a Celery task message (no `task` header); send tasks with Celery's protocol 2",
             _queue_of(message),
+            self.rejected_store,
         )
         message.reject_log_error(log, self.connection_errors)
         signals.task_rejected.send(sender=self, message=message, exc=None)
@@ -149,6 +158,7 @@ class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
             message_bytes(message),
             f"unknown task {name!r}: this worker runs the ratchet.* tasks only",
             _queue_of(message),
+            self.rejected_store,
         )
         message.reject_log_error(log, self.connection_errors)
         signals.task_unknown.send(
@@ -160,6 +170,7 @@ class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
             message_bytes(message),
             f"invalid task message ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
             _queue_of(message),
+            self.rejected_store,
         )
         message.reject_log_error(log, self.connection_errors)
         signals.task_rejected.send(sender=self, message=message, exc=exc)

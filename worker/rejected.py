@@ -332,27 +332,32 @@ def open_rejected(broker_url: str, data_dir: Path) -> RejectedStore:
     )
 
 
-_default: RejectedStore | None = None
-_default_pid: int | None = None
+_stores: dict[tuple[int, str, str], RejectedStore] = {}
 
 
-def default_store() -> RejectedStore:
-    """This process's store, from the settings (reopened after a fork)."""
-    global _default, _default_pid
-    if _default is None or _default_pid != os.getpid():
-        from worker.settings import get_settings
+def store_for_app(app: Any) -> RejectedStore:
+    """The store beside the broker ``app`` (a Celery app) uses; one per process and broker.
 
-        settings = get_settings()
-        _default = open_rejected(settings.resolved_broker_url, settings.resolved_data_dir)
-        _default_pid = os.getpid()
-    return _default
+    Follows the app's own ``broker_url`` (a test or an embedding application may
+    change it after the app was built), not the environment.
+    """
+    url = str(app.conf.broker_url or "")
+    folder = str((app.conf.broker_transport_options or {}).get("rejected_folder") or "")
+    key = (os.getpid(), url, folder)
+    store = _stores.get(key)
+    if store is None:
+        if url.startswith("filesystem://") and folder:
+            store = FolderRejected(Path(folder))
+        else:
+            from worker.settings import get_settings
+
+            store = open_rejected(url, get_settings().resolved_data_dir)
+        _stores[key] = store
+    return store
 
 
 def set_aside(
-    raw: bytes,
-    reason: str,
-    queue: str,
-    store: RejectedStore | Callable[[], RejectedStore] = default_store,
+    raw: bytes, reason: str, queue: str, store: RejectedStore | Callable[[], RejectedStore]
 ) -> Rejected | None:
     """Keep a refused message and log one WARNING line; never raises. The entry, or None."""
     entry = Rejected.new(raw, " ".join(reason.split()), queue)

@@ -28,7 +28,7 @@ from celery.exceptions import Ignore
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from runtime.errors import InvalidRunId
-from worker.rejected import set_aside
+from worker.rejected import set_aside, store_for_app
 
 
 class RatchetTask(Task):  # type: ignore[misc]
@@ -122,4 +122,5 @@ class RatchetTask(Task):  # type: ignore[misc]
             raw,
             f"task {self.name}[{request.id}]: {problem}; send {self.call_form()}",
             queue or self.name,
+            lambda: store_for_app(self.app),
         )
