@@ -109,6 +109,19 @@ class Rejected:
         return json.dumps(asdict(self), sort_keys=True)
 
 
+def _entries(documents: Any) -> list[Rejected]:
+    """The entries among ``documents``; one that is not an entry is skipped with a warning."""
+    entries = []
+    for document in documents:
+        try:
+            entries.append(Rejected.from_json(document))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning(
+                "skipping an unreadable dead-letter entry (%s: %s)", type(exc).__name__, exc
+            )
+    return entries
+
+
 class RejectedStore:
     """Where refused messages go. ``add`` keeps at most MAX_ENTRIES; list is newest first."""
 
@@ -150,7 +163,7 @@ class RedisRejected(RejectedStore):
             pipe.execute()
 
     def list(self, limit: int = 50) -> list[Rejected]:
-        return [Rejected.from_json(item) for item in self.client.lrange(REDIS_KEY, 0, limit - 1)]
+        return _entries(self.client.lrange(REDIS_KEY, 0, limit - 1))
 
     def purge(self) -> int:
         with self.client.pipeline() as pipe:
@@ -173,6 +186,9 @@ class FolderRejected(RejectedStore):
 
     def _ensure(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self.folder.is_symlink():
+            # Entries are written into this folder: never into one someone pointed elsewhere.
+            raise OSError(f"{self.folder} is a symlink; make it a plain directory")
 
     def add(self, entry: Rejected) -> None:
         self._ensure()
@@ -196,16 +212,17 @@ class FolderRejected(RejectedStore):
                 break
             document = read_no_follow(self.folder / name)
             if document is not None:
-                entries.append(Rejected.from_json(document))
+                entries.extend(_entries([document]))
         return entries
 
     def get(self, entry_id: str) -> Rejected:
         if not ENTRY_ID.match(entry_id):
             raise RejectedEntryNotFound(entry_id)
         document = read_no_follow(self.folder / f"{entry_id}.json")
-        if document is None:
+        found = _entries([document]) if document is not None else []
+        if not found:
             raise RejectedEntryNotFound(entry_id)
-        return Rejected.from_json(document)
+        return found[0]
 
     def purge(self) -> int:
         count = 0
@@ -269,7 +286,7 @@ class AmqpRejected(RejectedStore):
                 message = queue.get(no_ack=False)
                 if message is None:
                     break
-                entries.append(Rejected.from_json(message.body))
+                entries.extend(_entries([message.body]))
             return entries
 
         entries: list[Rejected] = self._with_channel(read)

@@ -224,7 +224,8 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
                     if exc.errno != errno.ENOENT:
                         log.warning("cannot remove the consumed message file %s: %s", claimed, exc)
             if data is None:
-                set_aside(b"", "not a kombu message: a symlink, not a file", queue,
+                # Gone between the claim and the read, or a symlink (never followed).
+                set_aside(b"", f"not a kombu message: {name} is not a regular file", queue,
                           self.rejected_store)  # fmt: skip
                 continue
             payload = self.accept_entry(data, queue)
