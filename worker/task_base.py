@@ -75,7 +75,8 @@ class RatchetTask(Task):  # type: ignore[misc]
         """Why these arguments cannot be this task's, naming the argument; None if they can."""
         names = list(self._signature.parameters)
         if len(args) > len(names):
-            return f"{len(args)} positional arguments, but it takes at most {len(names)}"
+            plural = "s" if len(args) != 1 else ""
+            return f"{len(args)} positional argument{plural}, but it takes at most {len(names)}"
         given = dict(zip(names, args, strict=False))
         for name in kwargs:
             if name not in self._signature.parameters:
