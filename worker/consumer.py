@@ -27,6 +27,7 @@ not know) are set aside the same way, with one log line instead of a traceback.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from typing import Any
 
@@ -125,11 +126,82 @@ def _queue_of(message: Any) -> str:
     return str((message.delivery_info or {}).get("routing_key") or "?")
 
 
+def task_message_problem(message: Any) -> str | None:
+    """Why a protocol-2 task message cannot become a Celery request; None if it can (or if
+    Celery's own checks — content type, decoding — should decide)."""
+    headers = message.headers
+    if not isinstance(headers, dict) or "task" not in headers:
+        return None  # not protocol 2: Celery's own path refuses it
+    problem = _headers_problem(headers)
+    if problem is not None:
+        return problem
+    try:
+        body = message.decode()
+    except Exception:
+        return None  # undecodable or not accepted: Celery's on_decode_error / on_invalid_task
+    return _body_problem(body)
+
+
+def _headers_problem(headers: dict[str, Any]) -> str | None:
+    if not isinstance(headers.get("task"), str):
+        return "the `task` header must be a task name"
+    if not isinstance(headers.get("id"), str) or not headers["id"]:
+        return "the `id` header must be a non-empty string (the task id)"
+    for key in ("eta", "expires"):
+        value = headers.get(key)
+        if value is not None and not isinstance(value, str | int | float):
+            return f"the `{key}` header must be an ISO 8601 time or a number"
+        if isinstance(value, str):
+            try:
+                dt.datetime.fromisoformat(value)
+            except ValueError:
+                return f"the `{key}` header {value[:40]!r} is not an ISO 8601 time"
+    return None
+
+
+def _body_problem(body: Any) -> str | None:
+    if not (isinstance(body, list | tuple) and len(body) == 3):
+        return "the body must be a JSON array [args, kwargs, embed] (Celery's protocol 2)"
+    args, kwargs, embed = body
+    if not isinstance(args, list | tuple):
+        return "the body's args must be a JSON array"
+    if not isinstance(kwargs, dict):
+        return "the body's kwargs must be a JSON object"
+    if not isinstance(embed, dict | None):
+        return "the body's embed (callbacks, errbacks, chain, chord) must be a JSON object"
+    return None
+
+
 class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's worker consumer; what it refuses goes to the dead-letter store, in one line."""
 
     def rejected_store(self) -> RejectedStore:
         return store_for_app(self.app)
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        handle = super().create_task_handler(*args, **kwargs)
+
+        def on_task_received(message: Any) -> Any:
+            # Celery turns a task message into a request in this (the consumer's) loop;
+            # a body of the wrong shape raised there and ended the worker, and since the
+            # message was never acknowledged it came back to end the next one too.
+            problem = task_message_problem(message)
+            if problem is None:
+                try:
+                    return handle(message)
+                except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                    problem = f"Celery cannot read it ({type(exc).__name__}: {exc})"
+            set_aside(
+                message_bytes(message),
+                f"not a valid Celery task message: {problem}",
+                _queue_of(message),
+                self.rejected_store,
+            )
+            message.reject_log_error(log, self.connection_errors)
+            signals.task_rejected.send(sender=self, message=message, exc=None)
+            return None
+
+        return on_task_received
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         set_aside(

@@ -361,3 +361,41 @@ def test_malformed_task_arguments_log_one_line_each_and_are_set_aside(
     assert len(refusals) == 4, refusals
     assert "Traceback" not in log, log
     assert "TypeError" not in log
+
+
+def celery_message(broker_url: str, body: Any, **headers: Any) -> None:
+    """A JSON message on the turns queue with Celery's headers, body of any shape."""
+    with Connection(broker_url) as connection:
+        connection.Producer().publish(
+            body,
+            exchange="ratchet.turns",
+            routing_key="ratchet.turns",
+            declare=[Queue("ratchet.turns")],
+            serializer="json",
+            headers={"task": "ratchet.turn", "lang": "py", **headers},
+        )
+
+
+def test_a_task_message_whose_body_or_headers_celery_cannot_read_is_set_aside(
+    worker_processes: WorkerProcesses, redis_url: str, tmp_path: Path
+) -> None:
+    worker = worker_processes.start("--pool", "threads")
+    ready(worker)
+    # Given task messages in a valid envelope that are not Celery protocol 2 inside
+    celery_message(redis_url, "x", id=uuid.uuid4().hex)
+    celery_message(redis_url, {"a": 1}, id=uuid.uuid4().hex)
+    celery_message(redis_url, [["r1", 1], {}, {}])
+    celery_message(redis_url, [["r1", 1], {}, {}], id=uuid.uuid4().hex, eta="garbage")
+    # Then each is set aside, once (not restored to kill the next worker), and the
+    # worker goes on to complete a run
+    store = RedisRejected(redis.Redis.from_url(redis_url))
+    entries = wait_until("four set aside", entries_at_least(store, 4))
+    alive(worker)
+    reasons = " | ".join(e.reason for e in entries)
+    assert "the body must be a JSON array [args, kwargs, embed]" in reasons
+    assert "the `id` header must be a non-empty string" in reasons
+    assert "the `eta` header 'garbage' is not an ISO 8601 time" in reasons
+    a_run_completes(redis_url, redis_url, tmp_path, plain_json_answer(redis_url))
+    alive(worker)
+    assert len(store.list()) == 4
+    assert "Unrecoverable error" not in worker.log()
