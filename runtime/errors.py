@@ -28,7 +28,8 @@
     │   ├── StoreUnavailable      transient: the backend could not be reached
     │   ├── StaleWrite            compare-and-set lost: someone wrote a newer seq
     │   └── LeaseLost             this worker no longer holds the run's lease (a zombie)
-    └── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
+    ├── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
+    └── RejectedEntryNotFound     no message with this id in the dead-letter store
 
 Every class with constructor arguments defines ``__reduce__`` so that it survives
 Celery's serialisation of task failures.
@@ -312,3 +313,10 @@ class SnapshotFailed(RatchetError):
             problem,
         )
         self.run_id, self.seq = run_id, seq
+
+
+class RejectedEntryNotFound(RatchetError):
+    def __init__(self, entry_id: str) -> None:
+        super().__init__(
+            f"no rejected message {entry_id!r}; `ratchet rejected list` shows the ids", entry_id
+        )

@@ -443,8 +443,16 @@ class Turn:
     def _record_stall(self, reason: str) -> None:
         try:
             self.record([("run.stalled", {"reason": reason})])
-        except Exception:  # the run store may be down too; the task's failure still says why
-            log.exception("run %s: could not record the stall", self.state.run_id)
+        except Exception as exc:  # the run store may be down too (a full disk takes both)
+            # Nothing is lost: the run stays live at its last recorded seq, its lease
+            # expires, and the sweeper resumes it once the stores take writes again.
+            log.error(
+                "run %s: could not record the stall (%s: %s); it stays live and the sweeper "
+                "resumes it once the stores accept writes again",
+                self.state.run_id,
+                type(exc).__name__,
+                " ".join(str(exc).split()),
+            )
 
     @contextmanager
     def heartbeat(self) -> Iterator[None]:

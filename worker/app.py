@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
+from worker.rejected import rejected_folder
 from worker.settings import Settings, get_settings
 
 TURNS_QUEUE = "ratchet.turns"
@@ -34,11 +35,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "data_folder_out": str(folders["queue"]),
             "control_folder": str(folders["control"]),
             "polling_interval": settings.filesystem_polling_interval_s,
+            # worker.transport sets refused messages aside here (the dead-letter folder).
+            "rejected_folder": str(rejected_folder(settings.resolved_data_dir)),
         }
     elif broker_url.startswith(("redis", "rediss")):
         transport_options = {"visibility_timeout": settings.visibility_timeout_s}
     return {
         "broker_url": broker_url,
+        "worker_consumer": "worker.consumer:RatchetConsumer",
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
@@ -97,7 +101,11 @@ def make_app(settings: Settings | None = None) -> Celery:
     import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
     from worker.consumer import ContinuationConsumer
 
-    app = Celery("ratchet")
+    # RatchetAMQP picks worker.transport's kombu transports for redis:// and filesystem://
+    # URLs (they survive a bad queue entry); other brokers keep kombu's own.
+    app = Celery(
+        "ratchet", amqp="worker.transport:RatchetAMQP", task_cls="worker.task_base:RatchetTask"
+    )
     app.conf.update(celery_config(settings or get_settings()))
     app.steps["consumer"].add(ContinuationConsumer)
     return app

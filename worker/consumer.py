@@ -11,25 +11,34 @@ with an optional ``suspension_seq`` (the suspension it answers). A well-formed
 message is handed to ``ratchet.continue`` on the control queue — the one
 handler every continuation goes through, with its checks and exactly-once
 rules — and then acknowledged. A malformed one (not JSON, not an object, no
-``run_id``, a wrong type, an unknown key) is dropped with a logged reason; it
-never stops the consumer.
+``run_id``, a wrong type, an unknown key) is set aside in the dead-letter store
+(:mod:`worker.rejected`) with a logged reason; it never stops the consumer.
 
 If the worker dies after handing a message on but before acknowledging it,
 the broker delivers it again: with a ``continuation_id`` the second copy is a
 recognised duplicate; without one, the first answer has already been recorded
 and the second is refused as a second answer to the same suspension.
+
+This module also holds :class:`RatchetConsumer`, the worker's Celery consumer
+(``worker_consumer``): the messages Celery itself refuses before any task runs
+(a body it cannot decode, a pickle, a message that is not a task, a task it does
+not know) are set aside the same way, with one log line instead of a traceback.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
+from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu import Consumer, Queue  # type: ignore[attr-defined]
+from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
 from runtime.errors import MalformedContinuation
+from worker.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
 
@@ -59,11 +68,37 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
             )
         ]
 
+    def rejected_store(self) -> RejectedStore:
+        return store_for_app(self.app)
+
+    def stop(self, parent: Any) -> None:
+        self._close_consumers(parent, cancel=True)
+
+    def shutdown(self, parent: Any) -> None:
+        self._close_consumers(parent, cancel=False)
+
+    def _close_consumers(self, parent: Any, cancel: bool) -> None:
+        # Celery's ConsumerStep._close passes `parent.connection` to ignore_errors; after a
+        # lost connection Celery has already set that to None, so every reconnect logged
+        # "Error on restarting ContinuationConsumer: AttributeError(... connection_errors)".
+        # The consumer itself carries the connection and channel error classes (Celery's
+        # own Tasks step passes it the same way).
+        channels = set()
+        consumers: list[Any] = getattr(self, "consumers", None) or []
+        for consumer in consumers:
+            if cancel:
+                ignore_errors(parent, consumer.cancel)  # type: ignore[no-untyped-call]
+            if consumer.channel:
+                channels.add(consumer.channel)
+        for channel in channels:
+            ignore_errors(parent, channel.close)  # type: ignore[no-untyped-call]
+        self.consumers = None
+
     def on_message(self, body: Any, message: Any) -> None:
         try:
             fields = parse_message(body)
         except MalformedContinuation as exc:
-            log.warning("%s: %s; message dropped", self.queue_name, exc)
+            set_aside(message_bytes(message), str(exc), self.queue_name, self.rejected_store)
             message.reject(requeue=False)
             return
         try:
@@ -78,10 +113,136 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
         message.ack()
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
-        log.warning(
-            "%s: continuation message refused: not a JSON message (%s: %s); message dropped",
+        set_aside(
+            message_bytes(message),
+            f"continuation message refused: not a JSON message ({type(exc).__name__}: {exc})",
             self.queue_name,
-            type(exc).__name__,
-            exc,
+            self.rejected_store,
         )
         message.reject(requeue=False)
+
+
+def _queue_of(message: Any) -> str:
+    return str((message.delivery_info or {}).get("routing_key") or "?")
+
+
+def task_message_problem(message: Any) -> str | None:
+    """Why a protocol-2 task message cannot become a Celery request; None if it can (or if
+    Celery's own checks — content type, decoding — should decide)."""
+    headers = message.headers
+    if not isinstance(headers, dict) or "task" not in headers:
+        return None  # not protocol 2: Celery's own path refuses it
+    problem = _headers_problem(headers)
+    if problem is not None:
+        return problem
+    try:
+        body = message.decode()
+    except Exception:
+        return None  # undecodable or not accepted: Celery's on_decode_error / on_invalid_task
+    return _body_problem(body)
+
+
+def _headers_problem(headers: dict[str, Any]) -> str | None:
+    if not isinstance(headers.get("task"), str):
+        return "the `task` header must be a task name"
+    if not isinstance(headers.get("id"), str) or not headers["id"]:
+        return "the `id` header must be a non-empty string (the task id)"
+    for key in ("eta", "expires"):
+        value = headers.get(key)
+        if value is not None and not isinstance(value, str | int | float):
+            return f"the `{key}` header must be an ISO 8601 time or a number"
+        if isinstance(value, str):
+            try:
+                dt.datetime.fromisoformat(value)
+            except ValueError:
+                return f"the `{key}` header {value[:40]!r} is not an ISO 8601 time"
+    return None
+
+
+def _body_problem(body: Any) -> str | None:
+    if not (isinstance(body, list | tuple) and len(body) == 3):
+        return "the body must be a JSON array [args, kwargs, embed] (Celery's protocol 2)"
+    args, kwargs, embed = body
+    if not isinstance(args, list | tuple):
+        return "the body's args must be a JSON array"
+    if not isinstance(kwargs, dict):
+        return "the body's kwargs must be a JSON object"
+    if not isinstance(embed, dict | None):
+        return "the body's embed (callbacks, errbacks, chain, chord) must be a JSON object"
+    return None
+
+
+class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
+    """Celery's worker consumer; what it refuses goes to the dead-letter store, in one line."""
+
+    def rejected_store(self) -> RejectedStore:
+        return store_for_app(self.app)
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        handle = super().create_task_handler(*args, **kwargs)
+
+        def on_task_received(message: Any) -> Any:
+            # Celery turns a task message into a request in this (the consumer's) loop;
+            # a body of the wrong shape raised there and ended the worker, and since the
+            # message was never acknowledged it came back to end the next one too.
+            problem = task_message_problem(message)
+            if problem is None:
+                try:
+                    return handle(message)
+                except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                    problem = f"Celery cannot read it ({type(exc).__name__}: {exc})"
+            set_aside(
+                message_bytes(message),
+                f"not a valid Celery task message: {problem}",
+                _queue_of(message),
+                self.rejected_store,
+            )
+            message.reject_log_error(log, self.connection_errors)
+            signals.task_rejected.send(sender=self, message=message, exc=None)
+            return None
+
+        return on_task_received
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        set_aside(
+            message_bytes(message),
+            f"the body cannot be decoded as {message.content_type!r} "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
+            _queue_of(message),
+            self.rejected_store,
+        )
+        message.ack()
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        set_aside(
+            message_bytes(message),
+            "not a Celery task message (no `task` header); send tasks with Celery's protocol 2",
+            _queue_of(message),
+            self.rejected_store,
+        )
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=None)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        headers = message.headers or {}
+        name = headers.get("task")
+        set_aside(
+            message_bytes(message),
+            f"unknown task {name!r}: this worker runs the ratchet.* tasks only",
+            _queue_of(message),
+            self.rejected_store,
+        )
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_unknown.send(
+            sender=self, message=message, exc=exc, name=name, id=headers.get("id")
+        )
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        set_aside(
+            message_bytes(message),
+            f"invalid task message ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
+            _queue_of(message),
+            self.rejected_store,
+        )
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=exc)

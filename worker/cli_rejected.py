@@ -1,0 +1,93 @@
+"""``ratchet rejected list|show|purge``: the messages workers refused (the dead-letter store)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+
+import click
+
+from worker.cli import _dump, main, refusals
+from worker.rejected import Rejected, RejectedStore, open_rejected
+
+
+def _store() -> RejectedStore:
+    from worker.settings import get_settings
+
+    settings = get_settings()
+    return open_rejected(settings.resolved_broker_url, settings.resolved_data_dir)
+
+
+def _when(entry: Rejected) -> str:
+    return dt.datetime.fromtimestamp(entry.at_ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@main.group()
+def rejected() -> None:
+    """Messages workers refused and set aside (malformed, undecodable, wrong arguments)."""
+
+
+@rejected.command("list")
+@click.option("--limit", default=50, show_default=True, help="Newest first, at most this many.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of entries.")
+@refusals
+def rejected_list(limit: int, as_json: bool) -> None:
+    """The refused messages, newest first: id, time, queue, size and reason."""
+    store = _store()
+    try:
+        entries = store.list(limit)
+    finally:
+        store.close()
+    if as_json:
+        _dump([e.to_json() for e in entries])
+        return
+    if not entries:
+        click.echo(f"no rejected messages in {store.where}")
+        return
+    click.echo(f"{'ID':26}  {'AT (UTC)':19}  {'QUEUE':22}  {'BYTES':>7}  REASON")
+    for e in entries:
+        click.echo(f"{e.id:26}  {_when(e):19}  {e.queue[:22]:22}  {e.size:>7}  {e.reason}")
+
+
+@rejected.command("show")
+@click.argument("entry_id")
+@click.option("--json", "as_json", is_flag=True, help="The entry as JSON (raw bytes in base64).")
+@click.option("--raw", is_flag=True, help="Write only the message's raw bytes to stdout.")
+@refusals
+def rejected_show(entry_id: str, as_json: bool, raw: bool) -> None:
+    """One refused message: why, when, from where, and its bytes."""
+    store = _store()
+    try:
+        entry = store.get(entry_id)
+    finally:
+        store.close()
+    if raw:
+        sys.stdout.buffer.write(entry.raw_bytes())
+        sys.stdout.buffer.flush()
+        return
+    if as_json:
+        _dump(entry.to_json())
+        return
+    data = entry.raw_bytes()
+    cut = f" (first {len(data)} kept)" if entry.truncated else ""
+    click.echo(f"id         {entry.id}")
+    click.echo(f"at         {_when(entry)} UTC")
+    click.echo(f"queue      {entry.queue}")
+    click.echo(f"reason     {entry.reason}")
+    click.echo(f"bytes      {entry.size}{cut}")
+    click.echo(f"raw        {data[:2000].decode('utf-8', 'backslashreplace')!s}")
+
+
+@rejected.command("purge")
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@refusals
+def rejected_purge(yes: bool) -> None:
+    """Delete every refused message from the dead-letter store."""
+    store = _store()
+    try:
+        if not yes:
+            click.confirm(f"delete every rejected message in {store.where}?", abort=True)
+        count = store.purge()
+    finally:
+        store.close()
+    click.echo(f"purged {count} rejected message(s) from {store.where}")

@@ -1,0 +1,307 @@
+# mypy: disable-error-code="no-untyped-call,override,misc,attr-defined"
+# (kombu's transports are untyped, and the mixins below use its channel attributes.)
+"""Kombu transports that survive what lands on a queue: ``ratchet-redis``, ``ratchet-filesystem``.
+
+Kombu's Redis and filesystem transports parse each queue entry (a JSON
+envelope: ``body``, ``headers``, ``properties``…) inside the worker's consumer
+loop, before Celery or ratchet sees it; one entry that is not an envelope
+(``redis-cli LPUSH ratchet.turns garbage``, ``[1,2,3]``, a body that is not
+valid base64, a zero-byte file left by a full disk) raises there and the
+worker exits with ``Unrecoverable error``. These subclasses check every entry
+where it is read — Redis ``BRPOP``/``RPOP``, a filesystem ``*.msg`` file —
+and hand a bad one to the dead-letter store (:mod:`worker.rejected`) instead,
+then go on with the next entry. Kombu's own source is untouched: the checks
+live in overrides of the channel's read methods, and the classes are
+registered under their own transport aliases, which ``worker.app`` selects
+for ``redis://``, ``rediss://`` and ``filesystem://`` broker URLs.
+
+The filesystem transport also writes atomically: kombu's writer opens the
+final ``*.msg`` name and writes into it, so a full disk leaves empty or torn
+files that every reader then chokes on. Here a message is written to a
+temporary file of an unpredictable name, fsynced and renamed; a reader never
+sees a partial message from a ratchet producer, and any other bad file
+(from before, or from a plain kombu producer) is set aside.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+from celery.app.amqp import AMQP
+from kombu import Connection
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, filesystem, redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from worker.rejected import (
+    MAX_MESSAGE_BYTES,
+    FolderRejected,
+    RedisRejected,
+    RejectedStore,
+    read_no_follow,
+    set_aside,
+    write_atomically,
+)
+
+log = logging.getLogger("ratchet.transport")
+
+REDIS_ALIAS = "ratchet-redis"
+FILESYSTEM_ALIAS = "ratchet-filesystem"
+
+
+def envelope_problem(payload: Any, decode_body: Any) -> str | None:
+    """Why ``payload`` is not an envelope kombu's virtual transports can deliver; None if it is.
+
+    Mirrors what kombu reads from it: ``properties.delivery_tag`` and
+    ``properties.delivery_info.{exchange, routing_key}`` (the Redis transport
+    keeps them for acks), the optional strings and headers, and a body its
+    ``body_encoding`` decodes.
+    """
+    if not isinstance(payload, dict):
+        return f"the entry is a JSON {type(payload).__name__}, not a kombu envelope (an object)"
+    properties = payload.get("properties")
+    if not isinstance(properties, dict):
+        return "the envelope has no `properties` object"
+    tag = properties.get("delivery_tag")
+    if not isinstance(tag, str) or not tag:
+        return "`properties.delivery_tag` must be a non-empty string"
+    info = properties.get("delivery_info")
+    if not (
+        isinstance(info, dict)
+        and isinstance(info.get("exchange"), str)
+        and isinstance(info.get("routing_key"), str)
+    ):
+        return "`properties.delivery_info` must be an object with an exchange and a routing_key"
+    for key in ("content-type", "content-encoding"):
+        if not isinstance(payload.get(key), str | None):
+            return f"`{key}` must be a string"
+    if not isinstance(payload.get("headers"), dict | None):
+        return "`headers` must be an object"
+    body, encoding = payload.get("body"), properties.get("body_encoding")
+    if not isinstance(body, str | None):
+        return "`body` must be a string"
+    if not isinstance(encoding, str | None):
+        return "`properties.body_encoding` must be a string"
+    if body:
+        try:
+            decode_body(body, encoding)
+        except Exception as exc:  # bad base64 (binascii.Error), an unknown codec, …
+            return f"the body cannot be decoded as {encoding!r} ({type(exc).__name__}: {exc})"
+    return None
+
+
+class SafeEntries:
+    """The check both channels make on an entry they have taken off a queue."""
+
+    decode_body: Callable[..., Any]
+    """kombu's virtual.Channel provides it (an annotation only: the mixin must not shadow it)."""
+
+    def rejected_store(self) -> RejectedStore:
+        raise NotImplementedError
+
+    def accept_entry(self, raw: bytes | str, queue: str) -> dict[str, Any] | None:
+        """The envelope in ``raw``, or None after setting the entry aside with the reason."""
+        data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+        problem: str | None
+        payload: Any = None
+        if len(data) > MAX_MESSAGE_BYTES:
+            problem = f"the entry is {len(data)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit"
+        elif not data.strip():
+            problem = "the entry is empty (a write that never finished, e.g. on a full disk)"
+        else:
+            try:
+                payload = loads(bytes_to_str(data))
+                problem = envelope_problem(payload, self.decode_body)
+            except (ValueError, TypeError, RecursionError) as exc:
+                problem = f"the entry is not JSON ({type(exc).__name__}: {str(exc)[:200]})"
+        if problem is None:
+            return payload  # type: ignore[no-any-return]
+        set_aside(data, f"not a kombu message: {problem}", queue, self.rejected_store)
+        return None
+
+
+class SafeRedisReads(SafeEntries):
+    """The Redis channel's three reads of a queue entry, each through accept_entry.
+
+    A mixin, so that a Sentinel channel could share it (ratchet does not configure
+    Sentinel brokers yet: kombu's Sentinel transport needs a ``master_name`` option).
+    """
+
+    def rejected_store(self) -> RejectedStore:
+        return RedisRejected(self._create_client())
+
+    def _brpop_read(self, **options: Any) -> bool:
+        # kombu's _brpop_read with one change: the entry goes through accept_entry
+        # instead of straight into loads() and the delivery callback. Kept in step
+        # with kombu 5.7 (the reauth flush in `finally` included).
+        try:
+            try:
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if not dest__item:
+                raise Empty()
+            dest, item = dest__item
+            dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(dest)
+            payload = self.accept_entry(item, dest)
+            if payload is None:
+                raise Empty()
+            self.connection._deliver(payload, dest)
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _get(self, queue: str) -> dict[str, Any]:
+        with self.conn_or_acquire() as client:
+            for pri in self.priority_steps:
+                while item := client.rpop(self._q_for_pri(queue, pri)):
+                    payload = self.accept_entry(item, queue)
+                    if payload is not None:
+                        self._maybe_update_queues_expire(client, queue)
+                        return payload
+            self._maybe_update_queues_expire(client, queue)
+            raise Empty()
+
+    def _deliver_fanout_message(self, message: Any, exchange: str) -> bool:
+        problem = envelope_problem(message, self.decode_body)
+        if problem is not None:
+            # Broadcasts (remote control) are best-effort in kombu: log and skip.
+            log.warning("fanout exchange %s: broadcast ignored: %s", exchange, problem)
+            return False
+        return bool(super()._deliver_fanout_message(message, exchange))
+
+
+class RedisChannel(SafeRedisReads, redis.Channel):
+    pass
+
+
+class RedisTransport(redis.Transport):
+    Channel = RedisChannel
+    driver_name = "redis"
+
+
+class FilesystemChannel(SafeEntries, filesystem.Channel):
+    """Atomic writes, claims by rename, and bad files set aside (see the module docstring)."""
+
+    def rejected_store(self) -> RejectedStore:
+        return FolderRejected(Path(self.transport_options["rejected_folder"]))
+
+    @property
+    def claimed_folder(self) -> str:
+        # Same file system as the queue folder, so the claim is a rename (kombu moves
+        # the file to the system temp dir, which may be another file system and full).
+        folder = os.path.join(self.data_folder_in, ".claimed")
+        os.makedirs(folder, exist_ok=True)
+        return folder
+
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        try:
+            write_atomically(Path(self.data_folder_out), name, dumps(payload).encode("utf-8"))
+        except OSError as exc:
+            raise ChannelError(
+                f"cannot add message {name!r} to {self.data_folder_out}: {exc}"
+            ) from exc
+
+    def _get(self, queue: str) -> dict[str, Any]:
+        wanted = f"{queue}.msg"
+        for name in sorted(os.listdir(self.data_folder_in)):
+            if name.partition(".")[2] != wanted:
+                continue
+            claimed = os.path.join(self.claimed_folder, name)
+            try:
+                # The rename is the claim: of two workers, exactly one gets the file.
+                os.rename(os.path.join(self.data_folder_in, name), claimed)
+            except FileNotFoundError:
+                continue
+            try:
+                data = read_no_follow(Path(claimed))
+            finally:
+                try:
+                    os.unlink(claimed)
+                except OSError as exc:
+                    if exc.errno != errno.ENOENT:
+                        log.warning("cannot remove the consumed message file %s: %s", claimed, exc)
+            if data is None:
+                # Gone between the claim and the read, or a symlink (never followed).
+                set_aside(b"", f"not a kombu message: {name} is not a regular file", queue,
+                          self.rejected_store)  # fmt: skip
+                continue
+            payload = self.accept_entry(data, queue)
+            if payload is not None:
+                return payload
+        raise Empty()
+
+    def get_table(self, exchange: str) -> list[Any]:
+        try:
+            return list(super().get_table(exchange))
+        except ValueError as exc:
+            # An exchange table torn by a full disk: rebuilt when the queues bind again.
+            log.warning(
+                "exchange table for %r is unreadable (%s); treating it as empty", exchange, exc
+            )
+            return []
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        try:
+            super()._queue_bind(exchange, routing_key, pattern, queue)
+        except ValueError as exc:
+            file = self._exchange_file(exchange)
+            data = read_no_follow(file) or b""
+            set_aside(
+                data, f"exchange table {file.name} is unreadable ({exc}); rebuilt", exchange,
+                self.rejected_store,
+            )  # fmt: skip
+            file.unlink(missing_ok=True)
+            super()._queue_bind(exchange, routing_key, pattern, queue)
+
+
+class FilesystemTransport(filesystem.Transport):
+    Channel = FilesystemChannel
+    driver_name = "filesystem"
+
+
+TRANSPORT_ALIASES.setdefault(REDIS_ALIAS, f"{__name__}:RedisTransport")
+TRANSPORT_ALIASES.setdefault(FILESYSTEM_ALIAS, f"{__name__}:FilesystemTransport")
+
+
+def transport_for(broker_url: str) -> str | None:
+    """The ratchet transport alias for ``broker_url``, or None to leave kombu's choice."""
+    scheme = broker_url.split("://", 1)[0]
+    if scheme in ("redis", "rediss"):
+        return REDIS_ALIAS
+    if scheme == "filesystem":
+        return FILESYSTEM_ALIAS
+    return None
+
+
+class RatchetConnection(Connection):
+    """kombu's Connection, with ratchet's transport for a ``redis://`` or ``filesystem://`` URL.
+
+    Chosen per connection from the URL (not once in ``broker_transport``), so an
+    app whose ``broker_url`` is changed after it was built still gets the right
+    transport; an explicit ``transport=`` wins.
+    """
+
+    def __init__(self, hostname: Any = "localhost", *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("transport") is None and isinstance(hostname, str):
+            kwargs["transport"] = transport_for(hostname)
+        super().__init__(hostname, *args, **kwargs)
+
+
+class RatchetAMQP(AMQP):
+    """Celery's ``app.amqp`` (its ``Celery(amqp=…)`` seam), making RatchetConnections."""
+
+    Connection = RatchetConnection
