@@ -228,9 +228,9 @@ def test_a_finished_or_suspended_run_has_nothing_to_do(tmp_path: Path) -> None:
 
 def test_a_tool_that_needs_approval_suspends_until_approved_then_runs(tmp_path: Path) -> None:
     a = load_agent(
-        write_agent(tmp_path, [], tools=["examples.refunds:issue_refund"], require_approval=[
-            "issue_refund"
-        ])
+        write_agent(
+            tmp_path, [], tools=["examples.refunds:issue_refund"], require_approval=["issue_refund"]
+        )
     )
     state = answered(started(a), "issue_refund")
     wait = decide(state, a, T0_MS)
@@ -254,9 +254,7 @@ def test_a_tool_that_needs_approval_suspends_until_approved_then_runs(tmp_path: 
 
 
 @pytest.mark.parametrize("offset", [0, 2, -1], ids=["repeat", "gap", "backwards"])
-def test_an_event_that_does_not_follow_the_last_seq_is_refused(
-    tmp_path: Path, offset: int
-) -> None:
+def test_an_event_that_does_not_follow_the_last_seq_is_refused(tmp_path: Path, offset: int) -> None:
     state = answered(started(agent(tmp_path)), "lookup_order")
 
     with pytest.raises(ValueError, match=f"event seq {state.seq + offset} follows {state.seq}"):

@@ -59,7 +59,9 @@ def ctx(clock: FakeClock) -> Context:
     return Context(Settings(lease_s=LEASE_S), MemorySnapshotStore(), MemoryRunStore(clock=clock))
 
 
-def at_point(monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], None]) -> None:
+def at_point(
+    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], None]
+) -> None:
     """Call ``act`` the ``nth`` time the turn passes failpoint ``point`` (1-based)."""
     seen = {"hits": 0}
 
@@ -174,7 +176,12 @@ def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
 
 @pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:3], ids=WRITE_PATH_IDS[:3])
 def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cancelled(
-    ctx: Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, nth: int, ledger: Path
+    ctx: Context,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+    nth: int,
+    ledger: Path,
 ) -> None:
     # A cancel holds no lease: only the seq fences the turn in progress.
     run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
@@ -366,4 +373,3 @@ def test_a_sweeper_resume_of_a_run_that_is_not_live_changes_nothing(
     assert ctx.runs.events(run_id) == before
     assert ctx.runs.get(run_id) == record
     assert ctx.runs.lease(run_id) is None
-
