@@ -4,6 +4,7 @@
     python -m bench.mutants --only T1 S2         # some of them
     python -m bench.mutants --tests-rev HEAD~3   # the same mutants against an older suite
     python -m bench.mutants --check              # is every snippet still in the source?
+    python -m bench.mutants --only T4 -k each_step   # which test of a selection kills it
 
 Each mutant is one hand-made bug: a file, a snippet that must occur exactly once
 in it, its replacement, and the tests that should notice. For each, the tree is
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,11 @@ CONTINUATION = ("tests/test_continuation.py", "tests/test_fsm.py")
 RUNS = ("tests/contract/test_run_store_contract.py",)
 SNAPSHOTS = ("tests/contract/test_snapshot_store_contract.py", "tests/test_flat_snapshots.py")
 TURN = ("tests/test_turn_guarantees.py", "tests/test_turns.py", "tests/test_recovery.py")
-RECOVERY = ("tests/test_recovery.py", "tests/test_turn_guarantees.py")
+RECOVERY = (
+    "tests/test_recovery.py",
+    "tests/test_turn_guarantees.py",
+    "tests/test_resume_fencing.py",
+)
 SNAPSHOT_CAS = "compare or afresh or moved or concurrent or stale or chain or remembers or prefix"
 SNAPSHOT_CAS_SHORT = "afresh or moved or concurrent or stale or remembers or prefix"
 
@@ -166,8 +171,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "runtime/fsm.py",
         '            "in_flight": None,\n            "usage": usage,\n',
         '            "usage": usage,\n',
-        ("tests/test_recovery.py", "tests/test_recovery_rebuild.py", "tests/test_turns.py"),
-        harmless=None,
+        ("tests/test_fsm.py", "tests/test_recovery.py", "tests/test_recovery_rebuild.py"),
     ),
     Mutant(
         "F15",
@@ -595,6 +599,20 @@ MUTANTS: tuple[Mutant, ...] = (
         RECOVERY,
     ),
     Mutant(
+        "V10",
+        "tasks/recovery.py",
+        "    except (LeaseLost, StaleWrite) as exc:\n        log.warning",
+        "    except LeaseLost as exc:\n        log.warning",
+        RECOVERY,
+    ),
+    Mutant(
+        "V11",
+        "tasks/recovery.py",
+        "    except (LeaseLost, StaleWrite) as exc:\n        log.warning",
+        "    except StaleWrite as exc:\n        log.warning",
+        RECOVERY,
+    ),
+    Mutant(
         "V9",
         "tasks/recovery.py",
         'data: dict[str, Any] = {"call_id": call_id, "decision": decision, "by": OPERATOR}',
@@ -715,12 +733,25 @@ def _old_tests(rev: str, into: Path) -> Path:
     return into / "tests"
 
 
+def _report(verdicts: list[Verdict]) -> None:
+    killed = sum(v.killed for v in verdicts)
+    print(f"\nscore: {killed}/{len(verdicts)} killed ({100 * killed / max(1, len(verdicts)):.0f}%)")
+    survivors = [v for v in verdicts if not v.killed]
+    if survivors:
+        print("survivors:")
+    for v in survivors:
+        m = v.mutant
+        note = f"harmless: {m.harmless}" if m.harmless else "UNEXPECTED"
+        print(f"  {m.id} {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}\n      {note}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="mutant ids to run (default: all)")
     parser.add_argument("--check", action="store_true", help="only check the list applies")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--tests-rev", help="run against tests/ as of this git revision")
+    parser.add_argument("-k", dest="k", help="run this -k expression instead of each mutant's")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--verbose", action="store_true", help="print pytest's output too")
@@ -738,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(MUTANTS)} mutants, each snippet found exactly once")
         return 0
     chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    if args.k:
+        chosen = [replace(m, k=args.k) for m in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.id:4} {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}")
@@ -765,15 +798,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             verdicts = list(pool.map(judge, chosen))
-    killed = sum(v.killed for v in verdicts)
-    print(f"\nscore: {killed}/{len(verdicts)} killed ({100 * killed / max(1, len(verdicts)):.0f}%)")
-    survivors = [v for v in verdicts if not v.killed]
-    if survivors:
-        print("survivors:")
-    for v in survivors:
-        m = v.mutant
-        note = f"harmless: {m.harmless}" if m.harmless else "UNEXPECTED"
-        print(f"  {m.id} {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}\n      {note}")
+    _report(verdicts)
     return 0
 
 

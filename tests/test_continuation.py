@@ -383,6 +383,20 @@ def test_a_run_that_waited_longer_than_max_suspended_s_expires_when_its_answer_a
     assert ctx.snapshots.load(run_id) is None
 
 
+def test_an_answer_arriving_exactly_at_max_suspended_s_is_still_taken(
+    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+) -> None:
+    # The limit is how long a run may wait: waiting exactly that long is within it.
+    on_time = suspended_run(ctx, tmp_path / "a", max_suspended_s=60)
+    late = suspended_run(ctx, tmp_path / "b", max_suspended_s=60)
+    clock.advance(60)
+
+    assert answer(ctx, on_time, input="B2")[0] == "continued"
+    clock.now_ms += 1
+    with pytest.raises(SuspensionExpired, match="max_suspended_s of 60"):
+        answer(ctx, late, input="B2")
+
+
 def test_the_sweep_expires_only_runs_that_waited_longer_than_their_own_limit(
     ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
 ) -> None:

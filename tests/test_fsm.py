@@ -250,6 +250,24 @@ def test_a_tool_that_needs_approval_suspends_until_approved_then_runs(tmp_path: 
     assert isinstance(decide(state, a, T0_MS), RunTool)
 
 
+@pytest.mark.parametrize("outcome", ["tool.completed", "tool.failed"])
+def test_a_call_is_in_flight_from_its_request_until_its_outcome(
+    tmp_path: Path, outcome: str
+) -> None:
+    # What the snapshot says is in flight is what an operator would have to reconcile.
+    state = answered(started(agent(tmp_path)), "lookup_order", "lookup_order")
+    first = state.pending[0]
+    assert state.in_flight is None
+
+    state = step(state, "tool.requested", call_id=first.id, name=first.name)
+    assert state.in_flight == first.id and state.status == RunStatus.TOOLS
+
+    data = {"result": {}} if outcome == "tool.completed" else {"error": "no"}
+    state = step(state, outcome, call_id=first.id, name=first.name, **data)
+    assert state.in_flight is None
+    assert [c.id for c in state.pending] == ["call_1_1"]
+
+
 # --- the fold refuses an impossible sequence ----------------------------------
 
 
