@@ -751,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only check the list applies")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--tests-rev", help="run against tests/ as of this git revision")
+    parser.add_argument(
+        "--files", nargs="*", help="run these test files instead of each mutant's (and no -k)"
+    )
     parser.add_argument("-k", dest="k", help="run this -k expression instead of each mutant's")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
@@ -771,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
     if args.k:
         chosen = [replace(m, k=args.k) for m in chosen]
+    if args.files:
+        chosen = [replace(m, tests=tuple(args.files), k=None) for m in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.id:4} {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}")
