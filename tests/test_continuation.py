@@ -240,6 +240,27 @@ def test_an_answer_of_the_wrong_kind_for_the_suspension_is_refused(
     assert "both input and deny given" in message
 
 
+def test_a_text_input_to_a_tool_awaiting_approval_is_refused_not_taken_as_a_denial(
+    ctx: Context, tmp_path: Path, ledger: Path
+) -> None:
+    # Given a refund waiting for a person's approval
+    script = [turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)), turn("ok")]
+    run_id = suspended_run(ctx, tmp_path, script, require_approval=["issue_refund"])
+
+    # When someone answers it with text, as if it were a question
+    message = refused_without_change(
+        ctx, run_id, RunRefused, lambda: answer(ctx, run_id, input="yes please")
+    )
+
+    # Then it is refused, saying how to answer, and the tool still waits
+    assert "awaits approval, not an input" in message and "--approve or --deny" in message
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.AWAITING_APPROVAL
+    assert answer(ctx, run_id, "c2", approve=True)[0] == "continued"
+    assert drive(ctx, run_id).outcome == "completed"
+    assert ledger.read_text().splitlines() == ["refund B2 2900"]
+
+
 def test_a_continuation_naming_another_suspension_is_never_applied_to_the_current_one(
     ctx: Context, tmp_path: Path, ledger: Path
 ) -> None:
@@ -360,6 +381,20 @@ def test_a_run_that_waited_longer_than_max_suspended_s_expires_when_its_answer_a
     assert record.error is not None and "max_suspended_s of 60" in record.error
     assert events(ctx, run_id)[-1].type == "run.expired"
     assert ctx.snapshots.load(run_id) is None
+
+
+def test_an_answer_arriving_exactly_at_max_suspended_s_is_still_taken(
+    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+) -> None:
+    # The limit is how long a run may wait: waiting exactly that long is within it.
+    on_time = suspended_run(ctx, tmp_path / "a", max_suspended_s=60)
+    late = suspended_run(ctx, tmp_path / "b", max_suspended_s=60)
+    clock.advance(60)
+
+    assert answer(ctx, on_time, input="B2")[0] == "continued"
+    clock.now_ms += 1
+    with pytest.raises(SuspensionExpired, match="max_suspended_s of 60"):
+        answer(ctx, late, input="B2")
 
 
 def test_the_sweep_expires_only_runs_that_waited_longer_than_their_own_limit(

@@ -163,3 +163,28 @@ def test_head_and_fragments_assemble_into_exactly_the_document(
     assert snapshot_format.document_size(head, len(fragments), sum(map(len, fragments))) == len(
         document
     )
+
+
+def test_a_worker_that_remembers_an_older_seq_appends_after_the_stored_tip_not_its_own(
+    store: RedisSnapshotStore | S3SnapshotStore, request: pytest.FixtureRequest
+) -> None:
+    # Given worker A saved a run at seq 3, and worker B then took it on to seq 5
+    state = grown(make_state(seq=1), 1)
+    store.save(state, expected_seq=None)
+    url = request.getfixturevalue(
+        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
+    )
+    other = type(store).from_url(url)
+    taken_on = grown(state, 2)
+    other.save(taken_on, expected_seq=state.seq)
+    one_turn = other.bytes_written  # B appended one turn after the tip it read
+
+    # When A (which remembers seq 3, not 5) checkpoints the turn after B's
+    before = store.bytes_written
+    newest = grown(taken_on, 3)
+    store.save(newest, expected_seq=taken_on.seq)
+
+    # Then it wrote only the newest turn: its remembered tip was not trusted
+    assert store.bytes_written - before < 1.5 * one_turn
+    assert other.load_document("run-1") == snapshot_format.encode(newest)
+    other.close()

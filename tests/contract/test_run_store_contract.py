@@ -7,7 +7,10 @@ Redis backend can show.
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -149,6 +152,92 @@ def test_an_append_that_does_not_follow_the_last_seq_is_stale_and_writes_nothing
     assert (refused.value.expected_seq, refused.value.found_seq) == (first_seq - 1, 3)
     assert unchanged(run_store, "run-1") == before
     assert run_store.list(RunStatus.FAILED) == []
+
+
+def test_a_batch_with_a_gap_in_its_seqs_is_refused_and_writes_nothing(
+    run_store: RunStore,
+) -> None:
+    new_run(run_store, "run-1")
+    before = unchanged(run_store, "run-1")
+
+    with pytest.raises(ValueError, match="events must be contiguous: 2 then 4"):
+        run_store.append(record("run-1", last_seq=4), [event(2), event(4)], owner=None)
+    with pytest.raises(ValueError, match="events must be contiguous: 3 then 3"):
+        run_store.append(record("run-1", last_seq=3), [event(2), event(3), event(3)], owner=None)
+
+    assert unchanged(run_store, "run-1") == before
+    # The store still takes the next seq: nothing was half-written
+    run_store.append(record("run-1", last_seq=2), [event(2)], owner=None)
+    assert [e.seq for e in run_store.events("run-1")] == [1, 2]
+
+
+@pytest.mark.parametrize("last_seq", [2, 4], ids=["behind", "ahead"])
+def test_a_record_whose_last_seq_is_not_its_last_events_is_refused_and_writes_nothing(
+    run_store: RunStore, last_seq: int
+) -> None:
+    # A record that disagrees with its events would fence the next append wrongly.
+    new_run(run_store, "run-1")
+    before = unchanged(run_store, "run-1")
+
+    with pytest.raises(ValueError, match="last_seq must be the last event's seq"):
+        run_store.append(record("run-1", last_seq=last_seq), [event(2), event(3)], owner=None)
+
+    assert unchanged(run_store, "run-1") == before
+    run_store.append(record("run-1", last_seq=3), [event(2), event(3)], owner=None)
+    assert run_store.get("run-1") == record("run-1", last_seq=3)
+
+
+def test_an_append_retried_after_its_reply_was_lost_finds_its_own_events_and_succeeds(
+    run_store: RunStore,
+) -> None:
+    # Given a batch that landed, whose reply the worker never saw
+    new_run(run_store, "run-1")
+    mine = [event(2, worker="a"), event(3, "model.responded", worker="a")]
+    run_store.append(record("run-1", last_seq=3), mine, owner=None)
+
+    # When the worker sends it again (what a retry does), it is told it succeeded
+    run_store.append(record("run-1", last_seq=3), mine, owner=None)
+
+    # And the events are stored once
+    assert run_store.events("run-1") == [created("run-1"), *mine]
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        [event(2, worker="b"), event(3, "model.responded", worker="a")],
+        [event(2, worker="a"), event(3, "model.responded", worker="b")],
+    ],
+    ids=["first-differs", "last-differs"],
+)
+def test_a_different_batch_at_the_same_seqs_is_a_stale_write_not_a_lost_reply(
+    run_store: RunStore, theirs: list[Event]
+) -> None:
+    new_run(run_store, "run-1")
+    mine = [event(2, worker="a"), event(3, "model.responded", worker="a")]
+    run_store.append(record("run-1", last_seq=3), mine, owner=None)
+
+    with pytest.raises(StaleWrite) as refused:
+        run_store.append(record("run-1", last_seq=3), theirs, owner=None)
+
+    assert (refused.value.expected_seq, refused.value.found_seq) == (1, 3)
+    assert run_store.events("run-1") == [created("run-1"), *mine]
+
+
+def test_a_batch_that_landed_before_the_log_moved_on_is_a_stale_write(
+    run_store: RunStore,
+) -> None:
+    # Our seqs 2-3 landed, then another worker appended 4: we are behind, not done.
+    new_run(run_store, "run-1")
+    mine = [event(2), event(3)]
+    run_store.append(record("run-1", last_seq=3), mine, owner=None)
+    run_store.append(record("run-1", last_seq=4), [event(4, worker="b")], owner=None)
+
+    with pytest.raises(StaleWrite) as refused:
+        run_store.append(record("run-1", last_seq=3), mine, owner=None)
+
+    assert refused.value.found_seq == 4
+    assert [e.seq for e in run_store.events("run-1")] == [1, 2, 3, 4]
 
 
 def test_appending_to_an_unknown_run_is_a_stale_write(run_store: RunStore) -> None:
@@ -691,3 +780,73 @@ def test_a_sqlite_database_made_before_retention_gets_its_finished_runs_indexed(
         assert [r.run_id for r in store.list()] == ["old-live"]
     finally:
         store.close()
+
+
+WRITER = """
+import json, sys, time
+from pathlib import Path
+from runtime.errors import StaleWrite
+from runtime.models import Event
+from store import retry
+from store.runs.sqlite import SqliteRunStore
+
+# No retries: a writer waits for the write lock (BEGIN IMMEDIATE and busy_timeout); a
+# transaction that read first and found the lock taken would fail instead.
+retry.ATTEMPTS = 1
+path, name, target, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+store = SqliteRunStore(path)
+while not go.exists():
+    time.sleep(0.001)
+won = stale = 0
+while True:
+    current = store.get("run-1")
+    if current.last_seq >= target:
+        break
+    seq = current.last_seq + 1
+    mine = current.model_copy(update={"last_seq": seq})
+    try:
+        store.append(mine, [Event(seq=seq, type="model.requested", at_ms=seq, data={"by": name})],
+                     owner=None)
+        won += 1
+    except StaleWrite:
+        stale += 1
+print(json.dumps({"won": won, "stale": stale}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sqlite_writers_in_separate_processes_racing_on_one_file_each_seq_goes_to_exactly_one(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    from store.runs.sqlite import SqliteRunStore
+
+    # Given one database file and four worker processes with their own connections
+    path, go, target = tmp_path / "runs.sqlite3", tmp_path / "go", 120
+    store = SqliteRunStore(path, clock=clock)
+    new_run(store, "run-1")
+    root = Path(__file__).resolve().parents[2]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), f"w{i}", str(target), str(go)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    # When they all append the next seq as fast as they can
+    go.touch()
+    results = [w.communicate(timeout=100) for w in writers]
+
+    # Then none saw the store fail, each seq was won by exactly one, and the log is whole
+    for writer, (_, err) in zip(writers, results, strict=True):
+        assert writer.returncode == 0, err[-2000:]
+    tallies = [json.loads(out) for out, _ in results]
+    assert sum(t["won"] for t in tallies) == target - 1
+    events = store.events("run-1")
+    assert [e.seq for e in events] == list(range(1, target + 1))
+    assert {e.data["by"] for e in events[1:]} <= {f"w{i}" for i in range(4)}
+    latest = store.get("run-1")
+    assert latest is not None and latest.last_seq == target
+    store.close()

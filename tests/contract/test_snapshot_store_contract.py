@@ -42,7 +42,8 @@ from store.snapshots import SnapshotStore
 from store.snapshots import format as snapshot_format
 from store.snapshots.file import FileSnapshotStore
 from store.snapshots.redis import RedisSnapshotStore
-from tests.contract.conftest import T0_MS, race
+from store.snapshots.s3 import S3SnapshotStore
+from tests.contract.conftest import T0_MS, open_snapshot_store, race
 from tests.redis_server import running_redis_server
 
 # Workaround, not a wish: store/retry.py passes tenacity's deprecated `initial=`,
@@ -224,6 +225,105 @@ def test_concurrent_saves_expecting_the_same_seq_let_exactly_one_win(
         assert len(winners) == 1, outcomes
         assert [type(o) for o in outcomes if not isinstance(o, str)] == [StaleWrite]
         assert snapshot_store.load(run_id) == make_state(run_id, seq=2, content=winners[0])
+
+
+# --- compare-and-set under a moved transcript ----------------------------------
+
+
+def grown(state: RunState, *said: str) -> RunState:
+    """``state`` two seqs on per message: the assistant says each of ``said`` in turn."""
+    messages = tuple(Message(role="assistant", content=text) for text in said)
+    return state.model_copy(
+        update={"seq": state.seq + 2 * len(said), "transcript": state.transcript + messages}
+    )
+
+
+def second_worker(
+    store: SnapshotStore, request: pytest.FixtureRequest, tmp_path: Path
+) -> SnapshotStore:
+    """Another worker's store on the same backend (a memory store is one process's own)."""
+    backend = request.node.callspec.params["snapshot_store"]
+    if backend == "memory":
+        return store
+    return open_snapshot_store(backend, request, tmp_path)
+
+
+def test_a_save_after_another_worker_started_the_run_afresh_stores_exactly_its_state(
+    snapshot_store: SnapshotStore, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Given worker A checkpointed a run up to seq 3, and remembers its transcript
+    a1 = make_state(seq=1)
+    snapshot_store.save(a1, expected_seq=None)
+    a3 = grown(a1, "looking it up")
+    snapshot_store.save(a3, expected_seq=1)
+    # And worker B deleted it and started a run of the same id afresh, also to seq 3
+    other = second_worker(snapshot_store, request, tmp_path)
+    other.delete("run-1")
+    b1 = make_state(seq=1, content="another question")
+    other.save(b1, expected_seq=None)
+    other.save(grown(b1, "something else"), expected_seq=1)
+
+    # When A saves what follows its seq 3 (the seq matches: the compare-and-set lets it in)
+    a5 = grown(a3, "found it")
+    snapshot_store.save(a5, expected_seq=3)
+
+    # Then the snapshot is exactly A's state: nothing of B's transcript spliced into it
+    assert snapshot_store.load_document("run-1") == snapshot_format.encode(a5)
+    assert other.load("run-1") == a5
+    if other is not snapshot_store:
+        other.close()
+
+
+APPENDING_BACKENDS = ("redis", "s3")
+
+
+@pytest.fixture(params=APPENDING_BACKENDS)
+def appending_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_a_save_whose_transcript_moved_under_it_twice_is_refused_and_keeps_the_other_writers(
+    appending_backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = request.getfixturevalue(f"{appending_backend}_url")
+    base = RedisSnapshotStore if appending_backend == "redis" else S3SnapshotStore
+    other = open_snapshot_store(appending_backend, request, tmp_path)
+    full = grown(make_state(seq=1), "one", "two", "three", "four")
+    # Each time A is about to write, B rewrites the run at the same seq 3 with another
+    # transcript that is also a prefix of A's: A's plan is always one step behind.
+    rewrites = [
+        grown(make_state(seq=1), "one").model_copy(update={"seq": 3}),
+        grown(make_state(seq=1), "one", "two", "three").model_copy(update={"seq": 3}),
+    ]
+
+    def rewrite() -> None:
+        if rewrites:
+            state = rewrites.pop(0)
+            other.delete("run-1")
+            other.save(state.model_copy(update={"seq": 1}), expected_seq=None)
+            other.save(state, expected_seq=1)
+
+    class Racing(base):  # type: ignore[valid-type, misc]
+        def _put_parts(self, run_id: str, parts: Any, expected_seq: int | None) -> None:
+            rewrite()
+            super()._put_parts(run_id, parts, expected_seq)
+
+    a = Racing.from_url(url)
+    armed, rewrites[:] = list(rewrites), []
+    a.save(make_state(seq=1), expected_seq=None)
+    a.save(grown(make_state(seq=1), "one", "two").model_copy(update={"seq": 3}), expected_seq=1)
+    rewrites[:] = armed
+
+    # When A saves its seq 9, and the transcript moves under it on both tries
+    with pytest.raises(StaleWrite) as refused:
+        a.save(full, expected_seq=3)
+
+    # Then the save is refused, not silently dropped, and B's snapshot stands whole
+    assert refused.value.run_id == "run-1"
+    last = grown(make_state(seq=1), "one", "two", "three").model_copy(update={"seq": 3})
+    assert other.load_document("run-1") == snapshot_format.encode(last)
+    a.close()
+    other.close()
 
 
 # --- delete and list ----------------------------------------------------------

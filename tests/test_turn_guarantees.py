@@ -1,0 +1,375 @@
+"""What a turn promises, each shown by breaking the situation it guards against.
+
+- A zombie (a worker whose lease expired, or whose run an operator cancelled)
+  has every write refused — events and snapshot — and the turn ends ``fenced``:
+  the refusal never escapes the task.
+- Every transition that is checkpointed is in the snapshot before the next step
+  starts: the model's answer before any tool runs, a tool's outcome before the
+  next model call.
+- A tool that times out is tried again only if it is idempotent; any other is
+  tried once and the run parked.
+- The sweeper's resume of a run that is not live never touches it.
+
+In-process on memory stores. The turn's failpoints (``tasks.failpoints``) are
+the seam: a test hooks a named point to act there, where a crash test would
+end the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from runtime.models import RunStatus
+from runtime.recovery import OPERATOR, SWEEPER
+from store.runs.memory import MemoryRunStore
+from store.snapshots.memory import MemorySnapshotStore
+from tasks import failpoints
+from tasks.context import Context
+from tasks.control import cancel
+from tasks.recovery import resume
+from tasks.start import create_run
+from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance, append_events, load_state
+from tests.contract.conftest import FakeClock
+from tests.helpers import call, drive, turn, write_agent
+from tests.test_recovery import park_with_refund_in_flight, refund_agent
+from worker.settings import Settings
+
+LEASE_S = 60
+"""Long, so the heartbeat (every third of it) never renews a lease during a test."""
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "ledger"
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
+    return path
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def ctx(clock: FakeClock) -> Context:
+    return Context(Settings(lease_s=LEASE_S), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+
+
+def at_point(
+    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], None]
+) -> None:
+    """Call ``act`` the ``nth`` time the turn passes failpoint ``point`` (1-based)."""
+    seen = {"hits": 0}
+
+    def hit(name: str, turn: int) -> None:
+        if name == point:
+            seen["hits"] += 1
+            if seen["hits"] == nth:
+                act()
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+
+
+def two_tool_turns(directory: Path) -> Path:
+    return write_agent(
+        directory,
+        [
+            turn("look", call("lookup_order", order_id="B2")),
+            turn("look again", call("lookup_order", order_id="A1")),
+            turn("Done."),
+        ],
+    )
+
+
+# --- zombies: every write path refused ------------------------------------------
+
+WRITE_PATHS = [
+    # (failpoint, its nth hit) after which the zombie's next write is...
+    ("model.response.received", 1),  # ...model.responded (events)
+    ("snapshot.before_save", 1),  # ...the snapshot of the model's answer
+    ("model.response.checkpointed", 1),  # ...tool.requested (events)
+    ("tool.requested", 1),  # ...the tool's outcome, after it ran (events)
+    ("tool.completed", 1),  # ...the tool's outcome (events)
+    ("snapshot.before_save", 2),  # ...the snapshot of the tool's outcome
+]
+WRITE_PATH_IDS = [f"{p}#{n}" for p, n in WRITE_PATHS]
+
+
+def take_over(ctx: Context, clock: FakeClock, run_id: str) -> int:
+    """Worker B, after A's lease expired: takes the lease, records a resume, checkpoints."""
+    clock.advance(LEASE_S * 1000 + 1)
+    assert ctx.runs.acquire_lease(run_id, "worker-b", LEASE_S)
+    other = Context(ctx.settings, ctx.snapshots, ctx.runs)
+    loaded = load_state(other, run_id)
+    assert loaded is not None
+    state, snapshot_seq = loaded
+    resumed = append_events(
+        other, state, [("run.resumed", {"by": OPERATOR, "attempt": 1})], "worker-b"
+    )
+    other.snapshots.save(resumed, snapshot_seq)
+    return resumed.seq
+
+
+@pytest.mark.parametrize(("point", "nth"), WRITE_PATHS, ids=WRITE_PATH_IDS)
+def test_a_zombie_whose_run_was_taken_over_writes_nothing_and_its_turn_ends_fenced(
+    ctx: Context,
+    clock: FakeClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+    nth: int,
+    ledger: Path,
+) -> None:
+    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
+    taken: dict[str, int] = {}
+    # Given worker A freezes at `point` past its lease, and worker B takes the run over
+    at_point(monkeypatch, point, nth, lambda: taken.update(seq=take_over(ctx, clock, run_id)))
+
+    # When A wakes up and carries on with its turn
+    done = advance(ctx, run_id, 1)
+
+    # Then each of its writes is refused: the turn ends fenced, and B's run is as B left it
+    assert "seq" in taken, f"the turn never reached {point} #{nth}"
+    assert done.outcome == "fenced"
+    events = ctx.runs.events(run_id)
+    assert events[-1].seq == taken["seq"] and events[-1].type == "run.resumed"
+    snapshot = ctx.snapshots.load(run_id)
+    assert snapshot is not None and snapshot.seq == taken["seq"]
+    lease = ctx.runs.lease(run_id)
+    assert lease is not None and lease.owner == "worker-b"
+
+
+# The last path is left out: a snapshot save is fenced by its seq, not by the lease, and
+# after it the turn has no event left to write (it chains the next one, which finds the
+# lease taken or the run moved on).
+@pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:5], ids=WRITE_PATH_IDS[:5])
+def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
+    ctx: Context,
+    clock: FakeClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+    nth: int,
+    ledger: Path,
+) -> None:
+    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
+    seen: dict[str, int] = {}
+
+    def lose_lease() -> None:
+        # Worker B has taken the lease but not written yet: only the lease fences A.
+        clock.advance(LEASE_S * 1000 + 1)
+        assert ctx.runs.acquire_lease(run_id, "worker-b", LEASE_S)
+        seen["last_seq"] = ctx.runs.events(run_id)[-1].seq
+
+    at_point(monkeypatch, point, nth, lose_lease)
+
+    done = advance(ctx, run_id, 1)
+
+    assert "last_seq" in seen, f"the turn never reached {point} #{nth}"
+    assert done.outcome == "fenced"
+    assert ctx.runs.events(run_id)[-1].seq == seen["last_seq"]
+
+
+@pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:3], ids=WRITE_PATH_IDS[:3])
+def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cancelled(
+    ctx: Context,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+    nth: int,
+    ledger: Path,
+) -> None:
+    # A cancel holds no lease: only the seq fences the turn in progress.
+    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
+    at_point(monkeypatch, point, nth, lambda: cancel(ctx, run_id, "customer hung up"))
+
+    done = advance(ctx, run_id, 1)
+
+    assert done.outcome == "fenced"
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.CANCELLED
+    assert ctx.runs.events(run_id)[-1].type == "run.cancelled"
+    # The zombie did not bring the cancelled run's snapshot back.
+    assert ctx.snapshots.load(run_id) is None
+    assert advance(ctx, run_id, None).outcome == "idle"
+
+
+# --- checkpoints: each transition saved before the next step ----------------------
+
+
+def test_each_step_starts_from_a_snapshot_of_everything_before_it(
+    ctx: Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ledger: Path
+) -> None:
+    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
+    behind: list[tuple[str, int, int]] = []
+
+    def hit(name: str, turn: int) -> None:
+        # A step starts: a model answer arrives, or a tool is about to run. Only the
+        # event that started it (model.requested / tool.requested) may be missing.
+        if name in ("model.response.received", "tool.requested"):
+            snapshot = ctx.snapshots.load(run_id)
+            last = ctx.runs.events(run_id)[-1].seq
+            behind.append((name, turn, last - (snapshot.seq if snapshot else 0)))
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+
+    assert drive(ctx, run_id).outcome == "completed"
+    assert behind == [
+        ("model.response.received", 1, 1),
+        ("tool.requested", 1, 1),
+        ("model.response.received", 2, 1),
+        ("tool.requested", 2, 1),
+        ("model.response.received", 3, 1),
+    ]
+
+
+@pytest.mark.parametrize("ends", ["next", "suspended", "parked"])
+def test_a_turn_that_ends_leaves_the_snapshot_at_the_runs_last_event(
+    ctx: Context, tmp_path: Path, ledger: Path, ends: str
+) -> None:
+    if ends == "parked":
+        run_id, _ = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    else:
+        script = [
+            turn("look", call("lookup_order", order_id="B2")),
+            turn("?", call("request_user_input", prompt="which?")),
+        ]
+        run_id = create_run(ctx, write_agent(tmp_path, script), "look").run_id
+        done = advance(ctx, run_id, 1)
+        if ends == "suspended":
+            done = advance(ctx, run_id, done.seq)
+        assert done.outcome == ends
+    snapshot = ctx.snapshots.load(run_id)
+    record = ctx.runs.get(run_id)
+    assert snapshot is not None and record is not None
+    assert snapshot.seq == record.last_seq
+
+
+# --- tool timeouts: retried only if idempotent ------------------------------------
+
+
+@pytest.fixture
+def calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "calls"
+    monkeypatch.setenv("RATCHET_TEST_CALLS", str(path))
+    return path
+
+
+COUNTED = ["tests.slow_tools:counted_lookup", "tests.slow_tools:counted_charge"]
+
+
+def tries(calls: Path) -> list[str]:
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def timeouts(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "did not return within" in r.getMessage()]
+
+
+def test_a_non_idempotent_tool_that_times_out_is_tried_once_and_the_run_parked(
+    ctx: Context, tmp_path: Path, calls: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "ratchet.turn")
+    agent = write_agent(
+        tmp_path,
+        [turn("x", call("counted_charge", sleep_s=1.0)), turn("done")],
+        tools=COUNTED,
+        extra="tool_timeout_s = 0.2",
+    )
+    run_id = create_run(ctx, agent, "charge").run_id
+
+    assert drive(ctx, run_id).outcome == "parked"
+
+    assert timeouts(caplog) == [
+        f"run {run_id}: tool counted_charge did not return within 0.2 s and was abandoned "
+        "(attempt 1 of 1)"
+    ]
+    # The abandoned call may still be running; it started once at most, never again.
+    assert tries(calls) in ([], ["charge"])
+    journal = ctx.runs.journal(run_id)
+    assert [(j.tool, j.status) for j in journal] == [("counted_charge", "requested")]
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.NEEDS_RECONCILIATION
+
+
+def test_an_idempotent_tool_that_times_out_is_tried_again_and_its_call_fails_after_the_last(
+    ctx: Context, tmp_path: Path, calls: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "ratchet.turn")
+    agent = write_agent(
+        tmp_path,
+        [turn("x", call("counted_lookup", sleep_s=1.0)), turn("gave up")],
+        tools=COUNTED,
+        extra="tool_timeout_s = 0.1",
+    )
+    run_id = create_run(ctx, agent, "look").run_id
+
+    assert drive(ctx, run_id).outcome == "completed"
+
+    n = TOOL_TIMEOUT_ATTEMPTS
+    assert [m.rsplit("(", 1)[1] for m in timeouts(caplog)] == [
+        f"attempt {i} of {n})" for i in range(1, n + 1)
+    ]
+    journal = ctx.runs.journal(run_id)
+    assert [(j.tool, j.status) for j in journal] == [("counted_lookup", "failed")]
+    assert journal[0].error == f"`counted_lookup` did not return within 0.1 s, {n} times"
+
+
+def test_an_idempotent_tool_that_answers_on_a_later_try_completes_its_call(
+    ctx: Context, tmp_path: Path, calls: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "ratchet.turn")
+    agent = write_agent(
+        tmp_path,
+        [turn("x", call("counted_lookup", sleep_s=2.0, fast_after=2)), turn("found")],
+        tools=COUNTED,
+        extra="tool_timeout_s = 0.5",
+    )
+    run_id = create_run(ctx, agent, "look").run_id
+
+    assert drive(ctx, run_id).outcome == "completed"
+
+    assert len(timeouts(caplog)) == 1
+    journal = ctx.runs.journal(run_id)
+    assert [(j.tool, j.status, j.result) for j in journal] == [
+        ("counted_lookup", "completed", {"found": True})
+    ]
+
+
+# --- the sweeper's resume of a run that is not live -------------------------------
+
+
+@pytest.mark.parametrize("status", ["completed", "suspended", "parked", "cancelled"])
+@pytest.mark.parametrize("seen_seq", ["none", "current"])
+def test_a_sweeper_resume_of_a_run_that_is_not_live_changes_nothing(
+    ctx: Context, tmp_path: Path, ledger: Path, status: str, seen_seq: str
+) -> None:
+    # Given a run that finished, waits for a person, or was cancelled
+    if status == "parked":
+        run_id, _ = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    else:
+        script = [turn("done")]
+        if status == "suspended":
+            script = [turn("?", call("request_user_input", prompt="which?"))]
+        run_id = create_run(ctx, write_agent(tmp_path, script), "x").run_id
+        if status == "cancelled":
+            cancel(ctx, run_id)
+        else:
+            drive(ctx, run_id)
+    before = ctx.runs.events(run_id)
+    record = ctx.runs.get(run_id)
+    assert record is not None and not record.status.is_live
+
+    # When a sweeper's resume reaches it, with or without the seq the sweep saw
+    seq = record.last_seq if seen_seq == "current" else None
+    done = resume(ctx, run_id, SWEEPER, seq)
+
+    # Then it is refused, and the run is exactly as it was: never dead-lettered
+    assert done.outcome == "refused"
+    assert ctx.runs.events(run_id) == before
+    assert ctx.runs.get(run_id) == record
+    assert ctx.runs.lease(run_id) is None
