@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import beat_init
+from celery.beat import PersistentScheduler
 from kombu import Exchange, Queue
 
 from runtime.errors import ConfigInvalid
@@ -93,6 +93,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         },
         # Beat's schedule files (celerybeat-schedule.*) live with the rest of ratchet's state.
         "beat_schedule_filename": str(settings.resolved_data_dir / "celerybeat-schedule"),
+        "beat_scheduler": "worker.app:Scheduler",
         "task_time_limit": settings.turn_time_limit_s,
         "imports": ("tasks",),
         # Read by worker.consumer.ContinuationConsumer (plain-JSON continuations).
@@ -138,19 +139,26 @@ def _app_or_exit() -> Celery:
         raise SystemExit(EXIT_CONFIG_INVALID) from None
 
 
-@beat_init.connect
-def _make_beat_schedule_folder(sender: Any = None, **_: Any) -> None:
-    folder = Path(sender.app.conf.beat_schedule_filename).parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(
-            f"ratchet: refusing to start beat: cannot create {folder} for its schedule file "
-            f"({exc.strerror}); set RATCHET_DATA_DIR to a directory this user can write",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(EXIT_CONFIG_INVALID) from None
+class Scheduler(PersistentScheduler):  # type: ignore[misc]  # celery is untyped
+    """Celery's persistent beat scheduler, its schedule file under the data dir.
+
+    The folder is made before the file is opened (nothing else may have made the data
+    dir when every store is remote); when it cannot be, one line and exit status 2.
+    """
+
+    def setup_schedule(self) -> None:
+        folder = Path(self.schedule_filename).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(
+                f"ratchet: refusing to start beat: cannot create {folder} for its schedule "
+                f"file ({exc.strerror}); set RATCHET_DATA_DIR to a directory this user can write",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(EXIT_CONFIG_INVALID) from None
+        super().setup_schedule()
 
 
 app = _app_or_exit()
