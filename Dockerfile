@@ -14,9 +14,9 @@ COPY runtime ./runtime
 COPY store ./store
 COPY examples ./examples
 # The base install brings both brokers' transports (kombu[redis]; amqp comes with kombu);
-# the extras add the S3 snapshot store and Prometheus metrics. /app is root's, so the
-# data dir (embedded default, beat's schedule) lives in the ratchet user's home.
-RUN pip install ".[s3,metrics]" "flower>=2.0" \
+# the extra adds the S3 snapshot store. /app is root's, so the data dir (embedded
+# default, beat's schedule) lives in the ratchet user's home.
+RUN pip install ".[s3]" "flower>=2.0" \
     && useradd --create-home --uid 10001 ratchet
 USER ratchet
 
