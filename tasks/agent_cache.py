@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import tomllib
 
 from runtime.agent import Agent
 from runtime.errors import ToolModuleChanged
@@ -85,3 +86,15 @@ def check_tool_modules(names: list[str] | None = None) -> None:
 
 def tool_modules_of(agent: Agent) -> list[str]:
     return _tool_modules(agent)
+
+
+def tool_modules_named_in(agent_file: str) -> list[str]:
+    """The tool modules an agent file names, read raw (for a file that does not load)."""
+    try:
+        with open(agent_file, "rb") as handle:
+            tools = tomllib.load(handle).get("tools", [])
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+    if not isinstance(tools, list):
+        return []
+    return sorted({str(ref).partition(":")[0] for ref in tools if ":" in str(ref)})

@@ -15,6 +15,7 @@ from pathlib import Path
 from runtime.agent import Agent, load_agent
 from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
+from tasks.agent_cache import Version
 from worker.settings import Settings, get_settings
 
 
@@ -23,9 +24,7 @@ class Context:
     settings: Settings
     snapshots: SnapshotStore
     runs: RunStore
-    _agents: dict[str, tuple[tuple[tuple[str, tuple[int, int, int] | None], ...], Agent]] = field(
-        default_factory=dict
-    )
+    _agents: dict[str, tuple[Version, Agent]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
 
@@ -78,7 +77,7 @@ class Context:
                 agent = load_agent(key)
             except AgentFileError:
                 # A stale module explains "has no function …" better than the file does.
-                agent_cache.check_tool_modules()
+                agent_cache.check_tool_modules(agent_cache.tool_modules_named_in(key))
                 raise
             agent_cache.note_tool_modules(agent)
             agent_cache.check_tool_modules(agent_cache.tool_modules_of(agent))
