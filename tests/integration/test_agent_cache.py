@@ -66,7 +66,10 @@ def test_editing_only_the_script_is_followed_by_a_running_worker(
     first = start_and_wait(env, agent, "cache-1")
     assert (first["status"], first["output"]) == ("completed", "first answer"), first
     # When only the agent's script is edited (the .toml file is untouched)
-    write_agent(tmp_path / "agents", [turn("second, longer answer")], name="cache-desk")
+    toml_before = agent.stat()
+    script = agent.with_name("cache-desk.script.json")
+    script.write_text(json.dumps({"turns": [turn("second, longer answer")]}))
+    assert agent.stat().st_mtime_ns == toml_before.st_mtime_ns
     # Then a new run on the same worker plays the new script instead of stalling
     second = start_and_wait(env, agent, "cache-2")
     assert (second["status"], second["output"]) == ("completed", "second, longer answer"), second
