@@ -3,7 +3,8 @@ FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    RATCHET_DATA_DIR=/home/ratchet/.ratchet
 
 WORKDIR /app
 COPY pyproject.toml README.md* ./
@@ -12,6 +13,9 @@ COPY tasks ./tasks
 COPY runtime ./runtime
 COPY store ./store
 COPY examples ./examples
+# The base install brings both brokers' transports (kombu[redis]; amqp comes with kombu);
+# the extra adds the S3 snapshot store. /app is root's, so the data dir (embedded
+# default, beat's schedule) lives in the ratchet user's home.
 RUN pip install ".[s3]" "flower>=2.0" \
     && useradd --create-home --uid 10001 ratchet
 USER ratchet

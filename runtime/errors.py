@@ -19,6 +19,7 @@
     ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
     ├── RunStateLost              no usable snapshot, and the events cannot rebuild the state
+    ├── ToolModuleChanged         a tool module changed on disk after this worker imported it
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
     │   ├── SnapshotWrongKind
@@ -29,7 +30,10 @@
     │   ├── StaleWrite            compare-and-set lost: someone wrote a newer seq
     │   └── LeaseLost             this worker no longer holds the run's lease (a zombie)
     ├── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
-    └── RejectedEntryNotFound     no message with this id in the dead-letter store
+    ├── RejectedEntryNotFound     no message with this id in the dead-letter store
+    ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
+    ├── StartConflict             a start's key names a run of another agent or input
+    └── RunNotQueued              a run is recorded but its first turn could not be queued
 
 Every class with constructor arguments defines ``__reduce__`` so that it survives
 Celery's serialisation of task failures.
@@ -320,3 +324,49 @@ class RejectedEntryNotFound(RatchetError):
         super().__init__(
             f"no rejected message {entry_id!r}; `ratchet rejected list` shows the ids", entry_id
         )
+
+
+class ConfigInvalid(RatchetError):
+    """A setting is wrong; the message is one line naming the variable, the problem, the fix."""
+
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(message, variable, message)
+        self.variable = variable
+
+
+class StartConflict(RatchetError):
+    def __init__(self, run_id: str, differs: str) -> None:
+        super().__init__(
+            f"run {run_id} already exists with another {differs}: a start with the same run id "
+            "or idempotency key must repeat the same agent and input; use a new key for a new "
+            f"run (`ratchet runs show {run_id}` shows the existing one)",
+            run_id,
+            differs,
+        )
+        self.run_id, self.differs = run_id, differs
+
+
+class RunNotQueued(RatchetError):
+    def __init__(self, run_id: str, problem: str) -> None:
+        super().__init__(
+            f"run {run_id} is recorded but its first turn could not be queued ({problem}); "
+            "it starts by itself once the broker is back (the crash sweeper, "
+            "`celery -A worker beat`, queues it), "
+            f"or stop it with `ratchet runs cancel {run_id}`",
+            run_id,
+            problem,
+        )
+        self.run_id, self.problem = run_id, problem
+
+
+class ToolModuleChanged(RatchetError):
+    def __init__(self, module: str, path: str, worker: str) -> None:
+        super().__init__(
+            f"tool module `{module}` ({path}) changed on disk after worker {worker} imported it, "
+            "and a module cannot be re-imported safely: restart that worker so it loads the "
+            "module as it is now, then resume the run (`ratchet runs resume RUN`)",
+            module,
+            path,
+            worker,
+        )
+        self.module, self.path, self.worker = module, path, worker

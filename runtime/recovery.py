@@ -84,12 +84,14 @@ def classify(
     agent_binding: str | None,
     binding_change: str,
     now_ms: int,
+    agent_problem: str | None = None,
 ) -> Verdict:
     """Classify a run for resume.
 
     ``state`` is the run rebuilt from its snapshot and events (``None``: neither
     can give it). ``agent_binding`` is the binding of the agent file as it is now
-    (``None`` if it cannot be loaded); ``binding_change`` names what differs.
+    (``None`` if it cannot be loaded, and ``agent_problem`` then says why and what to
+    do); ``binding_change`` names what differs.
     """
     if state is None:
         return _refused(
@@ -130,7 +132,8 @@ def classify(
             Disposition.RESTART_REQUIRED,
             run_id,
             status,
-            f"its agent file {state.agent_file} cannot be loaded; restore it and resume, "
+            agent_problem
+            or f"its agent file {state.agent_file} cannot be loaded; restore it and resume, "
             "or start the run again",
         )
     if agent_binding != state.binding:

@@ -16,6 +16,7 @@ from runtime.agent import Agent, load_agent
 from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
+from tasks.agent_cache import Version
 from worker.settings import Settings, get_settings
 
 
@@ -24,7 +25,7 @@ class Context:
     settings: Settings
     snapshots: SnapshotStore
     runs: RunStore
-    _agents: dict[str, tuple[tuple[int, int], Agent]] = field(default_factory=dict)
+    _agents: dict[str, tuple[Version, Agent]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
 
@@ -65,17 +66,38 @@ class Context:
             self._checkpoints.pop(run_id, None)
 
     def agent(self, path: str | Path) -> Agent:
-        """The agent at ``path``, reloaded when the file changes (a deploy may edit it)."""
+        """The agent at ``path``, loaded again when any file its binding covers changes.
+
+        Covered: the agent file, its script and its tool modules' source
+        (tasks/agent_cache.py). Raises ToolModuleChanged when a tool module changed on
+        disk after this process imported it (only a restart loads it), else what
+        load_agent raises.
+        """
+        from runtime.errors import AgentFileError
+        from tasks import agent_cache
+
         key = str(Path(path).resolve())
-        stat = os.stat(key)
-        version = (stat.st_mtime_ns, stat.st_size)
         with self._lock:
             cached = self._agents.get(key)
-            if cached is not None and cached[0] == version:
-                return cached[1]
-        agent = load_agent(key)
-        with self._lock:
-            self._agents[key] = (version, agent)
+        if cached is not None and cached[0] == agent_cache.version_of([f for f, _ in cached[0]]):
+            return cached[1]
+        files = [f for f, _ in cached[0]] if cached is not None else [key]
+        for _ in range(3):
+            before = agent_cache.version_of(files)
+            try:
+                agent = load_agent(key)
+            except AgentFileError:
+                # A stale module explains "has no function …" better than the file does.
+                agent_cache.check_tool_modules(agent_cache.tool_modules_named_in(key))
+                raise
+            agent_cache.note_tool_modules(agent)
+            agent_cache.check_tool_modules(agent_cache.tool_modules_of(agent))
+            files = agent_cache.covered_files(agent)
+            # Cached only if nothing it was read from changed while it was read.
+            if agent_cache.version_of(files) == before:
+                with self._lock:
+                    self._agents[key] = (before, agent)
+                break
         return agent
 
     def close(self) -> None:

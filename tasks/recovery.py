@@ -30,6 +30,7 @@ from runtime.errors import (
     RunRefused,
     RunStateLost,
     StaleWrite,
+    ToolModuleChanged,
 )
 from runtime.models import Event, RunState, RunStatus, validate_run_id
 from runtime.recovery import (
@@ -75,7 +76,7 @@ def examine(
     except RunStateLost as exc:
         log.warning("%s", exc)
         state, events = None, ctx.runs.events(run_id)
-    binding, change = None, "binding"
+    binding, change, problem = None, "binding", None
     if state is not None:
         try:
             agent = ctx.agent(state.agent_file)
@@ -83,10 +84,22 @@ def examine(
             created = events[0].data.get("binding_document") if events else None
             if created:
                 change = describe_binding_change(created, agent.binding_document)
+        except ToolModuleChanged as exc:
+            problem = str(exc)  # the file is fine; this worker's copy of a module is not
+            log.warning("run %s: %s", run_id, exc)
         except (RatchetError, OSError) as exc:
             log.warning("run %s: agent file cannot be loaded: %s", run_id, exc)
+            problem = (
+                f"its agent file {state.agent_file} cannot be loaded ({exc}); restore it and "
+                "resume, or start the run again"
+            )
     verdict = classify(
-        run_id, state, agent_binding=binding, binding_change=change, now_ms=ctx.runs.clock()
+        run_id,
+        state,
+        agent_binding=binding,
+        binding_change=change,
+        now_ms=ctx.runs.clock(),
+        agent_problem=problem,
     )
     return state, events, verdict
 

@@ -4,22 +4,35 @@ Applications usually call :func:`create_run` through the Python API (the run
 exists, and a bad agent file is refused, before the call returns) and then
 enqueue ``ratchet.turn``. ``ratchet.start`` is the same for clients that only
 speak Celery: it creates the run on the worker and goes straight into turn 1.
+
+**A start is idempotent by its key**: the run id, or an idempotency key the run id
+is derived from (``ratchet runs start --idempotency-key``, ``Ratchet.start(...,
+idempotency_key=)``, the ``ratchet.start`` task's ``idempotency_key``; a task
+message with neither is keyed by its Celery task id, which a redelivery keeps).
+The same key with the same agent file and input gives the existing run; another
+agent file or input under the same key is refused (StartConflict), so a client
+that retries a start it believes failed never starts the work twice.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
-from runtime.errors import RatchetError, StaleWrite
+from runtime.errors import RatchetError, StaleWrite, StartConflict
 from runtime.fsm import apply, created_event
-from runtime.models import Event, RunState, validate_run_id
+from runtime.models import Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.turn import advance, chain
 from worker.app import app
 
 MAX_INPUT_BYTES = 1024 * 1024
+MAX_KEY_BYTES = 1024
+log = logging.getLogger("ratchet.start")
 
 
 class InvalidInput(RatchetError):
@@ -64,15 +77,87 @@ def create_run(
     return state
 
 
-@app.task(name="ratchet.start", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def start_run(agent_file: str, text: str, run_id: str) -> str:
-    """Create ``run_id`` (if it does not exist yet) and take its first turn. Idempotent."""
-    ctx = get_context()
-    run_id = validate_run_id(run_id)
+def run_id_for(run_id: str | None, idempotency_key: str | None) -> str:
+    """The id a start creates: ``run_id``, else one derived from the key, else a new one."""
+    if run_id is not None and idempotency_key is not None:
+        raise InvalidInput("give a run id or an idempotency key, not both (the run id is a key)")
+    if idempotency_key is None:
+        return validate_run_id(run_id or uuid.uuid4().hex)
+    if not isinstance(idempotency_key, str) or not idempotency_key.strip():
+        raise InvalidInput("the idempotency key is empty or blank")
+    size = len(idempotency_key.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise InvalidInput(f"the idempotency key is {size} bytes, over {MAX_KEY_BYTES}")
+    digest = hashlib.sha256(idempotency_key.encode("utf-8", errors="surrogatepass"))
+    return "key-" + digest.hexdigest()[:40]
+
+
+class Started(NamedTuple):
+    run_id: str
+    created: bool
+    """False: the key named a run that already existed (with the same agent and input)."""
+    awaits_first_turn: bool
+    """Nothing has happened to the run yet: its first turn should be (re)queued."""
+
+
+def start(
+    ctx: Context,
+    agent_file: str | Path,
+    text: str,
+    run_id: str | None = None,
+    idempotency_key: str | None = None,
+) -> Started:
+    """Create the run the key names, or find it: the one path every start takes.
+
+    Raises StartConflict when the key's run exists with another agent file or input,
+    AgentFileError, InvalidInput (also for a run id and a key both given).
+    """
+    run_id = run_id_for(run_id, idempotency_key)
     try:
         create_run(ctx, agent_file, text, run_id)
     except StaleWrite:
-        pass  # a redelivery of this message: the run exists; the turn below is fenced
+        record = _matching_run(ctx, run_id, agent_file, text)
+        fresh = record.status == RunStatus.QUEUED and record.last_seq == 1
+        return Started(run_id, False, fresh)
+    return Started(run_id, True, True)
+
+
+def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) -> RunRecord:
+    record = ctx.runs.get(run_id)
+    first = ctx.runs.events(run_id, after_seq=0, limit=1)
+    if record is None or not first:
+        raise StartConflict(run_id, "history (it is being purged)")
+    data = first[0].data
+    if data.get("agent_file") != str(Path(agent_file).resolve()):
+        raise StartConflict(run_id, f"agent file ({data.get('agent_file')})")
+    if data.get("input") != text:
+        raise StartConflict(run_id, "input")
+    return record
+
+
+@app.task(
+    name="ratchet.start", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
+)
+def start_run(
+    self: object,
+    agent_file: str,
+    text: str,
+    run_id: str | None = None,
+    idempotency_key: str | None = None,
+) -> str:
+    """Create the run (unless its key's run exists) and take its first turn. Idempotent.
+
+    With neither ``run_id`` nor ``idempotency_key`` the message's task id is the key,
+    so a redelivery finds the run its first delivery created.
+    """
+    ctx = get_context()
+    if run_id is None and idempotency_key is None:
+        idempotency_key = f"celery-task:{self.request.id}"
+    try:
+        run_id = start(ctx, agent_file, text, run_id, idempotency_key).run_id
+    except StartConflict as exc:
+        log.warning("ratchet.start refused: %s", exc)
+        return "conflict"
     done = advance(ctx, run_id, expected_seq=1)
     if done.outcome == "next":
         chain(run_id, done)

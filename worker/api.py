@@ -21,14 +21,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kombu.exceptions import OperationalError
+
 from runtime.continuation import check_pinned, make_continuation
-from runtime.errors import RunNotFound, RunRefused
+from runtime.errors import RunNotFound, RunNotQueued, RunRefused
 from runtime.models import TERMINAL_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.journal import Loaded, load, new_owner
-from tasks.start import create_run
+from tasks.start import start
 from tasks.turn import run_turn
 
 FINISHED = frozenset(TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED})
@@ -53,15 +55,31 @@ class Ratchet:
     def __init__(self, context: Context | None = None) -> None:
         self.ctx = context or get_context()
 
-    def start(self, agent_file: str | Path, text: str, run_id: str | None = None) -> str:
-        """Create a run and enqueue its first turn; returns the run id.
+    def start(
+        self,
+        agent_file: str | Path,
+        text: str,
+        run_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> str:
+        """Create a run and enqueue its first turn; returns the run id. Idempotent by key.
 
-        The agent file and input are checked here, so a bad one is refused
-        before anything is queued (AgentFileError, InvalidInput).
+        The key is ``run_id`` or ``idempotency_key`` (the run id is derived from it):
+        the same key with the same agent file and input returns the existing run (and
+        queues its first turn again if it has not started; a duplicate turn is fenced),
+        another agent file or input under it is refused (StartConflict). The agent file
+        and input are checked here, so a bad one is refused before anything is queued
+        (AgentFileError, InvalidInput). RunNotQueued: the run is recorded but the broker
+        could not take its first turn; the crash sweeper queues it once the broker is back.
         """
-        state = create_run(self.ctx, agent_file, text, run_id)
-        run_turn.apply_async((state.run_id, state.seq))
-        return state.run_id
+        started = start(self.ctx, agent_file, text, run_id, idempotency_key)
+        if started.awaits_first_turn:
+            try:
+                run_turn.apply_async((started.run_id, 1))
+            except (OperationalError, OSError) as exc:
+                problem = " ".join(str(exc).split()) or type(exc).__name__
+                raise RunNotQueued(started.run_id, f"broker: {problem}") from exc
+        return started.run_id
 
     def continue_run(
         self,

@@ -10,13 +10,17 @@ own leases, fencing and sweeper are what make a run survive a crash
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from celery.beat import PersistentScheduler
 from kombu import Exchange, Queue
 
+from runtime.errors import ConfigInvalid
 from worker.rejected import rejected_folder
-from worker.settings import Settings, get_settings
+from worker.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 
 TURNS_QUEUE = "ratchet.turns"
 CONTROL_QUEUE = "ratchet.control"
@@ -28,7 +32,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     if broker_url.startswith("filesystem"):
         folders = settings.broker_folders
         for folder in folders.values():
-            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigInvalid(
+                    "RATCHET_DATA_DIR",
+                    f"RATCHET_DATA_DIR={settings.data_dir}: cannot create the broker folder "
+                    f"{folder} ({exc.strerror}); point it at a directory this user can write",
+                ) from None
         transport_options = {
             # One folder for in and out: producer and worker processes share it.
             "data_folder_in": str(folders["queue"]),
@@ -45,6 +56,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_consumer": "worker.consumer:RatchetConsumer",
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
+        # A starting worker has already tried the broker a bounded number of times
+        # (worker.checks, RATCHET_BROKER_START_RETRIES) before Celery connects.
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -84,6 +97,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "options": {"queue": CONTROL_QUEUE, "expires": settings.sweep_interval_s},
             }
         },
+        # Beat's schedule files (celerybeat-schedule.*) live with the rest of ratchet's state.
+        "beat_schedule_filename": str(settings.resolved_data_dir / "celerybeat-schedule"),
+        "beat_scheduler": "worker.app:Scheduler",
         "task_time_limit": settings.turn_time_limit_s,
         "imports": ("tasks",),
         # Read by worker.consumer.ContinuationConsumer (plain-JSON continuations).
@@ -111,4 +127,53 @@ def make_app(settings: Settings | None = None) -> Celery:
     return app
 
 
-app = make_app()
+COMMANDS = ("celery", "ratchet", "worker", "-m")
+"""How a command line shows in ``__main__`` or ``sys.argv[0]`` (``-m``: a package's import)."""
+
+
+def _on_a_command_line() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = spec.name.split(".")[0] if spec is not None and spec.name else ""
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name in COMMANDS or program in COMMANDS
+
+
+def _app_or_exit() -> Celery:
+    """The app; on a command line a bad setting is one line on stderr and exit status 2.
+
+    The app is built at import (``celery -A worker`` imports it), before Celery or the CLI
+    has an error handler; an application importing ratchet gets ConfigInvalid instead.
+    """
+    try:
+        return make_app()
+    except ConfigInvalid as exc:
+        if not _on_a_command_line():
+            raise
+        print(f"ratchet: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG_INVALID) from None
+
+
+class Scheduler(PersistentScheduler):  # type: ignore[misc]  # celery is untyped
+    """Celery's persistent beat scheduler, its schedule file under the data dir.
+
+    The folder is made before the file is opened (nothing else may have made the data
+    dir when every store is remote); when it cannot be, one line and exit status 2.
+    """
+
+    def setup_schedule(self) -> None:
+        folder = Path(self.schedule_filename).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(
+                f"ratchet: refusing to start beat: cannot create {folder} for its schedule "
+                f"file ({exc.strerror}); set RATCHET_DATA_DIR to a directory this user can write",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(EXIT_CONFIG_INVALID) from None
+        super().setup_schedule()
+
+
+app = _app_or_exit()

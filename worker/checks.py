@@ -28,9 +28,10 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from celery.signals import worker_init
+from celery.signals import import_modules, worker_init
 
 from worker.settings import Settings, get_settings
 
@@ -255,3 +256,163 @@ def _check_store_persistence(**_: Any) -> None:
     if problem is not None:
         print(problem, file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+
+# --- stores, broker and tasks at start (issue 10) -----------------------------
+
+PROBE_RUN_ID_PREFIX = "ratchet-start-check-"
+"""Run id of the probe a starting worker reads and leases; no run ever has it."""
+EXPECTED_TASKS = (
+    "ratchet.start",
+    "ratchet.turn",
+    "ratchet.continue",
+    "ratchet.cancel",
+    "ratchet.resume",
+    "ratchet.sweep",
+    "ratchet.reconcile",
+)
+"""Every task a worker must have registered before it consumes a message."""
+RATCHET_PACKAGES = ("tasks", "store", "runtime", "worker")
+"""Ratchet's top-level packages: a module of the same name earlier on sys.path shadows them."""
+RATCHET_ROOT = Path(__file__).resolve().parents[1]
+
+
+def store_problems(settings: Settings) -> list[str]:
+    """Open each store and make a real round trip; one line per store that cannot be used.
+
+    The snapshot store reads and deletes a probe snapshot, the run store takes and
+    releases a probe lease (no run record is written). URLs are shown without passwords.
+    """
+    import uuid
+
+    from runtime.errors import RatchetError
+    from store import open_run_store, open_snapshot_store
+    from worker.settings import masked
+
+    probe = PROBE_RUN_ID_PREFIX + uuid.uuid4().hex[:16]
+    problems = []
+    checks = (
+        ("RATCHET_SNAPSHOT_STORE", settings.resolved_snapshot_store, _snapshot_round_trip),
+        ("RATCHET_RUN_STORE", settings.resolved_run_store, _run_store_round_trip),
+    )
+    opener = {"RATCHET_SNAPSHOT_STORE": open_snapshot_store, "RATCHET_RUN_STORE": open_run_store}
+    for variable, url, round_trip in checks:
+        try:
+            store = opener[variable](url, redis_prefix=settings.redis_prefix)
+            try:
+                round_trip(store, probe)
+            finally:
+                store.close()
+        except (RatchetError, OSError, ValueError, ImportError) as exc:
+            problem = " ".join(str(exc).split()) or type(exc).__name__
+            problems.append(
+                f"ratchet: refusing to start: {variable}={masked(url)} cannot be used: {problem}"
+            )
+    return problems
+
+
+def _snapshot_round_trip(store: Any, probe: str) -> None:
+    store.load_document(probe)
+    store.delete(probe)
+
+
+def _run_store_round_trip(store: Any, probe: str) -> None:
+    store.get(probe)
+    if not store.acquire_lease(probe, probe, 5.0):
+        raise OSError(f"the probe lease {probe} is held by someone else")
+    store.release_lease(probe, probe)
+
+
+def broker_unreachable(app: Any, retries: int) -> str | None:
+    """Connect to the broker, retrying ``retries`` times (1-5 s apart); None, or why not."""
+    from worker.settings import masked
+
+    connection = app.connection_for_write()
+    try:
+        connection.ensure_connection(
+            max_retries=retries, interval_start=1, interval_step=1, interval_max=5
+        )
+    except Exception as exc:  # kombu raises the transport's own errors; all mean "not usable"
+        problem = " ".join(str(exc).split()) or type(exc).__name__
+        return (
+            f"ratchet: refusing to start: the broker RATCHET_BROKER_URL="
+            f"{masked(app.conf.broker_url or '')} cannot be reached after {retries} retries "
+            f"({problem}); start it, fix the URL, or raise RATCHET_BROKER_START_RETRIES"
+        )
+    finally:
+        connection.release()
+    return None
+
+
+def shadowing_modules() -> list[str]:
+    """Modules that would be imported instead of ratchet's own packages, by path.
+
+    Celery puts the current directory first on ``sys.path`` while it imports task
+    modules, so a team's ``tasks.py`` or ``store.py`` there wins over ratchet's.
+    """
+    import importlib.util
+
+    from celery.utils.imports import cwd_in_path
+
+    found = []
+    with cwd_in_path():
+        for name in RATCHET_PACKAGES:
+            module = sys.modules.get(name)
+            origin = getattr(module, "__file__", None) if module is not None else None
+            if module is None:
+                try:
+                    spec = importlib.util.find_spec(name)
+                except (ImportError, ValueError):
+                    spec = None
+                origin = spec.origin if spec is not None else None
+            if origin and not Path(origin).resolve().is_relative_to(RATCHET_ROOT):
+                found.append(f"{origin} shadows ratchet's `{name}` package")
+    return found
+
+
+def _shadow_problem() -> str | None:
+    shadows = shadowing_modules()
+    if not shadows:
+        return None
+    return (
+        "ratchet: refusing to start: " + "; ".join(shadows) + " (the current directory comes "
+        "first on sys.path); rename that module or start the worker from another directory"
+    )
+
+
+def missing_tasks(registered: Any) -> list[str]:
+    return [name for name in EXPECTED_TASKS if name not in registered]
+
+
+def _refuse(problem: str) -> None:
+    print(problem, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+@import_modules.connect
+def _check_ratchet_is_imported(sender: Any = None, **_: Any) -> None:
+    # Before Celery imports the task modules: a shadowing `store.py` would otherwise end
+    # in an ImportError traceback, a shadowing `tasks.py` in a worker with no tasks.
+    problem = _shadow_problem()
+    if problem is not None:
+        _refuse(problem)
+
+
+@worker_init.connect
+def _check_tasks_stores_and_broker(sender: Any = None, **_: Any) -> None:
+    app = sender.app
+    missing = missing_tasks(app.tasks)
+    if missing:
+        shadow = _shadow_problem()
+        _refuse(
+            shadow
+            or f"ratchet: refusing to start: ratchet's tasks {', '.join(missing)} are not "
+            "registered; start the worker with `celery -A worker worker` from a directory "
+            "that holds no module named like ratchet's packages (tasks, store, runtime)"
+        )
+    problems = store_problems(get_settings())
+    if problems:
+        _refuse(problems[0])
+    problem = broker_unreachable(app, get_settings().broker_start_retries)
+    if problem is not None:
+        _refuse(problem)

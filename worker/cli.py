@@ -18,7 +18,7 @@ import click
 from runtime.errors import RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus, validate_run_id
 from store.runs import RunRecord
-from worker.exits import wait_exit
+from worker.exits import Exit, wait_exit
 from worker.render import (
     event_line,
     lineage_lines,
@@ -99,6 +99,10 @@ def runs() -> None:
     """Start, list, show and follow runs."""
 
 
+EXIT_NOT_QUEUED = Exit.NOT_ENQUEUED
+"""`runs start`: the run is recorded but not queued; it starts once the broker is back (EX_TEMPFAIL)."""
+
+
 @runs.command("start")
 @click.argument("agent_file", type=click.Path(dir_okay=False))
 @click.option("--input", "text", required=True, help="What the agent should do.")
@@ -107,6 +111,11 @@ def runs() -> None:
     default=None,
     callback=lambda _c, _p, v: _given_run_id(v),
     help="Use this id instead of a generated one.",
+)
+@click.option(
+    "--idempotency-key",
+    default=None,
+    help="Start at most once per key: the same key, agent and input give the same run.",
 )
 @click.option(
     "--wait",
@@ -120,11 +129,29 @@ def runs() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
 @refusals
 def runs_start(
-    agent_file: str, text: str, run_id: str | None, wait: bool, timeout_s: float, as_json: bool
+    agent_file: str,
+    text: str,
+    run_id: str | None,
+    idempotency_key: str | None,
+    wait: bool,
+    timeout_s: float,
+    as_json: bool,
 ) -> None:
-    """Start a run of AGENT_FILE; prints the run id."""
+    """Start a run of AGENT_FILE; prints the run id.
+
+    Starting again with the same --run-id or --idempotency-key, agent and input gives the
+    same run (never a second one). Exit status 7: the run is recorded but the broker
+    could not take it; it starts by itself once the broker is back.
+    """
+    from runtime.errors import RunNotQueued
+
     api = _api()
-    run_id = api.start(agent_file, text, run_id)
+    try:
+        run_id = api.start(agent_file, text, run_id, idempotency_key)
+    except RunNotQueued as exc:
+        _dump({"run_id": exc.run_id, "queued": False}) if as_json else click.echo(exc.run_id)
+        click.echo(f"ratchet: {exc}", err=True)
+        sys.exit(EXIT_NOT_QUEUED)
     if not wait:
         _dump({"run_id": run_id}) if as_json else click.echo(run_id)
         return

@@ -8,12 +8,21 @@ a worker and the CLI in two terminals share one machine's state with no server.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from runtime.errors import ConfigInvalid
+
+ENV_PREFIX = "RATCHET_"
+EXIT_CONFIG_INVALID = 2
+"""Exit status of every command (``ratchet …``, ``celery -A worker …``) refused for a bad setting."""
 
 
 class Settings(BaseSettings):
@@ -64,6 +73,8 @@ class Settings(BaseSettings):
     """A Celery task name a worker sends (run_id, status) to when a run stops (ends, suspends, parks)."""
     notify_queue: str = "celery"
     """The queue `notify_task` is sent to."""
+    broker_start_retries: int = Field(default=10, ge=0, le=1000)
+    """A worker starting tries the broker this many more times (about 1-5 s apart), then refuses."""
 
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:
@@ -104,6 +115,150 @@ class Settings(BaseSettings):
         return {"queue": base / "queue", "control": base / "control"}
 
 
+def masked(url: str) -> str:
+    """``url`` without its password (``user:***@host``), fit for a message or a log line."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, hostport = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}" if ":" in userinfo else netloc
+    query = "&".join(q for q in parts.query.split("&") if not q.startswith("password="))
+    rest = f"{parts.path}" + (f"?{query}" if query else "")
+    return f"{parts.scheme}://{netloc}{rest}" if "://" in url else url
+
+
+# Shown with a refused value: what an accepted one looks like.
+_FIXES = {
+    "redis_prefix": "use 1-64 letters, digits or `_ . : -`, e.g. RATCHET_REDIS_PREFIX=ratchet",
+    "metrics_port": "use a TCP port from 1 to 65535, e.g. RATCHET_METRICS_PORT=9808",
+}
+_URL_FIELDS = ("broker_url", "snapshot_store", "run_store")
+SNAPSHOT_STORE_SCHEMES = ("memory", "file", "redis", "rediss", "unix", "s3")
+RUN_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "unix")
+# kombu transports whose dependencies come with an extra of kombu's.
+_TRANSPORT_EXTRAS = {"redis": "redis", "rediss": "redis", "sentinel": "redis"}
+
+
+def _shown(field: str, value: Any) -> str:
+    text = str(value)
+    return masked(text) if field in _URL_FIELDS else text
+
+
+def _validation_error(exc: ValidationError) -> ConfigInvalid:
+    error = exc.errors(include_url=False)[0]
+    if not error["loc"]:
+        # A check across fields (model validator): its message names the variables.
+        message = str(error["msg"]).removeprefix("Value error, ")
+        variable = message.split(" ", 1)[0] if message.startswith(ENV_PREFIX) else ENV_PREFIX
+        return ConfigInvalid(variable, f"{message}")
+    field = str(error["loc"][0])
+    variable = ENV_PREFIX + field.upper()
+    default = Settings.model_fields[field].default if field in Settings.model_fields else None
+    problem = str(error["msg"])
+    problem = problem[:1].lower() + problem[1:]
+    fix = _FIXES.get(field) or (
+        f"set a valid value, or unset it for the default ({default})"
+        if default is not None
+        else "set a valid value, or unset it"
+    )
+    return ConfigInvalid(
+        variable, f"{variable}={_shown(field, error.get('input'))} is refused: {problem}; {fix}"
+    )
+
+
+def _check_broker(settings: Settings) -> None:
+    url = settings.resolved_broker_url
+    variable = "RATCHET_BROKER_URL"
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    base = scheme.split("+", 1)[0]
+    from kombu.transport import TRANSPORT_ALIASES, resolve_transport
+
+    if base not in TRANSPORT_ALIASES:
+        raise ConfigInvalid(
+            variable,
+            f"{variable}={masked(url)} is not a broker URL Celery knows; use "
+            "redis://host:6379/0, amqp://user:password@host:5672/vhost, or unset it for the "
+            "embedded filesystem broker",
+        )
+    try:
+        resolve_transport(base)
+    except ImportError as exc:
+        extra = _TRANSPORT_EXTRAS.get(base)
+        install = f"pip install 'kombu[{extra}]'" if extra else "install what it names"
+        raise ConfigInvalid(
+            variable,
+            f"{variable}={masked(url)}: kombu's {base} transport cannot be imported ({exc}); "
+            f"{install}",
+        ) from None
+
+
+def _check_store(variable: str, url: str, schemes: tuple[str, ...]) -> None:
+    scheme = urlsplit(url).scheme if "://" in url else ""
+    if scheme not in schemes:
+        accepted = ", ".join(f"{s}://" for s in schemes)
+        raise ConfigInvalid(
+            variable,
+            f"{variable}={masked(url)} is not a store URL ratchet opens; use one of {accepted} "
+            "(README, Settings), or unset it for the default under RATCHET_DATA_DIR",
+        )
+    if scheme == "s3" and importlib.util.find_spec("boto3") is None:
+        raise ConfigInvalid(
+            variable,
+            f"{variable}={masked(url)} needs boto3, which is not installed; "
+            "pip install 'ratchet[s3]'",
+        )
+
+
+def _uses_data_dir(settings: Settings) -> bool:
+    return (
+        settings.resolved_broker_url.startswith("filesystem")
+        or settings.snapshot_store is None
+        or settings.run_store is None
+    )
+
+
+def _check_data_dir(settings: Settings) -> None:
+    path = settings.resolved_data_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except OSError as exc:
+        problem = exc.strerror or type(exc).__name__
+    else:
+        if writable:
+            return
+        problem = "not writable by this user"
+    raise ConfigInvalid(
+        "RATCHET_DATA_DIR",
+        f"RATCHET_DATA_DIR={settings.data_dir}: cannot use {path} ({problem}); point it at a "
+        "directory this user can create and write",
+    )
+
+
+def load_settings() -> Settings:
+    """The settings from the environment, checked.
+
+    Raises ConfigInvalid, one line naming the variable, what is wrong and the fix, for a
+    value pydantic refuses, a broker URL kombu cannot use (or whose transport's
+    dependencies are missing), a store URL no backend opens (or whose extra is missing),
+    and a data dir that cannot be created or written while something uses it.
+    """
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    _check_broker(settings)
+    _check_store("RATCHET_SNAPSHOT_STORE", settings.resolved_snapshot_store, SNAPSHOT_STORE_SCHEMES)
+    _check_store("RATCHET_RUN_STORE", settings.resolved_run_store, RUN_STORE_SCHEMES)
+    if _uses_data_dir(settings):
+        _check_data_dir(settings)
+    return settings
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    """The process's settings (checked once; ConfigInvalid, see :func:`load_settings`)."""
+    return load_settings()
