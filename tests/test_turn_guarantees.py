@@ -30,9 +30,10 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
+from tasks.journal import load
 from tasks.recovery import resume
 from tasks.start import create_run
-from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance, append_events, load_state
+from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance, append_events
 from tests.contract.conftest import FakeClock
 from tests.helpers import call, drive, turn, write_agent
 from tests.test_recovery import park_with_refund_in_flight, refund_agent
@@ -104,9 +105,8 @@ def take_over(ctx: Context, clock: FakeClock, run_id: str) -> int:
     clock.advance(LEASE_S * 1000 + 1)
     assert ctx.runs.acquire_lease(run_id, "worker-b", LEASE_S)
     other = Context(ctx.settings, ctx.snapshots, ctx.runs)
-    loaded = load_state(other, run_id)
-    assert loaded is not None
-    state, snapshot_seq = loaded
+    loaded = load(other, run_id)
+    state, snapshot_seq = loaded.state, loaded.snapshot_seq
     resumed = append_events(
         other, state, [("run.resumed", {"by": OPERATOR, "attempt": 1})], "worker-b"
     )
