@@ -492,8 +492,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T9",
         "tasks/turn.py",
-        "                self.record([suspension_event(action)])\n                self.checkpoint()\n",
-        "                self.record([suspension_event(action)])\n",
+        "            self.record([suspension_event(action)])\n            self.checkpoint()\n",
+        "            self.record([suspension_event(action)])\n",
         TURN,
     ),
     Mutant(
@@ -542,8 +542,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V1",
         "tasks/recovery.py",
-        "        if state is None or not state.status.is_live:\n",
-        "        if state is None:\n",
+        "        if record is None or not live:\n",
+        "        if record is None:\n",
         RECOVERY,
     ),
     Mutant(
