@@ -60,8 +60,10 @@ import math
 import os
 import random
 import re
+import threading
 import time
 from datetime import UTC, datetime
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
@@ -187,7 +189,6 @@ class OpenAIProvider:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         payload = self.payload(request)
-        t = self._table
         retrying = Retrying(
             retry=retry_if_exception_type(_RetryableFailure),
             stop=self._should_stop,
@@ -197,12 +198,12 @@ class OpenAIProvider:
         )
         started = time.monotonic()
         attempts = 0
+        client = shared_client()
         try:
-            with httpx.Client(timeout=t.timeout_s, headers=headers) as client:
-                for attempt in retrying:
-                    with attempt:
-                        attempts += 1
-                        body = self._post(client, payload, key)
+            for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    body = self._post(client, payload, key, headers)
         except _RetryableFailure as last:
             raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
         return parse_response(body, request.turn, self._describe())
@@ -235,9 +236,24 @@ class OpenAIProvider:
     def _describe(self) -> str:
         return f"model `{self.model}` at {self._host}"
 
-    def _post(self, client: httpx.Client, payload: dict[str, Any], key: str | None) -> Any:
+    def _post(
+        self,
+        client: httpx.Client,
+        payload: dict[str, Any],
+        key: str | None,
+        headers: dict[str, str],
+    ) -> Any:
+        timeout_s = self._table.timeout_s
         try:
-            response = client.post(f"{self._url}/chat/completions", json=payload)
+            response = client.post(
+                f"{self._url}/chat/completions", json=payload, headers=headers, timeout=timeout_s
+            )
+        except httpx.PoolTimeout:
+            raise _RetryableFailure(
+                None,
+                f"all {_http_size} connections of this process's HTTP pool stayed busy for "
+                f"{timeout_s:g} s (more model calls at once than the worker's concurrency?)",
+            ) from None
         except httpx.TimeoutException:
             timeout_s = self._table.timeout_s
             raise _RetryableFailure(None, f"no answer within timeout_s={timeout_s:g}") from None
@@ -332,6 +348,46 @@ class OpenAIProvider:
             ),
             retryable=True,
         )
+
+
+# --- one HTTP client per process ------------------------------------------------
+
+DEFAULT_HTTP_CONNECTIONS = 100
+"""Connections the shared client opens at most unless a worker sized it (httpx's default)."""
+
+_http_size = DEFAULT_HTTP_CONNECTIONS
+_clients: dict[int, httpx.Client] = {}
+_clients_lock = threading.Lock()
+
+
+def size_http_pool(max_connections: int) -> None:
+    """Let this process's shared client open ``max_connections`` at once (a worker: a slot
+    each plus headroom). Call it before model calls start: a client made before is closed."""
+    global _http_size
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be 1 or more, not {max_connections}")
+    with _clients_lock:
+        _http_size = max_connections
+        old = _clients.pop(os.getpid(), None)
+    if old is not None:
+        old.close()
+
+
+def shared_client() -> httpx.Client:
+    """This process's one HTTP client, shared by every provider and thread (a fork makes its own).
+
+    One client keeps connections alive across turns instead of a TCP (and TLS)
+    handshake per model call. It holds no secret — headers and timeouts go with
+    each request — and keeps no cookies, so nothing a server sets reaches another run.
+    """
+    pid = os.getpid()
+    with _clients_lock:
+        client = _clients.get(pid)
+        if client is None:
+            limits = httpx.Limits(max_connections=_http_size, max_keepalive_connections=_http_size)
+            no_cookies = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+            client = _clients[pid] = httpx.Client(limits=limits, cookies=no_cookies)
+        return client
 
 
 def _elapsed_s(state: RetryCallState) -> float:

@@ -216,6 +216,22 @@ class RunStore(ABC):
         run_id = validate_run_id(run_id)
         return with_retries(lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()))
 
+    def renew_leases(self, leases: Sequence[tuple[str, str]], lease_s: float) -> builtins.list[str]:
+        """Renew many ``(run_id, owner)`` leases for ``lease_s`` at once; the runs whose lease
+        another owner holds now (lost: that turn must stop).
+
+        Each renewal means what :meth:`acquire_lease` means for its owner. One
+        heartbeat round of a worker with a thousand turns in flight is one call:
+        a backend that can renews them in one round trip (Redis: one pipeline).
+        Idempotent, so a retry after a lost reply renews again, harmlessly.
+        """
+        checked = [(validate_run_id(run_id), owner) for run_id, owner in leases]
+        if not checked:
+            return []
+        lease_ms = int(lease_s * 1000)
+        taken = with_retries(lambda: self._renew(checked, lease_ms, self.clock()))
+        return [run_id for (run_id, _), held in zip(checked, taken, strict=True) if not held]
+
     def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease up if ``owner`` holds it, so another worker need not wait."""
         run_id = validate_run_id(run_id)
@@ -277,6 +293,12 @@ class RunStore(ABC):
 
     @abstractmethod
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool: ...
+
+    def _renew(
+        self, leases: builtins.list[tuple[str, str]], lease_ms: int, now_ms: int
+    ) -> builtins.list[bool]:
+        """One acquire per lease, in order; a backend with round trips to save overrides it."""
+        return [self._acquire(run_id, owner, lease_ms, now_ms) for run_id, owner in leases]
 
     @abstractmethod
     def _release(self, run_id: str, owner: str) -> None: ...

@@ -43,6 +43,8 @@ LEASE_TTL_GRACE_MS = 60_000
 and Redis never deletes a lease its owner still holds."""
 OVERDUE_BATCH = 200
 """Overdue run ids read per round trip while skipping those with a live lease."""
+RENEW_BATCH = 1000
+"""Leases renewed per pipeline: a heartbeat round of up to this many is one round trip."""
 
 # KEYS: record, events, by_created, status set of the new status, due, finished.
 # ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
@@ -196,10 +198,18 @@ class RedisRunStore(RunStore):
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str = DEFAULT_PREFIX, clock: Callable[[], int] = wall_ms
+        cls,
+        url: str,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], int] = wall_ms,
+        max_connections: int | None = None,
     ) -> RedisRunStore:
-        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
-        return cls(connect(url), prefix, clock, url)
+        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily.
+
+        ``max_connections``: the most calls this process makes at once (see
+        :func:`store.snapshots.redis.connect`).
+        """
+        return cls(connect(url, max_connections), prefix, clock, url)
 
     def _run_key(self, run_id: str, part: str) -> str:
         return f"{self._prefix}:run:{{{run_id}}}:{part}"
@@ -316,6 +326,24 @@ class RedisRunStore(RunStore):
         with translated(self._where):
             taken = self._acquire_script(keys=[self._run_key(run_id, "lease")], args=args)
         return bool(taken)
+
+    def _renew(self, leases: list[tuple[str, str]], lease_ms: int, now_ms: int) -> list[bool]:
+        # The acquire script per lease, pipelined: one round trip per RENEW_BATCH leases,
+        # and each lease's key stays in its run's slot (a Cluster pipeline splits by slot).
+        ttl_ms = str(max(lease_ms, 0) + LEASE_TTL_GRACE_MS)
+        expires = str(now_ms + lease_ms)
+        taken: list[bool] = []
+        with translated(self._where):
+            for start in range(0, len(leases), RENEW_BATCH):
+                pipe = self._client.pipeline(transaction=False)
+                for run_id, owner in leases[start : start + RENEW_BATCH]:
+                    self._acquire_script(
+                        keys=[self._run_key(run_id, "lease")],
+                        args=[owner, str(now_ms), expires, ttl_ms],
+                        client=pipe,
+                    )
+                taken += [bool(found) for found in cast("list[int]", pipe.execute())]
+        return taken
 
     def _release(self, run_id: str, owner: str) -> None:
         with translated(self._where):
