@@ -204,12 +204,14 @@ class _Heartbeats:
                 continue
             with self._changed:
                 for held in batch:
-                    if held.run_id in gone:
-                        log.warning("run %s: lease lost during the turn", held.run_id)
-                        self._held.pop((held.run_id, held.owner), None)
-                    else:
+                    key = (held.run_id, held.owner)
+                    if held.run_id not in gone:
                         held.renewed_at = started
-            lost += len(gone)
+                    elif self._held.pop(key, None) is not None:
+                        # Still in its turn: the lease was taken (or timed out and released).
+                        log.warning("run %s: lease lost during the turn", held.run_id)
+                        lost += 1
+                    # Else the turn ended and released its lease while this round was on the way.
         took_s = time.monotonic() - started
         self._account(len(due), lost, failed, late_s, took_s)
 

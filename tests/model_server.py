@@ -31,12 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_BODY = 16 * 1024 * 1024
+HOLD_TIMEOUT_S = 120.0
 
 
 @dataclass
 class ModelServer:
     latency_s: float
     turns: int
+    hold_until: int = 0
+    """Hold every request until this many wait at once (or HOLD_TIMEOUT_S passed): a test
+    that must have N model calls in flight together gets them, however slow the box."""
     host: str = "127.0.0.1"
     port: int = 0
     requests: int = 0
@@ -46,6 +50,7 @@ class ModelServer:
     """The most requests waiting out their latency at once."""
     _server: asyncio.Server | None = field(default=None, repr=False)
     _connections: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+    _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def url(self) -> str:
@@ -123,6 +128,7 @@ class ModelServer:
                 self.in_flight += 1
                 self.most_in_flight = max(self.most_in_flight, self.in_flight)
                 try:
+                    await self._hold()
                     await asyncio.sleep(self.latency_s)
                 finally:
                     self.in_flight -= 1
@@ -137,6 +143,17 @@ class ModelServer:
             self._connections.discard(task)
             writer.close()
 
+    async def _hold(self) -> None:
+        if self._released.is_set() or not self.hold_until:
+            return
+        if self.in_flight >= self.hold_until:
+            self._released.set()
+            return
+        try:
+            await asyncio.wait_for(self._released.wait(), HOLD_TIMEOUT_S)
+        except TimeoutError:
+            self._released.set()  # the caller's in-flight assertion says what went wrong
+
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, status: int, body: Any) -> None:
         payload = json.dumps(body).encode()
@@ -150,9 +167,9 @@ class ModelServer:
 
 
 @contextmanager
-def serve(latency_s: float, turns: int) -> Iterator[ModelServer]:
+def serve(latency_s: float, turns: int, hold_until: int = 0) -> Iterator[ModelServer]:
     """A ModelServer on a free port, on an event loop in a daemon thread of this process."""
-    server = ModelServer(latency_s, turns)
+    server = ModelServer(latency_s, turns, hold_until)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 

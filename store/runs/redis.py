@@ -148,6 +148,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
+# KEYS: lease. ARGV: owner, new expires_at_ms, TTL in ms. Returns 1 if extended.
+# Only the holder's key is touched: a lease released (key gone) or taken stays so.
+_EXTEND = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'expires_at_ms', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
 # KEYS: lease. ARGV: owner.
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
@@ -193,6 +204,7 @@ class RedisRunStore(RunStore):
         self._create_script = client.register_script(_CREATE)
         self._append_script = client.register_script(_APPEND)
         self._acquire_script = client.register_script(_ACQUIRE)
+        self._extend_script = client.register_script(_EXTEND)
         self._release_script = client.register_script(_RELEASE)
         self._purge_script = client.register_script(_PURGE)
 
@@ -327,23 +339,26 @@ class RedisRunStore(RunStore):
             taken = self._acquire_script(keys=[self._run_key(run_id, "lease")], args=args)
         return bool(taken)
 
+    def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        return self._renew([(run_id, owner)], lease_ms, now_ms)[0]
+
     def _renew(self, leases: list[tuple[str, str]], lease_ms: int, now_ms: int) -> list[bool]:
-        # The acquire script per lease, pipelined: one round trip per RENEW_BATCH leases,
+        # The extend script per lease, pipelined: one round trip per RENEW_BATCH leases,
         # and each lease's key stays in its run's slot (a Cluster pipeline splits by slot).
         ttl_ms = str(max(lease_ms, 0) + LEASE_TTL_GRACE_MS)
         expires = str(now_ms + lease_ms)
-        taken: list[bool] = []
+        extended: list[bool] = []
         with translated(self._where):
             for start in range(0, len(leases), RENEW_BATCH):
                 pipe = self._client.pipeline(transaction=False)
                 for run_id, owner in leases[start : start + RENEW_BATCH]:
-                    self._acquire_script(
+                    self._extend_script(
                         keys=[self._run_key(run_id, "lease")],
-                        args=[owner, str(now_ms), expires, ttl_ms],
+                        args=[owner, expires, ttl_ms],
                         client=pipe,
                     )
-                taken += [bool(found) for found in cast("list[int]", pipe.execute())]
-        return taken
+                extended += [bool(found) for found in cast("list[int]", pipe.execute())]
+        return extended
 
     def _release(self, run_id: str, owner: str) -> None:
         with translated(self._where):

@@ -398,6 +398,32 @@ def test_renewing_a_thousand_leases_renews_every_one(run_store: RunStore, clock:
         assert run_store.lease(run_id) == Lease(owner=owner, expires_at_ms=clock() + 1)
 
 
+def test_a_renewal_never_takes_back_a_released_lease(run_store: RunStore, clock: FakeClock) -> None:
+    # Given a turn that released its lease while its heartbeat's renewal was on the way
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    run_store.release_lease("run-1", "worker-a")
+
+    # When the renewal lands
+    lost = run_store.renew_leases([("run-1", "worker-a")], LEASE_S)
+
+    # Then the run stays free for the next turn, and the old turn hears its lease is gone
+    assert lost == ["run-1"]
+    assert run_store.lease("run-1") is None
+    assert run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+
+
+def test_a_lease_taken_over_and_released_since_is_lost_to_its_first_owner(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS)
+    assert run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+    run_store.release_lease("run-1", "worker-b")
+
+    assert run_store.renew_leases([("run-1", "worker-a")], LEASE_S) == ["run-1"]
+    assert run_store.lease("run-1") is None
+
+
 def test_renewing_no_leases_renews_nothing(run_store: RunStore) -> None:
     assert run_store.renew_leases([], LEASE_S) == []
 
