@@ -265,10 +265,12 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
     ctx.close()
     elapsed_s = (max(ends) - started_ms) / 1000 if ends else float("nan")
     completed_turns = len(ends) * args.turns
-    error_lines = sum(
-        1 for line in log.read_text(errors="replace").splitlines()
+    errors = [
+        line for line in log.read_text(errors="replace").splitlines()
         if "ERROR/" in line or "CRITICAL/" in line
-    )  # fmt: skip
+    ]  # fmt: skip
+    for line in dict.fromkeys(e.split("]", 1)[-1][:240] for e in errors[:20]):
+        print(f"  [{label}] worker log: {line.strip()}", file=sys.stderr)
     lost = int(samples.get("ratchet_leases_lost_total", 0)) + int(
         samples.get('ratchet_turns_total{outcome="fenced"}', 0)
     )
@@ -285,7 +287,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         idle_rss_mib=idle_rss,
         peak_rss_mib=peak_rss,
         lost_leases=lost,
-        error_lines=error_lines,
+        error_lines=len(errors),
         bad_runs=bad,
         not_finished=not_finished,
         heartbeat_late_s=samples.get("ratchet_heartbeat_max_lateness_seconds", float("nan")),
