@@ -276,7 +276,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
     )
     slots = 1 if args.pool == "solo" else args.concurrency
     in_flight = min(args.runs, slots)
-    peak_rss = peak["rss"]
+    peak_rss = peak["rss"]  # the ceiling phase's in_flight uses its own (maybe fewer) runs
     return Phase(
         label=label,
         latency_s=latency_s,
@@ -314,6 +314,12 @@ def main() -> None:
     )
     parser.add_argument("--provider", default="openai", choices=["openai", "scripted"])
     parser.add_argument("--timeout", type=float, default=600, help="seconds per phase, at most")
+    parser.add_argument(
+        "--ceiling-runs",
+        type=int,
+        default=None,
+        help="runs of the zero-latency phase (default --runs)",
+    )
     args = parser.parse_args()
     latencies = [float(x) for x in args.latency.split(",") if x.strip()]
     load_before = loadavg()
@@ -322,7 +328,10 @@ def main() -> None:
         server = RedisServer(workdir)
         server.start()
         try:
-            phases = [run_phase("ceiling", 0.0, args, server, 1, workdir)]
+            ceiling_args = argparse.Namespace(
+                **{**vars(args), "runs": args.ceiling_runs or args.runs}
+            )
+            phases = [run_phase("ceiling", 0.0, ceiling_args, server, 1, workdir)]
             for i, latency_s in enumerate(latencies):
                 phases.append(
                     run_phase(f"L={latency_s:g}s", latency_s, args, server, 2 + i, workdir)
@@ -333,7 +342,7 @@ def main() -> None:
     in_flight = min(args.runs, slots)
     ceiling = phases[0].turns_per_s
     print(
-        f"io fleet: {args.runs} runs x {args.turns} turns, -P {args.pool} -c {args.concurrency}, "
+        f"io fleet: {args.runs} runs x {args.turns} turns (ceiling: {args.ceiling_runs or args.runs} runs), -P {args.pool} -c {args.concurrency}, "
         f"{args.provider} provider, Redis broker and stores, {os.cpu_count()} cores; "
         f"load average {load_before} at start, {loadavg()} at end"
     )
