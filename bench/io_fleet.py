@@ -69,6 +69,7 @@ class Phase:
     not_finished: int
     heartbeat_late_s: float
     model_in_flight: int | None
+    in_flight: int
 
 
 def loadavg() -> str:
@@ -292,6 +293,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         not_finished=not_finished,
         heartbeat_late_s=samples.get("ratchet_heartbeat_max_lateness_seconds", float("nan")),
         model_in_flight=most_in_flight,
+        in_flight=in_flight,
     )
 
 
@@ -347,7 +349,7 @@ def main() -> None:
         f"load average {load_before} at start, {loadavg()} at end"
     )
     print(f"  {'phase':9} {'turns/s':>8} {'ideal':>8} {'ratio':>6} {'elapsed':>8} "
-          f"{'ovh p50':>8} {'ovh p99':>8} {'MiB/run':>8} {'lost':>5} {'errors':>6} "
+          f"{'ovh p50':>8} {'ovh p99':>8} {'MiB/run':>8} {'all/run':>8} {'lost':>5} {'errors':>6} "
           f"{'unfin':>5} {'hb late':>8} {'model∥':>7}")  # fmt: skip
     for phase in phases:
         ideal = ceiling if phase.latency_s == 0 else min(in_flight / phase.latency_s, ceiling)
@@ -356,12 +358,14 @@ def main() -> None:
             f"{phase.turns_per_s / ideal if ideal else float('nan'):6.2f} "
             f"{phase.elapsed_s:7.1f}s {cut(phase.overheads_s, 50) * 1000:6.0f}ms "
             f"{cut(phase.overheads_s, 99) * 1000:6.0f}ms {phase.rss_per_run_mib:8.3f} "
+            f"{phase.peak_rss_mib / phase.in_flight:8.2f} "
             f"{phase.lost_leases:5d} {phase.error_lines + phase.bad_runs:6d} "
             f"{phase.not_finished:5d} {phase.heartbeat_late_s * 1000:6.0f}ms "
             f"{phase.model_in_flight if phase.model_in_flight is not None else '-':>7}"
         )
     print(f"  in flight = min(runs, slots) = {in_flight}; ideal = min(in_flight / L, ceiling); "
-          "overhead = per-turn time beyond L; MiB/run = (peak - idle RSS) / in flight "
+          "overhead = per-turn time beyond L; MiB/run = (peak - idle RSS) / in flight; "
+          "all/run = peak RSS / in flight "
           + ", ".join(f"[{p.label}: {p.idle_rss_mib:.0f} -> {p.peak_rss_mib:.0f} MiB]" for p in phases))  # fmt: skip
 
 
