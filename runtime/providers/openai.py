@@ -354,10 +354,17 @@ class OpenAIProvider:
 
 DEFAULT_HTTP_CONNECTIONS = 100
 """Connections the shared client opens at most unless a worker sized it (httpx's default)."""
+SHARD_CONNECTIONS = 32
+"""Connections per shard of the process's client. httpcore's pool rescans every
+connection (twice, nested, with a poll of each idle socket) whenever a request
+starts or ends: at 500 connections in one pool that cost more CPU than the turn.
+Shards of 32 keep the scan small; each thread keeps to one shard."""
 
 _http_size = DEFAULT_HTTP_CONNECTIONS
-_clients: dict[int, httpx.Client] = {}
+_clients: dict[int, list[httpx.Client]] = {}
 _clients_lock = threading.Lock()
+_shard_of_thread = threading.local()
+_next_shard = 0
 
 
 def size_http_pool(max_connections: int) -> None:
@@ -368,26 +375,42 @@ def size_http_pool(max_connections: int) -> None:
         raise ValueError(f"max_connections must be 1 or more, not {max_connections}")
     with _clients_lock:
         _http_size = max_connections
-        old = _clients.pop(os.getpid(), None)
-    if old is not None:
-        old.close()
+        old = _clients.pop(os.getpid(), [])
+    for client in old:
+        client.close()
 
 
 def shared_client() -> httpx.Client:
-    """This process's one HTTP client, shared by every provider and thread (a fork makes its own).
+    """This process's HTTP client, shared by every provider and thread (a fork makes its own).
 
     One client keeps connections alive across turns instead of a TCP (and TLS)
     handshake per model call. It holds no secret — headers and timeouts go with
     each request — and keeps no cookies, so nothing a server sets reaches another run.
+    Past SHARD_CONNECTIONS it is split into shards of that many connections (the
+    limit, ``size_http_pool``, is shared out between them); a thread keeps to the
+    shard it first drew, round-robin, so the shards fill evenly.
     """
+    global _next_shard
     pid = os.getpid()
+    shard = getattr(_shard_of_thread, "shard", None)
     with _clients_lock:
-        client = _clients.get(pid)
-        if client is None:
-            limits = httpx.Limits(max_connections=_http_size, max_keepalive_connections=_http_size)
-            no_cookies = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
-            client = _clients[pid] = httpx.Client(limits=limits, cookies=no_cookies)
-        return client
+        clients = _clients.get(pid)
+        if clients is None:
+            count = max(1, math.ceil(_http_size / SHARD_CONNECTIONS))
+            # A share each, plus a little: threads draw shards evenly but not exactly.
+            each = math.ceil(_http_size / count) + (SHARD_CONNECTIONS // 4 if count > 1 else 0)
+            limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
+            clients = _clients[pid] = [
+                httpx.Client(
+                    limits=limits, cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+                )
+                for _ in range(count)
+            ]
+        if shard is None or shard[0] != pid:
+            shard = (pid, _next_shard)
+            _next_shard += 1
+            _shard_of_thread.shard = shard
+        return clients[shard[1] % len(clients)]
 
 
 def _elapsed_s(state: RetryCallState) -> float:
