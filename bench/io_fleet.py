@@ -25,7 +25,12 @@ of the worker's processes minus their RSS after boot, over in_flight), lost
 leases (the heartbeat's ``ratchet_leases_lost_total`` plus turns fenced by a
 lost lease), errors (ERROR/CRITICAL lines in the worker log, and runs that
 failed, stalled or parked), runs not finished, and the heartbeat's worst
-lateness (``ratchet_heartbeat_max_lateness_seconds``). The machine's load
+lateness (``ratchet_heartbeat_max_lateness_seconds``), and ``steady``: turns/s
+while every run was in flight (from the last run's first model call to the first
+run's completion), with its ratio to the ideal. Runs sent in the same instant
+stay in lockstep (every slot's CPU work lands together, then all wait on the
+model); ``--stagger S`` spreads their starts over S seconds, as arrivals in a
+real fleet are spread. The machine's load
 average is printed at start and end: the figures are only as quiet as the box.
 """
 
@@ -70,6 +75,8 @@ class Phase:
     heartbeat_late_s: float
     model_in_flight: int | None
     in_flight: int
+    steady_turns_per_s: float
+    window_s: float
 
 
 def loadavg() -> str:
@@ -230,7 +237,13 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         started_ms = time.time_ns() // 1_000_000
-        for state in states:
+        # Sends spread over --stagger seconds (0 for the ceiling): runs started all in the
+        # same instant stay in lockstep, and their CPU bursts queue behind each other.
+        spread_s = args.stagger if latency_s > 0 else 0.0
+        for i, state in enumerate(states):
+            due_s = spread_s * i / len(states)
+            while time.time() - started_ms / 1000 < due_s:
+                time.sleep(0.001)
             client.send_task("ratchet.turn", (state.run_id, state.seq))
         want = args.runs + 1
         deadline = time.monotonic() + args.timeout
@@ -248,6 +261,8 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         client.close()
     overheads: list[float] = []
     ends: list[int] = []
+    firsts: list[int] = []
+    asks: list[int] = []
     bad = not_finished = 0
     for state in states:
         record = ctx.runs.get(state.run_id)
@@ -261,10 +276,17 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         asked = [e.at_ms for e in events if e.type == "model.requested"]
         done = [e.at_ms for e in events if e.type == "run.completed"]
         marks = asked + done[:1]
+        firsts += asked[:1]
+        asks += asked
         overheads += [(b - a) / 1000 - latency_s for a, b in zip(marks, marks[1:], strict=False)]
         ends += done[:1]
     ctx.close()
     elapsed_s = (max(ends) - started_ms) / 1000 if ends else float("nan")
+    # While every run is in flight: from the last run's first model call to the first
+    # run's completion, the model calls made per second.
+    window_ms = (min(ends) - max(firsts)) if ends and firsts else 0
+    in_window = sum(1 for at in asks if max(firsts) <= at <= min(ends)) if window_ms > 0 else 0
+    steady = in_window / (window_ms / 1000) if window_ms > 0 else float("nan")
     completed_turns = len(ends) * args.turns
     errors = [
         line for line in log.read_text(errors="replace").splitlines()
@@ -294,6 +316,8 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         heartbeat_late_s=samples.get("ratchet_heartbeat_max_lateness_seconds", float("nan")),
         model_in_flight=most_in_flight,
         in_flight=in_flight,
+        steady_turns_per_s=steady,
+        window_s=window_ms / 1000,
     )
 
 
@@ -316,6 +340,9 @@ def main() -> None:
     )
     parser.add_argument("--provider", default="openai", choices=["openai", "scripted"])
     parser.add_argument("--timeout", type=float, default=600, help="seconds per phase, at most")
+    parser.add_argument(
+        "--stagger", type=float, default=0.0, help="spread the runs' starts over this many seconds"
+    )
     parser.add_argument(
         "--ceiling-runs",
         type=int,
@@ -350,7 +377,7 @@ def main() -> None:
     )
     print(f"  {'phase':9} {'turns/s':>8} {'ideal':>8} {'ratio':>6} {'elapsed':>8} "
           f"{'ovh p50':>8} {'ovh p99':>8} {'MiB/run':>8} {'all/run':>8} {'lost':>5} {'errors':>6} "
-          f"{'unfin':>5} {'hb late':>8} {'model∥':>7}")  # fmt: skip
+          f"{'unfin':>5} {'hb late':>8} {'model∥':>7} {'steady':>7} {'ratio':>6}")  # fmt: skip
     for phase in phases:
         ideal = ceiling if phase.latency_s == 0 else min(in_flight / phase.latency_s, ceiling)
         print(
@@ -361,8 +388,13 @@ def main() -> None:
             f"{phase.peak_rss_mib / phase.in_flight:8.2f} "
             f"{phase.lost_leases:5d} {phase.error_lines + phase.bad_runs:6d} "
             f"{phase.not_finished:5d} {phase.heartbeat_late_s * 1000:6.0f}ms "
-            f"{phase.model_in_flight if phase.model_in_flight is not None else '-':>7}"
+            f"{phase.model_in_flight if phase.model_in_flight is not None else '-':>7} "
+            f"{phase.steady_turns_per_s:7.1f} {phase.steady_turns_per_s / ideal if ideal else 0:6.2f}"
         )
+    print(
+        "  steady = turns/s while every run was in flight (last first model call to first "
+        "completion: " + ", ".join(f"{p.label} {p.window_s:.1f} s" for p in phases) + ")"
+    )
     print(f"  in flight = min(runs, slots) = {in_flight}; ideal = min(in_flight / L, ceiling); "
           "overhead = per-turn time beyond L; MiB/run = (peak - idle RSS) / in flight; "
           "all/run = peak RSS / in flight "
