@@ -60,12 +60,14 @@ import math
 import os
 import random
 import re
+import ssl
 import threading
 import time
 from datetime import UTC, datetime
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
+import certifi
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
@@ -400,9 +402,13 @@ def shared_client() -> httpx.Client:
             # A share each, plus a little: threads draw shards evenly but not exactly.
             each = math.ceil(_http_size / count) + (SHARD_CONNECTIONS // 4 if count > 1 else 0)
             limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
+            # One TLS context for every shard: each costs ~1 MiB of loaded CA certificates.
+            tls = ssl.create_default_context(cafile=certifi.where())
             clients = _clients[pid] = [
                 httpx.Client(
-                    limits=limits, cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+                    limits=limits,
+                    verify=tls,
+                    cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
                 )
                 for _ in range(count)
             ]
