@@ -1,9 +1,10 @@
 """Chaos: runs on two real workers while one of them is SIGKILLed every 1–3 s.
 
-    python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300]
+    python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300] [--pool prefork] [--concurrency 2]
 
 Starts its own ``redis-server`` on a free port (broker and both stores), two
-``celery -A worker worker`` processes (prefork, concurrency 2) and a sweeper
+``celery -A worker worker`` processes (``--pool``, default prefork, with
+``--concurrency``, default 2) and a sweeper
 (``celery -A worker beat``), all with ratchet's default lease, sweep interval
 and recovery limit. It starts N runs of a four-turn agent with tools (two
 idempotent look-ups, one non-idempotent refund), then SIGKILLs the whole
@@ -142,6 +143,10 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument(
+        "--pool", default="prefork", choices=["prefork", "threads", "gevent", "solo"]
+    )
+    parser.add_argument("--concurrency", type=int, default=2)
     options = parser.parse_args()
     rng = random.Random(options.seed)
     work = Path(tempfile.mkdtemp(prefix="ratchet-chaos-"))
@@ -159,7 +164,8 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
 
     celery = [sys.executable, "-m", "celery", "-A", "worker"]
     workers = [
-        Process([*celery, "worker", "-c", "2", "--without-mingle", "--without-gossip",
+        Process([*celery, "worker", "-P", options.pool, "-c", str(options.concurrency),
+                 "--without-mingle", "--without-gossip",
                  "--loglevel", "WARNING", "--hostname", f"chaos{n}@%h"], env, work / f"worker{n}.log")
         for n in range(2)
     ]  # fmt: skip
@@ -217,6 +223,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                 if after:
                     latencies.append((min(after) - kill_ms) / 1000)
         figures = {
+            "pool": f"{options.pool} -c {options.concurrency}",
             "runs": options.runs,
             "elapsed_s": round(elapsed, 1),
             "kills": len(kills),

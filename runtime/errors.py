@@ -27,6 +27,7 @@
     │   └── SnapshotTooLarge
     ├── StoreError                a backend failed; translated at the seam
     │   ├── StoreUnavailable      transient: the backend could not be reached
+    │   │   └── StoreBusy         every pooled connection stayed busy: the pool is too small
     │   ├── StaleWrite            compare-and-set lost: someone wrote a newer seq
     │   └── LeaseLost             this worker no longer holds the run's lease (a zombie)
     ├── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
@@ -281,6 +282,26 @@ class StoreUnavailable(StoreError):
             store,
             problem,
         )
+
+
+class StoreBusy(StoreUnavailable):
+    """Every connection of this process's pool stayed in use for the whole wait.
+
+    The server may be fine: more calls use the store at once than the pool allows.
+    """
+
+    def __init__(self, store: str, max_connections: int, waited_s: float) -> None:
+        StoreError.__init__(
+            self,
+            f"{store}: all {max_connections} pooled connections stayed busy for {waited_s:g} s; "
+            "this process makes more store calls at once than its pool allows — add "
+            "`?max_connections=N` to the store URL (N above the worker's concurrency) or "
+            "lower the concurrency",
+            store,
+            max_connections,
+            waited_s,
+        )
+        self.store, self.max_connections, self.waited_s = store, max_connections, waited_s
 
 
 class StaleWrite(StoreError):

@@ -35,10 +35,15 @@ def _path_of(url: str) -> Path:
     return Path(unquote(parts.path))
 
 
-def open_snapshot_store(url: str, *, redis_prefix: str = "ratchet") -> SnapshotStore:
+def open_snapshot_store(
+    url: str, *, redis_prefix: str = "ratchet", max_connections: int | None = None
+) -> SnapshotStore:
     """Open the snapshot store a URL names; ValueError names the URL and what is accepted.
 
-    ImportError for ``s3://`` without the ``s3`` extra says what to install.
+    ``max_connections``: how many calls this process may make to the store at once
+    (a worker passes its slots plus headroom); sizes the connection pool of the
+    backends that have one. ImportError for ``s3://`` without the ``s3`` extra says
+    what to install.
     """
     scheme = urlsplit(url).scheme
     if scheme == "memory":
@@ -52,7 +57,9 @@ def open_snapshot_store(url: str, *, redis_prefix: str = "ratchet") -> SnapshotS
     if scheme in ("redis", "rediss", "unix"):
         from store.snapshots.redis import RedisSnapshotStore
 
-        return RedisSnapshotStore.from_url(url, prefix=redis_prefix)
+        return RedisSnapshotStore.from_url(
+            url, prefix=redis_prefix, max_connections=max_connections
+        )
     if scheme == "s3":
         from store.snapshots.s3 import S3SnapshotStore
 
@@ -63,8 +70,13 @@ def open_snapshot_store(url: str, *, redis_prefix: str = "ratchet") -> SnapshotS
     )
 
 
-def open_run_store(url: str, *, redis_prefix: str = "ratchet") -> RunStore:
-    """Open the run store a URL names; ValueError names the URL and what is accepted."""
+def open_run_store(
+    url: str, *, redis_prefix: str = "ratchet", max_connections: int | None = None
+) -> RunStore:
+    """Open the run store a URL names; ValueError names the URL and what is accepted.
+
+    ``max_connections`` as for :func:`open_snapshot_store`.
+    """
     scheme = urlsplit(url).scheme
     if scheme == "memory":
         from store.runs.memory import MemoryRunStore
@@ -77,7 +89,7 @@ def open_run_store(url: str, *, redis_prefix: str = "ratchet") -> RunStore:
     if scheme in ("redis", "rediss", "unix"):
         from store.runs.redis import RedisRunStore
 
-        return RedisRunStore.from_url(url, prefix=redis_prefix)
+        return RedisRunStore.from_url(url, prefix=redis_prefix, max_connections=max_connections)
     raise ValueError(
         f"run store URL `{scheme}://…` is not one of memory://, sqlite:///path, redis://host:port/db"
     )

@@ -24,6 +24,20 @@ MAX_DELAY_S = 2.0
 
 def with_retries(call: Callable[[], T]) -> T:
     """Run ``call``; retry it on StoreUnavailable a few times within ~2 s, then re-raise."""
+    try:
+        return call()
+    except StoreUnavailable as exc:
+        first_failure: list[StoreUnavailable] = [exc]
+
+    def again() -> T:
+        # The policy's first attempt is the call that just failed: tenacity then waits
+        # and retries as if it had made it. A tenacity.Retrying costs more to build than
+        # most store calls (a thread-local each, a greenlet-local under gevent), so the
+        # call that succeeds at once — nearly every one — never builds it.
+        if first_failure:
+            raise first_failure.pop()
+        return call()
+
     for attempt in Retrying(
         retry=retry_if_exception_type(StoreUnavailable),
         stop=stop_after_attempt(ATTEMPTS) | stop_after_delay(MAX_DELAY_S),
@@ -31,5 +45,5 @@ def with_retries(call: Callable[[], T]) -> T:
         reraise=True,
     ):
         with attempt:
-            return call()
+            return again()
     raise AssertionError("unreachable: tenacity re-raises the last error")

@@ -17,6 +17,7 @@ from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks.agent_cache import Version
+from tasks.pool import connections_per_process as connections
 from worker.settings import Settings, get_settings
 
 
@@ -115,13 +116,14 @@ def get_context() -> Context:
     with _context_lock:
         if _context is None or _context_pid != os.getpid():
             settings = get_settings()
+            prefix, sized = settings.redis_prefix, connections()  # sized by tasks.pool
             _context = Context(
                 settings=settings,
                 snapshots=open_snapshot_store(
-                    settings.resolved_snapshot_store, redis_prefix=settings.redis_prefix
+                    settings.resolved_snapshot_store, redis_prefix=prefix, max_connections=sized
                 ),
                 runs=open_run_store(
-                    settings.resolved_run_store, redis_prefix=settings.redis_prefix
+                    settings.resolved_run_store, redis_prefix=prefix, max_connections=sized
                 ),
             )
             _context_pid = os.getpid()

@@ -27,6 +27,9 @@ Exposed (all counters except the two histograms):
   suspended, leased, stale, …);
 - ``ratchet_checkpoint_seconds``, ``ratchet_checkpoint_bytes`` — snapshot save
   latency and bytes written per checkpoint;
+- ``ratchet_heartbeat_lateness_seconds`` (histogram), ``ratchet_heartbeat_max_lateness_seconds``
+  (gauge, the worst of any process), ``ratchet_lease_renewals_total``,
+  ``ratchet_leases_lost_total`` — the heartbeat that renews every turn's lease;
 - ``ratchet_resumes_total{by}`` (sweeper, operator), ``ratchet_suspensions_total{reason}``,
   ``ratchet_continuations_total``, ``ratchet_parked_total``, ``ratchet_dead_lettered_total``,
   ``ratchet_purged_runs_total``.
@@ -50,12 +53,13 @@ from worker.settings import get_settings
 log = logging.getLogger("ratchet.metrics")
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+HEARTBEAT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
 SIZE_BUCKETS = (256, 1024, 4096, 16_384, 65_536, 262_144, 1_048_576, 4_194_304, 16_777_216)
 
 
 class _Metrics:
     def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
             return Counter(name, doc, labels, registry=None)
@@ -81,6 +85,20 @@ class _Metrics:
         self.parked = counter("ratchet_parked", "Runs parked for reconciliation.")
         self.dead_lettered = counter("ratchet_dead_lettered", "Runs dead-lettered by the sweeper.")
         self.purged = counter("ratchet_purged_runs", "Finished runs purged by retention.")
+        self.heartbeat_late_s = Histogram(
+            "ratchet_heartbeat_lateness_seconds",
+            "How long after its planned time a heartbeat round started.",
+            buckets=HEARTBEAT_BUCKETS_S,
+            registry=None,
+        )
+        self.heartbeat_max_late_s = Gauge(
+            "ratchet_heartbeat_max_lateness_seconds",
+            "The latest a heartbeat round started, in any process.",
+            registry=None,
+            multiprocess_mode="max",
+        )
+        self.renewals = counter("ratchet_lease_renewals", "Leases renewed by heartbeats.")
+        self.leases_lost = counter("ratchet_leases_lost", "Leases a heartbeat found taken.")
 
 
 _on: _Metrics | None = None
@@ -115,6 +133,23 @@ def recorded(before: RunStatus | None, after: RunStatus, events: Sequence[Event]
 def turn_done(outcome: str) -> None:
     if _on is not None:
         _on.turns.labels(outcome).inc()
+
+
+def heartbeat_round(late_s: float, took_s: float, leases: int, lost: int) -> None:
+    """A heartbeat round started ``late_s`` after its planned time and renewed ``leases``."""
+    if _on is None:
+        return
+    global _worst_late_s
+    _on.heartbeat_late_s.observe(late_s)
+    if late_s > _worst_late_s:
+        _worst_late_s = late_s
+        _on.heartbeat_max_late_s.set(late_s)
+    _on.renewals.inc(leases - lost)
+    if lost:
+        _on.leases_lost.inc(lost)
+
+
+_worst_late_s = 0.0
 
 
 def checkpointed(seconds: float, nbytes: int | None) -> None:

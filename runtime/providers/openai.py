@@ -74,10 +74,14 @@ import math
 import os
 import random
 import re
+import ssl
+import threading
 import time
 from datetime import UTC, datetime
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
+import certifi
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
@@ -251,7 +255,6 @@ class OpenAIProvider:
                 )
             headers["Authorization"] = f"Bearer {key}"
         payload = self.payload(request)
-        t = self._table
         retrying = Retrying(
             retry=retry_if_exception_type(_RetryableFailure),
             stop=self._should_stop,
@@ -261,15 +264,13 @@ class OpenAIProvider:
         )
         started = time.monotonic()
         attempts = 0
+        client = shared_client()
         try:
-            with (
-                redacted_in_logs(key),
-                httpx.Client(timeout=t.timeout_s, headers=headers) as client,
-            ):
+            with redacted_in_logs(key):
                 for attempt in retrying:
                     with attempt:
                         attempts += 1
-                        body = self._post(client, payload, key)
+                        body = self._post(client, payload, key, headers)
         except _RetryableFailure as last:
             raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
         return parse_response(body, request.turn, self._describe())
@@ -308,9 +309,24 @@ class OpenAIProvider:
     def _describe(self) -> str:
         return f"model `{self.model}` at {self._host}"
 
-    def _post(self, client: httpx.Client, payload: dict[str, Any], key: str | None) -> Any:
+    def _post(
+        self,
+        client: httpx.Client,
+        payload: dict[str, Any],
+        key: str | None,
+        headers: dict[str, str],
+    ) -> Any:
+        timeout_s = self._table.timeout_s
         try:
-            response = client.post(f"{self._url}/chat/completions", json=payload)
+            response = client.post(
+                f"{self._url}/chat/completions", json=payload, headers=headers, timeout=timeout_s
+            )
+        except httpx.PoolTimeout:
+            raise _RetryableFailure(
+                None,
+                f"all {_http_size} connections of this process's HTTP pool stayed busy for "
+                f"{timeout_s:g} s (more model calls at once than the worker's concurrency?)",
+            ) from None
         except httpx.TimeoutException:
             timeout_s = self._table.timeout_s
             raise _RetryableFailure(None, f"no answer within timeout_s={timeout_s:g}") from None
@@ -405,6 +421,73 @@ class OpenAIProvider:
             ),
             retryable=True,
         )
+
+
+# --- one HTTP client per process ------------------------------------------------
+
+DEFAULT_HTTP_CONNECTIONS = 100
+"""Connections the shared client opens at most unless a worker sized it (httpx's default)."""
+SHARD_CONNECTIONS = 32
+"""Connections per shard of the process's client. httpcore's pool rescans every
+connection (twice, nested, with a poll of each idle socket) whenever a request
+starts or ends: at 500 connections in one pool that cost more CPU than the turn.
+Shards of 32 keep the scan small; each thread keeps to one shard."""
+
+_http_size = DEFAULT_HTTP_CONNECTIONS
+_clients: dict[int, list[httpx.Client]] = {}
+_clients_lock = threading.Lock()
+_shard_of_thread = threading.local()
+_next_shard = 0
+
+
+def size_http_pool(max_connections: int) -> None:
+    """Let this process's shared client open ``max_connections`` at once (a worker: a slot
+    each plus headroom). Call it before model calls start: a client made before is closed."""
+    global _http_size
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be 1 or more, not {max_connections}")
+    with _clients_lock:
+        _http_size = max_connections
+        old = _clients.pop(os.getpid(), [])
+    for client in old:
+        client.close()
+
+
+def shared_client() -> httpx.Client:
+    """This process's HTTP client, shared by every provider and thread (a fork makes its own).
+
+    One client keeps connections alive across turns instead of a TCP (and TLS)
+    handshake per model call. It holds no secret — headers and timeouts go with
+    each request — and keeps no cookies, so nothing a server sets reaches another run.
+    Past SHARD_CONNECTIONS it is split into shards of that many connections (the
+    limit, ``size_http_pool``, is shared out between them); a thread keeps to the
+    shard it first drew, round-robin, so the shards fill evenly.
+    """
+    global _next_shard
+    pid = os.getpid()
+    shard = getattr(_shard_of_thread, "shard", None)
+    with _clients_lock:
+        clients = _clients.get(pid)
+        if clients is None:
+            count = max(1, math.ceil(_http_size / SHARD_CONNECTIONS))
+            # A share each, plus a little: threads draw shards evenly but not exactly.
+            each = math.ceil(_http_size / count) + (SHARD_CONNECTIONS // 4 if count > 1 else 0)
+            limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
+            # One TLS context for every shard: each costs ~1 MiB of loaded CA certificates.
+            tls = ssl.create_default_context(cafile=certifi.where())
+            clients = _clients[pid] = [
+                httpx.Client(
+                    limits=limits,
+                    verify=tls,
+                    cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+                )
+                for _ in range(count)
+            ]
+        if shard is None or shard[0] != pid:
+            shard = (pid, _next_shard)
+            _next_shard += 1
+            _shard_of_thread.shard = shard
+        return clients[shard[1] % len(clients)]
 
 
 def _elapsed_s(state: RetryCallState) -> float:

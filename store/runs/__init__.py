@@ -224,6 +224,25 @@ class RunStore(ABC):
         run_id = validate_run_id(run_id)
         return with_retries(lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()))
 
+    def renew_leases(self, leases: Sequence[tuple[str, str]], lease_s: float) -> builtins.list[str]:
+        """Extend many ``(run_id, owner)`` leases to ``lease_s`` from now, at once; the runs
+        whose lease the owner no longer holds (lost: that turn must stop).
+
+        A lease is extended only while its owner still holds it — even past its
+        expiry, as long as nobody took it since — and never taken afresh: a renewal
+        that arrives after the turn released its lease must not hold the run
+        against the next turn. One heartbeat round of a worker with a thousand
+        turns in flight is one call: a backend that can renews them in one round
+        trip (Redis: one pipeline; SQLite: one transaction). Idempotent, so a retry
+        after a lost reply renews again, harmlessly.
+        """
+        checked = [(validate_run_id(run_id), owner) for run_id, owner in leases]
+        if not checked:
+            return []
+        lease_ms = int(lease_s * 1000)
+        taken = with_retries(lambda: self._renew(checked, lease_ms, self.clock()))
+        return [run_id for (run_id, _), held in zip(checked, taken, strict=True) if not held]
+
     def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease up if ``owner`` holds it, so another worker need not wait."""
         run_id = validate_run_id(run_id)
@@ -285,6 +304,16 @@ class RunStore(ABC):
 
     @abstractmethod
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool: ...
+
+    def _renew(
+        self, leases: builtins.list[tuple[str, str]], lease_ms: int, now_ms: int
+    ) -> builtins.list[bool]:
+        """One extend per lease, in order; a backend with round trips to save overrides it."""
+        return [self._extend(run_id, owner, lease_ms, now_ms) for run_id, owner in leases]
+
+    @abstractmethod
+    def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        """Set the lease to expire at ``now_ms + lease_ms`` if ``owner`` holds it; whether it did."""
 
     @abstractmethod
     def _release(self, run_id: str, owner: str) -> None: ...

@@ -65,6 +65,14 @@ class MemoryRunStore(RunStore):
             self._leases[run_id] = Lease(owner=owner, expires_at_ms=now_ms + lease_ms)
             return True
 
+    def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(run_id)
+            if lease is None or lease.owner != owner:
+                return False
+            self._leases[run_id] = Lease(owner=owner, expires_at_ms=now_ms + lease_ms)
+            return True
+
     def _release(self, run_id: str, owner: str) -> None:
         with self._lock:
             lease = self._leases.get(run_id)

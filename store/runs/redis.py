@@ -43,6 +43,8 @@ LEASE_TTL_GRACE_MS = 60_000
 and Redis never deletes a lease its owner still holds."""
 OVERDUE_BATCH = 200
 """Overdue run ids read per round trip while skipping those with a live lease."""
+RENEW_BATCH = 1000
+"""Leases renewed per pipeline: a heartbeat round of up to this many is one round trip."""
 
 # KEYS: record, events, by_created, status set of the new status, due, finished.
 # ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
@@ -146,6 +148,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
+# KEYS: lease. ARGV: owner, new expires_at_ms, TTL in ms. Returns 1 if extended.
+# Only the holder's key is touched: a lease released (key gone) or taken stays so.
+_EXTEND = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'expires_at_ms', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
 # KEYS: lease. ARGV: owner.
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
@@ -191,15 +204,24 @@ class RedisRunStore(RunStore):
         self._create_script = client.register_script(_CREATE)
         self._append_script = client.register_script(_APPEND)
         self._acquire_script = client.register_script(_ACQUIRE)
+        self._extend_script = client.register_script(_EXTEND)
         self._release_script = client.register_script(_RELEASE)
         self._purge_script = client.register_script(_PURGE)
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str = DEFAULT_PREFIX, clock: Callable[[], int] = wall_ms
+        cls,
+        url: str,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], int] = wall_ms,
+        max_connections: int | None = None,
     ) -> RedisRunStore:
-        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
-        return cls(connect(url), prefix, clock, url)
+        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily.
+
+        ``max_connections``: the most calls this process makes at once (see
+        :func:`store.snapshots.redis.connect`).
+        """
+        return cls(connect(url, max_connections), prefix, clock, url)
 
     def _run_key(self, run_id: str, part: str) -> str:
         return f"{self._prefix}:run:{{{run_id}}}:{part}"
@@ -316,6 +338,27 @@ class RedisRunStore(RunStore):
         with translated(self._where):
             taken = self._acquire_script(keys=[self._run_key(run_id, "lease")], args=args)
         return bool(taken)
+
+    def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        return self._renew([(run_id, owner)], lease_ms, now_ms)[0]
+
+    def _renew(self, leases: list[tuple[str, str]], lease_ms: int, now_ms: int) -> list[bool]:
+        # The extend script per lease, pipelined: one round trip per RENEW_BATCH leases,
+        # and each lease's key stays in its run's slot (a Cluster pipeline splits by slot).
+        ttl_ms = str(max(lease_ms, 0) + LEASE_TTL_GRACE_MS)
+        expires = str(now_ms + lease_ms)
+        extended: list[bool] = []
+        with translated(self._where):
+            for start in range(0, len(leases), RENEW_BATCH):
+                pipe = self._client.pipeline(transaction=False)
+                for run_id, owner in leases[start : start + RENEW_BATCH]:
+                    self._extend_script(
+                        keys=[self._run_key(run_id, "lease")],
+                        args=[owner, expires, ttl_ms],
+                        client=pipe,
+                    )
+                extended += [bool(found) for found in cast("list[int]", pipe.execute())]
+        return extended
 
     def _release(self, run_id: str, owner: str) -> None:
         with translated(self._where):

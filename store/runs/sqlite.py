@@ -221,6 +221,21 @@ class SqliteRunStore(RunStore):
             conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
             return True
 
+    def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        return self._renew([(run_id, owner)], lease_ms, now_ms)[0]
+
+    def _renew(self, leases: list[tuple[str, str]], lease_ms: int, now_ms: int) -> list[bool]:
+        # One transaction for a whole heartbeat round: one commit, not one per lease.
+        with self._tx() as conn:
+            return [
+                conn.execute(
+                    "UPDATE leases SET expires_at_ms = ? WHERE run_id = ? AND owner = ?",
+                    (now_ms + lease_ms, run_id, owner),
+                ).rowcount
+                == 1
+                for run_id, owner in leases
+            ]
+
     def _release(self, run_id: str, owner: str) -> None:
         with self._tx() as conn:
             conn.execute("DELETE FROM leases WHERE run_id = ? AND owner = ?", (run_id, owner))

@@ -34,14 +34,21 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import cast
+from queue import Empty, LifoQueue
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from runtime.errors import SnapshotMalformed, StaleWrite, StoreError, StoreUnavailable
+from runtime.errors import (
+    SnapshotMalformed,
+    StaleWrite,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+)
 from runtime.models import RunState
 from store.packing import pack, unpack
 from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
@@ -51,6 +58,12 @@ SOCKET_TIMEOUT_S = 5.0
 """Longest wait for one reply; a 16 MiB document crosses a LAN well within it."""
 HEALTH_CHECK_INTERVAL_S = 15
 """A pooled connection idle this long is PINGed before use (it may have died in a failover)."""
+DEFAULT_MAX_CONNECTIONS = 100
+"""Connections one store opens at most when its opener did not size it (redis-py's own default).
+A worker sizes its stores from its pool's concurrency instead (tasks.pool)."""
+POOL_WAIT_S = 2 * SOCKET_TIMEOUT_S
+"""How long a call waits for a free pooled connection before StoreBusy. Longer than any one
+reply may take, so a wait this long means the pool is too small, not briefly full."""
 
 DEFAULT_PREFIX = "ratchet"
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -122,20 +135,54 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def connect(url: str) -> redis.Redis:
+class PoolExhausted(redis.exceptions.ConnectionError):
+    """No pooled connection came free within the pool's wait (translated to StoreBusy)."""
+
+    def __init__(self, max_connections: int, waited_s: float) -> None:
+        super().__init__(f"all {max_connections} pooled connections busy for {waited_s:g} s")
+        self.max_connections, self.waited_s = max_connections, waited_s
+
+
+class _WaitingQueue(LifoQueue[Any]):
+    """The free-connection queue of a BlockingConnectionPool, saying why a wait ended.
+
+    redis-py turns the timeout into a bare ``ConnectionError("No connection
+    available.")``, which reads like a dead server; this says the pool was full.
+    """
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            return super().get(block, timeout)
+        except Empty:
+            if not block:
+                raise
+            raise PoolExhausted(self.maxsize, timeout or 0.0) from None
+
+
+def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     """A client with the timeouts every ratchet Redis store uses.
 
     redis-py's own retries are off: ``store.retry`` is the one retry policy, so
     a dead server costs its bounded ~2 s, not redis-py's ten backoffs on top.
+
+    The pool holds at most ``max_connections`` (default DEFAULT_MAX_CONNECTIONS;
+    ``?max_connections=N`` in the URL wins) and *blocks*: a call that finds every
+    connection in use waits up to POOL_WAIT_S for one, then raises StoreBusy.
+    redis-py's default pool instead fails at once past 100 connections, which a
+    threads or gevent worker with hundreds of slots turns into a burst of errors.
     """
-    return redis.Redis.from_url(
+    pool = redis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections or DEFAULT_MAX_CONNECTIONS,
+        timeout=POOL_WAIT_S,
+        queue_class=_WaitingQueue,
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=SOCKET_TIMEOUT_S,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=Retry(NoBackoff(), 0),
         client_name="ratchet",
     )
+    return redis.Redis(connection_pool=pool)
 
 
 @contextmanager
@@ -143,6 +190,8 @@ def translated(store: str) -> Iterator[None]:
     """Turn redis-py errors into the store errors the contract promises."""
     try:
         yield
+    except PoolExhausted as exc:
+        raise StoreBusy(store, exc.max_connections, exc.waited_s) from exc
     except TRANSIENT_ERRORS as exc:
         raise StoreUnavailable(store, str(exc) or type(exc).__name__) from exc
     except redis.exceptions.RedisError as exc:
@@ -191,9 +240,14 @@ class RedisSnapshotStore(SnapshotStore):
         """Payload bytes sent by saves (heads and fragments, packed): what a checkpoint costs."""
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisSnapshotStore:
-        """Open ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``); connects lazily."""
-        return cls(connect(url), prefix, url)
+    def from_url(
+        cls, url: str, prefix: str = DEFAULT_PREFIX, max_connections: int | None = None
+    ) -> RedisSnapshotStore:
+        """Open ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``); connects lazily.
+
+        ``max_connections``: the most calls this process makes at once (see :func:`connect`).
+        """
+        return cls(connect(url, max_connections), prefix, url)
 
     def _key(self, run_id: str) -> str:
         return f"{self._prefix}:run:{{{run_id}}}:snapshot"

@@ -18,7 +18,7 @@ from typing import Any, cast
 import pytest
 import redis
 
-from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
+from runtime.errors import InvalidRunId, LeaseLost, StaleWrite, StoreUnavailable
 from runtime.models import Event, RunStatus, Usage
 from store.runs import JournalEntry, Lease, RunRecord, RunStore
 from store.runs.redis import LEASE_TTL_GRACE_MS, RedisRunStore
@@ -441,6 +441,92 @@ def test_leases_of_different_runs_are_independent(run_store: RunStore) -> None:
     assert run_store.lease("run-1") == Lease(owner="worker-a", expires_at_ms=T0_MS + LEASE_MS)
     assert run_store.lease("run-2") == Lease(owner="worker-b", expires_at_ms=T0_MS + LEASE_MS)
     assert run_store.lease("run-3") is None
+
+
+def test_renewing_leases_in_one_batch_extends_those_held_and_names_those_taken(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    # Given worker-a's leases on three runs, one of them since taken over by worker-b,
+    # and a fourth run whose lease worker-a let lapse unclaimed
+    for run_id in ("run-1", "run-2", "run-3", "run-4"):
+        assert run_store.acquire_lease(run_id, "worker-a", LEASE_S)
+    clock.advance(LEASE_MS)
+    assert run_store.acquire_lease("run-3", "worker-b", LEASE_S)
+    clock.advance(LEASE_MS // 2)
+
+    # When worker-a's heartbeat renews all four at once
+    lost = run_store.renew_leases(
+        [
+            ("run-1", "worker-a"),
+            ("run-2", "worker-a"),
+            ("run-3", "worker-a"),
+            ("run-4", "worker-a"),
+        ],
+        LEASE_S,
+    )
+
+    # Then only the taken one is lost; the others run a full lease from now
+    assert lost == ["run-3"]
+    for run_id in ("run-1", "run-2", "run-4"):
+        assert run_store.lease(run_id) == Lease(owner="worker-a", expires_at_ms=clock() + LEASE_MS)
+    assert run_store.lease("run-3") == Lease(
+        owner="worker-b", expires_at_ms=clock() - LEASE_MS // 2 + LEASE_MS
+    )
+
+
+def test_renewing_a_thousand_leases_renews_every_one(run_store: RunStore, clock: FakeClock) -> None:
+    held = [(f"run-{i:04d}", f"worker-{i % 7}") for i in range(1500)]
+    for run_id, owner in held:
+        assert run_store.acquire_lease(run_id, owner, LEASE_S)
+    clock.advance(LEASE_MS - 1)
+
+    assert run_store.renew_leases(held, LEASE_S) == []
+
+    clock.advance(LEASE_MS - 1)
+    for run_id, owner in held[::97] + held[-1:]:
+        assert run_store.lease(run_id) == Lease(owner=owner, expires_at_ms=clock() + 1)
+
+
+def test_a_renewal_never_takes_back_a_released_lease(run_store: RunStore, clock: FakeClock) -> None:
+    # Given a turn that released its lease while its heartbeat's renewal was on the way
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    run_store.release_lease("run-1", "worker-a")
+
+    # When the renewal lands
+    lost = run_store.renew_leases([("run-1", "worker-a")], LEASE_S)
+
+    # Then the run stays free for the next turn, and the old turn hears its lease is gone
+    assert lost == ["run-1"]
+    assert run_store.lease("run-1") is None
+    assert run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+
+
+def test_a_lease_taken_over_and_released_since_is_lost_to_its_first_owner(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS)
+    assert run_store.acquire_lease("run-1", "worker-b", LEASE_S)
+    run_store.release_lease("run-1", "worker-b")
+
+    assert run_store.renew_leases([("run-1", "worker-a")], LEASE_S) == ["run-1"]
+    assert run_store.lease("run-1") is None
+
+
+def test_renewing_no_leases_renews_nothing(run_store: RunStore) -> None:
+    assert run_store.renew_leases([], LEASE_S) == []
+
+
+def test_a_batch_with_an_invalid_run_id_renews_nothing(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    assert run_store.acquire_lease("run-1", "worker-a", LEASE_S)
+    clock.advance(LEASE_MS // 2)
+
+    with pytest.raises(InvalidRunId):
+        run_store.renew_leases([("run-1", "worker-a"), ("../etc", "worker-a")], LEASE_S)
+
+    assert run_store.lease("run-1") == Lease(owner="worker-a", expires_at_ms=T0_MS + LEASE_MS)
 
 
 # --- overdue runs -------------------------------------------------------------

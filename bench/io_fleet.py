@@ -1,0 +1,405 @@
+"""I/O fleets: how many runs one worker keeps in flight while they wait on a model.
+
+    python bench/io_fleet.py --pool threads --concurrency 500 --runs 1000 --turns 3 \\
+        --latency 1,2 [--provider openai|scripted]
+
+Starts its own redis-server (broker and both stores), and for each phase a fresh
+``celery -A worker worker -P POOL -c CONCURRENCY`` and, with ``--provider openai``
+(the default), a local asynchronous OpenAI-compatible server (tests/model_server.py,
+a process of its own) that answers after the phase's latency — so the real
+provider path (httpx, the shared client, retries, parsing) is exercised. With
+``--provider scripted`` the scripted provider sleeps out the latency instead.
+
+Each run has ``--turns`` model turns: the first T-1 ask for one tool call
+(``lookup_order``), the last answers; every transition is checkpointed. Phases:
+
+1. **ceiling** — latency 0: turns/s is what the CPU (worker, Redis, model server,
+   all on this box) allows for this pool and concurrency;
+2. one phase per ``--latency`` L: turns/s against the ideal
+   ``min(in_flight / L, ceiling)`` with ``in_flight = min(runs, slots)``.
+
+Per phase it prints: turns/s, the ratio to the ideal, the per-turn overhead
+beyond L (from the run's own events: one ``model.requested`` to the next, or
+to completion, minus L; p50 / p99), resident memory per run in flight (peak RSS
+of the worker's processes minus their RSS after boot, over in_flight), lost
+leases (the heartbeat's ``ratchet_leases_lost_total`` plus turns fenced by a
+lost lease), errors (ERROR/CRITICAL lines in the worker log, and runs that
+failed, stalled or parked), runs not finished, and the heartbeat's worst
+lateness (``ratchet_heartbeat_max_lateness_seconds``), and ``steady``: turns/s
+while every run was in flight (from the last run's first model call to the first
+run's completion), with its ratio to the ideal. Runs sent in the same instant
+stay in lockstep (every slot's CPU work lands together, then all wait on the
+model); ``--stagger S`` spreads their starts over S seconds, as arrivals in a
+real fleet are spread. The machine's load
+average is printed at start and end: the figures are only as quiet as the box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.redis_server import RedisServer, _free_port  # noqa: E402
+
+TERMINAL_OR_PARKED = ("completed", "failed", "cancelled", "dead_lettered", "stalled",
+                      "needs_reconciliation")  # fmt: skip
+
+
+@dataclass
+class Phase:
+    label: str
+    latency_s: float
+    turns_per_s: float
+    elapsed_s: float
+    overheads_s: list[float]
+    rss_per_run_mib: float
+    idle_rss_mib: float
+    peak_rss_mib: float
+    lost_leases: int
+    error_lines: int
+    bad_runs: int
+    not_finished: int
+    heartbeat_late_s: float
+    model_in_flight: int | None
+    in_flight: int
+    steady_turns_per_s: float
+    window_s: float
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def group_rss_mib(leader: int) -> float:
+    """Resident memory of every process in ``leader``'s process group (worker + pool)."""
+    total_kib = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != leader:
+                continue
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kib += int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total_kib / 1024
+
+
+def scrape(port: int) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def write_agent(directory: Path, provider: str, turns: int, latency_s: float, url: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f'name = "io-fleet-{provider}"',
+        'system = "Look the order up, then answer."',
+        'tools = ["examples.refunds:lookup_order"]',
+        f"model_timeout_s = {latency_s + 120:g}",
+    ]
+    if provider == "openai":
+        lines += ['model = "openai:io-fleet"', "[provider]", f'base_url = "{url}"',
+                  f"timeout_s = {latency_s + 60:g}"]  # fmt: skip
+    else:
+        import json
+
+        call = {"name": "lookup_order", "arguments": {"order_id": "A1"}}
+        script = [
+            {"content": "", "tool_calls": [call], "sleep_s": latency_s,
+             "usage": {"input_tokens": 100, "output_tokens": 12}}
+            for _ in range(turns - 1)
+        ] + [{"content": "done", "sleep_s": latency_s,
+              "usage": {"input_tokens": 100, "output_tokens": 5}}]  # fmt: skip
+        (directory / "fleet.script.json").write_text(json.dumps({"turns": script}))
+        lines += ['model = "scripted"', 'script = "fleet.script.json"']
+    lines += ["[budgets]", f"max_turns = {turns + 1}", f"max_tool_calls = {turns + 1}"]
+    path = directory / "fleet.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class ModelProcess:
+    """tests/model_server.py in a process of its own; stops when its stdin closes."""
+
+    def __init__(self, latency_s: float, turns: int) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "tests.model_server", "--latency", str(latency_s),
+             "--turns", str(turns)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.popen.stdout is not None
+        self.url = self.popen.stdout.readline().strip()
+        if not self.url.startswith("http://127.0.0.1:"):
+            raise SystemExit(f"the model server did not start: {self.url!r}")
+
+    def stop(self) -> int:
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        self.popen.stdin.close()
+        summary = self.popen.stdout.read().strip().splitlines()
+        self.popen.wait(timeout=30)
+        import json
+
+        return int(json.loads(summary[-1])["most_in_flight"]) if summary else -1
+
+
+def start_worker(
+    args: argparse.Namespace, env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "celery", "-A", "worker", "worker", "-P", args.pool,
+               "-c", str(args.concurrency), "--loglevel", "WARNING", "--without-mingle",
+               "--without-gossip", "--hostname", f"io-fleet-{os.getpid()}-{time.monotonic_ns()}@%h"]  # fmt: skip
+    with log.open("ab") as handle:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def finished_count(client: object, prefix: str) -> tuple[int, int]:
+    """(completed, finished or parked) from the status indexes: two ZCARDs, no record reads."""
+    pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+    for status in TERMINAL_OR_PARKED:
+        pipe.zcard(f"{prefix}:runs:status:{status}")
+    counts = pipe.execute()
+    return int(counts[0]), int(sum(counts))
+
+
+def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
+    label: str, latency_s: float, args: argparse.Namespace, server: RedisServer, db: int,
+    workdir: Path,
+) -> Phase:  # fmt: skip
+    import redis
+
+    from runtime.models import RunStatus
+    from store import open_run_store, open_snapshot_store
+    from tasks.context import Context
+    from tasks.start import create_run
+    from worker.app import make_app
+    from worker.settings import Settings
+
+    url = f"{server.url}/{db}"
+    metrics_port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(workdir / "data"),
+               RATCHET_BROKER_URL=url, RATCHET_SNAPSHOT_STORE=url, RATCHET_RUN_STORE=url,
+               RATCHET_METRICS_PORT=str(metrics_port))  # fmt: skip
+    model = ModelProcess(latency_s, args.turns) if args.provider == "openai" else None
+    agent = write_agent(workdir / label, args.provider, args.turns, latency_s,
+                        model.url if model else "")  # fmt: skip
+    log = workdir / f"worker-{label}.log"
+    worker = start_worker(args, env, log)
+    client = make_app(Settings(broker_url=url))
+    ctx = Context(Settings(), open_snapshot_store(url, max_connections=4),
+                  open_run_store(url, max_connections=4))  # fmt: skip
+    raw = redis.Redis.from_url(url)
+    peak = {"rss": 0.0}
+    sampling = threading.Event()
+    try:
+        # A probe run proves the worker consumes (and warms it up) before anything is timed.
+        probe = create_run(ctx, agent, "probe")
+        client.send_task("ratchet.turn", (probe.run_id, probe.seq))
+        deadline = time.monotonic() + 120
+        while finished_count(raw, "ratchet")[1] < 1:
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the worker did not take the probe run; see {log}")
+            time.sleep(0.05)
+        idle_rss = group_rss_mib(worker.pid)
+
+        def sample() -> None:
+            while not sampling.wait(0.25):
+                peak["rss"] = max(peak["rss"], group_rss_mib(worker.pid))
+
+        states = [create_run(ctx, agent, f"look up order A1 ({i})") for i in range(args.runs)]
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        started_ms = time.time_ns() // 1_000_000
+        # Sends spread over --stagger seconds (0 for the ceiling): runs started all in the
+        # same instant stay in lockstep, and their CPU bursts queue behind each other.
+        spread_s = args.stagger if latency_s > 0 else 0.0
+        for i, state in enumerate(states):
+            due_s = spread_s * i / len(states)
+            while time.time() - started_ms / 1000 < due_s:
+                time.sleep(0.001)
+            client.send_task("ratchet.turn", (state.run_id, state.seq))
+        want = args.runs + 1
+        deadline = time.monotonic() + args.timeout
+        while finished_count(raw, "ratchet")[1] < want and time.monotonic() < deadline:
+            if worker.poll() is not None:
+                break
+            time.sleep(0.1)
+        sampling.set()
+        sampler.join()
+        samples = scrape(metrics_port)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        most_in_flight = model.stop() if model else None
+        client.close()
+    overheads: list[float] = []
+    ends: list[int] = []
+    firsts: list[int] = []
+    asks: list[int] = []
+    bad = not_finished = 0
+    for state in states:
+        record = ctx.runs.get(state.run_id)
+        if record is None or record.status.is_live:
+            not_finished += 1
+            continue
+        if record.status != RunStatus.COMPLETED:
+            bad += 1
+            continue
+        events = ctx.runs.events(state.run_id)
+        asked = [e.at_ms for e in events if e.type == "model.requested"]
+        done = [e.at_ms for e in events if e.type == "run.completed"]
+        marks = asked + done[:1]
+        firsts += asked[:1]
+        asks += asked
+        overheads += [(b - a) / 1000 - latency_s for a, b in zip(marks, marks[1:], strict=False)]
+        ends += done[:1]
+    ctx.close()
+    elapsed_s = (max(ends) - started_ms) / 1000 if ends else float("nan")
+    # While every run is in flight: from the last run's first model call to the first
+    # run's completion, the model calls made per second.
+    window_ms = (min(ends) - max(firsts)) if ends and firsts else 0
+    in_window = sum(1 for at in asks if max(firsts) <= at <= min(ends)) if window_ms > 0 else 0
+    steady = in_window / (window_ms / 1000) if window_ms > 0 else float("nan")
+    completed_turns = len(ends) * args.turns
+    errors = [
+        line for line in log.read_text(errors="replace").splitlines()
+        if "ERROR/" in line or "CRITICAL/" in line
+    ]  # fmt: skip
+    for line in dict.fromkeys(e.split("]", 1)[-1][:240] for e in errors[:20]):
+        print(f"  [{label}] worker log: {line.strip()}", file=sys.stderr)
+    lost = int(samples.get("ratchet_leases_lost_total", 0)) + int(
+        samples.get('ratchet_turns_total{outcome="fenced"}', 0)
+    )
+    slots = 1 if args.pool == "solo" else args.concurrency
+    in_flight = min(args.runs, slots)
+    peak_rss = peak["rss"]  # the ceiling phase's in_flight uses its own (maybe fewer) runs
+    return Phase(
+        label=label,
+        latency_s=latency_s,
+        turns_per_s=completed_turns / elapsed_s if ends else 0.0,
+        elapsed_s=elapsed_s,
+        overheads_s=overheads,
+        rss_per_run_mib=(peak_rss - idle_rss) / in_flight,
+        idle_rss_mib=idle_rss,
+        peak_rss_mib=peak_rss,
+        lost_leases=lost,
+        error_lines=len(errors),
+        bad_runs=bad,
+        not_finished=not_finished,
+        heartbeat_late_s=samples.get("ratchet_heartbeat_max_lateness_seconds", float("nan")),
+        model_in_flight=most_in_flight,
+        in_flight=in_flight,
+        steady_turns_per_s=steady,
+        window_s=window_ms / 1000,
+    )
+
+
+def cut(values: list[float], q: float) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100)[int(q) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--pool", default="threads", choices=["prefork", "threads", "gevent", "solo"]
+    )
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument(
+        "--latency", default="1,2", help="model latencies in seconds, comma-separated"
+    )
+    parser.add_argument("--provider", default="openai", choices=["openai", "scripted"])
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per phase, at most")
+    parser.add_argument(
+        "--stagger", type=float, default=0.0, help="spread the runs' starts over this many seconds"
+    )
+    parser.add_argument(
+        "--ceiling-runs",
+        type=int,
+        default=None,
+        help="runs of the zero-latency phase (default --runs)",
+    )
+    args = parser.parse_args()
+    latencies = [float(x) for x in args.latency.split(",") if x.strip()]
+    load_before = loadavg()
+    with tempfile.TemporaryDirectory(prefix="ratchet-io-fleet-") as tmp:
+        workdir = Path(tmp)
+        server = RedisServer(workdir)
+        server.start()
+        try:
+            ceiling_args = argparse.Namespace(
+                **{**vars(args), "runs": args.ceiling_runs or args.runs}
+            )
+            phases = [run_phase("ceiling", 0.0, ceiling_args, server, 1, workdir)]
+            for i, latency_s in enumerate(latencies):
+                phases.append(
+                    run_phase(f"L={latency_s:g}s", latency_s, args, server, 2 + i, workdir)
+                )
+        finally:
+            server.stop()
+    slots = 1 if args.pool == "solo" else args.concurrency
+    in_flight = min(args.runs, slots)
+    ceiling = phases[0].turns_per_s
+    print(
+        f"io fleet: {args.runs} runs x {args.turns} turns (ceiling: {args.ceiling_runs or args.runs} runs), -P {args.pool} -c {args.concurrency}, "
+        f"{args.provider} provider, Redis broker and stores, {os.cpu_count()} cores; "
+        f"load average {load_before} at start, {loadavg()} at end"
+    )
+    print(f"  {'phase':9} {'turns/s':>8} {'ideal':>8} {'ratio':>6} {'elapsed':>8} "
+          f"{'ovh p50':>8} {'ovh p99':>8} {'MiB/run':>8} {'all/run':>8} {'lost':>5} {'errors':>6} "
+          f"{'unfin':>5} {'hb late':>8} {'model∥':>7} {'steady':>7} {'ratio':>6}")  # fmt: skip
+    for phase in phases:
+        ideal = ceiling if phase.latency_s == 0 else min(in_flight / phase.latency_s, ceiling)
+        print(
+            f"  {phase.label:9} {phase.turns_per_s:8.1f} {ideal:8.1f} "
+            f"{phase.turns_per_s / ideal if ideal else float('nan'):6.2f} "
+            f"{phase.elapsed_s:7.1f}s {cut(phase.overheads_s, 50) * 1000:6.0f}ms "
+            f"{cut(phase.overheads_s, 99) * 1000:6.0f}ms {phase.rss_per_run_mib:8.3f} "
+            f"{phase.peak_rss_mib / phase.in_flight:8.2f} "
+            f"{phase.lost_leases:5d} {phase.error_lines + phase.bad_runs:6d} "
+            f"{phase.not_finished:5d} {phase.heartbeat_late_s * 1000:6.0f}ms "
+            f"{phase.model_in_flight if phase.model_in_flight is not None else '-':>7} "
+            f"{phase.steady_turns_per_s:7.1f} {phase.steady_turns_per_s / ideal if ideal else 0:6.2f}"
+        )
+    print(
+        "  steady = turns/s while every run was in flight (last first model call to first "
+        "completion: " + ", ".join(f"{p.label} {p.window_s:.1f} s" for p in phases) + ")"
+    )
+    print(f"  in flight = min(runs, slots) = {in_flight}; ideal = min(in_flight / L, ceiling); "
+          "overhead = per-turn time beyond L; MiB/run = (peak - idle RSS) / in flight; "
+          "all/run = peak RSS / in flight "
+          + ", ".join(f"[{p.label}: {p.idle_rss_mib:.0f} -> {p.peak_rss_mib:.0f} MiB]" for p in phases))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
