@@ -132,6 +132,7 @@ def resume(ctx: Context, run_id: str, by: str, seen_seq: int | None = None) -> A
             log.info(
                 "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
             )
+            ctx.runs.release_lease(run_id, owner)
             return Advanced("stale", seq, 0)
         turns = state.usage.model_turns if state is not None else 0
         history = consecutive_recoveries(events)

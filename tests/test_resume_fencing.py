@@ -17,7 +17,7 @@ import pytest
 
 from runtime.agent import Agent
 from runtime.models import RunStatus
-from runtime.recovery import OPERATOR
+from runtime.recovery import OPERATOR, SWEEPER
 from store.runs.memory import MemoryRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
@@ -25,7 +25,7 @@ from tasks.control import cancel
 from tasks.recovery import resume
 from tasks.start import create_run
 from tests.contract.conftest import FakeClock
-from tests.helpers import call, turn, write_agent
+from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.settings import Settings
 
 LEASE_S = 60
@@ -78,3 +78,16 @@ def test_a_run_that_changes_while_a_resume_examines_it_is_left_as_the_other_left
         assert events == before
         lease = ctx.runs.lease(run_id)
         assert lease is not None and lease.owner == "worker-b"
+
+
+def test_a_stale_sweeper_resume_lets_go_of_the_lease_it_took(tmp_path: Path) -> None:
+    # Given a run the sweeper saw at seq 1, which has moved on since
+    ctx = memory_context()
+    agent = write_agent(tmp_path, [turn("Which?", call("request_user_input", prompt="Which?"))])
+    run_id = create_run(ctx, agent, "x").run_id
+    drive(ctx, run_id)
+    # When the sweeper's resume arrives with the seq it saw
+    done = resume(ctx, run_id, SWEEPER, seen_seq=1)
+    # Then it does nothing, and holds nothing: an operator may act at once
+    assert done.outcome == "stale"
+    assert ctx.runs.lease(run_id) is None
