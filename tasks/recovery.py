@@ -46,7 +46,7 @@ from store.runs import RunRecord, wall_ms
 from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load, new_owner
-from tasks.timers import wake_run
+from tasks.timers import wake_at
 from tasks.turn import Advanced, advance, chain, run_turn
 from worker import metrics
 from worker.app import app
@@ -219,8 +219,7 @@ def enqueue_turn(run_id: str, seq: int) -> None:
 
 def enqueue_wake(run_id: str, record: RunRecord) -> None:
     assert record.suspension is not None
-    countdown_s = max(0.0, (wake_at_ms(record.suspension) - wall_ms()) / 1000)
-    wake_run.apply_async((run_id, record.last_seq), countdown=countdown_s)
+    wake_at(run_id, record.last_seq, wake_at_ms(record.suspension), wall_ms())
 
 
 Wake = Callable[[str, RunRecord], None]

@@ -26,8 +26,13 @@ log = logging.getLogger("ratchet.timers")
 def schedule_wake(ctx: Context, state: RunState) -> None:
     """Enqueue the wake-up of waiting ``state`` with an ETA at its time."""
     assert state.suspension is not None
-    countdown_s = max(0.0, (wake_at_ms(state.suspension) - ctx.runs.clock()) / 1000)
-    wake_run.apply_async((state.run_id, state.seq), countdown=countdown_s, queue=CONTROL_QUEUE)
+    wake_at(state.run_id, state.seq, wake_at_ms(state.suspension), ctx.runs.clock())
+
+
+def wake_at(run_id: str, seq: int, at_ms: int, now_ms: int) -> None:
+    """Enqueue ``ratchet.wake`` for ``run_id`` at ``seq``, with an ETA at ``at_ms``."""
+    countdown_s = max(0.0, (at_ms - now_ms) / 1000)
+    wake_run.apply_async((run_id, seq), countdown=countdown_s, queue=CONTROL_QUEUE)
 
 
 @app.task(name="ratchet.wake", ignore_result=True)
