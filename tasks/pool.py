@@ -55,10 +55,10 @@ def connections_per_process() -> int | None:
 def configure(slots: int) -> None:
     """Size this process's pools for ``slots`` turns at once (a worker does it at start)."""
     global _slots
-    from runtime.providers import openai
+    from runtime.providers import http
 
     _slots = slots
-    openai.size_http_pool(slots + HEADROOM)
+    http.size_http_pool(slots + HEADROOM)
     log.info("sized for %d turns at once per process (%d connections)", slots, slots + HEADROOM)
 
 

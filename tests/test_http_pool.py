@@ -7,17 +7,17 @@ from collections import Counter
 
 import httpx
 
-from runtime.providers import openai
+from runtime.providers import http
 
 
 def test_threads_share_the_process_client_spread_evenly_over_its_shards() -> None:
     # Given a worker with 500 slots sizing the process's client (tasks.pool adds 8)
-    openai.size_http_pool(508)
+    http.size_http_pool(508)
     try:
         drawn: dict[int, tuple[httpx.Client, httpx.Client]] = {}
 
         def draw(i: int) -> None:
-            drawn[i] = (openai.shared_client(), openai.shared_client())
+            drawn[i] = (http.shared_client(), http.shared_client())
 
         # When 64 threads each ask for the client twice
         threads = [threading.Thread(target=draw, args=(i,)) for i in range(64)]
@@ -32,16 +32,16 @@ def test_threads_share_the_process_client_spread_evenly_over_its_shards() -> Non
         assert len(per_client) == 16
         assert set(per_client.values()) == {4}
     finally:
-        openai.size_http_pool(openai.DEFAULT_HTTP_CONNECTIONS)
+        http.size_http_pool(http.DEFAULT_HTTP_CONNECTIONS)
 
 
 def test_a_small_process_has_a_single_client() -> None:
-    openai.size_http_pool(10)
+    http.size_http_pool(10)
     try:
         seen = set()
 
         def draw() -> None:
-            seen.add(id(openai.shared_client()))
+            seen.add(id(http.shared_client()))
 
         threads = [threading.Thread(target=draw) for _ in range(8)]
         for thread in threads:
@@ -50,4 +50,4 @@ def test_a_small_process_has_a_single_client() -> None:
             thread.join(timeout=30)
         assert len(seen) == 1
     finally:
-        openai.size_http_pool(openai.DEFAULT_HTTP_CONNECTIONS)
+        http.size_http_pool(http.DEFAULT_HTTP_CONNECTIONS)
