@@ -10,8 +10,6 @@ and, when owned, the lease).
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import uuid
 from typing import Any, NamedTuple
 
@@ -23,16 +21,19 @@ from runtime.timers import due_at_ms
 from store.runs import RunRecord
 from tasks import tracing
 from tasks.context import Context
+from tasks.liveness import process_id
 from worker import metrics
 
 log = logging.getLogger("ratchet.turn")
 
-_HOST = socket.gethostname()
-
 
 def new_owner() -> str:
-    """A lease owner id unique to this attempt at this run, on this host and process."""
-    return f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    """A lease owner id unique to this attempt at this run: ``<process id>/<attempt>``.
+
+    It names this process (:func:`tasks.liveness.process_id`), so that once the process
+    stops renewing its liveness another worker may take the run at once.
+    """
+    return f"{process_id()}/{uuid.uuid4().hex[:12]}"
 
 
 class Loaded(NamedTuple):

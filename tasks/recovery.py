@@ -46,6 +46,7 @@ from store.runs import RunRecord, wall_ms
 from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load, new_owner
+from tasks.liveness import claim
 from tasks.timers import wake_at
 from tasks.turn import Advanced, advance, chain, run_turn
 from worker import metrics
@@ -119,10 +120,20 @@ def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> 
     return done.outcome
 
 
-def resume(ctx: Context, run_id: str, by: str, seen_seq: int | None = None) -> Advanced:
-    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain."""
-    owner = new_owner()
-    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+def resume(
+    ctx: Context, run_id: str, by: str, seen_seq: int | None = None, owner: str | None = None
+) -> Advanced:
+    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain.
+
+    The lease is taken from a holder whose process is dead (:mod:`tasks.liveness`);
+    ``owner``: a turn that already took it so passes its owner id.
+    """
+    if owner is None:
+        owner = new_owner()
+        taken = claim(ctx, run_id, owner).taken
+    else:
+        taken = True
+    if not taken:
         log.info("run %s: a worker holds the lease, so it is not orphaned; no resume", run_id)
         return Advanced("leased", -1, 0)
     try:
@@ -232,7 +243,8 @@ def sweep_orphans(
     wake: Wake = enqueue_wake,
     tell: Callable[[str], None] = tell_parent_soon,
 ) -> list[str]:
-    """Enqueue a resume for every live run past due whose lease expired; their ids.
+    """Enqueue a resume for every live run past due whose lease expired, or whose lease
+    holder's process is dead (:meth:`~store.runs.RunStore.orphaned`); their ids.
 
     A waiting run (a ``wait`` timer) is due one sweep before it wakes: its
     wake-up is enqueued with an ETA instead (``wake``), and its id is returned too.
@@ -242,7 +254,9 @@ def sweep_orphans(
     The clock is the run store's, so a test can inject one.
     """
     found = []
-    for run_id in ctx.runs.overdue(limit):
+    # Runs whose lease holder's process died come first: they need not wait for the lease.
+    dead = [orphan.run_id for orphan in ctx.runs.orphaned(limit)]
+    for run_id in dict.fromkeys([*dead, *ctx.runs.overdue(limit)]):
         record = ctx.runs.get(run_id)
         if record is not None and record.suspension is not None and record.suspension.tool == WAIT:
             # Not an orphan: a timer one sweep from its time; wake it then (ETA).

@@ -76,8 +76,10 @@ from runtime.fsm import (
 )
 from runtime.models import RunState, RunStatus, ToolCall, validate_run_id
 from runtime.providers import ModelRequest
+from runtime.recovery import SWEEPER
 from runtime.tools import ToolOutcome, ToolSpec, invoke
-from tasks import failpoints
+from store.runs import Claim
+from tasks import failpoints, liveness
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child, tell_parent_soon
 from tasks.context import Context, get_context
@@ -115,7 +117,8 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     Raises SnapshotFailed (fail-stop) when a checkpoint cannot be saved.
     """
     ctx = get_context()
-    done = advance(ctx, validate_run_id(run_id), expected_seq)
+    redelivered = bool((run_turn.request.delivery_info or {}).get("redelivered"))
+    done = advance(ctx, validate_run_id(run_id), expected_seq, redelivered=redelivered)
     metrics.turn_done(done.outcome)
     if done.outcome == "next":
         chain(run_id, done)
@@ -138,15 +141,28 @@ def chain(run_id: str, done: Advanced) -> None:
 
 
 def advance(
-    ctx: Context, run_id: str, expected_seq: int | None, owner: str | None = None
+    ctx: Context,
+    run_id: str,
+    expected_seq: int | None,
+    owner: str | None = None,
+    redelivered: bool = False,
 ) -> Advanced:
     """Take the lease, take one turn, release the lease. Does not chain.
 
     ``next`` means the turn ended with the next model call due: the caller chains it.
     ``owner``: a caller that already holds the lease (a resume) passes its owner id.
+    ``redelivered``: the broker delivers this message again (its consumer died), so
+    a holder of the lease is waited for until its process is known dead or alive.
     """
     owner = owner or new_owner()
-    if not _take_lease(ctx, run_id, owner):
+    claim = _take_lease(ctx, run_id, owner, redelivered)
+    if claim.took_from is not None:
+        # The holder's process died mid-turn: recover the run here and now, as the
+        # sweeper would (counted towards dead-lettering), instead of waiting for it.
+        from tasks.recovery import resume  # tasks.recovery imports this module
+
+        return resume(ctx, run_id, SWEEPER, owner=owner)
+    if not claim.taken:
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
         return Advanced("leased", -1, 0)
     try:
@@ -182,13 +198,28 @@ reads the run, finds it moved on, and lets go within milliseconds; a chained
 turn that gave up at once would leave the run to the sweeper."""
 
 
-def _take_lease(ctx: Context, run_id: str, owner: str) -> bool:
-    deadline = time.monotonic() + LEASE_PATIENCE_S
-    while not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
+def _take_lease(ctx: Context, run_id: str, owner: str, redelivered: bool = False) -> Claim:
+    """The lease, taken or renewed — or taken from a holder whose process is dead.
+
+    A redelivered message waits longer: RabbitMQ redelivers a dead consumer's message
+    within a fraction of a second, before its liveness lapses, so the turn waits (at
+    most one ``liveness_s``) for the holder to be known dead rather than leave the run
+    to the sweeper; a holder that keeps beating is alive, and the delivery a duplicate.
+    """
+    started = time.monotonic()
+    patience_s = LEASE_PATIENCE_S + (ctx.settings.liveness_s if redelivered else 0.0)
+    while True:
+        claim = liveness.claim(ctx, run_id, owner)
+        waited_s = time.monotonic() - started
+        if claim.taken or waited_s >= patience_s:
+            return claim
+        pause_s = 0.01
+        if waited_s >= LEASE_PATIENCE_S:
+            if claim.holder_alive_until_ms is None:
+                return claim  # nothing will say the holder died: only its lease ends it
+            lapse_s = (claim.holder_alive_until_ms - ctx.runs.clock()) / 1000
+            pause_s = min(max(lapse_s, 0.01), patience_s - waited_s, 0.5)
+        time.sleep(pause_s)
 
 
 class Turn:

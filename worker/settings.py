@@ -48,8 +48,12 @@ class Settings(BaseSettings):
     """Queue of plain-JSON continuation messages from non-Celery producers (same broker)."""
     turn_time_limit_s: int = Field(default=1800, gt=0)
     """Celery's hard time limit for one turn task; must stay below `visibility_timeout_s`."""
-    sweep_interval_s: float = Field(default=2.0, gt=0)
+    sweep_interval_s: float = Field(default=1.0, gt=0)
     """How often the crash sweeper (`celery -A worker beat`, `ratchet sweep`) looks for orphans."""
+    liveness_s: float = Field(default=3.0, gt=0)
+    """A worker process not heard from for this long is dead: its runs are taken at once."""
+    heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    """How often each worker process renews its liveness (a thread of its own)."""
     max_recovery_attempts: int = Field(default=5, ge=1)
     """Sweeper resumes in a row without progress before a run is dead-lettered."""
     retention_s: int = Field(default=604_800, gt=0)
@@ -86,6 +90,19 @@ class Settings(BaseSettings):
                 f"RATCHET_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}), or the broker "
                 "delivers a long turn a second time while it still runs; lower the one or "
                 "raise the other"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _liveness_outlasts_its_heartbeat(self) -> Settings:
+        # Two beats must fit in a liveness period, or one late beat declares a live
+        # process dead (a liveness longer than the lease is harmless: the lease ends first).
+        if self.liveness_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"RATCHET_LIVENESS_S ({self.liveness_s:g}) must be at least twice "
+                f"RATCHET_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g}): a process "
+                "that stalls longer than the liveness minus one heartbeat is declared dead; "
+                "raise the one or lower the other"
             )
         return self
 

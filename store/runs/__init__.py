@@ -11,6 +11,13 @@
 - **The tool journal** (requested → completed / failed) is the projection of
   the ``tool.*`` events, computed here once for every backend.
 - **Leases** say which worker advances a run; they expire unless renewed.
+- **Liveness** says which worker processes are alive: each renews a short-lived record
+  (``renew_liveness``) from a thread of its own. A lease owner id names its process
+  (``<process>/<attempt>``, :func:`owner_process`), so ``claim_lease`` can take a run
+  at once from a holder whose process stopped renewing (a compare-and-set on that dead
+  owner) while a live holder keeps its lease until it really expires, and
+  ``orphaned`` lists the runs dead processes still hold — through an index of the
+  leases each process holds, so its cost grows with the dead processes' runs only.
 - **Retention**: ``purge(before_ms)`` deletes finished runs (completed, failed,
   cancelled, dead-lettered) last updated before ``before_ms`` — record, events
   and lease — through an index of finished runs, never a scan of every run.
@@ -29,7 +36,7 @@ import builtins
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import Field
 
@@ -125,6 +132,36 @@ class JournalEntry(Strict):
 class Lease(Strict):
     owner: str
     expires_at_ms: int
+
+
+PROCESS_SEPARATOR = "/"
+"""Between a lease owner id's process and its attempt: ``host:pid:token/attempt``."""
+
+
+def owner_process(owner: str) -> str | None:
+    """The process a lease owner id names (``host:pid:token`` of ``host:pid:token/attempt``);
+    None for an owner id that names none, whose leases only ever expire."""
+    process, separator, attempt = owner.rpartition(PROCESS_SEPARATOR)
+    return process if separator and process and attempt else None
+
+
+class Claim(NamedTuple):
+    """What :meth:`RunStore.claim_lease` did."""
+
+    taken: bool
+    holder: str | None = None
+    """Refused: the owner that holds the lease."""
+    holder_alive_until_ms: int | None = None
+    """Refused: when the holder's process stops counting as alive, if it keeps a record."""
+    took_from: str | None = None
+    """Taken from a holder whose process was dead (its liveness lapsed): that owner."""
+
+
+class Orphan(NamedTuple):
+    """A run whose unexpired lease is held by a process that is no longer alive."""
+
+    run_id: str
+    owner: str
 
 
 class RunStore(ABC):
@@ -253,6 +290,47 @@ class RunStore(ABC):
         run_id = validate_run_id(run_id)
         return with_retries(lambda: self._lease(run_id, self.clock()))
 
+    def claim_lease(self, run_id: str, owner: str, lease_s: float) -> Claim:
+        """Take (or renew) the run's lease as :meth:`acquire_lease` does, and also take it
+        from a holder whose process is dead; record it under ``owner``'s process.
+
+        A holder is dead when its process (:func:`owner_process`) keeps a liveness
+        record and that record has expired: the take-over is a compare-and-set on
+        that dead owner, in the same atomic step as the check. A holder whose process
+        is alive, or keeps no record (an owner id naming no process, a process that
+        never beat), keeps the lease until it expires. The zombie's writes are fenced
+        like any lease holder's that lost its lease.
+        """
+        run_id = validate_run_id(run_id)
+        process = owner_process(owner)
+        return with_retries(
+            lambda: self._claim(run_id, owner, process, int(lease_s * 1000), self.clock())
+        )
+
+    def renew_liveness(self, process: str, alive_s: float) -> bool:
+        """Record ``process`` alive for ``alive_s`` from now; whether it still was (False on
+        its first beat, and when its record had lapsed: it may have been declared dead)."""
+        if not process or PROCESS_SEPARATOR in process:
+            raise ValueError(f"a process id is not empty and has no {PROCESS_SEPARATOR!r}")
+        now_ms = self.clock()
+        return with_retries(lambda: self._beat(process, now_ms + int(alive_s * 1000), now_ms))
+
+    def liveness(self, process: str) -> int | None:
+        """When ``process``'s liveness record expires (ms), or None if it keeps none."""
+        return with_retries(lambda: self._liveness(process))
+
+    def orphaned(self, limit: int = 1000) -> builtins.list[Orphan]:
+        """Runs whose unexpired lease is held by a dead process (its liveness lapsed).
+
+        Reads the dead processes and the leases each one recorded (claim_lease), so the
+        cost grows with the dead processes and their runs, never with every run or the
+        suspended ones. Housekeeping on the way: a dead process that holds no unexpired
+        lease any more is forgotten (its record deleted; nothing refers to it).
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be 1 or more, not {limit}")
+        return with_retries(lambda: self._orphaned(self.clock(), limit))
+
     def overdue(self, limit: int = 1000) -> builtins.list[str]:
         """Live runs past their due time whose lease has expired, most overdue first."""
         return with_retries(lambda: self._overdue(self.clock(), limit))
@@ -323,6 +401,23 @@ class RunStore(ABC):
 
     @abstractmethod
     def _overdue(self, now_ms: int, limit: int) -> builtins.list[str]: ...
+
+    @abstractmethod
+    def _claim(
+        self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
+    ) -> Claim:
+        """Atomically: take the lease if free, expired, ``owner``'s, or held by an owner
+        whose process's record expired (``took_from``); index it under ``process``."""
+
+    @abstractmethod
+    def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
+        """Set the process's liveness expiry; whether the old one was after ``now_ms``."""
+
+    @abstractmethod
+    def _liveness(self, process: str) -> int | None: ...
+
+    @abstractmethod
+    def _orphaned(self, now_ms: int, limit: int) -> builtins.list[Orphan]: ...
 
     @abstractmethod
     def _purge(self, before_ms: int, limit: int) -> builtins.list[str]:

@@ -7,7 +7,16 @@ from collections.abc import Callable
 
 from runtime.errors import LeaseLost, StaleWrite
 from runtime.models import Event, RunStatus
-from store.runs import FINISHED_STATUSES, Lease, RunRecord, RunStore, wall_ms
+from store.runs import (
+    FINISHED_STATUSES,
+    Claim,
+    Lease,
+    Orphan,
+    RunRecord,
+    RunStore,
+    owner_process,
+    wall_ms,
+)
 
 
 class MemoryRunStore(RunStore):
@@ -19,6 +28,7 @@ class MemoryRunStore(RunStore):
         self._records: dict[str, RunRecord] = {}
         self._logs: dict[str, list[Event]] = {}
         self._leases: dict[str, Lease] = {}
+        self._alive_until: dict[str, int] = {}
 
     def _create(self, record: RunRecord, first: Event) -> None:
         with self._lock:
@@ -97,6 +107,45 @@ class MemoryRunStore(RunStore):
                 if run_id not in self._leases or self._leases[run_id].expires_at_ms <= now_ms
             ]
         return free[:limit]
+
+    def _claim(
+        self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
+    ) -> Claim:
+        with self._lock:
+            lease = self._leases.get(run_id)
+            took_from = None
+            if lease is not None and lease.owner != owner and lease.expires_at_ms > now_ms:
+                holder = owner_process(lease.owner)
+                alive_until = self._alive_until.get(holder) if holder is not None else None
+                if alive_until is None or alive_until > now_ms:
+                    return Claim(False, lease.owner, alive_until)
+                took_from = lease.owner
+            self._leases[run_id] = Lease(owner=owner, expires_at_ms=now_ms + lease_ms)
+            return Claim(True, took_from=took_from)
+
+    def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
+        with self._lock:
+            before = self._alive_until.get(process)
+            self._alive_until[process] = expires_at_ms
+        return before is not None and before > now_ms
+
+    def _liveness(self, process: str) -> int | None:
+        with self._lock:
+            return self._alive_until.get(process)
+
+    def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
+        # A scan of the leases held: fine for tests; the other backends index them.
+        with self._lock:
+            dead = {p for p, until in self._alive_until.items() if until <= now_ms}
+            found = [
+                Orphan(run_id, lease.owner)
+                for run_id, lease in sorted(self._leases.items())
+                if lease.expires_at_ms > now_ms and owner_process(lease.owner) in dead
+            ]
+            holding = {owner_process(o.owner) for o in found}
+            for process in dead - holding:
+                del self._alive_until[process]
+        return found[:limit]
 
     def _purge(self, before_ms: int, limit: int) -> list[str]:
         with self._lock:

@@ -11,6 +11,8 @@ so every key of one run lives in one Cluster slot, next to its snapshot)::
     {prefix}:runs:status:<status>     zset  run id scored by created_at_ms   (list by status)
     {prefix}:runs:due                 zset  live run id scored by due_at_ms  (overdue)
     {prefix}:runs:finished            zset  finished run id scored by updated_at_ms (purge)
+    {prefix}:procs                    zset  worker process id scored by liveness expiry (ms)
+    {prefix}:proc:<process>:leases    set   run ids whose lease the process claimed (orphaned)
 
 Every write is one Lua script, so the fences (last seq, lease owner and
 expiry) are checked and the events, record and indexes written atomically.
@@ -33,7 +35,16 @@ import redis
 from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
 from store.packing import pack, unpack
-from store.runs import FINISHED_STATUSES, Lease, RunRecord, RunStore, wall_ms
+from store.runs import (
+    FINISHED_STATUSES,
+    Claim,
+    Lease,
+    Orphan,
+    RunRecord,
+    RunStore,
+    owner_process,
+    wall_ms,
+)
 from store.snapshots.redis import DEFAULT_PREFIX, checked_prefix, connect, translated, where
 
 MAX_EVENT_BYTES = 64 * 1024 * 1024
@@ -159,13 +170,95 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# KEYS: lease. ARGV: owner.
+# KEYS: lease, the owner's process's lease set (or the lease key again: none). ARGV: owner,
+# run id. The run leaves the owner's set even when another owner took the lease since.
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
 end
+if KEYS[2] ~= KEYS[1] then
+  redis.call('SREM', KEYS[2], ARGV[2])
+end
 return nil
 """
+
+# The process of an owner id "<process>/<attempt>" (store.runs.owner_process), or nil.
+_OWNER_PROCESS = """
+local function owner_process(owner)
+  local process = string.match(owner, '^(.+)/[^/]+$')
+  return process
+end
+"""
+
+# KEYS: lease, procs, the claiming owner's process's lease set (or the lease key again).
+# ARGV: owner, now_ms, new expires_at_ms, TTL in ms, run id, process-set key prefix.
+# Returns {1, owner taken from or ''} or {0, holder, holder's liveness expiry or ''}.
+_CLAIM = (
+    _OWNER_PROCESS
+    + """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'expires_at_ms')
+local took = ''
+if lease[1] and lease[1] ~= ARGV[1] and tonumber(lease[2]) > tonumber(ARGV[2]) then
+  local holder = owner_process(lease[1])
+  local alive = holder and redis.call('ZSCORE', KEYS[2], holder)
+  if not alive or tonumber(alive) > tonumber(ARGV[2]) then
+    return {0, lease[1], alive or ''}
+  end
+  took = lease[1]
+  redis.call('SREM', ARGV[6] .. holder .. ':leases', ARGV[5])
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires_at_ms', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if KEYS[3] ~= KEYS[1] then
+  redis.call('SADD', KEYS[3], ARGV[5])
+end
+return {1, took}
+"""
+)
+
+# KEYS: procs. ARGV: process, expires_at_ms, now_ms. Returns 1 if it was still alive.
+_BEAT = """
+local before = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+if before and tonumber(before) > tonumber(ARGV[3]) then
+  return 1
+end
+return 0
+"""
+
+# KEYS: procs. ARGV: now_ms, limit, process-set key prefix, run-key prefix ("<prefix>:run:{").
+# Walks the dead processes (liveness expired) and the leases each claimed: returns
+# {run id, owner, ...} for each unexpired lease one still holds; drops set members it no
+# longer holds, and forgets a dead process that holds nothing.
+_ORPHANED = (
+    _OWNER_PROCESS
+    + """
+local found = {}
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 100)
+for _, process in ipairs(dead) do
+  local held_key = ARGV[3] .. process .. ':leases'
+  local holding = 0
+  for _, id in ipairs(redis.call('SMEMBERS', held_key)) do
+    local lease = redis.call('HMGET', ARGV[4] .. id .. '}:lease', 'owner', 'expires_at_ms')
+    if lease[1] and owner_process(lease[1]) == process
+        and tonumber(lease[2]) > tonumber(ARGV[1]) then
+      holding = holding + 1
+      if #found < 2 * tonumber(ARGV[2]) then
+        table.insert(found, id)
+        table.insert(found, lease[1])
+      end
+    else
+      redis.call('SREM', held_key, id)
+    end
+  end
+  if holding == 0 then
+    redis.call('ZREM', KEYS[1], process)
+    redis.call('DEL', held_key)
+  end
+end
+return found
+"""
+)
 
 
 def _packed(event: Event) -> bytes:
@@ -207,6 +300,11 @@ class RedisRunStore(RunStore):
         self._extend_script = client.register_script(_EXTEND)
         self._release_script = client.register_script(_RELEASE)
         self._purge_script = client.register_script(_PURGE)
+        self._procs = f"{prefix}:procs"
+        self._proc_prefix = f"{prefix}:proc:"
+        self._claim_script = client.register_script(_CLAIM)
+        self._beat_script = client.register_script(_BEAT)
+        self._orphaned_script = client.register_script(_ORPHANED)
 
     @classmethod
     def from_url(
@@ -361,8 +459,48 @@ class RedisRunStore(RunStore):
         return extended
 
     def _release(self, run_id: str, owner: str) -> None:
+        lease = self._run_key(run_id, "lease")
         with translated(self._where):
-            self._release_script(keys=[self._run_key(run_id, "lease")], args=[owner])
+            self._release_script(keys=[lease, self._held_key(owner, lease)], args=[owner, run_id])
+
+    def _held_key(self, owner: str, otherwise: str) -> str:
+        """The set of runs ``owner``'s process claimed; ``otherwise`` if it names none."""
+        process = owner_process(owner)
+        return otherwise if process is None else f"{self._proc_prefix}{process}:leases"
+
+    def _claim(
+        self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
+    ) -> Claim:
+        lease = self._run_key(run_id, "lease")
+        ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
+        keys = [lease, self._procs, self._held_key(owner, lease)]
+        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, self._proc_prefix]
+        with translated(self._where):
+            found = cast("list[int | bytes]", self._claim_script(keys=keys, args=args))
+        if found[0] == 1:
+            took = cast("bytes", found[1]).decode()
+            return Claim(True, took_from=took or None)
+        alive = cast("bytes", found[2]).decode()
+        return Claim(False, cast("bytes", found[1]).decode(), int(float(alive)) if alive else None)
+
+    def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
+        with translated(self._where):
+            was = self._beat_script(
+                keys=[self._procs], args=[process, str(expires_at_ms), str(now_ms)]
+            )
+        return bool(was)
+
+    def _liveness(self, process: str) -> int | None:
+        with translated(self._where):
+            score = self._client.zscore(self._procs, process)
+        return None if score is None else int(score)
+
+    def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
+        args = [str(now_ms), str(limit), self._proc_prefix, f"{self._prefix}:run:{{"]
+        with translated(self._where):
+            found = cast("list[bytes]", self._orphaned_script(keys=[self._procs], args=args))
+        pairs = zip(found[::2], found[1::2], strict=True)
+        return [Orphan(run_id.decode(), owner.decode()) for run_id, owner in pairs]
 
     def _lease(self, run_id: str, now_ms: int) -> Lease | None:
         with translated(self._where):

@@ -18,7 +18,17 @@ from pathlib import Path
 
 from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
 from runtime.models import Event, RunStatus
-from store.runs import FINISHED_STATUSES, Lease, RunRecord, RunStore, wall_ms
+from store.runs import (
+    FINISHED_STATUSES,
+    PROCESS_SEPARATOR,
+    Claim,
+    Lease,
+    Orphan,
+    RunRecord,
+    RunStore,
+    owner_process,
+    wall_ms,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -46,9 +56,18 @@ CREATE TABLE IF NOT EXISTS leases (
     owner TEXT NOT NULL,
     expires_at_ms INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS leases_by_owner ON leases (owner);
+CREATE TABLE IF NOT EXISTS processes (
+    process TEXT PRIMARY KEY,
+    expires_at_ms INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS processes_by_expiry ON processes (expires_at_ms);
 """
 SQLITE_FILES = ("-wal", "-shm", "-journal")
 """The files SQLite keeps beside a database (path + suffix)."""
+# A process's leases are the owner ids from "<process>/" up to "<process>0" ("0" follows
+# "/"): a range on leases_by_owner, so the leases table itself is the per-process index.
+_HELD_BY = f"l.owner >= p.process || '{PROCESS_SEPARATOR}' AND l.owner < p.process || '0'"
 _ROW = (
     "(run_id, status, last_seq, created_at_ms, due_at_ms, record, finished_at_ms) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -258,6 +277,62 @@ class SqliteRunStore(RunStore):
                 (now_ms, now_ms, limit),
             ).fetchall()
         return [r[0] for r in rows]
+
+    def _claim(
+        self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
+    ) -> Claim:
+        with self._tx() as conn:
+            row = conn.execute(
+                "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            took_from = None
+            if row is not None and row[0] != owner and row[1] > now_ms:
+                holder = owner_process(row[0])
+                alive = (
+                    conn.execute(
+                        "SELECT expires_at_ms FROM processes WHERE process = ?", (holder,)
+                    ).fetchone()
+                    if holder is not None
+                    else None
+                )
+                if alive is None or alive[0] > now_ms:
+                    return Claim(False, row[0], alive[0] if alive else None)
+                took_from = row[0]
+            conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
+            return Claim(True, took_from=took_from)
+
+    def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
+        with self._tx() as conn:
+            before = conn.execute(
+                "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
+            ).fetchone()
+            conn.execute("REPLACE INTO processes VALUES (?, ?)", (process, expires_at_ms))
+        return before is not None and before[0] > now_ms
+
+    def _liveness(self, process: str) -> int | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
+            ).fetchone()
+        return int(row[0]) if row else None
+
+    def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
+        with self._tx() as conn:
+            # Dead processes holding nothing unexpired: forgotten first, so the read below
+            # walks only the dead that still hold runs (and their leases, by index).
+            conn.execute(
+                "DELETE FROM processes WHERE expires_at_ms <= ? AND NOT EXISTS ("
+                f"SELECT 1 FROM leases l WHERE {_HELD_BY.replace('p.process', 'processes.process')} "
+                "AND l.expires_at_ms > ?)",
+                (now_ms, now_ms),
+            )
+            rows = conn.execute(
+                f"SELECT l.run_id, l.owner FROM processes p JOIN leases l ON {_HELD_BY} "
+                "WHERE p.expires_at_ms <= ? AND l.expires_at_ms > ? "
+                "ORDER BY l.run_id LIMIT ?",
+                (now_ms, now_ms, limit),
+            ).fetchall()
+        return [Orphan(run_id, owner) for run_id, owner in rows]
 
     def _purge(self, before_ms: int, limit: int) -> list[str]:
         with self._tx() as conn:

@@ -1,0 +1,187 @@
+"""This process's liveness: who it is, and the thread that tells the run store it is alive.
+
+A lease protects a run from a live worker that is merely slow, so it is long
+(``lease_s``). Whether the worker is *dead* can be known much sooner: every
+process that takes leases renews a liveness record of ``liveness_s`` every
+``heartbeat_interval_s`` from a daemon thread of its own — not the thread of a
+turn, so a 20 s tool call or a CPU-bound one does not stop it (a pure-Python
+loop gives the GIL up every 5 ms). A run whose lease holder's record lapsed may
+be taken at once (:meth:`store.runs.RunStore.claim_lease`); the sweeper finds
+such runs through :meth:`~store.runs.RunStore.orphaned`.
+
+The trade-off: a process that is stalled as a whole — SIGSTOP, swapping, a VM
+pause, a C extension that holds the GIL — for longer than ``liveness_s -
+heartbeat_interval_s`` is declared dead. Its runs move to another worker and
+its own writes are then refused (fencing): nothing is lost or done twice by
+ratchet, but a non-idempotent tool call it had in flight parks its run for an
+operator. The worst lateness a beat saw is kept in :attr:`Beats.stats`.
+
+The process id is ``host:pid:token`` — the token is random per process, so a
+restarted worker that gets the same pid (pid 1 in a container) is a new process.
+A lease owner id is ``<process id>/<attempt>`` (:func:`tasks.journal.new_owner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from store.runs import Claim, RunStore
+from tasks.context import Context
+
+log = logging.getLogger("ratchet.liveness")
+
+_HOST = socket.gethostname().replace("/", "_") or "localhost"
+_lock = threading.Lock()
+_ids: dict[int, str] = {}
+
+
+def process_id() -> str:
+    """This process's id in liveness records and lease owners (a forked child gets its own)."""
+    pid = os.getpid()
+    with _lock:
+        found = _ids.get(pid)
+        if found is None:
+            found = _ids[pid] = f"{_HOST}:{pid}:{uuid.uuid4().hex[:8]}"
+    return found
+
+
+@dataclass
+class LivenessStats:
+    """What this process's liveness beats did so far (``beats().stats``)."""
+
+    beats: int = 0
+    failed: int = 0
+    """Beats whose store call failed (tried again next period)."""
+    lapsed: int = 0
+    """Beats that found the record had lapsed: the process may have been declared dead."""
+    max_late_s: float = 0.0
+    """How long after its planned time a beat started, at worst."""
+    late_s: list[float] = field(default_factory=list)
+    """The lateness of the last beats (at most 10,000), for benches."""
+
+
+@dataclass
+class _Store:
+    runs: RunStore
+    liveness_s: float
+    interval_s: float
+    beaten_at: float | None = None
+    """Monotonic time of the last beat that reached the store."""
+
+
+class Beats:
+    """One daemon thread per process renews its liveness record in every run store it uses."""
+
+    def __init__(self) -> None:
+        self._stores: dict[int, _Store] = {}
+        self._changed = threading.Condition()
+        self.stats = LivenessStats()
+        threading.Thread(target=self._run, name="ratchet-liveness", daemon=True).start()
+
+    def keep_alive(self, ctx: Context) -> None:
+        """Make sure ``ctx.runs`` holds a fresh record of this process before it takes a lease.
+
+        The first time (and whenever the thread fell behind by half the liveness) it
+        beats here, synchronously: a lease must never be taken by a process that does
+        not look alive, or another worker could take it straight back.
+        """
+        key = id(ctx.runs)
+        with self._changed:
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = _Store(
+                    ctx.runs, ctx.settings.liveness_s, ctx.settings.heartbeat_interval_s
+                )
+                self._changed.notify()
+            fresh = (
+                store.beaten_at is not None
+                and time.monotonic() - store.beaten_at < store.liveness_s / 2
+            )
+        if not fresh:
+            self._beat(store, 0.0)
+
+    def forget(self, runs: RunStore) -> None:
+        """Stop beating in ``runs`` (it is being closed); its record then lapses."""
+        with self._changed:
+            self._stores.pop(id(runs), None)
+
+    def _run(self) -> None:
+        planned: float | None = None
+        while True:
+            with self._changed:
+                if not self._stores:
+                    planned = None
+                    self._changed.wait()
+                    continue
+                interval_s = min(s.interval_s for s in self._stores.values())
+                now = time.monotonic()
+                if planned is None:
+                    planned = now + interval_s
+                if now < planned:
+                    self._changed.wait(planned - now)
+                    continue
+                late_s = now - planned
+                # A beat that started late is not followed by a burst of catch-up beats.
+                planned = max(planned + interval_s, now + interval_s / 2)
+                stores = list(self._stores.values())
+            for store in stores:
+                self._beat(store, late_s)
+
+    def _beat(self, store: _Store, late_s: float) -> None:
+        started = time.monotonic()
+        try:
+            was_alive = store.runs.renew_liveness(process_id(), store.liveness_s)
+        except Exception:
+            self.stats.failed += 1
+            log.exception("liveness: renewing this process's record failed; trying again")
+            return
+        first = store.beaten_at is None
+        store.beaten_at = started
+        stats = self.stats
+        stats.beats += 1
+        stats.max_late_s = max(stats.max_late_s, late_s)
+        stats.late_s.append(late_s)
+        del stats.late_s[:-10_000]
+        if not was_alive and not first:
+            stats.lapsed += 1
+            log.warning(
+                "liveness: this process's record had lapsed (a beat started %.2f s late): "
+                "other workers may have declared it dead and taken its runs; its turns on "
+                "those runs stop at their next write. The process is overloaded or was "
+                "paused: lower its concurrency, or raise RATCHET_LIVENESS_S",
+                late_s,
+            )
+
+
+_beats_by_pid: dict[int, Beats] = {}
+
+
+def beats() -> Beats:
+    """This process's liveness thread (a forked pool child starts its own)."""
+    pid = os.getpid()
+    with _lock:
+        found = _beats_by_pid.get(pid)
+        if found is None:
+            found = _beats_by_pid[pid] = Beats()
+    return found
+
+
+def claim(ctx: Context, run_id: str, owner: str) -> Claim:
+    """Take the run's lease for ``owner`` (of this process), also from a dead holder."""
+    beats().keep_alive(ctx)
+    found = ctx.runs.claim_lease(run_id, owner, ctx.settings.lease_s)
+    if found.took_from is not None:
+        log.warning(
+            "run %s: took the lease from %s, whose process stopped renewing its liveness "
+            "(%g s): it is taken to be dead",
+            run_id,
+            found.took_from,
+            ctx.settings.liveness_s,
+        )
+    return found
