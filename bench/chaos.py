@@ -1,6 +1,7 @@
 """Chaos: runs on two real workers while one of them is SIGKILLed every 1–3 s.
 
     python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300] [--pool prefork] [--concurrency 2]
+                          [--hogs 0] [--keep]
 
 Starts its own ``redis-server`` on a free port (broker and both stores), two
 ``celery -A worker worker`` processes (``--pool``, default prefork, with
@@ -15,8 +16,13 @@ run has stopped being live. It prints figures, not pass/fail:
   (still live at the end, or never created);
 - duplicate non-idempotent executions: refunds in the ledger beyond one per run;
 - duplicate transitions: a model turn, tool request or outcome recorded twice;
-- recovery latency p50 / p99: from a kill to the next event of each run whose
-  lease the killed worker held.
+- recovery latency p50 / p90 / p99 / max: from a kill to the next event of each run
+  whose lease the killed worker held, and what that event was;
+- how the runs were taken back: leases taken from a dead owner (liveness) by the
+  sweeper's resume or a turn, and resumes after the lease expired;
+- worker start time (Popen to Celery's ``worker_ready``, start-up checks included),
+  the settings in effect and the load average, so a figure taken on a busy machine
+  says so. ``--hogs N`` runs N CPU hogs (``while 1: pass``) for the whole bench.
 """
 
 from __future__ import annotations
@@ -147,34 +153,50 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         "--pool", default="prefork", choices=["prefork", "threads", "gevent", "solo"]
     )
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--hogs", type=int, default=0, help="CPU hogs to run meanwhile")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     options = parser.parse_args()
     rng = random.Random(options.seed)
     work = Path(tempfile.mkdtemp(prefix="ratchet-chaos-"))
     redis_server, url = start_redis(work)
     ledger = work / "refunds.ledger"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    ready = work / "ready"
+    # Settings come from the caller's environment (RATCHET_LIVENESS_S=… to try others).
+    env = dict(os.environ)
     env.update(
         RATCHET_BROKER_URL=url, RATCHET_SNAPSHOT_STORE=url, RATCHET_RUN_STORE=url,
         RATCHET_DATA_DIR=str(work / "data"), RATCHET_EXAMPLE_LEDGER=str(ledger),
-        PYTHONPATH=str(ROOT),
+        RATCHET_BENCH_READY_FILE=str(ready), PYTHONPATH=str(ROOT),
     )  # fmt: skip
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(options.hogs)
+    ]
+    load_before = os.getloadavg()
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
+    import redis
+
     from worker.api import Ratchet
+    from worker.app import TURNS_QUEUE
 
     celery = [sys.executable, "-m", "celery", "-A", "worker"]
     workers = [
         Process([*celery, "worker", "-P", options.pool, "-c", str(options.concurrency),
-                 "--without-mingle", "--without-gossip",
+                 "--without-mingle", "--without-gossip", "-I", "bench.ready_probe",
                  "--loglevel", "WARNING", "--hostname", f"chaos{n}@%h"], env, work / f"worker{n}.log")
         for n in range(2)
     ]  # fmt: skip
     beat = Process([*celery, "beat", "-s", str(work / "beat-schedule")], env, work / "beat.log")
     api = Ratchet()
+    starts: list[float] = []
+    backlog: list[int] = []
+    broker = redis.Redis.from_url(url)
     kills: list[tuple[int, list[str]]] = []
     try:
         for process in (*workers, beat):
             process.start()
+            starts.append(time.time())
+        starts.pop()  # beat's
         agents = write_agents(work / "agents", options.runs)
         started = time.monotonic()
         run_ids = [api.start(agent, "refund it", f"chaos-{i}") for i, agent in enumerate(agents)]
@@ -195,9 +217,11 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                     if lease is not None and int(lease.owner.split(":")[1]) in pids:
                         held.append(run_id)
                 kill_ms = time.time_ns() // 1_000_000
+                backlog.append(int(broker.llen(TURNS_QUEUE)))
                 victim.kill()
                 kills.append((kill_ms, held))
                 victim.start()
+                starts.append(time.time())
                 next_kill = time.monotonic() + rng.uniform(1, 3)
             time.sleep(0.05)
         elapsed = time.monotonic() - started
@@ -217,11 +241,25 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         )
         double_refunds = sum(n - 1 for n in refunds.values() if n > 1)
         latencies = []
+        next_events: Counter[str] = Counter()
         for kill_ms, held in kills:
             for run_id in held:
-                after = [e.at_ms for e in api.ctx.runs.events(run_id) if e.at_ms > kill_ms]
+                after = [e for e in api.ctx.runs.events(run_id) if e.at_ms > kill_ms]
                 if after:
-                    latencies.append((min(after) - kill_ms) / 1000)
+                    latencies.append((after[0].at_ms - kill_ms) / 1000)
+                    next_events[after[0].type] += 1
+        resumes = Counter(
+            e.data.get("by", "?")
+            for run_id in run_ids
+            for e in api.ctx.runs.events(run_id)
+            if e.type == "run.resumed"
+        )
+        logs = "".join(p.log.read_text(errors="replace") for p in workers if p.log.exists())
+        readies = sorted(float(line.split()[1]) for line in ready.read_text().splitlines())
+        start_s = [r - s for s, r in zip(sorted(starts), readies, strict=False)]
+        from worker.settings import Settings
+
+        settings = Settings()
         figures = {
             "pool": f"{options.pool} -c {options.concurrency}",
             "runs": options.runs,
@@ -236,7 +274,24 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             "duplicate_transitions": duplicates,
             "recoveries_measured": len(latencies),
             "recovery_p50_s": round(percentile(latencies, 0.50), 2),
+            "recovery_p90_s": round(percentile(latencies, 0.90), 2),
             "recovery_p99_s": round(percentile(latencies, 0.99), 2),
+            "recovery_max_s": round(max(latencies, default=float("nan")), 2),
+            "recoveries_sorted_s": [round(x, 1) for x in sorted(latencies)],
+            "next_event_after_kill": dict(next_events),
+            "resumes_by": dict(resumes),
+            "leases_taken_from_dead_owners": logs.count("whose process stopped renewing"),
+            "turns_queued_at_kills_p50_max": [percentile(backlog, 0.5), max(backlog, default=0)],
+            "worker_starts": len(start_s),
+            "worker_start_p50_s": round(percentile(start_s, 0.5), 2),
+            "worker_start_max_s": round(max(start_s, default=float("nan")), 2),
+            "lease_s": settings.lease_s,
+            "liveness_s": settings.liveness_s,
+            "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "sweep_interval_s": settings.sweep_interval_s,
+            "cpu_hogs": options.hogs,
+            "cpus": os.cpu_count(),
+            "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         }
         for key, value in figures.items():
             print(f"{key:38} {value}")
@@ -249,7 +304,13 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         api.ctx.close()
         redis_server.kill()
         redis_server.wait()
-        shutil.rmtree(work, ignore_errors=True)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        if options.keep:
+            print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

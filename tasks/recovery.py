@@ -50,7 +50,7 @@ from tasks.liveness import claim
 from tasks.timers import wake_at
 from tasks.turn import Advanced, advance, chain, run_turn
 from worker import metrics
-from worker.app import app
+from worker.app import CONTROL_QUEUE, app
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -221,7 +221,10 @@ Enqueue = Callable[[str, int], None]
 
 
 def enqueue_resume(run_id: str, seen_seq: int) -> None:
-    resume_run.apply_async((run_id, SWEEPER, seen_seq))
+    # On the control queue, not behind the turns backlog: the run already waited through
+    # a crash, and a sweep that finds it again only re-enqueues it while this one waits
+    # (FIFO with the sweeps: a sweep runs after the resumes the last one enqueued).
+    resume_run.apply_async((run_id, SWEEPER, seen_seq), queue=CONTROL_QUEUE)
 
 
 def enqueue_turn(run_id: str, seq: int) -> None:

@@ -282,12 +282,12 @@ class SqliteRunStore(RunStore):
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:
         with self._tx() as conn:
-            row = conn.execute(
+            held = conn.execute(
                 "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
             ).fetchone()
             took_from = None
-            if row is not None and row[0] != owner and row[1] > now_ms:
-                holder = owner_process(row[0])
+            if held is not None and held[0] != owner and held[1] > now_ms:
+                holder = owner_process(held[0])
                 alive = (
                     conn.execute(
                         "SELECT expires_at_ms FROM processes WHERE process = ?", (holder,)
@@ -296,8 +296,8 @@ class SqliteRunStore(RunStore):
                     else None
                 )
                 if alive is None or alive[0] > now_ms:
-                    return Claim(False, row[0], alive[0] if alive else None)
-                took_from = row[0]
+                    return Claim(False, held[0], alive[0] if alive else None)
+                took_from = held[0]
             conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
             return Claim(True, took_from=took_from)
 
