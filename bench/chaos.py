@@ -168,9 +168,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         RATCHET_DATA_DIR=str(work / "data"), RATCHET_EXAMPLE_LEDGER=str(ledger),
         RATCHET_BENCH_READY_FILE=str(ready), PYTHONPATH=str(ROOT),
     )  # fmt: skip
-    hogs = [
-        subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(options.hogs)
-    ]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(options.hogs)]
     load_before = os.getloadavg()
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))

@@ -66,6 +66,7 @@ RECOVERY = (
     "tests/test_turn_guarantees.py",
     "tests/test_resume_fencing.py",
 )
+LIVENESS = ("tests/test_liveness.py", "tests/contract/test_liveness_contract.py")
 SNAPSHOT_CAS = "compare or afresh or moved or concurrent or stale or chain or remembers or prefix"
 SNAPSHOT_CAS_SHORT = "afresh or moved or concurrent or stale or remembers or prefix"
 
@@ -618,6 +619,55 @@ MUTANTS: tuple[Mutant, ...] = (
         'data: dict[str, Any] = {"call_id": call_id, "decision": decision, "by": OPERATOR}',
         'data: dict[str, Any] = {"call_id": call_id, "decision": "retry", "by": OPERATOR}',
         RECOVERY,
+    ),
+    # --- liveness: a dead worker's runs are taken at once, a live one's never -----------
+    Mutant(
+        "L1",
+        "tasks/liveness.py",
+        "            for store in stores:\n                self._beat(store, late_s)\n",
+        "            for store in stores:\n                pass\n",
+        LIVENESS,
+        k="keeps_its_run",
+    ),
+    Mutant(
+        "L2",
+        "store/runs/memory.py",
+        "if alive_until is None or alive_until > now_ms:",
+        "if alive_until is None:",
+        LIVENESS,
+        k="memory",
+    ),
+    Mutant(
+        "L3",
+        "store/runs/sqlite.py",
+        "if alive is None or alive[0] > now_ms:",
+        "if alive is None:",
+        LIVENESS,
+        k="sqlite",
+    ),
+    Mutant(
+        "L4",
+        "store/runs/redis.py",
+        "if not alive or tonumber(alive) > tonumber(ARGV[2]) then",
+        "if not alive then",
+        LIVENESS,
+        k="redis",
+    ),
+    Mutant(
+        "L5",
+        "tasks/recovery.py",
+        "dead = [orphan.run_id for orphan in ctx.runs.orphaned(limit)]",
+        "dead: list[str] = []",
+        LIVENESS,
+        k="sweeper",
+    ),
+    Mutant(
+        "L6",
+        "tasks/turn.py",
+        "    if claim.took_from is not None:\n",
+        "    if False:\n",
+        LIVENESS,
+        k="dead_owners_lease",
     ),
 )
 
