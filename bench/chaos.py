@@ -186,14 +186,16 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     ]  # fmt: skip
     beat = Process([*celery, "beat", "-s", str(work / "beat-schedule")], env, work / "beat.log")
     api = Ratchet()
-    starts: list[float] = []
+    starts: list[tuple[int, float]] = []
     backlog: list[int] = []
     broker = redis.Redis.from_url(url)
     kills: list[tuple[int, list[str]]] = []
     try:
         for process in (*workers, beat):
+            began = time.time()
             process.start()
-            starts.append(time.time())
+            assert process.popen is not None
+            starts.append((process.popen.pid, began))
         starts.pop()  # beat's
         agents = write_agents(work / "agents", options.runs)
         started = time.monotonic()
@@ -218,8 +220,9 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                 backlog.append(int(broker.llen(TURNS_QUEUE)))
                 victim.kill()
                 kills.append((kill_ms, held))
+                began = time.time()
                 victim.start()
-                starts.append(time.time())
+                starts.append((victim.popen.pid, began))
                 next_kill = time.monotonic() + rng.uniform(1, 3)
             time.sleep(0.05)
         elapsed = time.monotonic() - started
@@ -253,8 +256,21 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             if e.type == "run.resumed"
         )
         logs = "".join(p.log.read_text(errors="replace") for p in workers if p.log.exists())
-        readies = sorted(float(line.split()[1]) for line in ready.read_text().splitlines())
-        start_s = [r - s for s, r in zip(sorted(starts), readies, strict=False)]
+        # Per worker main process (pid): when it loaded, finished its checks, was ready.
+        marks: dict[str, dict[str, float]] = {}
+        for line in ready.read_text().splitlines():
+            event, at, pid = line.split()
+            marks.setdefault(pid, {})[event] = float(at)
+        # Popen's pid is the worker's main process (``python -m celery`` runs in it).
+        start_s, import_s, checks_s = [], [], []
+        for pid, began in starts:
+            mark = marks.get(str(pid), {})
+            if "loaded" in mark:
+                import_s.append(mark["loaded"] - began)
+            if "init" in mark and "loaded" in mark:
+                checks_s.append(mark["init"] - mark["loaded"])
+            if "ready" in mark:
+                start_s.append(mark["ready"] - began)
         from worker.settings import Settings
 
         settings = Settings()
@@ -280,9 +296,14 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             "resumes_by": dict(resumes),
             "leases_taken_from_dead_owners": logs.count("whose process stopped renewing"),
             "turns_queued_at_kills_p50_max": [percentile(backlog, 0.5), max(backlog, default=0)],
-            "worker_starts": len(start_s),
+            "worker_starts_ready": f"{len(start_s)} of {len(starts)}",
             "worker_start_p50_s": round(percentile(start_s, 0.5), 2),
             "worker_start_max_s": round(max(start_s, default=float("nan")), 2),
+            "worker_start_imports_p50_s": round(percentile(import_s, 0.5), 2),
+            "worker_start_checks_p50_max_s": [
+                round(percentile(checks_s, 0.5), 2),
+                round(max(checks_s, default=float("nan")), 2),
+            ],
             "lease_s": settings.lease_s,
             "liveness_s": settings.liveness_s,
             "heartbeat_interval_s": settings.heartbeat_interval_s,

@@ -656,8 +656,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "L5",
         "tasks/recovery.py",
-        "dead = [orphan.run_id for orphan in ctx.runs.orphaned(limit)]",
-        "dead: list[str] = []",
+        "    for orphan in ctx.runs.orphaned(limit):\n",
+        "    for orphan in ctx.runs.orphaned(limit)[:0]:\n",
         LIVENESS,
         k="sweeper",
     ),

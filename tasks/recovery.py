@@ -257,9 +257,16 @@ def sweep_orphans(
     The clock is the run store's, so a test can inject one.
     """
     found = []
-    # Runs whose lease holder's process died come first: they need not wait for the lease.
-    dead = [orphan.run_id for orphan in ctx.runs.orphaned(limit)]
-    for run_id in dict.fromkeys([*dead, *ctx.runs.overdue(limit)]):
+    # Live runs whose lease holder's process died first: they need not wait for the lease.
+    # (A suspended or finished run such a process held needs no worker: its lease lapses.)
+    for orphan in ctx.runs.orphaned(limit):
+        record = ctx.runs.get(orphan.run_id)
+        if record is not None and record.status.is_live:
+            enqueue(orphan.run_id, record.last_seq)
+            found.append(orphan.run_id)
+    for run_id in ctx.runs.overdue(limit):
+        if run_id in found:
+            continue
         record = ctx.runs.get(run_id)
         if record is not None and record.suspension is not None and record.suspension.tool == WAIT:
             # Not an orphan: a timer one sweep from its time; wake it then (ETA).
