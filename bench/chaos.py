@@ -1,7 +1,7 @@
 """Chaos: runs on two real workers while one of them is SIGKILLed every 1–3 s.
 
     python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300] [--pool prefork] [--concurrency 2]
-                          [--hogs 0] [--keep]
+                          [--hogs 0] [--keep] [--overlap]
 
 Starts its own ``redis-server`` on a free port (broker and both stores), two
 ``celery -A worker worker`` processes (``--pool``, default prefork, with
@@ -10,14 +10,16 @@ Starts its own ``redis-server`` on a free port (broker and both stores), two
 and recovery limit. It starts N runs of a four-turn agent with tools (two
 idempotent look-ups, one non-idempotent refund), then SIGKILLs the whole
 process group of a random worker every 1–3 s and starts it again, until every
-run has stopped being live. It prints figures, not pass/fail:
+run has stopped being live — one failure at a time: a kill waits until the other worker
+is up again (ready), unless ``--overlap``, when both may be down and a run then waits for
+a worker to start, whatever ratchet does. It prints figures, not pass/fail:
 
 - completed / parked (needs_reconciliation) / dead-lettered / failed / lost
   (still live at the end, or never created);
 - duplicate non-idempotent executions: refunds in the ledger beyond one per run;
 - duplicate transitions: a model turn, tool request or outcome recorded twice;
 - recovery latency p50 / p90 / p99 / max: from a kill to the next event of each run
-  whose lease the killed worker held, and what that event was;
+  whose lease the killed worker's processes still held once dead, and what that event was;
 - how the runs were taken back: leases taken from a dead owner (liveness) by the
   sweeper's resume or a turn, and resumes after the lease expired;
 - worker start time (Popen to Celery's ``worker_ready``, start-up checks included),
@@ -122,6 +124,14 @@ def write_agents(directory: Path, count: int) -> list[Path]:
     return agents
 
 
+def ready_pids(ready: Path) -> set[int]:
+    """The workers (main process pids) that reached worker_ready (bench/ready_probe.py)."""
+    if not ready.exists():
+        return set()
+    lines = ready.read_text().splitlines()
+    return {int(line.split()[2]) for line in lines if line.startswith("ready ")}
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -155,6 +165,12 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--hogs", type=int, default=0, help="CPU hogs to run meanwhile")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument("--loglevel", default="WARNING", help="the workers' --loglevel")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="kill even while the other worker is still starting (both may be down)",
+    )
     options = parser.parse_args()
     rng = random.Random(options.seed)
     work = Path(tempfile.mkdtemp(prefix="ratchet-chaos-"))
@@ -181,13 +197,15 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     workers = [
         Process([*celery, "worker", "-P", options.pool, "-c", str(options.concurrency),
                  "--without-mingle", "--without-gossip", "-I", "bench.ready_probe",
-                 "--loglevel", "WARNING", "--hostname", f"chaos{n}@%h"], env, work / f"worker{n}.log")
+                 "--loglevel", options.loglevel, "--hostname", f"chaos{n}@%h"], env, work / f"worker{n}.log")
         for n in range(2)
     ]  # fmt: skip
     beat = Process([*celery, "beat", "-s", str(work / "beat-schedule")], env, work / "beat.log")
     api = Ratchet()
     starts: list[tuple[int, float]] = []
     backlog: list[int] = []
+    owners: dict[tuple[str, int], str] = {}
+    ended: dict[int, float] = {}
     broker = redis.Redis.from_url(url)
     kills: list[tuple[int, list[str]]] = []
     try:
@@ -210,15 +228,26 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             if time.monotonic() >= next_kill:
                 victim = rng.choice(workers)
                 assert victim.popen is not None
+                other = workers[1 - workers.index(victim)].popen
+                if not options.overlap and not (
+                    other is not None and other.pid in ready_pids(ready)
+                ):
+                    # One failure at a time: a kill waits until the other worker is up.
+                    time.sleep(0.05)
+                    continue
                 pids = group_pids(victim.popen.pid) | {victim.popen.pid}
+                kill_ms = time.time_ns() // 1_000_000
+                backlog.append(int(broker.llen(TURNS_QUEUE)))
+                ended[victim.popen.pid] = kill_ms / 1000
+                victim.kill()
+                # The runs it was in the middle of: leases its processes hold once they are
+                # dead (read before the kill, a turn that just ended would count too).
                 held = []
                 for run_id in live:
                     lease = api.ctx.runs.lease(run_id)
                     if lease is not None and int(lease.owner.split(":")[1]) in pids:
                         held.append(run_id)
-                kill_ms = time.time_ns() // 1_000_000
-                backlog.append(int(broker.llen(TURNS_QUEUE)))
-                victim.kill()
+                        owners[run_id, len(kills)] = lease.owner
                 kills.append((kill_ms, held))
                 began = time.time()
                 victim.start()
@@ -243,12 +272,21 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         double_refunds = sum(n - 1 for n in refunds.values() if n > 1)
         latencies = []
         next_events: Counter[str] = Counter()
-        for kill_ms, held in kills:
+        slowest: list[tuple[float, str]] = []
+        for n, (kill_ms, held) in enumerate(kills):
             for run_id in held:
                 after = [e for e in api.ctx.runs.events(run_id) if e.at_ms > kill_ms]
                 if after:
                     latencies.append((after[0].at_ms - kill_ms) / 1000)
                     next_events[after[0].type] += 1
+                    slowest.append(
+                        (
+                            latencies[-1],
+                            f"kill {n}: {run_id} held by "
+                            f"{owners[run_id, n]}, then {after[0].type} {after[0].data}",
+                        )
+                    )
+        slowest.sort(reverse=True)
         resumes = Counter(
             e.data.get("by", "?")
             for run_id in run_ids
@@ -271,6 +309,15 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                 checks_s.append(mark["init"] - mark["loaded"])
             if "ready" in mark:
                 start_s.append(mark["ready"] - began)
+        # When a worker was up (ready, not yet killed) after each kill: with none up,
+        # nothing can recover a run, however fast the liveness lapses.
+        up = [(marks[str(pid)]["ready"], ended.get(pid, float("inf")))
+              for pid, _ in starts if "ready" in marks.get(str(pid), {})]  # fmt: skip
+        no_worker_s = []
+        for kill_ms, _ in kills:
+            at = kill_ms / 1000
+            if not any(ready <= at < end for ready, end in up):
+                no_worker_s.append(min((r for r, _ in up if r > at), default=at) - at)
         from worker.settings import Settings
 
         settings = Settings()
@@ -293,8 +340,11 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             "recovery_max_s": round(max(latencies, default=float("nan")), 2),
             "recoveries_sorted_s": [round(x, 1) for x in sorted(latencies)],
             "next_event_after_kill": dict(next_events),
+            "slowest_recoveries": [f"{t:.1f} s {what}" for t, what in slowest[:3]],
             "resumes_by": dict(resumes),
             "leases_taken_from_dead_owners": logs.count("whose process stopped renewing"),
+            "kills_leaving_no_worker_up": len(no_worker_s),
+            "no_worker_up_after_those_kills_s": [round(x, 1) for x in sorted(no_worker_s)],
             "turns_queued_at_kills_p50_max": [percentile(backlog, 0.5), max(backlog, default=0)],
             "worker_starts_ready": f"{len(start_s)} of {len(starts)}",
             "worker_start_p50_s": round(percentile(start_s, 0.5), 2),
