@@ -236,10 +236,13 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                     time.sleep(0.05)
                     continue
                 pids = group_pids(victim.popen.pid) | {victim.popen.pid}
-                kill_ms = time.time_ns() // 1_000_000
                 backlog.append(int(broker.llen(TURNS_QUEUE)))
-                ended[victim.popen.pid] = kill_ms / 1000
+                dead_pid = victim.popen.pid
                 victim.kill()
+                # From its death (kill returns once the worker is reaped): an event stamped
+                # in the milliseconds before is the dead worker's own last write.
+                kill_ms = time.time_ns() // 1_000_000
+                ended[dead_pid] = kill_ms / 1000
                 # The runs it was in the middle of: leases its processes hold once they are
                 # dead (read before the kill, a turn that just ended would count too).
                 held = []
