@@ -221,9 +221,17 @@ Enqueue = Callable[[str, int], None]
 
 
 def enqueue_resume(run_id: str, seen_seq: int) -> None:
-    # On the control queue, not behind the turns backlog: the run already waited through
-    # a crash, and a sweep that finds it again only re-enqueues it while this one waits
-    # (FIFO with the sweeps: a sweep runs after the resumes the last one enqueued).
+    resume_run.apply_async((run_id, SWEEPER, seen_seq))
+
+
+def enqueue_urgent_resume(run_id: str, seen_seq: int) -> None:
+    """For a run whose lease holder's process is dead: certainly stopped, and it already
+    waited through the crash, so on the control queue rather than behind the turns backlog.
+
+    Only those: a run merely overdue may be a turn waiting in a long queue (every run of
+    a backlog deeper than one lease is), and a resume of each on the control queue would
+    bury the sweeps and continuations behind them.
+    """
     resume_run.apply_async((run_id, SWEEPER, seen_seq), queue=CONTROL_QUEUE)
 
 
@@ -245,9 +253,13 @@ def sweep_orphans(
     limit: int = 1000,
     wake: Wake = enqueue_wake,
     tell: Callable[[str], None] = tell_parent_soon,
+    enqueue_orphan: Enqueue | None = None,
 ) -> list[str]:
     """Enqueue a resume for every live run past due whose lease expired, or whose lease
     holder's process is dead (:meth:`~store.runs.RunStore.orphaned`); their ids.
+
+    A dead process's run is enqueued with ``enqueue_orphan`` (by default the control
+    queue when ``enqueue`` is the default, else ``enqueue``).
 
     A waiting run (a ``wait`` timer) is due one sweep before it wakes: its
     wake-up is enqueued with an ETA instead (``wake``), and its id is returned too.
@@ -259,10 +271,12 @@ def sweep_orphans(
     found = []
     # Live runs whose lease holder's process died first: they need not wait for the lease.
     # (A suspended or finished run such a process held needs no worker: its lease lapses.)
+    if enqueue_orphan is None:
+        enqueue_orphan = enqueue_urgent_resume if enqueue is enqueue_resume else enqueue
     for orphan in ctx.runs.orphaned(limit):
         record = ctx.runs.get(orphan.run_id)
         if record is not None and record.status.is_live:
-            enqueue(orphan.run_id, record.last_seq)
+            enqueue_orphan(orphan.run_id, record.last_seq)
             found.append(orphan.run_id)
     for run_id in ctx.runs.overdue(limit):
         if run_id in found:
