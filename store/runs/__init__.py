@@ -331,6 +331,17 @@ class RunStore(ABC):
             raise ValueError(f"limit must be 1 or more, not {limit}")
         return with_retries(lambda: self._orphaned(self.clock(), limit))
 
+    def postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
+        """Move a live run's due time to ``due_at_ms`` if it is still at ``seen_seq``; whether
+        it did. The sweeper calls it for each run it enqueued a resume for, so the next
+        sweeps do not enqueue the same resume again while that one waits in a queue.
+
+        Only the due index moves (and what ``overdue`` reads); a run that moved on since
+        ``seen_seq``, or is not in the due index, is left as it is.
+        """
+        run_id = validate_run_id(run_id)
+        return with_retries(lambda: self._postpone(run_id, seen_seq, due_at_ms))
+
     def overdue(self, limit: int = 1000) -> builtins.list[str]:
         """Live runs past their due time whose lease has expired, most overdue first."""
         return with_retries(lambda: self._overdue(self.clock(), limit))
@@ -401,6 +412,9 @@ class RunStore(ABC):
 
     @abstractmethod
     def _overdue(self, now_ms: int, limit: int) -> builtins.list[str]: ...
+
+    @abstractmethod
+    def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool: ...
 
     @abstractmethod
     def _claim(

@@ -108,6 +108,14 @@ class MemoryRunStore(RunStore):
             ]
         return free[:limit]
 
+    def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
+        with self._lock:
+            record = self._records.get(run_id)
+            if record is None or record.last_seq != seen_seq or record.due_at_ms is None:
+                return False
+            self._records[run_id] = record.model_copy(update={"due_at_ms": due_at_ms})
+            return True
+
     def _claim(
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:

@@ -182,6 +182,19 @@ end
 return nil
 """
 
+# KEYS: record, due. ARGV: run id, seen seq, due_at_ms. Returns 1 if moved. Only the index
+# moves: the record's JSON keeps the due time its last append gave it.
+_POSTPONE = """
+if redis.call('HGET', KEYS[1], 'last_seq') ~= ARGV[2] then
+  return 0
+end
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return 1
+"""
+
 # The process of an owner id "<process>/<attempt>" (store.runs.owner_process), or nil.
 _OWNER_PROCESS = """
 local function owner_process(owner)
@@ -303,6 +316,7 @@ class RedisRunStore(RunStore):
         self._procs = f"{prefix}:procs"
         self._proc_prefix = f"{prefix}:proc:"
         self._claim_script = client.register_script(_CLAIM)
+        self._postpone_script = client.register_script(_POSTPONE)
         self._beat_script = client.register_script(_BEAT)
         self._orphaned_script = client.register_script(_ORPHANED)
 
@@ -467,6 +481,12 @@ class RedisRunStore(RunStore):
         """The set of runs ``owner``'s process claimed; ``otherwise`` if it names none."""
         process = owner_process(owner)
         return otherwise if process is None else f"{self._proc_prefix}{process}:leases"
+
+    def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
+        keys = [self._run_key(run_id, "record"), self._due]
+        with translated(self._where):
+            moved = self._postpone_script(keys=keys, args=[run_id, str(seen_seq), str(due_at_ms)])
+        return bool(moved)
 
     def _claim(
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int

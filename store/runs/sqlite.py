@@ -278,6 +278,15 @@ class SqliteRunStore(RunStore):
             ).fetchall()
         return [r[0] for r in rows]
 
+    def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
+        with self._tx() as conn:
+            moved = conn.execute(
+                "UPDATE runs SET due_at_ms = ?, record = json_set(record, '$.due_at_ms', ?) "
+                "WHERE run_id = ? AND last_seq = ? AND due_at_ms IS NOT NULL",
+                (due_at_ms, due_at_ms, run_id, seen_seq),
+            ).rowcount
+        return moved == 1
+
     def _claim(
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:

@@ -194,3 +194,39 @@ def test_the_sweep_cost_does_not_grow_with_runs_held_by_live_processes(
     clock.advance(ALIVE_MS)
     run_store.renew_liveness(B, ALIVE_S)
     assert run_store.orphaned(limit=5) == [Orphan("a-1", owner(A))]
+
+
+# --- postponing a due run (the sweeper, after it enqueued a resume) ----------
+
+
+def test_postponing_moves_an_overdue_run_out_of_the_overdue_list_until_then(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    new_run(run_store, "run-1", due_at_ms=T0_MS + 10)
+    new_run(run_store, "run-2", due_at_ms=T0_MS + 20)
+    clock.advance(100)
+    assert sorted(run_store.overdue()) == ["run-1", "run-2"]
+
+    assert run_store.postpone("run-1", 1, clock() + LEASE_MS) is True
+
+    assert run_store.overdue() == ["run-2"]
+    clock.advance(LEASE_MS)
+    assert sorted(run_store.overdue()) == ["run-1", "run-2"]
+
+
+def test_postponing_a_run_that_moved_on_or_is_not_due_changes_nothing(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    new_run(run_store, "moved", due_at_ms=T0_MS + 10)
+    run_store.append(
+        record("moved", last_seq=2, status=RunStatus.MODEL, due_at_ms=T0_MS + 10),
+        [event(2)],
+        owner=None,
+    )
+    new_run(run_store, "asking", due_at_ms=None, status=RunStatus.NEEDS_USER_INPUT)
+    clock.advance(100)
+
+    assert run_store.postpone("moved", 1, clock() + LEASE_MS) is False
+    assert run_store.postpone("asking", 1, clock() + LEASE_MS) is False
+    assert run_store.postpone("unknown", 1, clock() + LEASE_MS) is False
+    assert run_store.overdue() == ["moved"]
