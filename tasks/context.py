@@ -102,6 +102,9 @@ class Context:
         return agent
 
     def close(self) -> None:
+        from tasks.liveness import forget  # tasks.liveness imports this module
+
+        forget(self.runs)
         self.snapshots.close()
         self.runs.close()
 

@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from store.runs import Claim, RunStore
@@ -68,7 +69,8 @@ class LivenessStats:
 
 @dataclass
 class _Store:
-    runs: RunStore
+    runs: weakref.ref[RunStore]
+    """Weak: a store nobody uses any more (a test's, a closed context's) is not kept open."""
     liveness_s: float
     interval_s: float
     beaten_at: float | None = None
@@ -94,9 +96,11 @@ class Beats:
         key = id(ctx.runs)
         with self._changed:
             store = self._stores.get(key)
-            if store is None:
+            if store is None or store.runs() is not ctx.runs:  # new, or a dead one's id reused
                 store = self._stores[key] = _Store(
-                    ctx.runs, ctx.settings.liveness_s, ctx.settings.heartbeat_interval_s
+                    weakref.ref(ctx.runs),
+                    ctx.settings.liveness_s,
+                    ctx.settings.heartbeat_interval_s,
                 )
                 self._changed.notify()
             fresh = (
@@ -129,14 +133,19 @@ class Beats:
                 late_s = now - planned
                 # A beat that started late is not followed by a burst of catch-up beats.
                 planned = max(planned + interval_s, now + interval_s / 2)
+                for key in [k for k, v in self._stores.items() if v.runs() is None]:
+                    del self._stores[key]
                 stores = list(self._stores.values())
             for store in stores:
                 self._beat(store, late_s)
 
     def _beat(self, store: _Store, late_s: float) -> None:
         started = time.monotonic()
+        runs = store.runs()
+        if runs is None:
+            return
         try:
-            was_alive = store.runs.renew_liveness(process_id(), store.liveness_s)
+            was_alive = runs.renew_liveness(process_id(), store.liveness_s)
         except Exception:
             self.stats.failed += 1
             log.exception("liveness: renewing this process's record failed; trying again")
@@ -170,6 +179,14 @@ def beats() -> Beats:
         if found is None:
             found = _beats_by_pid[pid] = Beats()
     return found
+
+
+def forget(runs: RunStore) -> None:
+    """``runs`` is being closed: this process stops beating in it (if it ever did)."""
+    with _lock:
+        found = _beats_by_pid.get(os.getpid())
+    if found is not None:
+        found.forget(runs)
 
 
 def claim(ctx: Context, run_id: str, owner: str) -> Claim:
