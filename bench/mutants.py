@@ -630,6 +630,14 @@ MUTANTS: tuple[Mutant, ...] = (
         k="keeps_its_run",
     ),
     Mutant(
+        "L7",
+        "tasks/liveness.py",
+        "            for store in stores:\n                self._beat(store, late_s)\n",
+        "            for store in stores:\n                pass\n",
+        ("tests/crash/test_liveness_on_real_workers.py",),
+        k="busy",
+    ),
+    Mutant(
         "L2",
         "store/runs/memory.py",
         "if alive_until is None or alive_until > now_ms:",

@@ -9,12 +9,15 @@ process's lapsed liveness, never through the lease.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from runtime.models import RunStatus
 from store.runs import Lease
 from tasks.context import Context
 from tasks.recovery import sweep_orphans
@@ -143,3 +146,71 @@ def test_rabbitmq_redelivers_a_killed_workers_turn_and_it_takes_the_run_over_its
     assert "sweep:" not in log
     sender.close()
     ctx.close()
+
+
+@pytest.mark.timeout(180)
+def test_busy_workers_in_long_tool_calls_keep_their_runs_against_a_busy_sweeper(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    # A short soak (bench/soak.py is the long one). Given two prefork workers with the
+    # default liveness (3 s) and a CPU hog beside them
+    hog = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+    ctx = redis_context(redis_url)
+    sender = make_app(Settings(broker_url=redis_url))
+    try:
+        for _ in range(2):
+            worker_processes.start("--pool", "prefork", "-c", "2")
+        # and two runs (two slots stay free for resumes), each in a non-idempotent tool
+        # call twice the liveness long, sleeping or spinning the CPU in the worker
+        run_ids = []
+        for i in range(2):
+            agent = write_agent(
+                tmp_path / f"a{i}",
+                [turn("work", call(("slow_charge", "spin_charge")[i % 2], sleep_s=6.0)),
+                 turn("Done.")],
+                tools=["tests.slow_tools:slow_charge", "tests.liveness_tools:spin_charge"],
+                extra="tool_timeout_s = 30",
+            )  # fmt: skip
+            run_ids.append(create_run(ctx, agent, "charge it").run_id)
+            sender.send_task("ratchet.turn", (run_ids[-1], 1), queue="ratchet.turns")
+
+        # When a sweeper sweeps every 0.2 s until they have all ended, and another process
+        # tries to claim each run held by a worker
+        taken: list[str] = []
+
+        def ended() -> bool:
+            sweep_orphans(
+                ctx,
+                lambda run, seq: sender.send_task(
+                    "ratchet.resume", (run, "sweeper", seq), queue="ratchet.control"
+                ),
+            )
+            for run_id in run_ids:
+                lease = ctx.runs.lease(run_id)
+                if lease is not None and ctx.runs.claim_lease(run_id, "probe:1:x/y", 60).taken:
+                    taken.append(f"{run_id} from {lease.owner}")
+                    ctx.runs.release_lease(run_id, "probe:1:x/y")
+            time.sleep(0.15)
+            return all(not status(ctx, run_id).is_live for run_id in run_ids)
+
+        wait_for("every run ends", ended, timeout_s=150)
+        assert taken == []
+
+        # Then none was taken from its worker: all completed, none resumed or parked
+        for run_id in run_ids:
+            types = [e.type for e in ctx.runs.events(run_id)]
+            assert status(ctx, run_id) == RunStatus.COMPLETED, types
+            assert "run.resumed" not in types and "run.parked" not in types
+        logs = "".join(w.log() for w in worker_processes.started)
+        assert "whose process stopped renewing" not in logs
+    finally:
+        hog.kill()
+        hog.wait()
+        sender.close()
+        ctx.close()
+
+
+def status(ctx: Context, run_id: str) -> RunStatus:
+    record = ctx.runs.get(run_id)
+    assert record is not None
+    return record.status
