@@ -75,6 +75,8 @@ class _Store:
     interval_s: float
     beaten_at: float | None = None
     """Monotonic time of the last beat that reached the store."""
+    failing: int = 0
+    """Beats that failed in a row."""
 
 
 class Beats:
@@ -146,26 +148,45 @@ class Beats:
             return
         try:
             was_alive = runs.renew_liveness(process_id(), store.liveness_s)
-        except Exception:
+        except Exception as exc:  # a store error of any backend: try again next period
             self.stats.failed += 1
-            log.exception("liveness: renewing this process's record failed; trying again")
+            store.failing += 1
+            if store.failing == 1:  # once per outage, not every half second
+                log.warning(
+                    "liveness: cannot renew this process's record (%s: %s); trying again "
+                    "every %g s — past %g s other workers take this process for dead",
+                    type(exc).__name__,
+                    " ".join(str(exc).split()),
+                    store.interval_s,
+                    store.liveness_s,
+                )
             return
-        first = store.beaten_at is None
+        if store.failing:
+            log.info("liveness: renewed again after %d failed beats", store.failing)
+            store.failing = 0
+        previous = store.beaten_at
         store.beaten_at = started
         stats = self.stats
         stats.beats += 1
         stats.max_late_s = max(stats.max_late_s, late_s)
         stats.late_s.append(late_s)
         del stats.late_s[:-10_000]
-        if not was_alive and not first:
+        if was_alive or previous is None:
+            return
+        if started - previous >= store.liveness_s:
             stats.lapsed += 1
             log.warning(
-                "liveness: this process's record had lapsed (a beat started %.2f s late): "
-                "other workers may have declared it dead and taken its runs; its turns on "
-                "those runs stop at their next write. The process is overloaded or was "
-                "paused: lower its concurrency, or raise RATCHET_LIVENESS_S",
-                late_s,
+                "liveness: this process's record had lapsed (%.2f s since its last beat, a "
+                "liveness of %g s): other workers may have declared it dead and taken its "
+                "runs; its turns on those runs stop at their next write. The process is "
+                "overloaded or was paused: lower its concurrency, or raise RATCHET_LIVENESS_S",
+                started - previous,
+                store.liveness_s,
             )
+        else:
+            # Beats on time, yet no live record: the store lost it (a flush, a restart
+            # without its append-only file), not this process; the beat has put it back.
+            log.info("liveness: this process's record was gone from the run store; renewed")
 
 
 _beats_by_pid: dict[int, Beats] = {}
