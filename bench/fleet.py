@@ -58,9 +58,9 @@ def bench_fleet(url: str, env: dict[str, str], args: argparse.Namespace, workdir
         warm_up(env, workers=args.workers)
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
+        from tasks.settings import Settings
         from worker.api import Ratchet
         from worker.app import app
-        from worker.settings import Settings
 
         app.conf.broker_url = broker
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
@@ -204,7 +204,7 @@ def bench_sweep(url: str, suspended: int, rounds: int = 200) -> None:
     from store.snapshots.memory import MemorySnapshotStore
     from tasks.context import Context
     from tasks.recovery import sweep_orphans
-    from worker.settings import Settings
+    from tasks.settings import Settings
 
     figures = {}
     for label, count, db in (("none", 0, 5), (f"{suspended:,}", suspended, 6)):

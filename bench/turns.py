@@ -148,9 +148,9 @@ def bench_ratchet(
         from runtime.models import RunStatus
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
+        from tasks.settings import Settings
         from worker.api import Ratchet
         from worker.app import app
-        from worker.settings import Settings
 
         app.conf.broker_url = f"{url}/3"
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))

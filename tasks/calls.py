@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tasks import metrics
 from tasks.context import Context
-from worker import metrics
 
 log = logging.getLogger("ratchet.turn")
 

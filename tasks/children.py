@@ -22,7 +22,8 @@ from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load
-from worker.app import CONTROL_QUEUE, app
+from tasks.queues import CONTROL_QUEUE
+from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.children")
 
@@ -63,7 +64,7 @@ def tell_parent_soon(child_id: str) -> None:
     deliver_run.apply_async((child_id,), queue=CONTROL_QUEUE)
 
 
-@app.task(name="ratchet.deliver", ignore_result=True)
+@ratchet_task(name="ratchet.deliver", ignore_result=True)
 def deliver_run(child_id: str) -> str:
     """Tell an ended child's parent how it ended. Returns told | stale | busy."""
     return deliver(get_context(), validate_run_id(child_id))

@@ -18,7 +18,7 @@ from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks.agent_cache import Version
 from tasks.pool import connections_per_process as connections
-from worker.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings
 
 
 @dataclass

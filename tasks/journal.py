@@ -21,9 +21,8 @@ from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.timers import due_at_ms
 from store.runs import RunRecord
-from tasks import tracing
+from tasks import metrics, tracing
 from tasks.context import Context
-from worker import metrics
 
 log = logging.getLogger("ratchet.turn")
 

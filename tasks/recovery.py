@@ -43,13 +43,13 @@ from runtime.recovery import (
 )
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
+from tasks import metrics
 from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load, new_owner
+from tasks.task_base import ratchet_task
 from tasks.timers import wake_at
 from tasks.turn import Advanced, advance, chain, run_turn
-from worker import metrics
-from worker.app import app
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -107,7 +107,7 @@ def examine(
 # --- resume -----------------------------------------------------------------
 
 
-@app.task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@ratchet_task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
     """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
 
@@ -284,7 +284,7 @@ def purge_finished(ctx: Context, before_ms: int | None = None, limit: int = PURG
     return purged
 
 
-@app.task(name="ratchet.sweep", ignore_result=True)
+@ratchet_task(name="ratchet.sweep", ignore_result=True)
 def sweep() -> int:
     """One sweep (``celery -A worker beat`` sends it every ``sweep_interval_s``), then retention."""
     ctx = get_context()
@@ -345,7 +345,7 @@ def reconcile(
     return state
 
 
-@app.task(name="ratchet.reconcile", ignore_result=True)
+@ratchet_task(name="ratchet.reconcile", ignore_result=True)
 def reconcile_run(
     run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
 ) -> int:

@@ -20,15 +20,15 @@ import hashlib
 import logging
 import uuid
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from runtime.errors import RatchetError, StaleWrite, StartConflict
 from runtime.fsm import apply, created_event
 from runtime.models import Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
+from tasks.task_base import ratchet_task
 from tasks.turn import advance, chain
-from worker.app import app
 
 MAX_INPUT_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
@@ -135,11 +135,11 @@ def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) 
     return record
 
 
-@app.task(
+@ratchet_task(
     name="ratchet.start", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
 )
 def start_run(
-    self: object,
+    self: Any,
     agent_file: str,
     text: str,
     run_id: str | None = None,

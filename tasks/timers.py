@@ -18,7 +18,8 @@ from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load
-from worker.app import CONTROL_QUEUE, app
+from tasks.queues import CONTROL_QUEUE
+from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.timers")
 
@@ -35,7 +36,7 @@ def wake_at(run_id: str, seq: int, at_ms: int, now_ms: int) -> None:
     wake_run.apply_async((run_id, seq), countdown=countdown_s, queue=CONTROL_QUEUE)
 
 
-@app.task(name="ratchet.wake", ignore_result=True)
+@ratchet_task(name="ratchet.wake", ignore_result=True)
 def wake_run(run_id: str, seq: int) -> str:
     """Wake ``run_id`` if it is still waiting at ``seq`` and its time has come.
 

@@ -77,14 +77,13 @@ from runtime.fsm import (
 from runtime.models import RunState, RunStatus, ToolCall, validate_run_id
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome, ToolSpec, invoke
-from tasks import failpoints
+from tasks import failpoints, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child, tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load, new_owner, save_snapshot
+from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
-from worker import metrics
-from worker.app import app
 
 log = logging.getLogger("ratchet.turn")
 
@@ -107,7 +106,7 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
-@app.task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@ratchet_task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_turn(run_id: str, expected_seq: int | None) -> str:
     """Advance ``run_id`` by one turn if it is at ``expected_seq``.
 

@@ -9,8 +9,8 @@ from typing import Any
 from store.runs.memory import MemoryRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.turn import Advanced, advance
-from worker.settings import Settings
 
 REFUND_TOOLS = [
     "examples.refunds:lookup_order",

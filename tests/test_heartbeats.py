@@ -15,7 +15,7 @@ from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.calls import _Heartbeats
 from tasks.context import Context
-from worker.settings import Settings
+from tasks.settings import Settings
 
 
 class CountingRunStore(RedisRunStore):

@@ -31,6 +31,7 @@ from store import open_run_store, open_snapshot_store
 from store.packing import is_packed
 from store.runs import RunRecord
 from tasks.context import Context, set_context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import drive
@@ -39,7 +40,6 @@ from tests.redis_server import RedisServer
 from tests.workers import BROKER_DB
 from worker.api import Ratchet
 from worker.cli import main as cli
-from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -21,12 +21,12 @@ from store.runs.redis import RedisRunStore
 from tasks.context import Context
 from tasks.journal import append_events, load, new_owner
 from tasks.recovery import reconcile, resume, sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import Turn, advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main as cli
-from worker.settings import Settings
 
 LEASE_MS = 10_000
 

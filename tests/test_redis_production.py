@@ -16,9 +16,9 @@ from store import open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
+from tasks.settings import Settings
 from tests.contract.test_snapshot_store_contract import make_state
 from tests.redis_server import HOST, _binary, _free_port, running_redis_server
-from worker.settings import Settings
 
 PASSWORD = "s3cr3t-pa55"
 

@@ -32,12 +32,12 @@ from tasks.context import Context
 from tasks.control import cancel
 from tasks.journal import load
 from tasks.recovery import resume
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance, append_events
 from tests.contract.conftest import FakeClock
 from tests.helpers import call, drive, turn, write_agent
 from tests.test_recovery import park_with_refund_in_flight, refund_agent
-from worker.settings import Settings
 
 LEASE_S = 60
 """Long, so the heartbeat (every third of it) never renews a lease during a test."""

@@ -32,11 +32,11 @@ from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context, set_context
 from tasks.control import apply_continuation
 from tasks.recovery import examine, resume, sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, turn, write_agent
 from worker.cli import main as cli
-from worker.settings import Settings
 
 Damage = Callable[[Path, str, str], None]
 """Damage ``<dir>/<run>.json`` (the run's file); the second run's snapshot is ``<dir>/<other>.json``."""

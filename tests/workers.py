@@ -30,10 +30,10 @@ from celery.contrib.testing.worker import start_worker
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
+from tasks.settings import Settings
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
 from worker.app import app
-from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_AGENT = ROOT / "examples" / "refund-desk.toml"
@@ -89,6 +89,8 @@ class WorkerProcess:
     env: dict[str, str]
     log_path: Path
     args: tuple[str, ...] = ()
+    app: str = "worker"
+    """The ``-A`` argument: ratchet's app, or an application's with ratchet installed."""
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def start(self) -> WorkerProcess:
@@ -97,7 +99,7 @@ class WorkerProcess:
             "-m",
             "celery",
             "-A",
-            "worker",
+            self.app,
             "worker",
             "--loglevel",
             "INFO",
@@ -143,9 +145,9 @@ class WorkerProcesses:
     directory: Path
     started: list[WorkerProcess] = field(default_factory=list)
 
-    def start(self, *args: str, **env: str) -> WorkerProcess:
+    def start(self, *args: str, app: str = "worker", **env: str) -> WorkerProcess:
         log_path = self.directory / f"worker-{len(self.started)}.log"
-        worker = WorkerProcess({**self.base_env, **env}, log_path, args).start()
+        worker = WorkerProcess({**self.base_env, **env}, log_path, args, app).start()
         self.started.append(worker)
         return worker
 

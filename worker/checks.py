@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from celery.signals import import_modules, worker_init
 
-from worker.settings import Settings, get_settings
+from tasks.pool import pool_name
+from tasks.settings import Settings, get_settings
 
 log = logging.getLogger("ratchet.checks")
 
@@ -78,16 +80,6 @@ def longest_turn(settings: Settings, pool: str, time_limit_s: float | None) -> L
     if not bounds:
         return LongestTurn(None, f"the {pool} pool does not enforce the turn time limit")
     return LongestTurn(*min(bounds))
-
-
-def pool_name(pool_cls: Any) -> str:
-    """``prefork``, ``threads``, ``solo``, … from a name or a pool class."""
-    if isinstance(pool_cls, str):
-        return pool_cls
-    module = getattr(pool_cls, "__module__", "")
-    return {"thread": "threads", "asynpool": "prefork"}.get(
-        module.rsplit(".", 1)[-1], module.rsplit(".", 1)[-1]
-    )
 
 
 def broker_problem(
@@ -286,8 +278,8 @@ def store_problems(settings: Settings) -> list[str]:
     import uuid
 
     from runtime.errors import RatchetError
-    from store import open_run_store, open_snapshot_store
-    from worker.settings import masked
+    from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
+    from tasks.settings import masked
 
     probe = PROBE_RUN_ID_PREFIX + uuid.uuid4().hex[:16]
     problems = []
@@ -295,7 +287,10 @@ def store_problems(settings: Settings) -> list[str]:
         ("RATCHET_SNAPSHOT_STORE", settings.resolved_snapshot_store, _snapshot_round_trip),
         ("RATCHET_RUN_STORE", settings.resolved_run_store, _run_store_round_trip),
     )
-    opener = {"RATCHET_SNAPSHOT_STORE": open_snapshot_store, "RATCHET_RUN_STORE": open_run_store}
+    opener: dict[str, Callable[..., SnapshotStore | RunStore]] = {
+        "RATCHET_SNAPSHOT_STORE": open_snapshot_store,
+        "RATCHET_RUN_STORE": open_run_store,
+    }
     for variable, url, round_trip in checks:
         try:
             store = opener[variable](url, redis_prefix=settings.redis_prefix)
@@ -325,7 +320,7 @@ def _run_store_round_trip(store: Any, probe: str) -> None:
 
 def broker_unreachable(app: Any, retries: int) -> str | None:
     """Connect to the broker, retrying ``retries`` times (1-5 s apart); None, or why not."""
-    from worker.settings import masked
+    from tasks.settings import masked
 
     connection = app.connection_for_write()
     try:

@@ -32,12 +32,12 @@ from store.runs import RunRecord
 from tasks.context import Context
 from tasks.failpoints import POINTS
 from tasks.recovery import sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from tests.redis_server import RedisServer, running_redis_server
 from tests.workers import WorkerProcess, redis_context, worker_env
 from worker.app import make_app
-from worker.settings import Settings
 
 STORES_DB, DYING_BROKER_DB, HEALTHY_BROKER_DB = 0, 1, 2
 LEASE_S = "1"

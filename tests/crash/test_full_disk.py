@@ -24,12 +24,12 @@ from runtime.models import RunStatus
 from store import open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks.context import Context
+from tasks.rejected import FolderRejected, Rejected, rejected_folder
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcess, WorkerProcesses
 from worker.app import make_app
-from worker.rejected import FolderRejected, Rejected, rejected_folder
-from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)
 T = TypeVar("T")

@@ -21,6 +21,7 @@ from kombu import Connection, Queue
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer
@@ -28,7 +29,6 @@ from tests.workers import WorkerProcesses, redis_context
 from worker.api import Ratchet
 from worker.app import app, make_app
 from worker.cli import main
-from worker.settings import Settings
 
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
 REFUND = [turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)), turn("ok")]

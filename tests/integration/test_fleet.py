@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.redis_server import _free_port
 from tests.workers import EXAMPLE_AGENT, WorkerProcess, WorkerProcesses, redis_context
 from worker.api import Ratchet
 from worker.app import make_app
 from worker.checks import TOOL_TIMEOUT_ATTEMPTS, broker_problem, longest_turn
-from worker.settings import Settings
 
 # The example agent: model_timeout_s 120 (default) + 20 tool calls x 300 s x 3 tries.
 EXAMPLE_LONGEST_TURN_S = 18_120

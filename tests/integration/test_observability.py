@@ -15,11 +15,11 @@ from kombu import Connection
 
 from runtime.models import RunStatus
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context
 from worker.app import celery_config, make_app
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import run_turn
 from tests.helpers import call, turn, write_agent
 from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses, redis_context
 from worker.api import Ratchet
 from worker.app import app, make_app
-from worker.settings import Settings
 
 
 def strictly_increasing(seqs: list[int]) -> bool:

@@ -48,7 +48,7 @@ from typing import Any
 from celery.signals import worker_init, worker_shutdown
 
 from runtime.models import Event, RunStatus
-from worker.settings import get_settings
+from tasks.settings import get_settings
 
 log = logging.getLogger("ratchet.metrics")
 
@@ -193,9 +193,9 @@ def enable(port: int, directory: Path | None = None, address: str = "127.0.0.1")
         stale.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     # prometheus-client picks its value class when first imported; pick again now.
-    values.ValueClass = values.get_value_class()
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(directory))
+    multiprocess.MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
     start_http_server(port, addr=address, registry=registry)
     _on = _Metrics()
     shown = f"[{address}]" if ":" in address else address

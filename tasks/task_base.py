@@ -7,7 +7,7 @@ traceback in the worker log. :class:`RatchetTask` checks the arguments first,
 against a strict pydantic model built from the task function's signature and
 type hints: no coercion (``"5"`` is not an int, ``true`` is not an int), no
 unknown keyword. A message that fails is set aside in the dead-letter store
-(:mod:`worker.rejected`) with one WARNING line naming the task, the argument
+(:mod:`tasks.rejected`) with one WARNING line naming the task, the argument
 and the signature to send, and Celery records the task as ignored (the
 message is acknowledged: sending it again would fail the same way).
 
@@ -20,15 +20,16 @@ from __future__ import annotations
 import inspect
 import json
 import typing
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
-from celery import Task
+from celery import Task, shared_task
 from celery.exceptions import Ignore
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from runtime.errors import InvalidRunId
-from worker.rejected import set_aside, store_for_app
+from tasks.rejected import set_aside, store_for_app
 
 
 class RatchetTask(Task):  # type: ignore[misc]
@@ -125,3 +126,16 @@ class RatchetTask(Task):  # type: ignore[misc]
             queue or self.name,
             lambda: store_for_app(self.app),
         )
+
+
+def ratchet_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """Declare a ratchet task: ``@ratchet_task(name="ratchet.turn", ...)``.
+
+    The task is Celery's ``shared_task``: it is registered on every Celery app that is
+    finalised in the process, ratchet's own (``celery -A worker``) or an application's
+    (``tasks.install(app)``), and always with :class:`RatchetTask` as its base, whatever
+    the app's own task class. Calling or sending it goes through the current app (the
+    worker's, in a worker).
+    """
+    decorator: Callable[[Callable[..., Any]], Any] = shared_task(base=RatchetTask, **options)
+    return decorator

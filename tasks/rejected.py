@@ -366,7 +366,7 @@ def store_for_app(app: Any) -> RejectedStore:
         if url.startswith("filesystem://") and folder:
             store = FolderRejected(Path(folder))
         else:
-            from worker.settings import get_settings
+            from tasks.settings import get_settings
 
             store = open_rejected(url, get_settings().resolved_data_dir)
         _stores[key] = store
