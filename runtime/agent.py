@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import AgentFileError, ToolError
 from runtime.models import Budgets, Policy
-from runtime.providers import Provider, make_provider
+from runtime.providers import Provider
+from runtime.providers.known import make_provider
 from runtime.tools import ToolSpec, load_tool
 
 SNAPSHOT_FORMAT_VERSION = 1

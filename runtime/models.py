@@ -67,6 +67,16 @@ SUSPENDED_STATUSES = frozenset(
     {RunStatus.NEEDS_USER_INPUT, RunStatus.BLOCKED, RunStatus.AWAITING_APPROVAL, RunStatus.WAITING}
 )
 TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+"""The run ended by its own course (or a cancel): its output or error is final."""
+FINISHED_STATUSES = TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED}
+"""Nothing moves the run on by itself: terminal, or dead-lettered (recovery gave up on it;
+only an operator's resume moves it on). A waiter stops at these; retention purges them.
+Parked (needs_reconciliation, stalled) and suspended runs wait for a person and are not
+among them."""
+
+INVALID_ARGUMENTS_KEY = "__invalid_json__"
+"""A provider that receives tool arguments it cannot parse puts the raw text under this
+key; the runtime answers the model with a tool error instead of running the tool."""
 
 
 class ToolCall(Strict):

@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from runtime.children import awaiting_delivery
 from runtime.errors import BindingChanged, BudgetExhausted, RatchetError, RunRefused
 
 # Budget rules live in the FSM; the classification asks the same questions.
 from runtime.fsm import check_model_budgets, check_tool_budgets
 from runtime.models import Event, RunState, RunStatus
+from runtime.timers import due_at_ms
 
 SWEEPER = "sweeper"
 OPERATOR = "operator"
@@ -191,3 +193,21 @@ def dead_letter_data(run_id: str, history: Sequence[Event], limit: int) -> dict[
             for e in history
         ],
     }
+
+
+def sweep_due_ms(state: RunState, now_ms: int, lease_ms: int, lead_ms: int) -> int | None:
+    """When the sweeper next looks at the run (its place in the due index); None: never.
+
+    A live run is overdue if nothing happens within one lease (``lease_ms``); a run
+    waiting for a time is due ``lead_ms`` before it wakes, so the sweeper schedules its
+    wake-up; a child that ended is due now (its parent is told now, or by the sweeper).
+    Any other run (finished, or suspended on a person) is not swept.
+    """
+    due = due_at_ms(state, lead_ms)
+    if due is not None:
+        return due
+    if awaiting_delivery(state):
+        return now_ms
+    if state.status.is_live:
+        return now_ms + lease_ms
+    return None

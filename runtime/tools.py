@@ -38,10 +38,8 @@ from pydantic_core import to_jsonable_python
 
 from runtime.children import RUN_CHILD, ChildArguments
 from runtime.errors import ToolError
+from runtime.models import INVALID_ARGUMENTS_KEY
 from runtime.timers import WAIT, WaitArguments
-
-INVALID_ARGUMENTS_KEY = "__invalid_json__"
-"""Mirrors runtime.providers.INVALID_ARGUMENTS_KEY (tools must not import providers)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 

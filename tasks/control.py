@@ -50,11 +50,10 @@ from runtime.errors import (
 from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks import metrics
-from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load, new_owner, save_snapshot
+from tasks.queues import chain_turn, tell_parent_soon
 from tasks.task_base import ratchet_task
-from tasks.turn import run_turn
 
 log = logging.getLogger("ratchet.control")
 
@@ -97,10 +96,6 @@ def _max_suspended_s(events: list[Event]) -> int | None:
 
 # --- continue ---------------------------------------------------------------
 
-
-def chain_turn(run_id: str, seq: int) -> None:
-    """Enqueue the run's next turn; it acts only if the run is still at ``seq``."""
-    run_turn.apply_async((run_id, seq))
 
 
 def apply_continuation(

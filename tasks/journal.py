@@ -15,11 +15,10 @@ import socket
 import uuid
 from typing import Any, NamedTuple
 
-from runtime.children import awaiting_delivery
 from runtime.errors import RunNotFound, RunStateLost, SnapshotError, SnapshotTooLarge
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState, RunStatus
-from runtime.timers import due_at_ms
+from runtime.recovery import sweep_due_ms
 from store.runs import RunRecord
 from tasks import metrics, tracing
 from tasks.context import Context
@@ -204,13 +203,8 @@ def append_events(
         event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
         state = apply(state, event)
         events.append(event)
-    # A live run is overdue for the sweeper if nothing happens within one lease; a
-    # waiting one is due a sweep before it wakes, so the sweeper schedules its wake-up.
-    due = due_at_ms(state, int(ctx.settings.sweep_interval_s * 1000))
-    if due is None and awaiting_delivery(state):
-        due = now  # a child that ended: its parent is told now, or by the sweeper
-    if due is None:
-        due = now + int(ctx.settings.lease_s * 1000)
+    lease_ms = int(ctx.settings.lease_s * 1000)
+    due = sweep_due_ms(state, now, lease_ms, int(ctx.settings.sweep_interval_s * 1000))
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
     metrics.recorded(before, state.status, events)
     tracing.committed(ctx, state, events)  # only now: the events are committed

@@ -44,9 +44,9 @@ from runtime.recovery import (
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks import metrics
-from tasks.children import tell_parent_soon
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load, new_owner
+from tasks.queues import tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import wake_at
 from tasks.turn import Advanced, advance, chain, run_turn

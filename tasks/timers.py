@@ -17,8 +17,9 @@ from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
+from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from tasks.queues import CONTROL_QUEUE
+from tasks.queues import CONTROL_QUEUE, chain_turn
 from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.timers")
@@ -50,9 +51,6 @@ def wake(
     ctx: Context, run_id: str, seq: int, enqueue: Callable[[str, int], None] | None = None
 ) -> str:
     """:func:`wake_run`'s work; ``enqueue`` chains the next turn (default: the broker)."""
-    # Not at the top: tasks.control imports the turn task, which schedules wake-ups.
-    from tasks.control import chain_turn, holding_lease
-
     record = ctx.runs.get(run_id)
     if record is None or record.last_seq != seq or record.status != RunStatus.WAITING:
         return "stale"

@@ -79,9 +79,10 @@ from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome, ToolSpec, invoke
 from tasks import failpoints, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
-from tasks.children import start_child, tell_parent_soon
+from tasks.children import start_child
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load, new_owner, save_snapshot
+from tasks.queues import tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
 

@@ -21,7 +21,8 @@ import pytest
 from runtime.agent import load_agent
 from runtime.errors import ProviderError
 from runtime.models import Message, TokenUsage, ToolCall
-from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, make_provider
+from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest
+from runtime.providers.known import make_provider
 from runtime.providers.openai import OpenAIProvider, parse_arguments, retry_after_s
 from tests.openai_server import OpenAIServer, load_fixture, serve
 

@@ -25,16 +25,13 @@ from kombu.exceptions import OperationalError
 
 from runtime.continuation import check_pinned, make_continuation
 from runtime.errors import RunNotFound, RunNotQueued, RunRefused
-from runtime.models import TERMINAL_STATUSES, Event, RunStatus, Suspension, validate_run_id
+from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.journal import Loaded, load, new_owner
 from tasks.start import start
 from tasks.turn import run_turn
-
-FINISHED = frozenset(TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED})
-"""Statuses nothing moves on from by itself (dead-lettered: only an operator's resume)."""
 
 
 def make_cursor(record: RunRecord) -> str:
@@ -205,7 +202,7 @@ class Ratchet:
                 seq = event.seq
                 yield event
             record = self.get(run_id)
-            stopped = record.status in FINISHED or (until_suspended and not record.status.is_live)
+            stopped = record.status in FINISHED_STATUSES or (until_suspended and not record.status.is_live)
             if stopped and record.last_seq <= seq:
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -312,7 +309,7 @@ class Ratchet:
         """The finished runs a purge with this cutoff would delete (what `--dry-run` lists)."""
         found = [
             record
-            for status in sorted(FINISHED)
+            for status in sorted(FINISHED_STATUSES)
             for record in self.ctx.runs.list(status, limit)
             if record.updated_at_ms < before_ms
         ]

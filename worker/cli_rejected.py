@@ -8,7 +8,7 @@ import sys
 import click
 
 from tasks.rejected import Rejected, RejectedStore, open_rejected
-from worker.cli import _dump, main, refusals
+from worker.cli_base import _dump, main, refusals
 
 
 def _store() -> RejectedStore:

@@ -33,8 +33,8 @@ from typing import Any
 
 from pydantic import Field
 
-from runtime.children import awaiting_delivery
 from runtime.errors import StaleWrite
+from runtime.models import FINISHED_STATUSES as FINISHED_STATUSES  # what retention purges
 from runtime.models import (
     Event,
     RunState,
@@ -44,14 +44,7 @@ from runtime.models import (
     Usage,
     validate_run_id,
 )
-from runtime.timers import is_timer
 from store.retry import with_retries
-
-FINISHED_STATUSES = frozenset(
-    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED}
-)
-"""Statuses whose runs retention purges: nothing will move them on by itself. Parked
-(needs_reconciliation, stalled) and suspended runs wait for a person and are kept."""
 
 
 def wall_ms() -> int:
@@ -76,7 +69,10 @@ class RunRecord(Strict):
     suspended_ms: int = 0
     recovery_attempts: int = 0
     due_at_ms: int | None = None
-    """Live runs only: when the next step is overdue; the sweeper's index."""
+    """When the sweeper next looks at the run (the due index); None: never.
+
+    The caller decides (:func:`runtime.recovery.sweep_due_ms`): the store keeps it.
+    """
     suspension: Suspension | None = None
     """Suspended runs only: what the run waits for, and since when."""
 
@@ -97,15 +93,9 @@ class RunRecord(Strict):
             budgets=state.budgets.model_dump(mode="json"),
             suspended_ms=state.suspended_ms,
             recovery_attempts=state.recovery_attempts,
-            # A waiting run (runtime/timers.py) is in the due index too: at its wake-up.
-            # and so is a child that ended before its parent was told (runtime/children.py).
-            due_at_ms=due_at_ms if _swept(state) else None,
+            due_at_ms=due_at_ms,
             suspension=state.suspension if state.status.is_suspended else None,
         )
-
-
-def _swept(state: RunState) -> bool:
-    return state.status.is_live or is_timer(state) or awaiting_delivery(state)
 
 
 class JournalEntry(Strict):

@@ -32,8 +32,8 @@ from runtime.errors import (
 from runtime.models import Message, RunState, Strict
 
 KIND: Final = "ratchet.snapshot"
-VERSION = 1
 READABLE_VERSIONS = (1,)
+"""The versions this build decodes; it writes the newest (runtime.agent.SNAPSHOT_FORMAT_VERSION)."""
 MAX_BYTES = 16 * 1024 * 1024
 
 
