@@ -34,6 +34,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.models import Event
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,11 +127,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def duplicated_transitions(events: list[object]) -> int:
+def duplicated_transitions(events: list[Event]) -> int:
     keys: Counter[tuple[str, object]] = Counter()
     turns = 0
     for e in events:
-        kind, data = e.type, e.data  # type: ignore[attr-defined]
+        kind, data = e.type, e.data
         if kind == "model.responded":
             turns += 1
             keys[(kind, turns)] += 1

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,8 +220,8 @@ def bench_sweep(url: str, suspended: int, rounds: int = 200) -> None:
         found = sweep_orphans(ctx, enqueue=lambda run_id, seq: None)
         assert len(found) == 10, found
         figures[label] = (
-            timed(lambda r=runs: r.overdue(), rounds),
-            timed(lambda c=ctx: sweep_orphans(c, enqueue=lambda run_id, seq: None), rounds),
+            timed(runs.overdue, rounds),
+            timed(partial(sweep_orphans, ctx, enqueue=lambda run_id, seq: None), rounds),
             built,
         )
         runs.close()

@@ -4,7 +4,7 @@ Two functions are the whole machine:
 
 - :func:`apply` folds one event into a :class:`RunState`. The state is exactly
   the fold of the run's events, so the snapshot is a cache the event log can
-  always rebuild (DESIGN invariant 5).
+  always rebuild (tests/test_recovery_rebuild.py holds it).
 - :func:`decide` looks at a state and says what happens next: call the model,
   run a tool, suspend, complete, fail on a budget, or nothing. Budgets and the
   deadline are checked here, before every model call and every tool call.

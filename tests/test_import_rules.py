@@ -46,10 +46,12 @@ def imported(path: Path, name: str, modules: dict[str, Path]) -> Iterator[tuple[
     """(line, module) for each of our modules ``path`` imports, resolved to a module we have."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        else:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]

@@ -73,7 +73,7 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
     assert advance(ctx, run_id, None).outcome == "next"
     loaded = load(ctx, run_id)
     state = loaded.state
-    responded = {
+    responded: dict[str, Any] = {
         "content": "refund",
         "tool_calls": [
             {
@@ -88,7 +88,7 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
         "call_id": "call_2_1",
         "name": "issue_refund",
         "arguments": responded["tool_calls"][0]["arguments"],
-    }  # type: ignore[index]
+    }
     append_events(
         ctx,
         state,

@@ -122,7 +122,7 @@ def test_the_key_prefix_setting_keeps_two_deployments_apart(redis_url: str) -> N
     assert runs_b.get("run-1") is None
     assert snapshots_a.list() == ["run-1"] and runs_a.get("run-1") is not None
     client = redis.Redis.from_url(redis_url)
-    keys = {k.decode() for k in client.keys("*")}
+    keys = {k.decode() if isinstance(k, bytes) else k for k in client.keys("*")}
     client.close()
     assert keys and all(k.startswith("fleet-a:") for k in keys), keys
     for snapshots, runs in fleets.values():

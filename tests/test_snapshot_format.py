@@ -149,7 +149,7 @@ def golden_with_a_value_replaced(draw: st.DrawFn) -> bytes:
     while isinstance(node, (dict, list)) and node and draw(st.booleans()):
         key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
         path.append(key)
-        node = node[key]  # type: ignore[index]
+        node = node[key]
     replacement = draw(JSON_VALUES)
     if not path:
         return json.dumps(replacement).encode()

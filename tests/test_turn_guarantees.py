@@ -30,11 +30,11 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
-from tasks.journal import load
+from tasks.journal import append_events, load
 from tasks.recovery import resume
 from tasks.settings import Settings
 from tasks.start import create_run
-from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance, append_events
+from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance
 from tests.contract.conftest import FakeClock
 from tests.helpers import call, drive, turn, write_agent
 from tests.test_recovery import park_with_refund_in_flight, refund_agent
@@ -61,7 +61,7 @@ def ctx(clock: FakeClock) -> Context:
 
 
 def at_point(
-    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], None]
+    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], object]
 ) -> None:
     """Call ``act`` the ``nth`` time the turn passes failpoint ``point`` (1-based)."""
     seen = {"hits": 0}

@@ -372,7 +372,9 @@ def test_on_redis_an_unusable_snapshot_is_renamed_into_its_quarantine_and_the_ru
         client = ctx.snapshots._client
         key = f"ratchet:run:{{{run_id}}}:snapshot"
         client.delete(key)
-        client.hset(key, mapping={"seq": str(record.last_seq).encode(), **fields})
+        client.hset(key, "seq", str(record.last_seq).encode())
+        for name, value in fields.items():
+            client.hset(key, name, value)
         ctx.forget_checkpoint(run_id)
         with caplog.at_level(logging.WARNING):
             assert advance(ctx, run_id, record.last_seq).outcome == "suspended"

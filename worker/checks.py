@@ -4,8 +4,8 @@ Two checks: the broker's visibility timeout against the longest turn (below), an
 that every Redis store keeps an append-only file (at the end of this module).
 
 **The broker check.** A Redis broker redelivers a message whose task has run
-longer than ``visibility_timeout`` — while the first copy still runs (CELERY-NOTES:
-three copies of a 35 s task with a 10 s timeout). Ratchet's fencing makes the
+longer than ``visibility_timeout`` — while the first copy still runs (a 35 s task
+with a 10 s timeout runs three times at once). Ratchet's fencing makes the
 copies harmless, but they hold workers and hammer the lease, so a worker whose
 longest possible turn does not fit in the visibility timeout refuses to start.
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.worker.consumer import Consumer as CeleryConsumer
-from kombu import Consumer, Queue  # type: ignore[attr-defined]
+from kombu import Consumer, Queue
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -549,7 +549,7 @@ def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
         return [p.read_bytes() for p in (store.directory / "quarantine").glob(f"{run_id}.*.json")]
     if isinstance(store, RedisSnapshotStore):
         keys = store._client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
-        return [b"".join(v for v in store._client.hvals(k)) for k in keys]
+        return [b"".join(cast(list[bytes], store._client.hvals(k))) for k in keys]
     assert isinstance(store, S3SnapshotStore)
     prefix = f"{store._prefix}quarantine/{run_id}."
     return [b"" for key in store._keys(prefix) if "/heads/" in key]
