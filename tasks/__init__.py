@@ -13,7 +13,7 @@ from typing import Any
 
 from tasks.children import deliver_run
 from tasks.control import cancel_run, continue_run
-from tasks.queues import ROUTES, beat_schedule, queues, task_routes
+from tasks.queues import ROUTES, beat_schedule, queues, route
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.settings import Settings, get_settings
 from tasks.start import start_run
@@ -37,8 +37,8 @@ __all__ = [
 def install(app: Any, settings: Settings | None = None) -> None:
     """Add ratchet to the Celery app ``app``: its tasks, queues, routes and beat entry.
 
-    What the app already has is kept: its own queues, routes (ratchet's are consulted
-    first, for ``ratchet.*`` names only), beat entries and accepted content types
+    What the app already has is kept: its own queues, routes (ratchet's win for
+    ``ratchet.*`` names only), beat entries and accepted content types
     (``json`` is added: ratchet's messages are JSON). Each ratchet task gets, by
     annotation, what ratchet's own app sets for every task: late acknowledgement,
     a requeue when the worker is lost, no result, and the turn time limit.
@@ -53,9 +53,7 @@ def install(app: Any, settings: Settings | None = None) -> None:
         *(conf.task_queues or ()),
         *(queue for queue in queues() if queue.name not in known),
     )
-    theirs = conf.task_routes
-    routers = list(theirs) if isinstance(theirs, list | tuple) else [theirs] if theirs else []
-    conf.task_routes = (task_routes(), *routers)
+    route(app)
     conf.beat_schedule = {**(conf.beat_schedule or {}), **beat_schedule(settings.sweep_interval_s)}
     conf.accept_content = sorted({*(conf.accept_content or ()), "json"})
     annotation = {

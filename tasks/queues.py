@@ -46,6 +46,18 @@ def tell_parent_soon(child_id: str) -> None:
     current_app.send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
 
 
+def route(app: Any) -> None:
+    """Route ``app``'s ratchet tasks to ratchet's queues, before any route it already has."""
+    ours = task_routes()
+    existing = app.conf.task_routes
+    if existing is None:
+        app.conf.task_routes = ours
+    elif isinstance(existing, dict):
+        app.conf.task_routes = {**existing, **ours}
+    else:  # a list or tuple of routers: ours first
+        app.conf.task_routes = (ours, *existing)
+
+
 def queues() -> tuple[Any, ...]:
     """ratchet's kombu queues (an app's ``task_queues``)."""
     return tuple(

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +53,14 @@ def session_worker(redis_server: RedisServer) -> Iterator[None]:
         shutdown_timeout=10,
     ):
         yield
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
+    """Wait until ``check()`` holds (polling every 50 ms); fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
 
 
 def redis_context(url: str, **settings: object) -> Context:

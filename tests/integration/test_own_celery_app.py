@@ -9,8 +9,6 @@ queue nobody consumes and the run would never end.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,17 +18,10 @@ import tasks
 from runtime.models import RunStatus
 from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, redis_context, wait_for
 from worker.client import start_run
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)
