@@ -17,6 +17,7 @@ from tasks.queues import ROUTES, beat_schedule, queues, route
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.settings import Settings, get_settings
 from tasks.start import start_run
+from tasks.task_base import send_through
 from tasks.timers import wake_run
 from tasks.turn import run_turn
 
@@ -43,7 +44,8 @@ def install(app: Any, settings: Settings | None = None) -> None:
     annotation, what ratchet's own app sets for every task: late acknowledgement,
     a requeue when the worker is lost, no result, and the turn time limit.
 
-    The app's workers then run ratchet's tasks when they consume its queues:
+    What ratchet sends outside a running task (the API's starts) goes through ``app``
+    from now on. The app's workers run ratchet's tasks when they consume its queues:
     ``celery -A proj worker -Q ratchet.turns,ratchet.control --prefetch-multiplier 1``.
     """
     settings = settings or get_settings()
@@ -54,6 +56,7 @@ def install(app: Any, settings: Settings | None = None) -> None:
         *(queue for queue in queues() if queue.name not in known),
     )
     route(app)
+    send_through(app)
     conf.beat_schedule = {**(conf.beat_schedule or {}), **beat_schedule(settings.sweep_interval_s)}
     conf.accept_content = sorted({*(conf.accept_content or ()), "json"})
     annotation = {

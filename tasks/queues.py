@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import current_app
 from kombu.entity import Exchange, Queue
+
+from tasks.task_base import sending_app
 
 TURNS_QUEUE = "ratchet.turns"
 CONTROL_QUEUE = "ratchet.control"
@@ -34,16 +35,16 @@ ROUTES: dict[str, str] = {
 def chain_turn(run_id: str, seq: int) -> None:
     """Enqueue the run's next turn; it acts only if the run is still at ``seq``.
 
-    Sent by name through the current app (the worker's, in a worker): the modules
+    Sent by name (through :func:`tasks.task_base.sending_app`): the modules
     that chain a turn (a cancel, a wake-up, a child's delivery) sit below the turn
     task, which starts children and schedules wake-ups.
     """
-    current_app.send_task("ratchet.turn", (run_id, seq), queue=ROUTES["ratchet.turn"])
+    sending_app().send_task("ratchet.turn", (run_id, seq), queue=ROUTES["ratchet.turn"])
 
 
 def tell_parent_soon(child_id: str) -> None:
     """Enqueue ``ratchet.deliver``: tell an ended child's parent how it ended."""
-    current_app.send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
+    sending_app().send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
 
 
 def route(app: Any) -> None:

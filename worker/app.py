@@ -21,6 +21,7 @@ from runtime.errors import ConfigInvalid
 from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, queues, task_routes
 from tasks.rejected import rejected_folder
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
+from tasks.task_base import send_through
 
 __all__ = ["CONTROL_QUEUE", "TURNS_QUEUE", "app", "celery_config", "make_app"]
 
@@ -139,9 +140,9 @@ def _app_or_exit() -> Celery:
             raise
         print(f"ratchet: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_INVALID) from None
-    # The app ratchet's tasks are sent through from a thread with no current app (the
-    # console's request threads, a client's pool); a worker sets its own app anyway.
-    app.set_default()
+    # What ratchet sends outside a task goes through this app (the API's, the CLI's, the
+    # console's request threads), unless the application installed ratchet on its own.
+    send_through(app, unless_set=True)
     return app
 
 

@@ -9,14 +9,18 @@ queue nobody consumes and the run would never end.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, current_app
 
 import tasks
 from runtime.models import RunStatus
+from tasks import task_base
 from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE
+from tasks.turn import run_turn
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcesses, redis_context, wait_for
 from worker.client import start_run
@@ -64,7 +68,9 @@ def test_a_run_completes_on_a_worker_of_another_app_with_ratchet_installed(
         ctx.close()
 
 
-def test_install_keeps_what_the_app_already_has() -> None:
+def test_install_keeps_what_the_app_already_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (install makes the app the one ratchet sends through: the session's app again after)
+    monkeypatch.setattr(task_base, "_sending_app", task_base._sending_app)
     app = Celery("proj", set_as_current=False)
     app.conf.task_routes = {"proj.add": {"queue": "proj.work"}}
     app.conf.beat_schedule = {"proj.add": {"task": "proj.add", "schedule": 60.0}}
@@ -82,3 +88,25 @@ def test_install_keeps_what_the_app_already_has() -> None:
     assert app.tasks["ratchet.turn"].arguments_problem(("r",), {}) == (
         "argument `expected_seq` is missing"
     )
+    # and what ratchet sends outside a task now goes through it
+    assert run_turn.app is app
+
+
+def test_an_app_built_later_in_the_process_does_not_take_over_what_ratchet_sends() -> None:
+    from worker.app import app as ratchet_app
+
+    before = current_app._get_current_object()
+    try:
+        # Given a client's own Celery app, built after ratchet's (it becomes the current app)
+        Celery("shop", set_as_current=True)
+        assert current_app.main == "shop"
+        # Then ratchet's tasks are still sent through ratchet's app, in this thread and in
+        # a thread with no current app at all (the console's request threads)
+        assert run_turn.app is ratchet_app
+        elsewhere: list[Any] = []
+        thread = threading.Thread(target=lambda: elsewhere.append(run_turn.app))
+        thread.start()
+        thread.join()
+        assert elsewhere == [ratchet_app]
+    finally:
+        before.set_current()
