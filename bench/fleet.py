@@ -60,10 +60,11 @@ def bench_fleet(url: str, env: dict[str, str], args: argparse.Namespace, workdir
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
         from tasks.settings import Settings
+        from tasks.task_base import send_through
         from worker.api import Ratchet
-        from worker.app import app
+        from worker.app import make_app
 
-        app.conf.broker_url = broker
+        send_through(make_app(Settings(broker_url=broker)))
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
         started = time.perf_counter()
         ids = [api.start(agent, f"fleet run {i}") for i in range(args.runs)]

@@ -149,10 +149,11 @@ def bench_ratchet(
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
         from tasks.settings import Settings
+        from tasks.task_base import send_through
         from worker.api import Ratchet
-        from worker.app import app
+        from worker.app import make_app
 
-        app.conf.broker_url = f"{url}/3"
+        send_through(make_app(Settings(broker_url=f"{url}/3")))
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
         started = time.perf_counter()
         ids = [api.start(agent, f"bench run {i}") for i in range(runs)]

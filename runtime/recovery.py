@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from runtime.children import awaiting_delivery
-from runtime.errors import BindingChanged, BudgetExhausted, RatchetError, RunRefused
+from runtime.errors import BindingChanged, BudgetError, RatchetError, RunRefused
 
 # Budget rules live in the FSM; the classification asks the same questions.
 from runtime.fsm import check_model_budgets, check_tool_budgets
@@ -148,14 +148,14 @@ def classify(
     return Verdict(Disposition.RESUME_ELIGIBLE)
 
 
-def budget_problem(state: RunState, now_ms: int) -> BudgetExhausted | None:
+def budget_problem(state: RunState, now_ms: int) -> BudgetError | None:
     """The budget or deadline that forbids the run's next step, if one does."""
     try:
         if state.pending and state.suspension is None:
             check_tool_budgets(state, now_ms)
         else:
             check_model_budgets(state, now_ms)
-    except BudgetExhausted as exc:
+    except BudgetError as exc:
         return exc
     return None
 

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from runtime.errors import RatchetError, StaleWrite, StartConflict
+from runtime.errors import InvalidInput, StaleWrite, StartConflict
 from runtime.fsm import apply, created_event
 from runtime.models import Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
@@ -33,11 +33,6 @@ from tasks.turn import advance, chain
 MAX_INPUT_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
 log = logging.getLogger("ratchet.start")
-
-
-class InvalidInput(RatchetError):
-    def __init__(self, problem: str) -> None:
-        super().__init__(f"run input refused: {problem}", problem)
 
 
 def check_input(text: object) -> str:

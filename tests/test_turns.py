@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from runtime.errors import InvalidInput
 from runtime.models import RunStatus
-from tasks.start import InvalidInput, create_run
+from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 

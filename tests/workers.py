@@ -1,7 +1,8 @@
 """Real Celery workers for tests: one in-process session worker, and subprocesses.
 
-- ``session_worker``: Celery's own in-process test worker (threads pool) for the
-  app in ``worker.app``, on the session's redis-server (database 0 is its broker).
+- ``session_worker``: Celery's own in-process test worker (threads pool) for
+  ``session_app``, ratchet's app on the session's redis-server (database 0 is its
+  broker), which what the tests send goes through.
   Tests give it their stores through ``tasks.context.set_context``.
 - ``ratchet``: a per-test API over Redis stores in the test's own database, with
   that context installed for the session worker.
@@ -25,15 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
 from tasks.settings import Settings
+from tasks.task_base import send_through, sending_app
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
-from worker.app import app
+from worker.app import make_app
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_AGENT = ROOT / "examples" / "refund-desk.toml"
@@ -41,11 +44,27 @@ BROKER_DB = 0
 
 
 @pytest.fixture(scope="session")
-def session_worker(redis_server: RedisServer) -> Iterator[None]:
-    app.conf.broker_url = f"{redis_server.url}/{BROKER_DB}"
-    app.conf.broker_transport_options = {"visibility_timeout": 3600}
+def session_app(redis_server: RedisServer) -> Iterator[Celery]:
+    """ratchet's app on the session's redis-server (database 0 is its broker).
+
+    What ratchet sends outside a task goes through it for the session; the app the
+    environment configures (``worker.app.app``) is left as it was built.
+    """
+    settings = Settings(broker_url=f"{redis_server.url}/{BROKER_DB}", visibility_timeout_s=3600)
+    app = make_app(settings)
+    before = sending_app()
+    send_through(app)
+    try:
+        yield app
+    finally:
+        send_through(before)
+        app.close()
+
+
+@pytest.fixture(scope="session")
+def session_worker(session_app: Celery) -> Iterator[None]:
     with start_worker(
-        app,
+        session_app,
         pool="threads",
         concurrency=2,
         perform_ping_check=False,

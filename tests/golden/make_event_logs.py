@@ -331,9 +331,11 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
 
 
 def main() -> None:
-    from worker.app import app
+    from tasks.settings import Settings
+    from tasks.task_base import send_through
+    from worker.app import make_app
 
-    app.conf.broker_url = "memory://"  # the scenarios' enqueues go nowhere
+    send_through(make_app(Settings(broker_url="memory://")))  # the scenarios' enqueues go nowhere
     EVENTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d")
     for name, scenario in SCENARIOS.items():

@@ -93,13 +93,12 @@ def test_install_keeps_what_the_app_already_has(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_an_app_built_later_in_the_process_does_not_take_over_what_ratchet_sends() -> None:
-    from worker.app import app as ratchet_app
-
     before = current_app._get_current_object()
+    ratchet_app = run_turn.app  # ratchet's (the session's)
     try:
         # Given a client's own Celery app, built after ratchet's (it becomes the current app)
-        Celery("shop", set_as_current=True)
-        assert current_app.main == "shop"
+        shop = Celery("shop", set_as_current=True)
+        assert current_app.main == "shop" and ratchet_app is not shop
         # Then ratchet's tasks are still sent through ratchet's app, in this thread and in
         # a thread with no current app at all (the console's request threads)
         assert run_turn.app is ratchet_app

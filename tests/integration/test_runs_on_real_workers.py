@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from celery import Celery
 
 from runtime.models import RunStatus
 from tasks.settings import Settings
@@ -19,7 +20,7 @@ from tasks.turn import run_turn
 from tests.helpers import call, turn, write_agent
 from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses, redis_context
 from worker.api import Ratchet
-from worker.app import app, make_app
+from worker.app import make_app
 
 
 def strictly_increasing(seqs: list[int]) -> bool:
@@ -79,7 +80,7 @@ def test_budget_exhaustion_fails_the_run_with_its_reason_on_a_real_worker(
 
 
 def test_a_pickle_message_is_refused_and_runs_nothing(
-    ratchet: Ratchet, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ratchet: Ratchet, session_app: Celery, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     agent = write_agent(tmp_path, [turn("done")])
     from tasks.start import create_run
@@ -87,7 +88,7 @@ def test_a_pickle_message_is_refused_and_runs_nothing(
     state = create_run(ratchet.ctx, agent, "x")
     # A refused message is one WARNING line (and an entry in the dead-letter store).
     with caplog.at_level(logging.WARNING):
-        app.send_task("ratchet.turn", (state.run_id, state.seq), serializer="pickle")
+        session_app.send_task("ratchet.turn", (state.run_id, state.seq), serializer="pickle")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and "pickle" not in caplog.text:
             time.sleep(0.05)
