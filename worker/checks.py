@@ -36,11 +36,10 @@ from celery.signals import import_modules, worker_init
 
 from tasks.pool import pool_name
 from tasks.settings import Settings, get_settings
+from tasks.turn import TOOL_TIMEOUT_ATTEMPTS
 
 log = logging.getLogger("ratchet.checks")
 
-TOOL_TIMEOUT_ATTEMPTS = 3
-"""Keep equal to tasks.turn.TOOL_TIMEOUT_ATTEMPTS (not imported: tasks imports the app)."""
 TIME_LIMITED_POOLS = ("prefork",)
 """Pools that enforce Celery's hard time limit by killing the pool process."""
 
