@@ -22,6 +22,7 @@ from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, queues, task
 from tasks.rejected import rejected_folder
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from tasks.task_base import send_through
+from worker.startup import on_a_command_line
 
 __all__ = ["CONTROL_QUEUE", "TURNS_QUEUE", "app", "celery_config", "make_app"]
 
@@ -115,18 +116,6 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
     return app
 
 
-COMMANDS = ("celery", "ratchet", "worker", "-m")
-"""How a command line shows in ``__main__`` or ``sys.argv[0]`` (``-m``: a package's import)."""
-
-
-def _on_a_command_line() -> bool:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    name = spec.name.split(".")[0] if spec is not None and spec.name else ""
-    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return name in COMMANDS or program in COMMANDS
-
-
 def _app_or_exit() -> Celery:
     """The app; on a command line a bad setting is one line on stderr and exit status 2.
 
@@ -136,7 +125,7 @@ def _app_or_exit() -> Celery:
     try:
         app = make_app(set_as_current=True)
     except ConfigInvalid as exc:
-        if not _on_a_command_line():
+        if not on_a_command_line():
             raise
         print(f"ratchet: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_INVALID) from None

@@ -29,7 +29,6 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from celery.signals import import_modules, worker_init
@@ -37,6 +36,7 @@ from celery.signals import import_modules, worker_init
 from tasks.pool import pool_name
 from tasks.settings import Settings, get_settings
 from tasks.turn import TOOL_TIMEOUT_ATTEMPTS
+from worker.startup import shadow_problem
 
 log = logging.getLogger("ratchet.checks")
 
@@ -263,11 +263,6 @@ EXPECTED_TASKS = (
     "ratchet.reconcile",
 )
 """Every task a worker must have registered before it consumes a message."""
-RATCHET_PACKAGES = ("tasks", "store", "runtime", "worker")
-"""Ratchet's top-level packages: a module of the same name earlier on sys.path shadows them."""
-RATCHET_ROOT = Path(__file__).resolve().parents[1]
-
-
 def store_problems(settings: Settings) -> list[str]:
     """Open each store and make a real round trip; one line per store that cannot be used.
 
@@ -338,42 +333,6 @@ def broker_unreachable(app: Any, retries: int) -> str | None:
     return None
 
 
-def shadowing_modules() -> list[str]:
-    """Modules that would be imported instead of ratchet's own packages, by path.
-
-    Celery puts the current directory first on ``sys.path`` while it imports task
-    modules, so a team's ``tasks.py`` or ``store.py`` there wins over ratchet's.
-    """
-    import importlib.util
-
-    from celery.utils.imports import cwd_in_path
-
-    found = []
-    with cwd_in_path():
-        for name in RATCHET_PACKAGES:
-            module = sys.modules.get(name)
-            origin = getattr(module, "__file__", None) if module is not None else None
-            if module is None:
-                try:
-                    spec = importlib.util.find_spec(name)
-                except (ImportError, ValueError):
-                    spec = None
-                origin = spec.origin if spec is not None else None
-            if origin and not Path(origin).resolve().is_relative_to(RATCHET_ROOT):
-                found.append(f"{origin} shadows ratchet's `{name}` package")
-    return found
-
-
-def _shadow_problem() -> str | None:
-    shadows = shadowing_modules()
-    if not shadows:
-        return None
-    return (
-        "ratchet: refusing to start: " + "; ".join(shadows) + " (the current directory comes "
-        "first on sys.path); rename that module or start the worker from another directory"
-    )
-
-
 def missing_tasks(registered: Any) -> list[str]:
     return [name for name in EXPECTED_TASKS if name not in registered]
 
@@ -387,7 +346,7 @@ def _refuse(problem: str) -> None:
 def _check_ratchet_is_imported(sender: Any = None, **_: Any) -> None:
     # Before Celery imports the task modules: a shadowing `store.py` would otherwise end
     # in an ImportError traceback, a shadowing `tasks.py` in a worker with no tasks.
-    problem = _shadow_problem()
+    problem = shadow_problem()
     if problem is not None:
         _refuse(problem)
 
@@ -397,7 +356,7 @@ def _check_tasks_stores_and_broker(sender: Any = None, **_: Any) -> None:
     app = sender.app
     missing = missing_tasks(app.tasks)
     if missing:
-        shadow = _shadow_problem()
+        shadow = shadow_problem()
         _refuse(
             shadow
             or f"ratchet: refusing to start: ratchet's tasks {', '.join(missing)} are not "
