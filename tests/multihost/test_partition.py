@@ -19,10 +19,13 @@ w1's cable is pulled for 30 s. Then:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -49,7 +52,7 @@ REDIS_PORT = 6379
 METRICS_PORT = 9808
 LONG_CALL_S = 40.0
 """w1's calls in flight at the cut outlast it, so they try to write after the heal."""
-MODEL_CALL_S = 34.0
+MODEL_CALL_S = 36.0
 """The model call in flight at the cut: longer than the cut, and asked again by w2."""
 
 
@@ -115,9 +118,12 @@ class Deployment:
         self.started[name] = process
         return process
 
-    def worker(self, name: str, host: Host, *args: str) -> Process:
+    def worker(self, name: str, host: Host, *args: str, **extra: str) -> Process:
         env = self.env(
-            host, RATCHET_METRICS_PORT=str(METRICS_PORT), RATCHET_METRICS_ADDRESS=host.address
+            host,
+            RATCHET_METRICS_PORT=str(METRICS_PORT),
+            RATCHET_METRICS_ADDRESS=host.address,
+            **extra,
         )
         argv = [sys.executable, "-m", "celery", "-A", "worker", "worker", "--loglevel", "INFO",
                 "--without-mingle", "--without-gossip", "--hostname", f"{name}@{host.name}",
@@ -151,6 +157,44 @@ def deploy(fleet: Fleet) -> Deployment:
             "-s", str(fleet.directory / "beat-schedule")]  # fmt: skip
     deployment.start("beat", store, beat, deployment.env(store))
     return deployment
+
+
+class StoreMonitor:
+    """Every command the store host's Redis executes from one address (Redis MONITOR).
+
+    The store's own record of what reached it, whatever the sender believes.
+    """
+
+    def __init__(self, store: Host, address: str) -> None:
+        self._needle = f" {address}:".encode()
+        self._sock = socket.create_connection((store.address, REDIS_PORT), timeout=5)
+        self._sock.sendall(b"MONITOR\r\n")
+        self._sock.settimeout(None)
+        self.seen: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="store-monitor", daemon=True).start()
+
+    def _read(self) -> None:
+        buffer = b""
+        with contextlib.suppress(OSError):
+            while chunk := self._sock.recv(65536):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\r\n")
+                for line in lines:
+                    if self._needle in line:
+                        at, _, text = line.lstrip(b"+").partition(b" ")
+                        with self._lock:
+                            self.seen.append((float(at), text.decode(errors="replace")))
+
+    def first(self, after_s: float, containing: str) -> float | None:
+        """When the first command after ``after_s`` (epoch s) naming ``containing`` ran."""
+        with self._lock:
+            return next((at for at, text in self.seen if at > after_s and containing in text), None)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
 
 
 def types(ctx: Context, run_id: str) -> list[str]:
@@ -217,6 +261,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
     ctx = redis_context(d.redis_url)
     client = make_app(Settings(broker_url=d.redis_url))
     agents = fleet.directory / "agents"
+    monitor: StoreMonitor | None = None
 
     def start(name: str, turns: list[dict[str, Any]], tools: list[str], queue: str) -> str:
         agent = write_agent(agents / name, turns, name=name, tools=tools)
@@ -230,8 +275,11 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         return record.status
 
     try:
-        w1 = d.worker("w1", d.w1, "--pool", "prefork", "--concurrency", "3",
-                      "-Q", f"ratchet.turns,ratchet.control,{W1_QUEUE}")  # fmt: skip
+        hold = fleet.directory / "hold-checkpoint"
+        w1 = d.worker("w1", d.w1, "--pool", "prefork", "--concurrency", "4",
+                      "-Q", f"ratchet.turns,ratchet.control,{W1_QUEUE}",
+                      RATCHET_FAILPOINT="snapshot.before_save@1",
+                      RATCHET_FAILPOINT_HOLD=str(hold))  # fmt: skip
         w2 = d.worker("w2", d.w2, "--pool", "threads", "--concurrency", "6")
         # Given w1 holding three runs, each in a call that outlasts the cut: a charge (not
         # idempotent), a model call, and a lookup (idempotent, quick when tried again)
@@ -269,6 +317,17 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
 
         wait_for("w1 holds its three runs in their calls",
                  lambda: all(in_call_on_w1(r) for r in held), timeout_s=60)  # fmt: skip
+        # And a fourth run on w1 whose model answer is appended, its checkpoint held back
+        hold.touch()
+        late = start(
+            "late",
+            [turn("look", call("lookup_slow_first", key="k2", sleep_s=LONG_CALL_S)), turn("ok")],
+            ["tests.slow_tools:lookup_slow_first"],
+            W1_QUEUE,
+        )
+        wait_for("w1 holds the late run's checkpoint",
+                 lambda: types(ctx, late)[-1] == "model.responded"
+                 and "holding while" in w1.log(), timeout_s=30)  # fmt: skip
         # And w2 (w1's pool is full) running two runs of its own, each with two refunds
         own = [
             start(
@@ -288,19 +347,22 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         wait_for("w2 works on its runs",
                  lambda: all("model.requested" in types(ctx, r) for r in own), timeout_s=30)  # fmt: skip
         before = scrape(d.w1)
+        monitor = StoreMonitor(d.store, d.w1.address)
 
         # When w1's cable is pulled for 30 s
         cut_ms = ctx.runs.clock()
         cut_at = time.monotonic()
         fleet.cut(d.w1)
+        # (and the held checkpoint is let go, into the dead link: its bytes wait in the kernel)
+        hold.unlink()
         moved_s: dict[str, float] = {}
 
         def all_moved() -> bool:
-            for run_id in held.keys() - moved_s.keys():
+            for run_id in {*held, late} - moved_s.keys():
                 event = first_event_after(ctx, run_id, cut_ms)
                 if event is not None:
                     moved_s[run_id] = (event.at_ms - cut_ms) / 1000
-            return moved_s.keys() == held.keys()
+            return moved_s.keys() == {*held, late}
 
         # Then its runs move to w2 while it is cut off
         wait_for("w1's runs move to w2", all_moved, timeout_s=CUT_S)
@@ -313,14 +375,22 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
             "the premise failed: w1's model call ended before the heal (the machine took "
             f"{(cut_ms - asked_ms) / 1000:.1f} s from the call to the cut)"
         )
-        for run_id in held:
+        for run_id in [*held, late]:
             assert f"(run {run_id})" in w2.log(), f"w2 never took run {run_id}"
+        # And the checkpoint w1 sent into the cut reaches the store after the heal (TCP
+        # retransmits a socket's bytes after its client gave up on it and closed it)
+        wait_for("w1's late checkpoint reaches the store",
+                 lambda: monitor.first(cut_ms / 1000, f"{{{late}}}:snapshot") is not None,
+                 timeout_s=60)  # fmt: skip
+        landed_at = monitor.first(cut_ms / 1000, f"{{{late}}}:snapshot")
+        assert landed_at is not None
 
         # And once w1 is back, each of its three turns tries to write, is refused, and stops
         wait_for("w1's stale turns stop, fenced",
                  lambda: all(fenced_turns(w1.log(), r) == 1 for r in held), timeout_s=60)  # fmt: skip
         ends = {charge: RunStatus.NEEDS_RECONCILIATION, model: RunStatus.COMPLETED,
-                lookup: RunStatus.COMPLETED, **dict.fromkeys(own, RunStatus.COMPLETED)}  # fmt: skip
+                lookup: RunStatus.COMPLETED, late: RunStatus.COMPLETED,
+                **dict.fromkeys(own, RunStatus.COMPLETED)}  # fmt: skip
         wait_for("every run ends", lambda: all(not status(r).is_live for r in ends), timeout_s=90)
         refused = refusals(w1.log())
         after = scrape(d.w1)
@@ -331,8 +401,12 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         assert parked is not None and parked.error is not None
         assert "tool `charge_once` (call call_1_1) was in flight" in parked.error
         assert ctx.runs.events(charge)[-1].data["call_id"] == "call_1_1"
-        # And nothing a stale turn wrote got in: each log is exactly what w2's turns wrote
-        done = {r: [t for t in types(ctx, r) if t not in RECOVERY_EVENTS] for r in held}
+        # And nothing a stale turn wrote got in: each log is exactly what w2's turns wrote,
+        # and w2, which took the runs over, never had a write refused (the late checkpoint
+        # did not fence it out)
+        assert refusals(w2.log()) == {kind: [] for kind in REFUSALS}
+        assert f"run {late}: checkpoint at seq 3 could not be saved" in w1.log()
+        done = {r: [t for t in types(ctx, r) if t not in RECOVERY_EVENTS] for r in [*held, late]}
         assert done[charge] == ["run.created", "model.requested", "model.responded",
                                 "tool.requested", "run.parked"]  # fmt: skip
         assert done[model] == ["run.created", "model.requested", "model.requested",
@@ -341,10 +415,11 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         assert done[lookup] == ["run.created", "model.requested", "model.responded",
                                 "tool.requested", "tool.completed", "model.requested",
                                 "model.responded", "run.completed"]  # fmt: skip
+        assert done[late] == done[lookup]
         # And no non-idempotent tool ran twice; the idempotent lookup ran again, on w2
         ran = effects(d)
         assert sorted(ran) == sorted(
-            ["charge c1 w1", "lookup k1 w1", "lookup k1 w2", "refund M1 1500",
+            ["charge c1 w1", "lookup k1 w1", "lookup k1 w2", "lookup k2 w2", "refund M1 1500",
              "refund S0 100", "refund T0 200", "refund S1 100", "refund T1 200"]
         )  # fmt: skip
         once = [" ".join(line.split()[:2]) for line in ran if not line.startswith("lookup")]
@@ -366,7 +441,8 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
             "cut_for_s": round(cut_for_s, 2),
             "moved_after_cut_s": {name: round(moved_s[r], 2)
                                   for name, r in (("charge", charge), ("model", model),
-                                                  ("lookup", lookup))},
+                                                  ("lookup", lookup), ("late", late))},
+            "late_checkpoint_landed_after_heal_s": round(landed_at - healed_ms / 1000, 2),
             "writes_refused": writes_refused,
             "renewals_refused": renewals_refused,
             "effects": {kind: sum(1 for line in ran if line.startswith(kind))
@@ -378,5 +454,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         with capsys.disabled():
             print(f"\npartition figures: {json.dumps(figures)}")
     finally:
+        if monitor is not None:
+            monitor.close()
         client.close()
         ctx.close()
