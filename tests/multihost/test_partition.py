@@ -6,13 +6,16 @@ store, snapshot store and broker) and ``celery beat`` (the sweeper); ``w1`` and
 the store host's veth address, as a fleet on a LAN would.
 
 The story: w1 holds three runs, each in a long call — a non-idempotent charge,
-a model call, an idempotent lookup — and w2 is running runs of its own, when
-w1's cable is pulled for 30 s. Then:
+a model call, an idempotent lookup — and a fourth whose checkpoint it is about
+to send, and w2 is running runs of its own, when w1's cable is pulled for 30 s
+(the checkpoint goes into the dead link). Then:
 
 - while w1 is cut off, its runs move to w2 within the recovery bound (the
   expiry of w1's claim, read from the settings, plus one sweep interval);
 - once w1 is back, every write its stale turns attempt is refused by the
-  store's fences (counted from w1's own log and its metrics);
+  store's fences (counted from w1's own log and its metrics), and the
+  checkpoint it sent into the cut, which reaches Redis after the heal, does not
+  fence out w2's own writes;
 - no non-idempotent tool ran twice, and every run ends completed, or parked
   naming the call whose outcome is unknown.
 """
