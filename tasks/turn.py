@@ -227,7 +227,6 @@ class Turn:
         if self.snapshot_seq != self.state.seq and self.state.status.is_live:
             self.checkpoint()
 
-
     def take(self) -> str:
         """Run decisions until the turn ends. Returns next | suspended | completed | failed | …"""
         if self.state.status.is_live and self.agent.binding != self.state.binding:
