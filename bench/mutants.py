@@ -538,6 +538,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    finally:\n        pass\n",
         TURN,
     ),
+    Mutant(
+        "T16",
+        "tasks/turn.py",
+        "            turn.adopt()\n",
+        "",
+        TURN,
+        k="late_checkpoint",
+    ),
+    Mutant(
+        "T17",
+        "tasks/journal.py",
+        "        ctx.snapshots.save(state, late)\n",
+        "        raise\n",
+        TURN,
+        k="late_checkpoint",
+    ),
     # --- tasks/recovery.py: resume, dead letters, the sweep, reconcile ---------------
     Mutant(
         "V1",

@@ -15,7 +15,13 @@ import socket
 import uuid
 from typing import Any, NamedTuple
 
-from runtime.errors import RunNotFound, RunStateLost, SnapshotError, SnapshotTooLarge
+from runtime.errors import (
+    RunNotFound,
+    RunStateLost,
+    SnapshotError,
+    SnapshotTooLarge,
+    StaleWrite,
+)
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
@@ -150,21 +156,63 @@ def _check(
     return record, events, None
 
 
-def save_snapshot(ctx: Context, state: RunState, expected_seq: int | None) -> None:
+def save_snapshot(
+    ctx: Context, state: RunState, expected_seq: int | None, owner: str | None = None
+) -> None:
     """Save ``state`` as the run's snapshot (CAS on ``expected_seq``), for a lease holder.
 
     A stored snapshot that cannot even be read for its seq (damaged since it was
     loaded, or never loaded: this process remembered the state) is set aside as
-    :func:`load` would, and the save expects none. Raises StaleWrite,
-    SnapshotTooLarge, StoreUnavailable.
+    :func:`load` would, and the save expects none.
+
+    With ``owner``: a snapshot found older than ``state`` where ``expected_seq``
+    was expected is a *late checkpoint of a worker that lost the run* (a save the
+    snapshot store cannot fence by lease: a frozen or partitioned worker's, which
+    can land long after it was sent). If ``owner`` still holds the lease and the
+    log ends at ``state.seq``, it is replaced; otherwise StaleWrite stands.
+    Raises StaleWrite, SnapshotTooLarge, StoreUnavailable.
     """
     try:
-        ctx.snapshots.save(state, expected_seq)
+        _save_or_replace_late(ctx, state, expected_seq, owner)
     except SnapshotTooLarge:
         raise
     except SnapshotError as exc:
         _unusable(ctx, state.run_id, str(exc), set_aside=True, then="the checkpoint is saved anew")
         ctx.snapshots.save(state, None)
+
+
+def _save_or_replace_late(
+    ctx: Context, state: RunState, expected_seq: int | None, owner: str | None
+) -> None:
+    try:
+        ctx.snapshots.save(state, expected_seq)
+    except StaleWrite as exc:
+        late = exc.found_seq
+        if owner is None or late is None or late >= state.seq or not _holds(ctx, state, owner):
+            raise
+        # Whatever is stored is behind the log this owner wrote last: a prefix of the
+        # run, stale, never newer. The compare-and-set against it still refuses the
+        # save if yet another writer got in meanwhile.
+        log.warning(
+            "run %s: the snapshot at seq %s is a late checkpoint of a worker that lost the "
+            "run; replacing it with seq %s",
+            state.run_id,
+            late,
+            state.seq,
+        )
+        ctx.snapshots.save(state, late)
+
+
+def _holds(ctx: Context, state: RunState, owner: str) -> bool:
+    """Whether ``owner`` holds the run's lease and its log ends at ``state.seq``."""
+    lease = ctx.runs.lease(state.run_id)
+    record = ctx.runs.get(state.run_id)
+    return (
+        lease is not None
+        and lease.owner == owner
+        and record is not None
+        and record.last_seq == state.seq
+    )
 
 
 def _unusable(

@@ -164,6 +164,7 @@ def advance(
             )
             return Advanced("stale", turn.state.seq, turn.state.usage.model_turns)
         with turn.heartbeat():
+            turn.adopt()
             outcome = turn.take()
         return Advanced(outcome, turn.state.seq, turn.state.usage.model_turns)
     except (LeaseLost, StaleWrite) as exc:
@@ -214,6 +215,17 @@ class Turn:
         return cls(ctx, ctx.agent(state.agent_file), state, loaded.snapshot_seq, owner)
 
     # --- the turn -----------------------------------------------------------
+
+    def adopt(self) -> None:
+        """Checkpoint at once when the snapshot lags the log (a resume, a crashed turn).
+
+        The events past the snapshot were appended by an earlier holder, which may
+        still send the checkpoint it owes: a frozen or partitioned worker's save can
+        reach the store long after it was sent. Saving ours first makes that late
+        save fail its compare-and-set instead of landing while this turn runs.
+        """
+        if self.snapshot_seq != self.state.seq and self.state.status.is_live:
+            self.checkpoint()
 
     def take(self) -> str:
         """Run decisions until the turn ends. Returns next | suspended | completed | failed | …"""
@@ -430,7 +442,7 @@ class Turn:
         failpoints.hit("snapshot.before_save", turn)
         try:
             started = time.perf_counter()
-            save_snapshot(self.ctx, self.state, self.snapshot_seq)
+            save_snapshot(self.ctx, self.state, self.snapshot_seq, self.owner)
             metrics.checkpointed(time.perf_counter() - started, self.ctx.snapshots.last_save_bytes)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))
