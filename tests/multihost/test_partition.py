@@ -40,12 +40,12 @@ import pytest
 
 from runtime.models import Event, RunStatus
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.netns import Fleet, Host
 from tests.workers import ROOT, redis_context
 from worker.app import make_app
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.multihost]
 
