@@ -210,6 +210,9 @@ def append_events(
     due = due_at_ms(state, int(ctx.settings.sweep_interval_s * 1000))
     if due is None and awaiting_delivery(state):
         due = now  # a child that ended: its parent is told now, or by the sweeper
+    if due is None and events[-1].type == "run.throttled":
+        # Back on the queue with a countdown: overdue only once that has run out.
+        due = int(events[-1].data["until_ms"]) + int(ctx.settings.lease_s * 1000)
     if due is None:
         due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
