@@ -30,6 +30,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,17 +63,23 @@ RETRY_JITTER = 0.1
 DEFAULT_RETRY_AFTER_S = 1.0
 """A 429 without Retry-After waits this long."""
 
-_stores: dict[int, LimitStore] = {}
+_stores: weakref.WeakKeyDictionary[Any, LimitStore] = weakref.WeakKeyDictionary()
 _stores_lock = threading.Lock()
 
 
 def limit_store(ctx: Context) -> LimitStore:
     """The limit store beside ``ctx``'s run store (one per run store, per process)."""
     with _stores_lock:
-        found = _stores.get(id(ctx.runs))
+        found = _stores.get(ctx.runs)
         if found is None:
-            found = _stores[id(ctx.runs)] = open_limit_store(ctx.runs, ctx.settings.redis_prefix)
+            found = _stores[ctx.runs] = open_limit_store(ctx.runs, ctx.settings.redis_prefix)
         return found
+
+
+def use_limit_store(ctx: Context, store: LimitStore) -> None:
+    """Give ``ctx`` this limit store (tests: one with a clock of their own)."""
+    with _stores_lock:
+        _stores[ctx.runs] = store
 
 
 @dataclass
@@ -82,12 +89,12 @@ class _Overrides:
     caps: dict[str, int] = field(default_factory=dict)
 
 
-_overrides: dict[int, _Overrides] = {}
+_overrides: weakref.WeakKeyDictionary[LimitStore, _Overrides] = weakref.WeakKeyDictionary()
 
 
 def overrides(store: LimitStore) -> _Overrides:
     """The run-time limits and caps, read again when older than OVERRIDES_TTL_S."""
-    held = _overrides.setdefault(id(store), _Overrides())
+    held = _overrides.setdefault(store, _Overrides())
     if time.monotonic() - held.read_at >= OVERRIDES_TTL_S:
         held.limits, held.caps = store.overrides(), store.cap_overrides()
         held.read_at = time.monotonic()
