@@ -289,13 +289,14 @@ def refused(
 
 def turn_priority(ctx: Context, agent: Agent, state: RunState) -> int | None:
     """The broker priority of the run's next turn; None on a broker without priorities."""
-    url = ctx.settings.resolved_broker_url
-    scheme = url.split("://", 1)[0].split("+", 1)[0]
-    if scheme not in ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp"):
+    from worker.priorities import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
+
+    scheme = scheme_of(ctx.settings.resolved_broker_url)
+    if scheme not in REDIS_SCHEMES + AMQP_SCHEMES:
         return None
     run_priority = state.priority if state.priority is not None else agent.spec.limits.priority
-    return broker_priority(run_priority, state.usage.model_attempts > 0,
-                           reversed_scale=scheme in ("redis", "rediss", "sentinel"))  # fmt: skip
+    under_way = state.usage.model_attempts > 0
+    return broker_priority(run_priority, under_way, reversed_scale=scheme in REDIS_SCHEMES)
 
 
 def turn_ended(ctx: Context, agent: Agent, state: RunState) -> None:

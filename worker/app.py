@@ -111,6 +111,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def celery_config_with_priorities(settings: Settings) -> dict[str, Any]:
+    from worker.priorities import with_priorities
+
+    return with_priorities(celery_config(settings), CONTROL_QUEUE)
+
+
 def make_app(settings: Settings | None = None) -> Celery:
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
     import worker.metrics  # noqa: F401  (worker_init: Prometheus, if RATCHET_METRICS_PORT)
@@ -122,7 +128,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     app = Celery(
         "ratchet", amqp="worker.transport:RatchetAMQP", task_cls="worker.task_base:RatchetTask"
     )
-    app.conf.update(celery_config(settings or get_settings()))
+    app.conf.update(celery_config_with_priorities(settings or get_settings()))
     app.steps["consumer"].add(ContinuationConsumer)
     return app
 
