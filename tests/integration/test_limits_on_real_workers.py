@@ -145,8 +145,10 @@ def test_a_limit_changed_at_run_time_reaches_running_workers_without_a_restart(
         # Then the five calls went one a second, as the new limit says
         throttled = events_of(ctx, run_ids, "run.throttled")
         assert {e.data["limit"] for e in throttled} == {"changed-key"}
-        waits = sorted(e.data["wait_s"] for e in throttled if e.data["reason"] == "reserved")
-        assert len(waits) >= 4 and waits[-1] >= 4.0, waits  # the last slot: 5 s after the probe
+        asked = sorted(e.at_ms for e in events_of(ctx, run_ids, "model.requested"))
+        # Five calls one second apart span four seconds (a call only ever goes later than
+        # its slot; the first may be up to a second late); at 6000 a minute it was ~0
+        assert len(asked) == 5 and (asked[-1] - asked[0]) / 1000 >= 3.0, asked
 
         # And when the operator lifts the override, the file's limit applies again
         unset = subprocess.run(
