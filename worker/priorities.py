@@ -29,6 +29,7 @@ from runtime.limits import broker_priority
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
 MAX_PRIORITY = 9
+TURN_TASKS = ("ratchet.turn", "ratchet.start", "ratchet.resume")
 
 
 def scheme_of(broker_url: str) -> str:
@@ -47,8 +48,11 @@ def with_priorities(config: dict[str, Any], control_queue: str) -> dict[str, Any
         config["broker_transport_options"] = options
     else:
         config["task_queue_max_priority"] = MAX_PRIORITY
-    # A message sent without one (a first turn from Ratchet.start) is a new run's.
-    config["task_default_priority"] = broker_priority(2, False, reversed_scale)
+    # A turn sent without one (a first turn from Ratchet.start, a resume) is a new run's.
+    # Not task_default_priority: that becomes every task's own priority, which outranks
+    # the control routes' below.
+    new_run = {"priority": broker_priority(2, False, reversed_scale)}
+    config["task_annotations"] = {name: new_run for name in TURN_TASKS}
     top = 0 if reversed_scale else MAX_PRIORITY
     config["task_routes"] = {
         name: {**route, "priority": top} if route.get("queue") == control_queue else route
