@@ -29,7 +29,6 @@ from runtime.limits import broker_priority
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
 MAX_PRIORITY = 9
-TURN_TASKS = ("ratchet.turn", "ratchet.start", "ratchet.resume")
 
 
 def scheme_of(broker_url: str) -> str:
@@ -48,14 +47,13 @@ def with_priorities(config: dict[str, Any], control_queue: str) -> dict[str, Any
         config["broker_transport_options"] = options
     else:
         config["task_queue_max_priority"] = MAX_PRIORITY
-    # A turn sent without one (a first turn from Ratchet.start, a resume) is a new run's.
-    # Not task_default_priority: that becomes every task's own priority, which outranks
-    # the control routes' below.
-    new_run = {"priority": broker_priority(2, False, reversed_scale)}
-    config["task_annotations"] = {name: new_run for name in TURN_TASKS}
+    # A turn sent without a priority (a first turn from Ratchet.start or a client's
+    # send_task, a resume) is a new run's; control messages go first. In the routes, not
+    # task_default_priority: that becomes every task's own priority, and outranks a route.
+    new_run = broker_priority(2, False, reversed_scale)
     top = 0 if reversed_scale else MAX_PRIORITY
     config["task_routes"] = {
-        name: {**route, "priority": top} if route.get("queue") == control_queue else route
+        name: {**route, "priority": top if route.get("queue") == control_queue else new_run}
         for name, route in config["task_routes"].items()
     }
     return config

@@ -17,6 +17,7 @@ from runtime.models import Event, RunStatus
 from store.limits import RedisLimitStore
 from tasks.context import Context
 from tasks.start import create_run
+from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
 from tests.model_server import ModelServer, serve
 from tests.workers import ROOT, WorkerProcesses, redis_context
@@ -223,3 +224,48 @@ def test_a_concurrency_cap_of_2_runs_10_runs_at_most_2_at_once_in_order(
     assert (
         store.cap_use("agent:capped").holders == () and store.cap_use("agent:capped").waiting == ()
     )
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
+    if request.param == "redis":
+        return redis_url
+    url: str = request.getfixturevalue("rabbitmq_vhost")
+    return url
+
+
+@pytest.mark.timeout(180)
+def test_a_turn_of_a_run_under_way_is_taken_before_first_turns_queued_earlier(
+    worker_processes: WorkerProcesses, redis_url: str, broker_url: str, tmp_path: Path
+) -> None:
+    # Given a run under way (its first call made, in this process) and five new runs
+    ctx = redis_context(redis_url, broker_url=broker_url)
+    agent = write_agent(
+        tmp_path, [turn("Looking.", call("lookup_order", order_id="A1")), turn("Done.")]
+    )
+    started = create_run(ctx, agent, "under way")
+    done = advance(ctx, started.run_id, None)
+    assert done.outcome == "next" and done.priority is not None
+    new = [create_run(ctx, agent, f"new {i}") for i in range(5)]
+    # When the five first turns are queued first, then the run under way's next turn,
+    # and only then a worker with one slot starts
+    client = make_app(Settings(broker_url=broker_url))
+    try:
+        for state in new:
+            client.send_task("ratchet.turn", (state.run_id, state.seq))
+        client.send_task("ratchet.turn", (started.run_id, done.seq), priority=done.priority)
+    finally:
+        client.close()
+    worker_processes.start("--pool", "solo", RATCHET_BROKER_URL=broker_url)
+    run_ids = [started.run_id] + [s.run_id for s in new]
+    wait_all(ctx, run_ids, worker_processes)
+
+    # Then the broker handed the run under way over first: it finished before any new run
+    # made its first call
+    finished = next(e.at_ms for e in ctx.runs.events(started.run_id) if e.type == "run.completed")
+    firsts = [
+        next(e.at_ms for e in ctx.runs.events(s.run_id) if e.type == "model.requested") for s in new
+    ]
+    assert finished <= min(firsts), (finished, firsts)
+    ctx.close()
