@@ -250,11 +250,12 @@ def _rate_wait(ctx: Context, agent: Agent, state: RunState, turn: int, key: str,
     events: list[tuple[str, dict[str, Any]]] = [("run.throttled", data)]
     if now + wait_ms - since > max_wait_ms:
         waited_s = (now - since) / 1000
-        why = {"blocked": "the provider's 429 Retry-After"}.get(binding or "", f"its {binding}")
+        why = "the provider's 429 (Retry-After)" if binding == "blocked" else f"its {binding} limit"
         stall = (
-            f"model `{key}` stayed over {why} limit for {waited_s:.0f} s, past the agent's "
-            f"max_wait_s={agent.spec.limits.max_wait_s:g}; raise the limit (`ratchet limits set "
-            f"{key} ...`) or wait for the provider, then `ratchet runs resume {state.run_id}`"
+            f"model `{key}` is held by {why}: waited {waited_s:.0f} s and would wait "
+            f"{wait_ms / 1000:.0f} s more, past the agent's max_wait_s="
+            f"{agent.spec.limits.max_wait_s:g}; raise the limit (`ratchet limits set {key} ...`) "
+            f"or wait for the provider, then `ratchet runs resume {state.run_id}`"
         )
         events.append(("run.stalled", {"reason": stall}))
         return Wait(0.0, events, stalls=True)

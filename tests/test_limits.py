@@ -133,32 +133,35 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LimitStore
 def test_a_store_admits_a_burst_then_reserves_in_order_and_then_denies(
     store: LimitStore,
 ) -> None:
-    fast = Rate("requests", 600, burst_s=0.1)  # 10 a second, one ahead
+    rate = Rate("requests", 60, burst_s=1.0)  # one a second, one ahead
     answers = []
     for i in range(6):
-        admission = store.admit("k", f"run-{i}", 1, 2, [fast], [1], 250, under_way=True)
+        admission = store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, under_way=True)
         answers.append(admission.verdict.outcome)
-    # Two go at once, the next two reserve their 100 ms slots, the rest are past 250 ms
+    # Two go at once, the next two reserve their slots 1 s and 2 s on, the rest are past 2.5 s
     assert answers == ["go", "go", "reserved", "reserved", "denied", "denied"]
     # The denied stand in line in the order they asked
-    again = [store.admit("k", f"run-{i}", 1, 2, [fast], [1], 250, True) for i in (5, 4)]
+    again = [store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, True) for i in (5, 4)]
     assert [a.place for a in again] == [1, 0]
 
 
 def test_a_reservation_is_taken_by_the_turn_it_was_made_for_and_only_once(
     store: LimitStore,
 ) -> None:
-    slow = Rate("requests", 6000, burst_s=0.001)  # 100 a second
-    store.admit("k", "other", 1, 2, [slow], [1], 1000, True)
-    made = store.admit("k", "run", 4, 5, [slow], [1], 1000, True)
-    assert made.verdict.outcome == "reserved" and 0 < made.verdict.wait_ms <= 10
+    rate = Rate("requests", 60, burst_s=0.001)  # one a second
+    store.admit("k", "other", 1, 2, [rate], [1], 2000, True)
+    made = store.admit("k", "run", 4, 5, [rate], [1], 2000, True)
+    assert made.verdict.outcome == "reserved" and 0 < made.verdict.wait_ms <= 1000
+    # The re-enqueued turn (seq 5) fired early: told to come back at its time, not charged
+    early = store.admit("k", "run", 5, 6, [rate], [1], 0, True)
+    assert (early.verdict.outcome, early.verdict.binding) == ("reserved", "early")
     import time
 
-    time.sleep(made.verdict.wait_ms / 1000 + 0.01)
-    # The re-enqueued turn (seq 5) finds its reservation and goes without asking the rate
-    assert store.admit("k", "run", 5, 6, [slow], [1], 0, True).verdict.binding == "reserved"
+    time.sleep(early.verdict.wait_ms / 1000 + 0.01)  # the countdown, run out
+    # At its time it finds its reservation and goes without asking the rate
+    assert store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding == "reserved"
     # A duplicate of that turn asks the rate like anyone else
-    assert store.admit("k", "run", 5, 6, [slow], [1], 0, True).verdict.binding != "reserved"
+    assert store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding != "reserved"
 
 
 def test_new_runs_wait_behind_runs_under_way_in_the_line(store: LimitStore) -> None:
