@@ -290,13 +290,22 @@ def refused(
 
 def turn_priority(ctx: Context, agent: Agent, state: RunState) -> int | None:
     """The broker priority of the run's next turn; None on a broker without priorities."""
+    run_priority = state.priority if state.priority is not None else agent.spec.limits.priority
+    return _on_broker(ctx, run_priority, under_way=state.usage.model_attempts > 0)
+
+
+def first_turn_priority(ctx: Context, agent: Agent, run_priority: int | None) -> int | None:
+    """The broker priority of a new run's first turn (the start's priority, else the agent's)."""
+    chosen = run_priority if run_priority is not None else agent.spec.limits.priority
+    return _on_broker(ctx, chosen, under_way=False)
+
+
+def _on_broker(ctx: Context, run_priority: int, under_way: bool) -> int | None:
     from worker.priorities import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
     scheme = scheme_of(ctx.settings.resolved_broker_url)
     if scheme not in REDIS_SCHEMES + AMQP_SCHEMES:
         return None
-    run_priority = state.priority if state.priority is not None else agent.spec.limits.priority
-    under_way = state.usage.model_attempts > 0
     return broker_priority(run_priority, under_way, reversed_scale=scheme in REDIS_SCHEMES)
 
 

@@ -318,3 +318,42 @@ def test_a_429_gives_its_attempt_back_in_the_fold() -> None:
 def test_rates_of_leaves_out_a_rate_not_set() -> None:
     assert [r.unit for r in rates_of(None, 1000, 1.0)] == ["tokens"]
     assert rates_of(None, None, 1.0) == ()
+
+
+def test_a_start_may_set_its_priority_and_concurrency_key_and_bad_ones_are_refused(
+    tmp_path: Path,
+) -> None:
+    from tasks.start import InvalidInput
+
+    ctx = memory_context()
+    agent = write_agent(tmp_path, [turn("Done.")])
+    state = create_run(ctx, agent, "hi", priority=4, concurrency_key="tenant-a")
+    assert (state.priority, state.concurrency_key) == (4, "tenant-a")
+    rebuilt = rebuild(ctx.runs.events(state.run_id))
+    assert rebuilt is not None and (rebuilt.priority, rebuilt.concurrency_key) == (4, "tenant-a")
+    # A run without them encodes as before: neither key in its first event
+    plain = create_run(ctx, agent, "hi")
+    assert "priority" not in ctx.runs.events(plain.run_id)[0].data
+    for bad in ({"priority": 5}, {"priority": True}, {"concurrency_key": "a tenant"}):
+        with pytest.raises(InvalidInput):
+            create_run(ctx, agent, "hi", **bad)  # type: ignore[arg-type]
+
+
+def test_a_concurrency_key_puts_the_run_under_the_agents_cap_per_key(tmp_path: Path) -> None:
+    ctx = memory_context()
+    store = MemoryLimitStore()
+    use_limit_store(ctx, store)
+    agent = write_agent(tmp_path, [turn("Done.")], extra="[limits]\nmax_runs_per_key = 1")
+    first = create_run(ctx, agent, "hi", concurrency_key="tenant-a")
+    second = create_run(ctx, agent, "hi", concurrency_key="tenant-a")
+    other = create_run(ctx, agent, "hi", concurrency_key="tenant-b")
+    assert store.acquire("key:tenant-a", first.run_id, 1).held  # first holds tenant-a's place
+    done = advance(ctx, second.run_id, None)
+    assert done.outcome == "next" and done.countdown_s > 0
+    waited = ctx.runs.events(second.run_id)[-1]
+    assert (waited.type, waited.data["reason"], waited.data["limit"]) == (
+        "run.throttled",
+        "concurrency",
+        "key:tenant-a",
+    )
+    assert advance(ctx, other.run_id, None).outcome == "completed"  # another tenant goes

@@ -84,8 +84,12 @@ class Ratchet:
             priority=priority, concurrency_key=concurrency_key,
         )  # fmt: skip
         if started.awaits_first_turn:
+            from tasks.limits import first_turn_priority
+
+            level = first_turn_priority(self.ctx, self.ctx.agent(agent_file), priority)
+            options = {"priority": level} if level is not None else {}
             try:
-                run_turn.apply_async((started.run_id, 1))
+                run_turn.apply_async((started.run_id, 1), **options)
             except (OperationalError, OSError) as exc:
                 problem = " ".join(str(exc).split()) or type(exc).__name__
                 raise RunNotQueued(started.run_id, f"broker: {problem}") from exc
