@@ -85,26 +85,27 @@ def events_of(ctx: Context, run_ids: list[str], kind: str) -> list[Event]:
 def test_two_worker_processes_share_one_limit_and_the_provider_refuses_nothing(
     worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
 ) -> None:
-    # Given a provider that accepts 120 requests a minute and answers 429 beyond, and two
-    # worker processes whose agent holds itself to that limit
-    with serve(latency_s=0.0, turns=1, rpm=120, burst_s=2.0) as server:
+    # Given a provider that accepts 120 requests a minute (5 s of it at once) and answers 429
+    # beyond, and two worker processes whose agent holds itself to that limit
+    with serve(latency_s=0.0, turns=1, rpm=120, burst_s=5.0) as server:
         agent = openai_agent(tmp_path, server, "shared", "requests_per_minute = 120\nburst_s = 0.5")
         for _ in range(2):
             worker_processes.start("--pool", "threads", "--concurrency", "4")
-        # When 24 runs of one call each go through both of them at once
-        run_ids = start_all(ctx, redis_url, agent, 24)
+        # When 30 runs of one call each go through both of them at once
+        run_ids = start_all(ctx, redis_url, agent, 30)
         wait_all(ctx, run_ids, worker_processes)
         accepted, refused = sorted(server.accepted_at), server.refused
 
     # Then both workers took turns, and together they kept to the one limit: no 429 (two
-    # limits of 120 a minute each, one per process, would have sent twice that)
+    # limits of 120 a minute each, one per process, would have sent twice that; the bucket's
+    # 5 s absorbs a call late by a loaded machine)
     for worker in worker_processes.started:
         assert "ratchet.turn" in worker.log()
-    assert refused == 0 and len(accepted) == 24
+    assert refused == 0 and len(accepted) == 30
     # The limiter spaced them: at most 1 + 2/s x t calls in any t seconds (the burst of
     # 0.5 s is one call). Calls can only come later than planned, never earlier.
     span_s = accepted[-1] - accepted[0]
-    assert span_s >= (24 - 2) / 2 - 1.0, span_s
+    assert span_s >= (30 - 2) / 2 - 1.0, span_s
     throttled = events_of(ctx, run_ids, "run.throttled")
     assert throttled and {e.data["limit"] for e in throttled} == {"shared-key"}
     assert all(e.data["reason"] in ("reserved", "over_limit") for e in throttled)
