@@ -670,12 +670,16 @@ def _s(value: Any) -> str:
 
 def open_limit_store(runs: Any, redis_prefix: str = "ratchet") -> LimitStore:
     """The limit store beside run store ``runs``: its Redis, a SQLite file beside it, or memory."""
-    from store.runs.redis import RedisRunStore
-    from store.runs.sqlite import SqliteRunStore
+    import sys
 
-    if isinstance(runs, RedisRunStore):
+    # Looked up, not imported: a run store of a backend never imported is not of it, and
+    # importing redis-py costs what the embedded default should not pay (and more, with
+    # opentelemetry installed, which redis-py then loads).
+    redis_backend = sys.modules.get("store.runs.redis")
+    sqlite_backend = sys.modules.get("store.runs.sqlite")
+    if redis_backend is not None and isinstance(runs, redis_backend.RedisRunStore):
         return RedisLimitStore(runs._client, redis_prefix)
-    if isinstance(runs, SqliteRunStore):
+    if sqlite_backend is not None and isinstance(runs, sqlite_backend.SqliteRunStore):
         path = Path(runs.path)
         return SqliteLimitStore(path.with_name(path.stem + ".limits.sqlite3"))
     return MemoryLimitStore()
