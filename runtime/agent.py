@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import AgentFileError, ToolError
+from runtime.limits import LimitsTable
 from runtime.models import Budgets, Policy
 from runtime.providers import Provider
 from runtime.providers.known import make_provider
@@ -76,6 +77,9 @@ class AgentSpec(BaseModel):
     """Agents this one may start with `run_child`: a name for the model, a file (relative)."""
     wake_on_input: bool = False
     """A run in a `wait` may be woken early by an answer (`runs continue --input`)."""
+    limits: LimitsTable = LimitsTable()
+    """Fleet-wide rate limits, concurrency caps and priority (runtime/limits.py). Not in the
+    binding: they decide when a run's calls go, not what the run does."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
     ├── AgentFileError            the agent file is malformed (names the file and the key)
     ├── ToolError                 a tool could not be declared or imported
     ├── ProviderError             the model provider failed (retryable or not)
+    │   └── ProviderRateLimited   HTTP 429: the turn waits on the queue, not in the worker
     ├── BudgetError               the run's budgets stop its next step
     │   ├── BudgetExhausted       a budget or the deadline does not allow the next step
     │   └── BudgetUnenforceable   a token budget with responses that reported no usage
@@ -75,6 +76,18 @@ class ProviderError(RatchetError):
     def __init__(self, message: str, retryable: bool = False) -> None:
         super().__init__(message, message, retryable)
         self.retryable = retryable
+
+
+class ProviderRateLimited(ProviderError):
+    """The provider answered 429: not retried in-process, the turn is re-enqueued instead.
+
+    ``retry_after_s`` is the server's ``Retry-After`` (``None`` when it sent none).
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        RatchetError.__init__(self, message, message, retry_after_s)
+        self.retryable = True
+        self.retry_after_s = retry_after_s
 
 
 class BudgetError(RatchetError):

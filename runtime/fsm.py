@@ -47,9 +47,22 @@ from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome
 # --- events -----------------------------------------------------------------
 
 
-def created_event(run_id: str, agent: Agent, user_input: str, now_ms: int) -> dict[str, Any]:
-    """The data of a run's first event, `run.created`."""
+def created_event(
+    run_id: str,
+    agent: Agent,
+    user_input: str,
+    now_ms: int,
+    priority: int | None = None,
+    concurrency_key: str | None = None,
+) -> dict[str, Any]:
+    """The data of a run's first event, `run.created` (a start's priority and key if given)."""
+    extra: dict[str, Any] = {}
+    if priority is not None:
+        extra["priority"] = priority
+    if concurrency_key is not None:
+        extra["concurrency_key"] = concurrency_key
     return {
+        **extra,
         "run_id": run_id,
         "agent": agent.name,
         "agent_file": str(agent.path),
@@ -124,7 +137,12 @@ def _responded(state: RunState, data: dict[str, Any]) -> RunState:
             }
         )
     state = state.model_copy(
-        update={"transcript": state.transcript + (message,), "pending": calls, "usage": usage}
+        update={
+            "transcript": state.transcript + (message,),
+            "pending": calls,
+            "usage": usage,
+            "throttled_since_ms": None,
+        }
     )
     return state.model_copy(update={"status": _live_status(state)})
 
@@ -150,6 +168,8 @@ def _initial(event: Event) -> RunState:
             "created_at_ms": d["created_at_ms"],
             "transcript": tuple(transcript),
             "parent": (d.get("parent") or {}).get("run_id"),
+            "priority": d.get("priority"),
+            "concurrency_key": d.get("concurrency_key"),
         }
     )
 
@@ -257,9 +277,34 @@ def _reconciled(state: RunState, event: Event) -> RunState:
     return state.model_copy(update={"status": _live_status(state)})
 
 
+def _throttled(state: RunState, event: Event) -> RunState:
+    """The turn waits on a rate limit, a 429 or a concurrency cap, back on the queue.
+
+    ``refused``: the provider answered 429 to the call ``model.requested`` counted, so
+    that request is given back — it did no work. ``since_ms`` (rate limits and 429s
+    only) is when the wait began, for the stall after ``max_wait_s``.
+    """
+    d = event.data
+    usage = state.usage
+    if d.get("refused") and usage.model_attempts > 0:
+        usage = usage.model_copy(update={"model_attempts": usage.model_attempts - 1})
+    since = d.get("since_ms")
+    state = state.model_copy(
+        update={
+            "usage": usage,
+            "throttled_since_ms": int(since) if since is not None else state.throttled_since_ms,
+        }
+    )
+    return state.model_copy(update={"status": _live_status(state)})
+
+
 def _resumed(state: RunState, event: Event) -> RunState:
     state = state.model_copy(
-        update={"recovery_attempts": state.recovery_attempts + 1, "error": None}
+        update={
+            "recovery_attempts": state.recovery_attempts + 1,
+            "error": None,
+            "throttled_since_ms": None,
+        }
     )
     return state.model_copy(update={"status": _live_status(state)})
 
@@ -296,6 +341,7 @@ FOLDS: dict[str, Fold] = {
     "run.stalled": _ended(RunStatus.STALLED, "reason"),
     "run.dead_lettered": _ended(RunStatus.DEAD_LETTERED, "reason"),
     "run.budget_raised": lambda state, event: fold_raise(state, event.data, _live_status(state)),
+    "run.throttled": _throttled,
 }
 """How each event type changes the state. Every type ever written must stay here."""
 

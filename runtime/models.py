@@ -197,6 +197,12 @@ class RunState(Strict):
     """The run that started this one as a child (runtime/children.py); told when it ends."""
     parent_told: bool = False
     """The parent has been told how this child ended (or no longer waits for it)."""
+    throttled_since_ms: int | None = None
+    """Waiting on a model rate limit (or a 429) since then, without a call in between."""
+    priority: int | None = None
+    """The priority its start gave the run (0-4, higher first); else the agent's."""
+    concurrency_key: str | None = None
+    """The key its start named (a tenant): at most the agent's max_runs_per_key at once."""
 
     @model_serializer(mode="wrap")
     def _omit_unset_lineage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -207,6 +213,9 @@ class RunState(Strict):
             data.pop("parent", None)
             if not data.get("parent_told"):
                 data.pop("parent_told", None)
+        for name in ("throttled_since_ms", "priority", "concurrency_key"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
     @property

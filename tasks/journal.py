@@ -253,6 +253,9 @@ def append_events(
         events.append(event)
     lease_ms = int(ctx.settings.lease_s * 1000)
     due = sweep_due_ms(state, now, lease_ms, int(ctx.settings.sweep_interval_s * 1000))
+    if events[-1].type == "run.throttled":
+        # Back on the queue with a countdown: overdue only once that has run out.
+        due = int(events[-1].data["until_ms"]) + lease_ms
     ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
     metrics.recorded(before, state.status, events)
     tracing.committed(ctx, state, events)  # only now: the events are committed

@@ -54,6 +54,7 @@ from runtime.errors import (
     BindingChanged,
     LeaseLost,
     ProviderError,
+    ProviderRateLimited,
     RunNotFound,
     SnapshotFailed,
     StaleWrite,
@@ -77,7 +78,7 @@ from runtime.fsm import (
 from runtime.models import RunState, RunStatus, ToolCall, validate_run_id
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome, ToolSpec, invoke
-from tasks import failpoints, metrics
+from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child
 from tasks.context import Context, get_context
@@ -115,7 +116,9 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     Raises SnapshotFailed (fail-stop) when a checkpoint cannot be saved.
     """
     ctx = get_context()
+    started = time.perf_counter()
     done = advance(ctx, validate_run_id(run_id), expected_seq)
+    metrics.turn_timed(time.perf_counter() - started, throttled=done.countdown_s > 0)
     metrics.turn_done(done.outcome)
     if done.outcome == "next":
         chain(run_id, done)
@@ -129,11 +132,24 @@ class Advanced(NamedTuple):
     """The run's seq afterwards (-1 when the run was not read)."""
     turns: int
     """Model turns the run has had."""
+    countdown_s: float = 0.0
+    """``next`` after waiting on a limit (tasks/limits.py): chain the turn this much later."""
+    priority: int | None = None
+    """The broker priority of the next turn (runs under way before new ones)."""
 
 
 def chain(run_id: str, done: Advanced) -> None:
-    """Enqueue the next turn; it will act only if the run is still at ``done.seq``."""
-    run_turn.apply_async((run_id, done.seq))
+    """Enqueue the next turn; it will act only if the run is still at ``done.seq``.
+
+    One path for every turn that follows another: at once, or after ``countdown_s``
+    when the turn waited on a limit (a broker-held countdown, no worker slot).
+    """
+    options: dict[str, Any] = {}
+    if done.countdown_s > 0:
+        options["countdown"] = done.countdown_s
+    if done.priority is not None:
+        options["priority"] = done.priority
+    run_turn.apply_async((run_id, done.seq), **options)
     failpoints.hit("turn.enqueued", done.turns)
 
 
@@ -166,7 +182,14 @@ def advance(
         with turn.heartbeat():
             turn.adopt()
             outcome = turn.take()
-        return Advanced(outcome, turn.state.seq, turn.state.usage.model_turns)
+        limits.turn_ended(ctx, turn.agent, turn.state)
+        return Advanced(
+            outcome,
+            turn.state.seq,
+            turn.state.usage.model_turns,
+            turn.waited.countdown_s if turn.waited is not None and outcome == "next" else 0.0,
+            limits.turn_priority(ctx, turn.agent, turn.state),
+        )
     except (LeaseLost, StaleWrite) as exc:
         # A zombie: our lease expired and another worker moved the run on.
         log.warning("%s", exc)
@@ -204,6 +227,8 @@ class Turn:
         self.snapshot_seq = snapshot_seq
         self.owner = owner
         self._recording = threading.RLock()
+        self.waited: limits.Wait | None = None
+        """Set when the model call waits on a limit: the turn ends and is chained later."""
 
     @classmethod
     def open(cls, ctx: Context, run_id: str, owner: str) -> Turn | None:
@@ -246,6 +271,8 @@ class Turn:
                     return "next"
                 asked_model = True
                 self.call_model(action.request)
+                if self.waited is not None:
+                    return "stalled" if self.waited.stalls else "next"
                 if self.state.status.is_terminal:
                     return self.finish()
                 continue
@@ -283,6 +310,10 @@ class Turn:
 
     def call_model(self, request: ModelRequest) -> None:
         turn = request.turn + 1
+        gate = limits.admit(self.ctx, self.agent, self.state, request)
+        if isinstance(gate, limits.Wait):
+            self.wait_on_limit(gate)
+            return
         self.record([("model.requested", {"turn": turn})])
         abandoned = threading.Event()
 
@@ -304,6 +335,9 @@ class Turn:
             # A counted attempt: the next turn asks again, as a new model.requested.
             self.record([("model.failed", {"turn": turn, "error": str(exc), "timeout": True})])
             return
+        except ProviderRateLimited as exc:
+            self.wait_on_limit(limits.refused(self.ctx, self.agent, self.state, gate, turn, exc))
+            return
         except ProviderError as exc:
             if exc.retryable:
                 # The provider is down for longer than its retries cover: nothing about
@@ -320,9 +354,18 @@ class Turn:
                 self.checkpoint()
             return
         failpoints.hit("model.response.received", turn)
+        limits.settle(self.ctx, gate, response)
         self.record(response_events(response))
         self.checkpoint()
         failpoints.hit("model.response.checkpointed", turn)
+
+    def wait_on_limit(self, wait: limits.Wait) -> None:
+        """Record the wait (no attempt counted); the turn ends and is chained after it."""
+        self.waited = wait
+        if wait.events:
+            self.record(wait.events)
+        if wait.stalls:
+            self.checkpoint()
 
     def run_tool(self, call: ToolCall) -> bool:
         """Run one tool call and checkpoint its outcome; False if the run was parked instead."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,5 +76,7 @@ def drive(ctx: Context, run_id: str, max_turns: int = 50) -> Advanced:
     for _ in range(max_turns):
         if done.outcome != "next":
             return done
+        if done.countdown_s:
+            time.sleep(done.countdown_s)  # the broker's countdown of a turn that waited on a limit
         done = advance(ctx, run_id, done.seq)
     raise AssertionError(f"run {run_id} still wants turns after {max_turns}")

@@ -58,8 +58,15 @@ class Ratchet:
         text: str,
         run_id: str | None = None,
         idempotency_key: str | None = None,
+        *,
+        priority: int | None = None,
+        concurrency_key: str | None = None,
     ) -> str:
         """Create a run and enqueue its first turn; returns the run id. Idempotent by key.
+
+        ``priority`` (0-4, higher first) overrides the agent's ``[limits] priority``;
+        ``concurrency_key`` (e.g. a tenant) puts the run under the agent's
+        ``max_runs_per_key`` (docs/limits.md).
 
         The key is ``run_id`` or ``idempotency_key`` (the run id is derived from it):
         the same key with the same agent file and input returns the existing run (and
@@ -69,10 +76,17 @@ class Ratchet:
         (AgentFileError, InvalidInput). RunNotQueued: the run is recorded but the broker
         could not take its first turn; the crash sweeper queues it once the broker is back.
         """
-        started = start(self.ctx, agent_file, text, run_id, idempotency_key)
+        started = start(
+            self.ctx, agent_file, text, run_id, idempotency_key,
+            priority=priority, concurrency_key=concurrency_key,
+        )  # fmt: skip
         if started.awaits_first_turn:
+            from tasks.limits import first_turn_priority
+
+            level = first_turn_priority(self.ctx, self.ctx.agent(agent_file), priority)
+            options = {"priority": level} if level is not None else {}
             try:
-                run_turn.apply_async((started.run_id, 1))
+                run_turn.apply_async((started.run_id, 1), **options)
             except (OperationalError, OSError) as exc:
                 problem = " ".join(str(exc).split()) or type(exc).__name__
                 raise RunNotQueued(started.run_id, f"broker: {problem}") from exc

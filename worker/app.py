@@ -90,6 +90,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def celery_config_with_priorities(settings: Settings) -> dict[str, Any]:
+    from worker.priorities import with_priorities
+
+    return with_priorities(celery_config(settings), CONTROL_QUEUE)
+
+
 def make_app(settings: Settings | None = None, *, set_as_current: bool = False) -> Celery:
     """A ratchet Celery app built from ``settings`` (the environment's when None).
 
@@ -111,7 +117,7 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
         task_cls="tasks.task_base:RatchetTask",
         set_as_current=set_as_current,
     )
-    app.conf.update(celery_config(settings or get_settings()))
+    app.conf.update(celery_config_with_priorities(settings or get_settings()))
     app.steps["consumer"].add(ContinuationConsumer)
     return app
 

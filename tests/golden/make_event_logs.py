@@ -40,6 +40,7 @@ from tasks.journal import append_events, new_owner
 from tasks.recovery import reconcile, resume
 from tasks.start import create_run
 from tasks.timers import wake
+from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 
 EVENTS = Path(__file__).parent / "events"
@@ -202,8 +203,8 @@ def provider_stalled_resumed(ctx: Context, home: Path) -> str:
 
     os.environ["GOLDEN_OPENAI_API_KEY"] = "sk-golden-not-a-secret"
     with serve() as server:
-        # A rate limit, then errors past the provider's retries: the run stalls
-        server.enqueue_fixture("rate_limited")
+        # Errors past the provider's retries: the run stalls (a 429 would wait on the queue)
+        server.enqueue(503, {"error": {"message": "overloaded"}}, {"Retry-After": "0"})
         server.enqueue_fixture("server_error")
         path = home / "retried.toml"
         path.write_text(
@@ -311,6 +312,59 @@ def _state(ctx: Context, run_id: str) -> RunState:
     return state
 
 
+def throttled(ctx: Context, home: Path) -> str:
+    """A second call over the agent's rate limit reserves its time and waits on the queue."""
+    from store.limits import MemoryLimitStore
+    from tasks.limits import use_limit_store
+
+    now = [1_000_000.0]
+    use_limit_store(ctx, MemoryLimitStore(clock=lambda: now[0]))
+    agent = write_agent(
+        home,
+        [turn("Looking it up.", call("lookup_order", order_id="B2")), turn("Order B2 is on its way.")],
+        name="throttled",
+        extra='[limits]\nkey = "golden-key"\nrequests_per_minute = 60\nburst_s = 0.001',
+    )
+    run = create_run(ctx, agent, INPUT, "golden-throttled")
+    done = advance(ctx, run.run_id, None)  # the first call goes, its tool runs
+    done = advance(ctx, run.run_id, done.seq)  # the second is a second too soon
+    assert done.outcome == "next" and done.countdown_s > 0, done
+    now[0] += done.countdown_s * 1000  # the broker's countdown, run out
+    done = drive(ctx, run.run_id)
+    assert done.outcome == "completed", done
+    return run.run_id
+
+
+def refused_429(ctx: Context, home: Path) -> str:
+    """A 429 gives its request back and the turn waits out Retry-After on the queue."""
+    import os
+
+    from tests.openai_server import serve
+
+    os.environ["GOLDEN_OPENAI_API_KEY"] = "sk-golden-not-a-secret"
+    with serve() as server:
+        server.enqueue(429, {"error": {"message": "Rate limit reached"}}, {"Retry-After": "0"})
+        server.enqueue_fixture("text_answer")
+        path = home / "refused.toml"
+        path.write_text(
+            "\n".join(
+                [
+                    'name = "refused"',
+                    'model = "openai:gpt-test"',
+                    "tools = []",
+                    "[provider]",
+                    f'base_url = "{server.url}"',
+                    'api_key_env = "GOLDEN_OPENAI_API_KEY"',
+                ]
+            )
+            + "\n"
+        )
+        run = create_run(ctx, path, INPUT, "golden-refused-429")
+        done = drive(ctx, run.run_id)
+        assert done.outcome == "completed", done
+    return run.run_id
+
+
 SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "tools-and-answer": tools_and_answer,
     "ask-and-continue": ask_and_continue,
@@ -327,6 +381,8 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "child-told": parent_and_child,
     "parent-woken": parent_woken,
     "resume-refused": resume_refused,
+    "throttled": throttled,
+    "refused-429": refused_429,
 }
 
 
