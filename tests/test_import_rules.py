@@ -20,7 +20,9 @@ PACKAGES = ("runtime", "store", "tasks", "worker")
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     "runtime": (),
-    "store": ("runtime.models", "runtime.errors"),
+    # runtime.limits: the limit stores carry out the pure limiter's arithmetic (GCRA)
+    # inside their own transaction, so the SQLite and memory stores share it.
+    "store": ("runtime.models", "runtime.errors", "runtime.limits"),
     "tasks": ("runtime", "store", "tasks"),
     "worker": ("runtime", "store", "tasks", "worker"),
 }
