@@ -51,6 +51,7 @@ from runtime.providers import ModelRequest, ModelResponse
 from store.limits import LimitStore, open_limit_store
 from tasks import metrics
 from tasks.context import Context
+from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, chain_turn, scheme_of
 
 log = logging.getLogger("ratchet.limits")
 
@@ -301,8 +302,6 @@ def first_turn_priority(ctx: Context, agent: Agent, run_priority: int | None) ->
 
 
 def _on_broker(ctx: Context, run_priority: int, under_way: bool) -> int | None:
-    from worker.priorities import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
-
     scheme = scheme_of(ctx.settings.resolved_broker_url)
     if scheme not in REDIS_SCHEMES + AMQP_SCHEMES:
         return None
@@ -320,8 +319,6 @@ def turn_ended(ctx: Context, agent: Agent, state: RunState) -> None:
 
 def _hand_on(ctx: Context, handed: list[str], cap_key: str, cap: int) -> None:
     """Enqueue the turns of runs just handed a place; a run gone meanwhile passes it on."""
-    from tasks.turn import run_turn
-
     store = limit_store(ctx)
     while handed:
         run_id = handed.pop(0)
@@ -330,4 +327,4 @@ def _hand_on(ctx: Context, handed: list[str], cap_key: str, cap: int) -> None:
             handed.extend(store.release(cap_key, run_id, cap))
             continue
         log.info("run %s: handed a place under %s; its turn is queued", run_id, cap_key)
-        run_turn.apply_async((run_id, record.last_seq))
+        chain_turn(run_id, record.last_seq)

@@ -15,6 +15,10 @@ from kombu.entity import Exchange, Queue
 
 from tasks.task_base import sending_app
 
+REDIS_SCHEMES = ("redis", "rediss", "sentinel")
+AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+"""Brokers with priorities (worker/priorities.py): Redis's lists, RabbitMQ's x-max-priority."""
+
 TURNS_QUEUE = "ratchet.turns"
 CONTROL_QUEUE = "ratchet.control"
 
@@ -45,6 +49,10 @@ def chain_turn(run_id: str, seq: int) -> None:
 def tell_parent_soon(child_id: str) -> None:
     """Enqueue ``ratchet.deliver``: tell an ended child's parent how it ended."""
     sending_app().send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
+
+
+def scheme_of(broker_url: str) -> str:
+    return broker_url.split("://", 1)[0].split("+", 1)[0]
 
 
 def route(app: Any) -> None:

@@ -25,14 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.limits import broker_priority
+from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
-REDIS_SCHEMES = ("redis", "rediss", "sentinel")
-AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
 MAX_PRIORITY = 9
-
-
-def scheme_of(broker_url: str) -> str:
-    return broker_url.split("://", 1)[0].split("+", 1)[0]
 
 
 def with_priorities(config: dict[str, Any], control_queue: str) -> dict[str, Any]:
