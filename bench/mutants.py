@@ -169,7 +169,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "F14",
         "runtime/fsm.py",
-        '            "in_flight": None,\n            "usage": usage,\n',
+        '            "running": tuple(c for c in state.running if c != call_id),\n'
+        '            "usage": usage,\n',
         '            "usage": usage,\n',
         ("tests/test_fsm.py", "tests/test_recovery.py", "tests/test_recovery_rebuild.py"),
     ),
@@ -183,8 +184,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "F16",
         "runtime/fsm.py",
-        '        state = state.model_copy(update={"in_flight": None})\n    else:',
-        "        pass\n    else:",
+        'update={"running": tuple(c for c in state.running if c != d["call_id"])}',
+        'update={"running": state.running}',
         ("tests/test_recovery.py",),
         k="reconcil",
     ),
@@ -433,8 +434,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- tasks/turn.py: a turn's life -----------------------------------------------
     Mutant(
         "T1",
-        "tasks/turn.py",
-        "attempts = TOOL_TIMEOUT_ATTEMPTS if spec.idempotent else 1",
+        "tasks/tools_parallel.py",
+        "attempts = TOOL_TIMEOUT_ATTEMPTS if item.spec.idempotent else 1",
         "attempts = TOOL_TIMEOUT_ATTEMPTS",
         TURN,
         k="tool or hung or idempotent",
@@ -455,9 +456,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T4",
-        "tasks/turn.py",
-        "        self.record(tool_events(call, outcome))\n        self.checkpoint()\n",
-        "        self.record(tool_events(call, outcome))\n",
+        "tasks/tools_parallel.py",
+        "        turn.record(tool_events(call, outcome))\n        turn.checkpoint()\n",
+        "        turn.record(tool_events(call, outcome))\n",
         TURN,
     ),
     Mutant(
@@ -469,16 +470,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T6",
-        "tasks/turn.py",
-        "            if spec is None or not spec.idempotent:\n                self.park(call)\n",
-        "            if spec is None:\n                self.park(call)\n",
+        "runtime/probes.py",
+        "    return Rule.PROBE if has_probe else Rule.PARK\n",
+        "    return Rule.PROBE if has_probe else Rule.RERUN\n",
         TURN,
     ),
     Mutant(
         "T7",
-        "tasks/turn.py",
-        "        if not spec.idempotent:\n            return None\n",
-        "        if False:\n            return None\n",
+        "tasks/tools_parallel.py",
+        "    if item.spec.idempotent:\n        text = ",
+        "    if True:\n        text = ",
         TURN,
         k="tool or hung or idempotent",
     ),
@@ -498,9 +499,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T10",
-        "tasks/turn.py",
-        "                    },\n                )\n            ]\n        )\n        self.checkpoint()\n",
-        "                    },\n                )\n            ]\n        )\n",
+        "tasks/tools_parallel.py",
+        '    turn.record([("run.parked", data)])\n    turn.checkpoint()\n',
+        '    turn.record([("run.parked", data)])\n',
         TURN,
     ),
     Mutant(
@@ -570,7 +571,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V5",
         "tasks/recovery.py",
-        "        if call_id != state.in_flight:\n",
+        "        if call_id not in state.running:\n",
         "        if False:\n",
         RECOVERY,
     ),
