@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 from typing import IO
 
@@ -81,9 +82,18 @@ def find_refund(call: ToolContext) -> ProbeResult:
     return Ran(found) if found is not None else NotRun()
 
 
+def _api_latency() -> None:
+    """Half of ``RATCHET_EXAMPLE_REFUND_LATENCY_S`` (default 0): a payment API's round trip,
+    half before the refund is booked and half after, as bench/chaos.py sets it."""
+    latency_s = float(os.environ.get("RATCHET_EXAMPLE_REFUND_LATENCY_S", "0") or 0)
+    if latency_s > 0:
+        time.sleep(latency_s / 2)
+
+
 @tool(probe=find_refund)
 def send_refund(order_id: str, amount_cents: int, call: ToolContext) -> dict[str, object]:
     """Refund an order. Not idempotent, but the ledger deduplicates on the call's key."""
+    _api_latency()
     path = _ledger()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+", encoding="utf-8") as handle:
@@ -97,4 +107,5 @@ def send_refund(order_id: str, amount_cents: int, call: ToolContext) -> dict[str
         handle.write(f"refund {order_id} {amount_cents} {call.idempotency_key}\n")
         handle.flush()
         os.fsync(handle.fileno())
+    _api_latency()
     return {"order_id": order_id, "refunded_cents": amount_cents, "status": "refunded"}

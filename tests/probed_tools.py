@@ -99,3 +99,11 @@ def timed_effect(label: str, sleep_s: float) -> dict[str, object]:
     with Path(os.environ["RATCHET_TEST_TIMES"]).open("a", encoding="utf-8") as handle:
         handle.write(f"{label} {started} {finished}\n")
     return {"label": label, "slept_s": sleep_s}
+
+
+@tool
+def send_refund_unprobed(order_id: str, amount_cents: int, call: ToolContext) -> dict[str, object]:
+    """The example's keyed refund without its probe: an unknown outcome parks the run."""
+    from examples.refunds import send_refund
+
+    return send_refund(order_id, amount_cents, call)
