@@ -4,7 +4,8 @@ Every effect appends ``KEY LABEL`` to ``RATCHET_TEST_EFFECTS`` (default: the
 example ledger's path plus ``.effects``), so a test can
 count each call's effects by its idempotency key. ``RATCHET_TEST_HANG_LABEL``
 makes the call with that label hang before its effect (in the worker that is
-about to be killed only). ``RATCHET_TEST_TIMES`` gets ``LABEL START END``
+about to be killed only); ``RATCHET_TEST_SLOW_LABEL`` makes it slow to return
+*after* its effect (``RATCHET_TEST_SLOW_S``, default 1). ``RATCHET_TEST_TIMES`` gets ``LABEL START END``
 (``time.time()``) for every ``timed_effect``.
 """
 
@@ -33,6 +34,8 @@ def _do(label: str, call: ToolContext) -> dict[str, object]:
         handle.write(f"{call.idempotency_key} {label}\n")
         handle.flush()
         os.fsync(handle.fileno())
+    if os.environ.get("RATCHET_TEST_SLOW_LABEL") == label:
+        time.sleep(float(os.environ.get("RATCHET_TEST_SLOW_S", "1")))  # done, but slow to say so
     return {"done": label}
 
 
