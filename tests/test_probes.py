@@ -149,3 +149,17 @@ def test_a_cancel_during_parallel_calls_stops_the_turn_before_it_records_another
     events = ctx.runs.events(run_id)
     assert events[-1].type == "run.cancelled"
     assert not [e for e in events if e.type == "tool.completed"]
+
+
+def test_only_a_probe_that_found_the_effect_counts_as_progress_for_dead_lettering() -> None:
+    from runtime.models import Event
+    from runtime.recovery import consecutive_recoveries
+
+    def log(answer: str) -> list[Event]:
+        kinds = [("run.resumed", {"by": "sweeper"}),
+                 ("tool.probed", {"call_id": "c", "name": "t", "answer": answer}),
+                 ("run.resumed", {"by": "sweeper"})]  # fmt: skip
+        return [Event(seq=i + 2, type=k, at_ms=0, data=d) for i, (k, d) in enumerate(kinds)]
+
+    assert len(consecutive_recoveries(log("ran"))) == 1
+    assert len(consecutive_recoveries(log("not_run"))) == 2
