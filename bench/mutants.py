@@ -196,6 +196,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if state.status.is_terminal:\n        return Idle(",
         FSM,
     ),
+    # --- runtime/fsm.py and runtime/probes.py: probes and parallel calls ------------
+    Mutant(
+        "P1",
+        "runtime/fsm.py",
+        '    if d["answer"] == Answer.RAN.value:\n',
+        "    if True:\n",
+        ("tests/test_probes.py", "tests/test_golden_event_logs.py"),
+    ),
+    Mutant(
+        "P2",
+        "runtime/fsm.py",
+        '        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))\n',
+        "",
+        ("tests/test_parallel_tools.py",),
+    ),
+    Mutant(
+        "P3",
+        "runtime/fsm.py",
+        "        agent.spec.max_parallel_tools,\n",
+        "        99,\n",
+        ("tests/test_parallel_tools.py",),
+    ),
+    Mutant(
+        "P4",
+        "runtime/probes.py",
+        "    if idempotent:\n        return Rule.RERUN\n",
+        "    if idempotent or has_probe:\n        return Rule.RERUN\n",
+        ("tests/test_probes.py", "tests/test_golden_event_logs.py"),
+    ),
     # --- runtime/continuation.py: what answers a suspension ----------------------
     Mutant(
         "C1",
