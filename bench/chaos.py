@@ -1,6 +1,7 @@
 """Chaos: runs on two real workers while one of them is SIGKILLed every 1–3 s.
 
     python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300] [--pool prefork] [--concurrency 2]
+                          [--agent refund | parallel-probed | parallel-unprobed | parallel]
 
 Starts its own ``redis-server`` on a free port (broker and both stores), two
 ``celery -A worker worker`` processes (``--pool``, default prefork, with
@@ -17,6 +18,16 @@ run has stopped being live. It prints figures, not pass/fail:
 - duplicate transitions: a model turn, tool request or outcome recorded twice;
 - recovery latency p50 / p99: from a kill to the next event of each run whose
   lease the killed worker held.
+
+``--agent`` picks the agent (default ``refund``, above). ``parallel-probed``:
+one turn asks for two look-ups at once, the next for two refunds at once
+through the example's keyed ``send_refund``, whose probe asks the ledger
+about the call's idempotency key; ``parallel-unprobed`` is the same agent
+with the same tool minus its probe; ``--refund-latency`` (default 0.2 s) is
+the payment API's round trip, half before the refund is booked and half
+after, so kills land on refunds in flight. ``parallel`` runs N of each in the same
+fleet under the same kills, and prints both agents' figures side by side:
+the runs parked with the probe against the runs parked without it.
 """
 
 from __future__ import annotations
@@ -102,6 +113,34 @@ class Process:
         return pids
 
 
+PARALLEL_TOOLS = {
+    "parallel-probed": "examples.refunds:send_refund",
+    "parallel-unprobed": "tests.probed_tools:send_refund_unprobed",
+}
+
+
+def write_parallel_agents(directory: Path, count: int, kind: str) -> list[Path]:
+    """Two look-ups at once, then two refunds at once through a non-idempotent tool."""
+    from tests.helpers import call, turn, write_agent
+
+    reference = PARALLEL_TOOLS[kind]
+    refund = reference.rsplit(":", 1)[1]
+    tools = ["examples.refunds:lookup_order", "examples.refunds:refund_policy", reference]
+    agents = []
+    for i in range(count):
+        script = [
+            {**turn("look", call("lookup_order", order_id="B2"),
+                    call("refund_policy", reason="lost in transit")), "sleep_s": 0.05},
+            {**turn("refund", call(refund, order_id=f"{kind}-{i}-a", amount_cents=2900),
+                    call(refund, order_id=f"{kind}-{i}-b", amount_cents=100)), "sleep_s": 0.05},
+            {**turn("Refunded."), "sleep_s": 0.05},
+        ]  # fmt: skip
+        agents.append(
+            write_agent(directory / f"{kind}{i}", script, name=f"{kind}-{i}", tools=tools)
+        )
+    return agents
+
+
 def write_agents(directory: Path, count: int) -> list[Path]:
     from tests.helpers import call, turn, write_agent
 
@@ -151,6 +190,16 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         "--pool", default="prefork", choices=["prefork", "threads", "gevent", "solo"]
     )
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument(
+        "--agent",
+        default="refund",
+        choices=["refund", "parallel-probed", "parallel-unprobed", "parallel"],
+        help="parallel: N runs of parallel-probed and N of parallel-unprobed, side by side",
+    )
+    parser.add_argument(
+        "--refund-latency", type=float, default=0.2,
+        help="seconds send_refund takes (a payment API's round trip), half before booking",
+    )  # fmt: skip
     options = parser.parse_args()
     rng = random.Random(options.seed)
     work = Path(tempfile.mkdtemp(prefix="ratchet-chaos-"))
@@ -160,7 +209,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     env.update(
         RATCHET_BROKER_URL=url, RATCHET_SNAPSHOT_STORE=url, RATCHET_RUN_STORE=url,
         RATCHET_DATA_DIR=str(work / "data"), RATCHET_EXAMPLE_LEDGER=str(ledger),
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=str(ROOT), RATCHET_EXAMPLE_REFUND_LATENCY_S=str(options.refund_latency),
     )  # fmt: skip
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
@@ -179,9 +228,24 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     try:
         for process in (*workers, beat):
             process.start()
-        agents = write_agents(work / "agents", options.runs)
+        kinds = {"parallel": ["parallel-probed", "parallel-unprobed"]}.get(
+            options.agent, [options.agent]
+        )
+        agents: list[tuple[str, Path]] = []
+        for kind in kinds:
+            written = (
+                write_agents(work / "agents", options.runs)
+                if kind == "refund"
+                else write_parallel_agents(work / "agents", options.runs, kind)
+            )
+            agents.extend((kind, agent) for agent in written)
+        if len(kinds) > 1:
+            rng.shuffle(agents)  # both agents' runs side by side, under the same kills
         started = time.monotonic()
-        run_ids = [api.start(agent, "refund it", f"chaos-{i}") for i, agent in enumerate(agents)]
+        run_ids = [
+            api.start(agent, "refund it", f"chaos-{i}") for i, (_, agent) in enumerate(agents)
+        ]
+        kind_of = dict(zip(run_ids, (kind for kind, _ in agents), strict=True))
         next_kill = time.monotonic() + rng.uniform(1, 3)
         while time.monotonic() - started < options.timeout:
             live = [
@@ -206,14 +270,17 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             time.sleep(0.05)
         elapsed = time.monotonic() - started
         statuses: Counter[str] = Counter()
+        by_kind: dict[str, Counter[str]] = {kind: Counter() for kind in kinds}
         duplicates = 0
         for run_id in run_ids:
             record = api.ctx.runs.get(run_id)
-            statuses[
-                "lost" if record is None or record.status.is_live else record.status.value
-            ] += 1
+            status = "lost" if record is None or record.status.is_live else record.status.value
+            statuses[status] += 1
+            by_kind[kind_of[run_id]][status] += 1
             if record is not None:
-                duplicates += duplicated_transitions(api.ctx.runs.events(run_id))
+                events = api.ctx.runs.events(run_id)
+                duplicates += duplicated_transitions(events)
+                by_kind[kind_of[run_id]]["probed"] += sum(e.type == "tool.probed" for e in events)
         refunds = (
             Counter(line.split()[1] for line in ledger.read_text().splitlines())
             if ledger.exists()
@@ -242,6 +309,21 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             "recovery_p50_s": round(percentile(latencies, 0.50), 2),
             "recovery_p99_s": round(percentile(latencies, 0.99), 2),
         }
+        if options.agent != "refund":
+            figures["refunds_in_ledger"] = sum(refunds.values())
+            for kind in kinds:
+                counts = by_kind[kind]
+                figures[f"{kind}: runs"] = sum(counts[k] for k in counts if k != "probed")
+                for key in ("completed", "needs_reconciliation", "lost"):
+                    figures[f"{kind}: {key.replace('needs_reconciliation', 'parked')}"] = counts[
+                        key
+                    ]
+                figures[f"{kind}: probes asked"] = counts["probed"]
+        if len(kinds) > 1:
+            probed, unprobed = (by_kind[k]["needs_reconciliation"] for k in kinds)
+            figures["parked with probe / without"] = f"{probed} / {unprobed}" + (
+                f" = {probed / unprobed:.2f}" if unprobed else ""
+            )
         for key, value in figures.items():
             print(f"{key:38} {value}")
         print(json.dumps(figures, sort_keys=True))

@@ -169,7 +169,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "F14",
         "runtime/fsm.py",
-        '            "in_flight": None,\n            "usage": usage,\n',
+        '            "running": tuple(c for c in state.running if c != call_id),\n'
+        '            "usage": usage,\n',
         '            "usage": usage,\n',
         ("tests/test_fsm.py", "tests/test_recovery.py", "tests/test_recovery_rebuild.py"),
     ),
@@ -183,8 +184,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "F16",
         "runtime/fsm.py",
-        '        state = state.model_copy(update={"in_flight": None})\n    else:',
-        "        pass\n    else:",
+        'update={"running": tuple(c for c in state.running if c != d["call_id"])}',
+        'update={"running": state.running}',
         ("tests/test_recovery.py",),
         k="reconcil",
     ),
@@ -194,6 +195,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if not state.status.is_live:\n        return Idle(",
         "    if state.status.is_terminal:\n        return Idle(",
         FSM,
+    ),
+    # --- runtime/fsm.py and runtime/probes.py: probes and parallel calls ------------
+    Mutant(
+        "P1",
+        "runtime/fsm.py",
+        '    if d["answer"] == Answer.RAN.value:\n',
+        "    if True:\n",
+        ("tests/test_probes.py", "tests/test_golden_event_logs.py"),
+    ),
+    Mutant(
+        "P2",
+        "runtime/fsm.py",
+        '        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))\n',
+        "",
+        ("tests/test_parallel_tools.py",),
+    ),
+    Mutant(
+        "P3",
+        "runtime/fsm.py",
+        "        agent.spec.max_parallel_tools,\n",
+        "        99,\n",
+        ("tests/test_parallel_tools.py",),
+    ),
+    Mutant(
+        "P4",
+        "runtime/probes.py",
+        "    if idempotent:\n        return Rule.RERUN\n",
+        "    if idempotent or has_probe:\n        return Rule.RERUN\n",
+        ("tests/test_probes.py", "tests/test_golden_event_logs.py"),
     ),
     # --- runtime/continuation.py: what answers a suspension ----------------------
     Mutant(
@@ -433,8 +463,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- tasks/turn.py: a turn's life -----------------------------------------------
     Mutant(
         "T1",
-        "tasks/turn.py",
-        "attempts = TOOL_TIMEOUT_ATTEMPTS if spec.idempotent else 1",
+        "tasks/tools_parallel.py",
+        "attempts = TOOL_TIMEOUT_ATTEMPTS if item.spec.idempotent else 1",
         "attempts = TOOL_TIMEOUT_ATTEMPTS",
         TURN,
         k="tool or hung or idempotent",
@@ -455,9 +485,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T4",
-        "tasks/turn.py",
-        "        self.record(tool_events(call, outcome))\n        self.checkpoint()\n",
-        "        self.record(tool_events(call, outcome))\n",
+        "tasks/tools_parallel.py",
+        "        turn.record(tool_events(call, outcome))\n        turn.checkpoint()\n",
+        "        turn.record(tool_events(call, outcome))\n",
         TURN,
     ),
     Mutant(
@@ -469,16 +499,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T6",
-        "tasks/turn.py",
-        "            if spec is None or not spec.idempotent:\n                self.park(call)\n",
-        "            if spec is None:\n                self.park(call)\n",
+        "runtime/probes.py",
+        "    return Rule.PROBE if has_probe else Rule.PARK\n",
+        "    return Rule.PROBE if has_probe else Rule.RERUN\n",
         TURN,
     ),
     Mutant(
         "T7",
-        "tasks/turn.py",
-        "        if not spec.idempotent:\n            return None\n",
-        "        if False:\n            return None\n",
+        "tasks/tools_parallel.py",
+        "    if item.spec.idempotent:\n        text = ",
+        "    if True:\n        text = ",
         TURN,
         k="tool or hung or idempotent",
     ),
@@ -498,9 +528,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T10",
-        "tasks/turn.py",
-        "                    },\n                )\n            ]\n        )\n        self.checkpoint()\n",
-        "                    },\n                )\n            ]\n        )\n",
+        "tasks/tools_parallel.py",
+        '    turn.record([("run.parked", data)])\n    turn.checkpoint()\n',
+        '    turn.record([("run.parked", data)])\n',
         TURN,
     ),
     Mutant(
@@ -586,7 +616,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V5",
         "tasks/recovery.py",
-        "        if call_id != state.in_flight:\n",
+        "        if call_id not in state.running:\n",
         "        if False:\n",
         RECOVERY,
     ),

@@ -182,8 +182,10 @@ class RunState(Strict):
     transcript: tuple[Message, ...]
     pending: tuple[ToolCall, ...] = ()
     """Tool calls the last model response asked for that have no outcome yet, in order."""
-    in_flight: str | None = None
-    """Call id journaled as requested whose outcome is not recorded (unknown if we crashed)."""
+    running: tuple[str, ...] = ()
+    """Call ids journaled as requested whose outcome is not recorded, in the order they were
+    requested: being run now, or cut short by a crash or a timeout (their outcome unknown).
+    Parallel tool calls put several here; snapshot format 1 held one (``in_flight``)."""
     approved: tuple[str, ...] = ()
     """Call ids a person approved; they may now run."""
     usage: Usage = Usage()
@@ -217,6 +219,11 @@ class RunState(Strict):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
+
+    @property
+    def in_flight(self) -> str | None:
+        """The first call journaled as requested with no outcome, if any."""
+        return self.running[0] if self.running else None
 
     @property
     def deadline_ms(self) -> int:

@@ -164,7 +164,7 @@ def consecutive_recoveries(events: Sequence[Event]) -> list[Event]:
     """The sweeper's ``run.resumed`` events since the run last made progress, oldest first."""
     found: list[Event] = []
     for event in reversed(events):
-        if event.type in PROGRESS_EVENTS:
+        if event.type in PROGRESS_EVENTS or _probe_found_it(event):
             break
         if event.type == "run.resumed":
             if event.data.get("by") != SWEEPER:
@@ -172,6 +172,12 @@ def consecutive_recoveries(events: Sequence[Event]) -> list[Event]:
             found.append(event)
     found.reverse()
     return found
+
+
+def _probe_found_it(event: Event) -> bool:
+    """A probe's ``ran`` is the call's outcome: progress. Its other answers are not — a worker
+    that dies running a call its probe says did not run must still be dead-lettered."""
+    return event.type == "tool.probed" and event.data.get("answer") == "ran"
 
 
 def dead_letter_data(run_id: str, history: Sequence[Event], limit: int) -> dict[str, Any]:

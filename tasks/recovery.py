@@ -326,12 +326,17 @@ def reconcile(
                 "only a run parked as needs_reconciliation has a call to reconcile; "
                 f"see `ratchet runs show {run_id}`",
             )
-        if call_id != state.in_flight:
+        if call_id not in state.running:
+            # Parallel calls may leave several open: each is reconciled on its own.
+            open_calls = (
+                f"the open call is {state.running[0]}"
+                if len(state.running) == 1
+                else f"the open calls are {', '.join(state.running) or 'none'}"
+            )
             raise RunRefused(
                 run_id,
                 state.status.value,
-                f"call {call_id!r} is not its open call; the open call is {state.in_flight} "
-                f"(`ratchet runs show {run_id}`)",
+                f"call {call_id!r} is not open; {open_calls} (`ratchet runs show {run_id}`)",
             )
         data: dict[str, Any] = {"call_id": call_id, "decision": decision, "by": OPERATOR}
         if decision == "result":

@@ -11,9 +11,11 @@
 
    - call the model — journal ``model.requested`` first (an attempt counts even
      if we crash), then **checkpoint the response before any tool runs**;
-   - run each tool call — journal ``tool.requested``, run it, journal its
-     outcome, checkpoint. A call found requested with no outcome was cut short
-     by a crash: an idempotent tool runs again, any other parks the run as
+   - run the tool calls — journal ``tool.requested``, run them side by side (up
+     to ``max_parallel_tools``), journal and checkpoint each outcome as it
+     finishes (tasks/tools_parallel.py). A call found requested with no
+     outcome was cut short by a crash: an idempotent tool runs again, one with
+     a probe is asked whether it ran, any other parks the run as
      ``needs_reconciliation`` for an operator;
    - suspend, complete or fail — recorded and checkpointed; a finished run's
      snapshot is deleted, its events kept.
@@ -30,8 +32,9 @@ Python cannot kill a thread, so a call that times out is *abandoned*: it may
 still finish in the background, and whatever it reports afterwards is dropped.
 A model call that timed out is a failed attempt (``model.failed``; the next
 turn asks again, within ``max_turns``); an idempotent tool is tried again a
-bounded number of times; any other tool's outcome is unknown, so the run is
-parked as ``needs_reconciliation``.
+bounded number of times; any other tool's outcome is unknown: its probe, if it
+has one, is asked whether it ran, and otherwise the run is parked as
+``needs_reconciliation``.
 
 A worker told to shut down (SIGTERM, Celery's warm shutdown) ends the turn at
 the next transition boundary and chains the rest, so another worker carries on
@@ -69,15 +72,16 @@ from runtime.fsm import (
     RunTool,
     StartChild,
     Suspend,
+    Unresolved,
     decide,
     response_events,
     suspension_event,
     tool_events,
-    unknown_tool_outcome,
 )
-from runtime.models import RunState, RunStatus, ToolCall, validate_run_id
+from runtime.models import RunState, RunStatus, validate_run_id
+from runtime.probes import Probed
 from runtime.providers import ModelRequest
-from runtime.tools import ToolOutcome, ToolSpec, invoke
+from runtime.tools import ToolOutcome
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child
@@ -86,11 +90,10 @@ from tasks.journal import append_events, load, new_owner, save_snapshot
 from tasks.queues import tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
+from tasks.tools_parallel import TOOL_TIMEOUT_ATTEMPTS as TOOL_TIMEOUT_ATTEMPTS
+from tasks.tools_parallel import resolve, run_tools
 
 log = logging.getLogger("ratchet.turn")
-
-TOOL_TIMEOUT_ATTEMPTS = 3
-"""Tries in all for an idempotent tool that times out, before its call fails."""
 
 _stopping = threading.Event()
 
@@ -229,6 +232,11 @@ class Turn:
         self._recording = threading.RLock()
         self.waited: limits.Wait | None = None
         """Set when the model call waits on a limit: the turn ends and is chained later."""
+        self.recording = self._recording
+        """Held to record and checkpoint, by the turn and its parallel tool calls."""
+        self.timed_out: dict[str, int] = {}
+        """Calls of this turn that timed out with their outcome unknown, and how often."""
+        self.last_probed: dict[str, Probed] = {}
 
     @classmethod
     def open(cls, ctx: Context, run_id: str, owner: str) -> Turn | None:
@@ -296,7 +304,9 @@ class Turn:
             return "suspended"
         if isinstance(action, StartChild):
             start_child(self.ctx, self.state, action.call, action.child_id)
-            wait = Suspend(RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}")
+            wait = Suspend(
+                RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}"
+            )
             self.record([suspension_event(wait)])
             self.checkpoint()
             return "suspended"
@@ -304,7 +314,9 @@ class Turn:
             self.record(tool_events(action.call, ToolOutcome(False, action.error)))
             self.checkpoint()
             return None
-        if isinstance(action, RunTool) and not self.run_tool(action.call):
+        if isinstance(action, RunTool):
+            run_tools(self, action)
+        if isinstance(action, Unresolved) and not resolve(self, action):
             return "parked"
         return None
 
@@ -366,87 +378,6 @@ class Turn:
             self.record(wait.events)
         if wait.stalls:
             self.checkpoint()
-
-    def run_tool(self, call: ToolCall) -> bool:
-        """Run one tool call and checkpoint its outcome; False if the run was parked instead."""
-        spec = self.agent.tools.get(call.name)
-        turn = self.state.usage.model_turns
-        if self.state.in_flight == call.id:
-            # Journaled as requested, no outcome: a crash cut it short, and it may have run.
-            if spec is None or not spec.idempotent:
-                self.park(call)
-                return False
-            log.info(
-                "run %s: re-running idempotent tool %s (call %s) after a crash",
-                self.state.run_id,
-                call.name,
-                call.id,
-            )
-        else:
-            self.record(
-                [
-                    (
-                        "tool.requested",
-                        {"call_id": call.id, "name": call.name, "arguments": call.arguments},
-                    )
-                ]
-            )
-        failpoints.hit("tool.requested", turn)
-        if spec is None:
-            outcome = unknown_tool_outcome(call, self.agent)
-        else:
-            found = self._invoke_bounded(spec, call)
-            if found is None:
-                self.park(call, timed_out_s=self.agent.spec.tool_timeout_s)
-                return False
-            outcome = found
-        failpoints.hit("tool.completed", turn)
-        self.record(tool_events(call, outcome))
-        self.checkpoint()
-        return True
-
-    def _invoke_bounded(self, spec: ToolSpec, call: ToolCall) -> ToolOutcome | None:
-        """The tool's outcome; None when a non-idempotent call timed out (outcome unknown)."""
-        timeout_s = self.agent.spec.tool_timeout_s
-        attempts = TOOL_TIMEOUT_ATTEMPTS if spec.idempotent else 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return bounded(lambda: invoke(spec, call.arguments), timeout_s, f"tool {call.name}")
-            except CallTimedOut as exc:
-                log.warning(
-                    "run %s: %s (attempt %s of %s)", self.state.run_id, exc, attempt, attempts
-                )
-        if not spec.idempotent:
-            return None
-        return ToolOutcome(
-            False, f"`{call.name}` did not return within {timeout_s:g} s, {attempts} times"
-        )
-
-    def park(self, call: ToolCall, timed_out_s: float | None = None) -> None:
-        cause = (
-            f"did not return within {timed_out_s:g} s and was abandoned"
-            if timed_out_s is not None
-            else "was in flight when a worker stopped"
-        )
-        reason = (
-            f"tool `{call.name}` (call {call.id}) {cause} and is not "
-            f"idempotent, so it may or may not have run; check its effect, then "
-            f"`ratchet runs reconcile {self.state.run_id} {call.id}` with --result, --retry or --fail"
-        )
-        self.record(
-            [
-                (
-                    "run.parked",
-                    {
-                        "reason": reason,
-                        "call_id": call.id,
-                        "tool": call.name,
-                        "arguments": call.arguments,
-                    },
-                )
-            ]
-        )
-        self.checkpoint()
 
     def finish(self) -> str:
         """A terminal run keeps its events; its snapshot has served its purpose."""

@@ -66,6 +66,12 @@ def turn(content: str, *calls: dict[str, Any], tokens: tuple[int, int] = (10, 5)
     }
 
 
+def refunds(ledger: Path) -> list[str]:
+    """The ledger's refunds as ``refund ORDER CENTS``: without the idempotency key that the
+    example's ``send_refund`` books beside each (``issue_refund`` books none)."""
+    return [" ".join(line.split()[:3]) for line in ledger.read_text().splitlines()]
+
+
 def memory_context(**settings: Any) -> Context:
     return Context(Settings(**settings), MemorySnapshotStore(), MemoryRunStore())
 

@@ -61,7 +61,7 @@ def wrong_kind(directory: Path, run_id: str, other: str) -> None:
 
 
 def wrong_version(directory: Path, run_id: str, other: str) -> None:
-    _rewrite(directory / f"{run_id}.json", lambda d: d.update(version=2))
+    _rewrite(directory / f"{run_id}.json", lambda d: d.update(version=3))
 
 
 def unknown_field(directory: Path, run_id: str, other: str) -> None:
@@ -112,7 +112,7 @@ DAMAGES = [
     pytest.param(truncated, "not JSON", id="truncated"),
     pytest.param(empty, "empty", id="empty"),
     pytest.param(wrong_kind, "`ratchet.memory` document", id="wrong-kind"),
-    pytest.param(wrong_version, "version `2`", id="wrong-version"),
+    pytest.param(wrong_version, "version `3`", id="wrong-version"),
     pytest.param(unknown_field, "`colour`: unknown field", id="unknown-field"),
     pytest.param(over_the_limit, "byte limit", id="over-16-mib"),
     pytest.param(huge_integer, "integer", id="5000-digit-integer"),

@@ -350,9 +350,10 @@ class Ratchet:
     def open_call(self, run_id: str) -> JournalEntry | None:
         """The journal's call with no recorded outcome, if any (what a parked run waits on)."""
         self.get(run_id)
+        events = self.ctx.runs.events(run_id)
         settled = {
             e.data["call_id"]
-            for e in self.ctx.runs.events(run_id)
+            for e in events
             if e.type == "tool.reconciled" and e.data.get("decision") != "retry"
         }
         open_calls = [
@@ -360,6 +361,11 @@ class Ratchet:
             for e in self.ctx.runs.journal(run_id)
             if e.status == "requested" and e.call_id not in settled
         ]
+        # Parallel calls may leave several open: the one the run was parked on comes first.
+        parked = [e.data.get("call_id") for e in events if e.type == "run.parked"]
+        for entry in open_calls:
+            if parked and entry.call_id == parked[-1]:
+                return entry
         return open_calls[-1] if open_calls else None
 
     def sweep(self) -> builtins.list[str]:

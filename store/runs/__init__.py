@@ -196,6 +196,15 @@ class RunStore(ABC):
                     requested_seq=event.seq,
                     requested_at_ms=event.at_ms,
                 )
+            elif (
+                event.type == "tool.probed"
+                and data.get("answer") == "ran"
+                and data["call_id"] in entries
+            ):
+                # The call's probe found its effect: that is its outcome (runtime/probes.py).
+                entries[data["call_id"]] = entries[data["call_id"]].model_copy(
+                    update={"status": "completed", "result": data.get("result")}
+                )
             elif event.type in ("tool.completed", "tool.failed") and data["call_id"] in entries:
                 done = event.type == "tool.completed"
                 entries[data["call_id"]] = entries[data["call_id"]].model_copy(

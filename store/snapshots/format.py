@@ -1,4 +1,4 @@
-"""The snapshot document, format version 1.
+"""The snapshot document, format version 2.
 
 A snapshot is a JSON document a person can read: sorted keys, two-space
 indent, a trailing newline, a ``kind`` and a format ``version``, unknown
@@ -10,8 +10,15 @@ a golden file of each lives in ``tests/golden/`` and is decoded on every run.
     {
       "kind": "ratchet.snapshot",
       "run": { ...RunState... },
-      "version": 1
+      "version": 2
     }
+
+Versions:
+
+- **1** — the run's one open tool call as ``run.in_flight`` (a call id or null).
+- **2** — parallel tool calls: ``run.running``, the list of call ids journaled
+  as requested with no outcome, in request order; ``in_flight`` is gone. A
+  format-1 document reads as format 2 with ``running`` holding its ``in_flight``.
 """
 
 from __future__ import annotations
@@ -32,20 +39,42 @@ from runtime.errors import (
 from runtime.models import Message, RunState, Strict
 
 KIND: Final = "ratchet.snapshot"
-READABLE_VERSIONS = (1,)
-"""The versions this build decodes; it writes the newest (runtime.agent.SNAPSHOT_FORMAT_VERSION)."""
+READABLE_VERSIONS = (1, 2)
+"""The versions this build decodes; it writes the newest (2: parallel tool calls), and
+upgrades a format-1 document on load."""
 MAX_BYTES = 16 * 1024 * 1024
 
 
+class SnapshotV2(Strict):
+    kind: Literal["ratchet.snapshot"] = KIND
+    version: Literal[2] = 2
+    run: RunState
+
+
 class SnapshotV1(Strict):
+    """Read only: ``run`` is upgraded to format 2 (:func:`_upgrade_v1`) before it is validated."""
+
     kind: Literal["ratchet.snapshot"] = KIND
     version: Literal[1] = 1
     run: RunState
 
 
+def _upgrade_v1(value: dict[str, object], where: str) -> dict[str, object]:
+    """A format-1 document's fields as format 2 names them: ``in_flight`` becomes ``running``."""
+    run = value.get("run")
+    if isinstance(run, dict) and "running" in run:
+        raise SnapshotMalformed(where, "`run.running`: unknown field (format 2 has it)")
+    if not isinstance(run, dict) or "in_flight" not in run:
+        return value
+    run = dict(run)
+    in_flight = run.pop("in_flight")
+    run["running"] = [] if in_flight is None else [in_flight]
+    return {**value, "run": run}
+
+
 def encode(state: RunState, max_bytes: int = MAX_BYTES) -> bytes:
     """The document for ``state``; raises SnapshotTooLarge over ``max_bytes``."""
-    document = SnapshotV1(run=state).model_dump(mode="json")
+    document = SnapshotV2(run=state).model_dump(mode="json")
     data = (json.dumps(document, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
     if len(data) > max_bytes:
         raise SnapshotTooLarge(state.run_id, len(data), max_bytes)
@@ -136,7 +165,9 @@ def decode(data: bytes, where: str, max_bytes: int = MAX_BYTES) -> RunState:
         readable = ", ".join(f"`{v}`" for v in READABLE_VERSIONS)
         raise SnapshotUnsupportedVersion(where, _shown(version), readable)
     try:
-        return SnapshotV1.model_validate(value).run
+        if version == 1:
+            return SnapshotV1.model_validate(_upgrade_v1(value, where)).run
+        return SnapshotV2.model_validate(value).run
     except ValidationError as exc:
         err = exc.errors(include_url=False, include_input=False)[0]
         loc = ".".join(str(p) for p in err["loc"])

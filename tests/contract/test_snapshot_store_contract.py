@@ -91,7 +91,7 @@ def rich_state(run_id: str = "run-1", seq: int = 9) -> RunState:
             Message(role="tool", content="{}", tool_call_id="call-1", name="lookup", is_error=True),
         ),
         pending=(ask,),
-        in_flight=None,
+        running=(),
         approved=("call-0",),
         usage=Usage(model_attempts=2, model_turns=1, input_tokens=10, output_tokens=5,
                     total_tokens=15, responses_without_usage=1, tool_calls=1),
@@ -482,7 +482,7 @@ def _no_kind(doc: dict[str, Any]) -> None:
 
 
 def _future_version(doc: dict[str, Any]) -> None:
-    doc["version"] = 2
+    doc["version"] = 3
 
 
 REFUSALS = [
@@ -500,7 +500,7 @@ REFUSALS = [
     pytest.param(edited_document(_no_kind), SnapshotWrongKind,
                  ["`ratchet.snapshot`", "point the snapshot store"], id="no-kind"),
     pytest.param(edited_document(_future_version), SnapshotUnsupportedVersion,
-                 ["version `2`", "reads `1`", "upgrade ratchet on this worker"],
+                 ["version `3`", "reads `1`, `2`", "upgrade ratchet on this worker"],
                  id="future-version"),
 ]  # fmt: skip
 

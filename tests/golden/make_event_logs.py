@@ -20,6 +20,7 @@ encodes it.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from runtime.children import child_run_id
 from runtime.continuation import make_continuation
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState
+from runtime.probes import idempotency_key
 from runtime.recovery import OPERATOR, SWEEPER
 from store.snapshots import format as snapshot_format
 from tasks.budget import raise_budgets
@@ -306,6 +308,66 @@ def resume_refused(ctx: Context, home: Path) -> str:
     return run.run_id
 
 
+PROBED_TOOLS = [
+    "tests.probed_tools:effect",
+    "tests.probed_tools:effect_unknown",
+    "tests.probed_tools:timed_effect",
+]
+
+
+def parallel_tools(ctx: Context, home: Path) -> str:
+    os.environ["RATCHET_TEST_TIMES"] = str(home / "times")
+    calls = [
+        call("timed_effect", label=x, sleep_s=s) for x, s in (("a", 0.3), ("b", 0.2), ("c", 0.1))
+    ]
+    agent = write_agent(
+        home, [turn("Three at once.", *calls), turn("Done.")], name="parallel", tools=PROBED_TOOLS
+    )
+    run = create_run(ctx, agent, INPUT, "golden-parallel-tools")
+    drive(ctx, run.run_id)  # outcomes journaled as they finish: c, b, a
+    return run.run_id
+
+
+def probed_parallel(ctx: Context, home: Path) -> str:
+    os.environ["RATCHET_TEST_EFFECTS"] = str(home / "effects")
+    labels = (("effect", "a"), ("effect", "b"), ("effect_unknown", "c"))
+    agent = write_agent(
+        home,
+        [turn("Three at once.", *(call(t, label=x) for t, x in labels)), turn("Done.")],
+        name="probed",
+        tools=PROBED_TOOLS,
+    )
+    run = create_run(ctx, agent, INPUT, "golden-probed-parallel")
+    # Given a worker that journaled three parallel calls, ran only the first, and died
+    calls = [
+        {"id": f"call_1_{i}", "name": t, "arguments": {"label": x}}
+        for i, (t, x) in enumerate(labels, 1)
+    ]
+    responded = {"content": "Three at once.", "tool_calls": calls,
+                 "usage": {"input_tokens": 10, "output_tokens": 5}}  # fmt: skip
+    requested = [
+        ("tool.requested", {"call_id": c["id"], "name": c["name"], "arguments": c["arguments"]})
+        for c in calls
+    ]
+    owner = new_owner()
+    assert ctx.runs.acquire_lease(run.run_id, owner, 10.0)
+    append_events(
+        ctx,
+        _state(ctx, run.run_id),
+        [("model.requested", {"turn": 0}), ("model.responded", responded), *requested],
+        owner,
+    )
+    ctx.runs.release_lease(run.run_id, owner)
+    key = idempotency_key(run.run_id, 1, "call_1_1")
+    (home / "effects").write_text(f"{key} a\n")
+    # When the next turn probes them: a ran, b did not, c cannot tell, so the run parks on c
+    drive(ctx, run.run_id)
+    # and once an operator records c, b is probed again and run
+    reconcile(ctx, run.run_id, "call_1_3", "result", {"done": "c"}, enqueue=_no_enqueue)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
@@ -383,6 +445,8 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "resume-refused": resume_refused,
     "throttled": throttled,
     "refused-429": refused_429,
+    "parallel-tools": parallel_tools,
+    "probed-parallel": probed_parallel,
 }
 
 

@@ -103,9 +103,9 @@ def test_a_prefork_worker_exposes_prometheus_metrics_that_count_a_run(
     # Then the metrics, summed over the pool processes, counted what happened
     samples = scrape(port)
     assert samples['ratchet_turns_total{outcome="completed"}'] == 1
-    assert samples['ratchet_turns_total{outcome="next"}'] == 3
+    assert samples['ratchet_turns_total{outcome="next"}'] == 2  # two look-ups at once, a refund
     assert samples['ratchet_events_total{type="tool.completed"}'] == 3
     assert samples['ratchet_run_transitions_total{status="completed"}'] == 1
-    assert samples["ratchet_checkpoint_seconds_count"] >= 7
+    assert samples["ratchet_checkpoint_seconds_count"] >= 6
     assert samples["ratchet_checkpoint_bytes_sum"] > 1000
     assert samples.get("ratchet_dead_lettered_total", 0) == 0
