@@ -379,6 +379,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "if ARGV[13] == '0' and (",
         ("tests/contract/test_transition_contract.py",),
     ),
+    Mutant(
+        "X5",
+        "store/runs/lua/append.lua",
+        "  push(KEYS[9], events_end + 1, #ARGV)",
+        "  push(KEYS[9], events_end + 2, #ARGV)",
+        ("tests/test_transition_snapshots.py",),
+    ),
     # --- store/snapshots/__init__.py: the compare-and-set save --------------------
     Mutant(
         "S1",
