@@ -169,6 +169,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument(
+        "--no-task-events",
+        action="store_true",
+        help="both workers without Celery task events (RATCHET_TASK_EVENTS=0)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -177,6 +182,8 @@ def main() -> None:
         try:
             env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
             env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(directory / "data"))
+            if args.no_task_events:
+                env["RATCHET_TASK_EVENTS"] = "0"
             agent = write_agent(directory, args.turns)
             baseline = bench_baseline(
                 server.url, env, args.runs, args.turns, args.concurrency, directory / "baseline.log"
@@ -194,7 +201,7 @@ def main() -> None:
             server.stop()
     print(
         f"workload: {args.runs} runs x {args.turns} turns, prefork concurrency {args.concurrency}, "
-        "Redis broker and stores on loopback"
+        "Redis broker and stores on loopback" + (", no task events" if args.no_task_events else "")
     )
     print(f"plain Celery self-chain (no-op tasks): {baseline:8.1f} turns/s")
     print(f"ratchet durable turns (model + tool):  {durable:8.1f} turns/s")
