@@ -160,7 +160,7 @@ def advance(
         return Advanced("leased", -1, 0)
     turn: Turn | None = None
     try:
-        turn = Turn.open(ctx, run_id, owner, record)
+        turn = Turn.open(ctx, run_id, owner, record) if record is not None else None
         if turn is None:
             log.warning("run %s: no such run; dropping the message", run_id)
             return Advanced("missing", -1, 0)
@@ -227,8 +227,6 @@ class Turn:
     def open(
         cls, ctx: Context, run_id: str, owner: str, record: RunRecord | None = None
     ) -> Turn | None:
-        if record is None:
-            return None
         try:
             loaded = load(ctx, run_id, record=record)
         except RunNotFound:
