@@ -278,9 +278,7 @@ class Turn:
             return "suspended"
         if isinstance(action, StartChild):
             start_child(self.ctx, self.state, action.call, action.child_id)
-            wait = Suspend(
-                RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}"
-            )
+            wait = Suspend(RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}")
             self.record([suspension_event(wait)])
             self.checkpoint()
             return "suspended"
