@@ -3,7 +3,7 @@
 Key layout (``prefix`` defaults to ``ratchet``; ``{<id>}`` is the run's hash tag,
 so every key of one run lives in one Cluster slot, next to its snapshot)::
 
-    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status
+    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status, due
     {prefix}:run:{<id>}:events        list  Event JSON at index seq - 1 (zlib-packed when that
                                             makes it shorter: see store.packing)
     {prefix}:run:{<id>}:lease         hash  owner, expires_at_ms (PX TTL: lease + grace)
@@ -12,8 +12,14 @@ so every key of one run lives in one Cluster slot, next to its snapshot)::
     {prefix}:runs:due                 zset  live run id scored by due_at_ms  (overdue)
     {prefix}:runs:finished            zset  finished run id scored by updated_at_ms (purge)
 
-Every write is one Lua script, so the fences (last seq, lease owner and
-expiry) are checked and the events, record and indexes written atomically.
+Every write is one Lua script (``lua/*.lua``, read once at import), so the fences
+(last seq, lease owner and expiry) are checked and the events, record and indexes
+written atomically. An append writes an index only when what it indexes changed: the
+status sets and the finished set when the status does, the due set when the due time
+does (the record keeps the status and due time it indexed). With a
+:class:`~store.snapshots.redis.RedisSnapshotStore` on the same server, database and
+prefix, the same script also saves the snapshot and may release the lease: one round
+trip per transition (:meth:`RunStore.commit`).
 The four ``runs:*`` indexes are global, in other slots than the run's keys:
 the scripts touch them on a single node (and Sentinel); on Redis Cluster the
 index updates would move into separate calls after the per-run script.
