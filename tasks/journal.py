@@ -263,10 +263,10 @@ def commit_checkpointed(
         checkpoint = Checkpoint(ctx.snapshots, change.state, snapshot_seq)
         try:
             ctx.runs.commit(change.record, change.events, owner, checkpoint, release)
-        except SnapshotTooLarge:
-            raise
         except SnapshotError as exc:
-            # Raised while planning the save, before anything was written.
+            # Raised while planning the save, before anything was written: the separate
+            # calls keep the events, and move an unreadable snapshot aside (a snapshot
+            # too large is refused there again, once the events are in).
             log.info("run %s: %s; writing the events and the snapshot apart", before.run_id, exc)
         else:
             _committed(ctx, before.status, change)
