@@ -80,9 +80,17 @@ def test_a_sixty_turn_run_leaves_the_same_snapshot_on_the_combined_and_separate_
     pairs["memory"] = (MemoryRunStore(clock=clock), MemorySnapshotStore(), clock)
     assert pairs["combined"][0].commits_with(pairs["combined"][1])
     assert not pairs["separate"][0].commits_with(pairs["separate"][1])
-    for name, (runs, snapshots, clock) in pairs.items():
-        documents[name] = run_sixty_turns(agent, runs, snapshots, clock)
-        logs[name] = runs.events(RUN_ID)
+    try:
+        for name, (runs, snapshots, clock) in pairs.items():
+            documents[name] = run_sixty_turns(agent, runs, snapshots, clock)
+            logs[name] = runs.events(RUN_ID)
+        records = {
+            name: (pairs[name][0].get(RUN_ID), pairs[name][0].lease(RUN_ID)) for name in pairs
+        }
+    finally:
+        for runs, snapshots, _ in pairs.values():
+            snapshots.close()
+            runs.close()
 
     # The same bytes on every path, and the same events
     assert documents["combined"] == documents["separate"] == documents["memory"]
@@ -94,7 +102,6 @@ def test_a_sixty_turn_run_leaves_the_same_snapshot_on_the_combined_and_separate_
     assert documents["combined"] == snapshot_format.encode(state)
     # And the combined run's record and lease are as the separate run's: released, at its seq
     for name in ("combined", "separate"):
-        runs = pairs[name][0]
-        record = runs.get(RUN_ID)
+        record, lease = records[name]
         assert record is not None and record.last_seq == state.seq
-        assert runs.lease(RUN_ID) is None
+        assert lease is None
