@@ -559,6 +559,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        pass\n",
         TURN,
     ),
+    Mutant(
+        "T16",
+        "tasks/turn.py",
+        "            release = self._ends_turn(change.state)\n",
+        "            release = True\n",
+        ("tests/test_transition_snapshots.py",),
+    ),
     # --- tasks/recovery.py: resume, dead letters, the sweep, reconcile ---------------
     Mutant(
         "V1",
