@@ -300,29 +300,29 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "R1",
         "store/runs/__init__.py",
-        "            if after.seq != before.seq + 1:\n",
-        "            if False:\n",
+        "        if after.seq != before.seq + 1:\n",
+        "        if False:\n",
         RUNS,
     ),
     Mutant(
         "R2",
         "store/runs/__init__.py",
-        "        if record.last_seq != events[-1].seq:\n",
-        "        if False:\n",
+        "    if record.last_seq != events[-1].seq:\n",
+        "    if False:\n",
         RUNS,
     ),
     Mutant(
         "R3",
         "store/runs/__init__.py",
-        "self._events(record.run_id, mine[0].seq - 1, len(mine)) != mine",
-        "self._events(record.run_id, mine[0].seq, len(mine)) != mine",
+        "self._events(exc.run_id, mine[0].seq - 1, len(mine)) == mine",
+        "self._events(exc.run_id, mine[0].seq, len(mine)) == mine",
         RUNS,
     ),
     Mutant(
         "R4",
         "store/runs/__init__.py",
-        "                exc.found_seq != mine[-1].seq\n                or self._events(",
-        "                self._events(",
+        "return exc.found_seq == mine[-1].seq and (",
+        "return (",
         RUNS,
     ),
     Mutant(
@@ -381,19 +381,40 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "X1",
-        "store/runs/redis.py",
-        "if found ~= ARGV[7] then",
+        "store/runs/lua/append.lua",
+        "if rec[1] ~= ARGV[7] then",
         "if false then",
         RUNS,
         k="redis",
     ),
     Mutant(
         "X2",
-        "store/runs/redis.py",
+        "store/runs/lua/append.lua",
         "if lease[1] ~= ARGV[9] or tonumber(lease[2]) <= tonumber(ARGV[10]) then",
         "if lease[1] ~= ARGV[9] then",
         RUNS,
         k="redis",
+    ),
+    Mutant(
+        "X3",
+        "store/runs/lua/append.lua",
+        "  if stored_seq ~= ARGV[15] then",
+        "  if false then",
+        ("tests/contract/test_transition_contract.py",),
+    ),
+    Mutant(
+        "X4",
+        "store/runs/lua/append.lua",
+        "if ARGV[13] == '1' and (",
+        "if ARGV[13] == '0' and (",
+        ("tests/contract/test_transition_contract.py",),
+    ),
+    Mutant(
+        "X5",
+        "store/runs/lua/append.lua",
+        "  push(KEYS[9], events_end + 1, #ARGV)",
+        "  push(KEYS[9], events_end + 2, #ARGV)",
+        ("tests/test_transition_snapshots.py",),
     ),
     # --- store/snapshots/__init__.py: the compare-and-set save --------------------
     Mutant(
@@ -486,14 +507,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T4",
         "tasks/tools_parallel.py",
-        "        turn.record(tool_events(call, outcome))\n        turn.checkpoint()\n",
+        "        turn.checkpointed(tool_events(call, outcome))\n",
         "        turn.record(tool_events(call, outcome))\n",
         TURN,
     ),
     Mutant(
         "T5",
         "tasks/turn.py",
-        "        self.record(response_events(response))\n        self.checkpoint()\n",
+        "        self.checkpointed(response_events(response))\n",
         "        self.record(response_events(response))\n",
         TURN,
     ),
@@ -522,7 +543,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T9",
         "tasks/turn.py",
-        "            self.record([suspension_event(action)])\n            self.checkpoint()\n",
+        "            self.checkpointed([suspension_event(action)])\n",
         "            self.record([suspension_event(action)])\n",
         TURN,
     ),
@@ -550,7 +571,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T13",
         "tasks/turn.py",
-        '                if asked_model:\n                    return "next"\n',
+        '                if self.asked_model:\n                    return "next"\n',
         "",
         TURN,
     ),
@@ -564,8 +585,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T15",
         "tasks/turn.py",
-        "    finally:\n        ctx.runs.release_lease(run_id, owner)\n",
-        "    finally:\n        pass\n",
+        "        if turn is None or not turn.released:\n            ctx.runs.release_lease(run_id, owner)\n",
+        "        pass\n",
         TURN,
     ),
     Mutant(
@@ -583,6 +604,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        raise\n",
         TURN,
         k="late_checkpoint",
+    ),
+    Mutant(
+        "T18",
+        "tasks/turn.py",
+        "            release = self._ends_turn(change.state)\n",
+        "            release = True\n",
+        ("tests/test_transition_snapshots.py",),
     ),
     # --- tasks/recovery.py: resume, dead letters, the sweep, reconcile ---------------
     Mutant(

@@ -25,7 +25,7 @@ from runtime.errors import (
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
-from store.runs import RunRecord
+from store.runs import Checkpoint, RunRecord
 from tasks import metrics, tracing
 from tasks.context import Context
 
@@ -56,7 +56,14 @@ class Loaded(NamedTuple):
         return self.events
 
 
-def load(ctx: Context, run_id: str, *, whole_log: bool = False, set_aside: bool = True) -> Loaded:
+def load(
+    ctx: Context,
+    run_id: str,
+    *,
+    whole_log: bool = False,
+    set_aside: bool = True,
+    record: RunRecord | None = None,
+) -> Loaded:
     """The run's state: its snapshot with the events it lacks folded on, else the fold of all.
 
     The one way every task and command reads a run. The events are the truth; a
@@ -68,10 +75,13 @@ def load(ctx: Context, run_id: str, *, whole_log: bool = False, set_aside: bool 
     run's lease, so they never move a snapshot a worker is replacing) it is moved
     to the store's quarantine, never deleted; the state is rebuilt from the events.
 
+    ``record``: the run's record, when the caller just read it (with its lease).
+
     Raises RunNotFound (no record), RunStateLost (the events cannot give a state
     either), StoreUnavailable.
     """
-    record = ctx.runs.get(run_id)
+    if record is None:
+        record = ctx.runs.get(run_id)
     if record is None:
         raise RunNotFound(run_id)
     if not whole_log:
@@ -244,8 +254,25 @@ def append_events(
     ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
 ) -> RunState:
     """Append events after ``state`` (fenced by ``owner``'s lease and the seq); the new state."""
+    change = transition(ctx, state, items)
+    ctx.runs.append(change.record, change.events, owner)
+    _committed(ctx, state.status, change)
+    return change.state
+
+
+class Transition(NamedTuple):
+    """Events after a state, the state they produce, and its record: one write to make."""
+
+    record: RunRecord
+    state: RunState
+    events: list[Event]
+
+
+def transition(
+    ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]]
+) -> Transition:
+    """The events ``items`` after ``state``, folded; nothing is written."""
     now = ctx.runs.clock()
-    before = state.status
     events = []
     for kind, data in items:
         event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
@@ -256,10 +283,48 @@ def append_events(
     if events[-1].type == "run.throttled":
         # Back on the queue with a countdown: overdue only once that has run out.
         due = int(events[-1].data["until_ms"]) + lease_ms
-    ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
-    metrics.recorded(before, state.status, events)
-    tracing.committed(ctx, state, events)  # only now: the events are committed
-    return state
+    return Transition(RunRecord.from_state(state, now, due), state, events)
+
+
+def commit_checkpointed(
+    ctx: Context,
+    before: RunState,
+    change: Transition,
+    owner: str,
+    snapshot_seq: int | None,
+    release: bool = False,
+) -> None:
+    """Append ``change`` after ``before``, save its state as the run's snapshot (CAS on
+    ``snapshot_seq``) and, with ``release``, let the lease go: one store call when the run
+    store :meth:`~store.runs.RunStore.commits_with` the snapshot store (both in one Redis),
+    all of it written or none; the separate calls otherwise.
+
+    A stored snapshot that cannot be read for its seq makes it the separate calls too
+    (:func:`save_snapshot` moves it aside). Raises StaleWrite, LeaseLost,
+    SnapshotTooLarge, StoreUnavailable.
+    """
+    if ctx.runs.commits_with(ctx.snapshots):
+        checkpoint = Checkpoint(ctx.snapshots, change.state, snapshot_seq)
+        try:
+            ctx.runs.commit(change.record, change.events, owner, checkpoint, release)
+        except SnapshotError as exc:
+            # Raised while planning the save, before anything was written: the separate
+            # calls keep the events, and move an unreadable snapshot aside (a snapshot
+            # too large is refused there again, once the events are in).
+            log.info("run %s: %s; writing the events and the snapshot apart", before.run_id, exc)
+        else:
+            _committed(ctx, before.status, change)
+            return
+    ctx.runs.append(change.record, change.events, owner)
+    _committed(ctx, before.status, change)
+    save_snapshot(ctx, change.state, snapshot_seq, owner)
+    if release:
+        ctx.runs.release_lease(before.run_id, owner)
+
+
+def _committed(ctx: Context, before: RunStatus, change: Transition) -> None:
+    metrics.recorded(before, change.state.status, change.events)
+    tracing.committed(ctx, change.state, change.events)  # only now: the events are committed
 
 
 def append_ending(

@@ -63,6 +63,8 @@ class Turn(Protocol):
 
     def checkpoint(self) -> None: ...
 
+    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
+
 
 log = logging.getLogger("ratchet.turn")
 
@@ -207,8 +209,7 @@ def _requested(call: ToolCall) -> tuple[str, dict[str, Any]]:
 def _record(turn: Turn, call: ToolCall, outcome: ToolOutcome) -> None:
     """Journal one call's outcome and checkpoint it: from here on it never runs again."""
     with turn.recording:
-        turn.record(tool_events(call, outcome))
-        turn.checkpoint()
+        turn.checkpointed(tool_events(call, outcome))
 
 
 def resolve(turn: Turn, action: Unresolved) -> bool:
@@ -287,5 +288,4 @@ def park(turn: Turn, stuck: list[tuple[ToolCall, Probed | None]]) -> None:
         data["probe"] = probed.answer.value
     if others:
         data["also_unknown"] = others
-    turn.record([("run.parked", data)])
-    turn.checkpoint()
+    turn.checkpointed([("run.parked", data)])

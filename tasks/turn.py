@@ -82,11 +82,19 @@ from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.probes import Probed
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome
+from store.runs import RunRecord
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load, new_owner, save_snapshot
+from tasks.journal import (
+    append_events,
+    commit_checkpointed,
+    load,
+    new_owner,
+    save_snapshot,
+    transition,
+)
 from tasks.queues import tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
@@ -165,11 +173,13 @@ def advance(
     ``owner``: a caller that already holds the lease (a resume) passes its owner id.
     """
     owner = owner or new_owner()
-    if not _take_lease(ctx, run_id, owner):
+    taken, record = _take_lease(ctx, run_id, owner)
+    if not taken:
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
         return Advanced("leased", -1, 0)
+    turn: Turn | None = None
     try:
-        turn = Turn.open(ctx, run_id, owner)
+        turn = Turn.open(ctx, run_id, owner, record) if record is not None else None
         if turn is None:
             log.warning("run %s: no such run; dropping the message", run_id)
             return Advanced("missing", -1, 0)
@@ -198,7 +208,8 @@ def advance(
         log.warning("%s", exc)
         return Advanced("fenced", -1, 0)
     finally:
-        ctx.runs.release_lease(run_id, owner)
+        if turn is None or not turn.released:
+            ctx.runs.release_lease(run_id, owner)
 
 
 LEASE_PATIENCE_S = 0.5
@@ -209,13 +220,16 @@ reads the run, finds it moved on, and lets go within milliseconds; a chained
 turn that gave up at once would leave the run to the sweeper."""
 
 
-def _take_lease(ctx: Context, run_id: str, owner: str) -> bool:
+def _take_lease(ctx: Context, run_id: str, owner: str) -> tuple[bool, RunRecord | None]:
+    """Whether the lease is ours, and the run's record read with it (one store call)."""
     deadline = time.monotonic() + LEASE_PATIENCE_S
-    while not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
+    while True:
+        taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)
+        if taken:
+            return True, record
         if time.monotonic() >= deadline:
-            return False
+            return False, None
         time.sleep(0.01)
-    return True
 
 
 class Turn:
@@ -237,11 +251,18 @@ class Turn:
         self.timed_out: dict[str, int] = {}
         """Calls of this turn that timed out with their outcome unknown, and how often."""
         self.last_probed: dict[str, Probed] = {}
+        self.asked_model = False
+        """This turn has called the model: the next model call is the next turn's."""
+        self.released = False
+        """The lease went with the turn's last checkpoint (:meth:`checkpointed`)."""
+        self._beat: tuple[str, str] | None = None
 
     @classmethod
-    def open(cls, ctx: Context, run_id: str, owner: str) -> Turn | None:
+    def open(
+        cls, ctx: Context, run_id: str, owner: str, record: RunRecord | None = None
+    ) -> Turn | None:
         try:
-            loaded = load(ctx, run_id)
+            loaded = load(ctx, run_id, record=record)
         except RunNotFound:
             return None
         state = loaded.state
@@ -264,8 +285,9 @@ class Turn:
         """Run decisions until the turn ends. Returns next | suspended | completed | failed | …"""
         if self.state.status.is_live and self.agent.binding != self.state.binding:
             return self._stall_on_binding()
-        asked_model = False
         while True:
+            if self.released:
+                return "next"  # the last checkpoint let the lease go: the next turn decides
             if stopping() and self.state.status.is_live:
                 log.info(
                     "run %s: worker shutting down; stopping at seq %s and chaining the rest",
@@ -275,9 +297,9 @@ class Turn:
                 return "next"
             action = decide(self.state, self.agent, self.ctx.runs.clock())
             if isinstance(action, CallModel):
-                if asked_model:
+                if self.asked_model:
                     return "next"
-                asked_model = True
+                self.asked_model = True
                 self.call_model(action.request)
                 if self.waited is not None:
                     return "stalled" if self.waited.stalls else "next"
@@ -297,8 +319,7 @@ class Turn:
             self.record([("run.failed", {"reason": action.reason, **budget})])
             return self.finish()
         if isinstance(action, Suspend):
-            self.record([suspension_event(action)])
-            self.checkpoint()
+            self.checkpointed([suspension_event(action)])
             if action.reason == RunStatus.WAITING:
                 schedule_wake(self.ctx, self.state)
             return "suspended"
@@ -311,8 +332,7 @@ class Turn:
             self.checkpoint()
             return "suspended"
         if isinstance(action, RefuseCall):
-            self.record(tool_events(action.call, ToolOutcome(False, action.error)))
-            self.checkpoint()
+            self.checkpointed(tool_events(action.call, ToolOutcome(False, action.error)))
             return None
         if isinstance(action, RunTool):
             run_tools(self, action)
@@ -367,8 +387,7 @@ class Turn:
             return
         failpoints.hit("model.response.received", turn)
         limits.settle(self.ctx, gate, response)
-        self.record(response_events(response))
-        self.checkpoint()
+        self.checkpointed(response_events(response))
         failpoints.hit("model.response.checkpointed", turn)
 
     def wait_on_limit(self, wait: limits.Wait) -> None:
@@ -410,6 +429,53 @@ class Turn:
         with self._recording:
             self.state = append_events(self.ctx, self.state, items, self.owner)
 
+    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """Record events and checkpoint the state they produce (:meth:`record`, :meth:`checkpoint`).
+
+        One store call when both stores are one Redis: the events, the snapshot and, on
+        the turn's last checkpoint, the lease's release, all written or none.
+        """
+        if not self.ctx.runs.commits_with(self.ctx.snapshots):
+            self.record(items)
+            self.checkpoint()
+            return
+        with self._recording:
+            change = transition(self.ctx, self.state, items)
+            turn = change.state.usage.model_turns
+            failpoints.hit("snapshot.before_save", turn)
+            release = self._ends_turn(change.state)
+            try:
+                started = time.perf_counter()
+                commit_checkpointed(
+                    self.ctx, self.state, change, self.owner, self.snapshot_seq, release
+                )
+                metrics.checkpointed(
+                    time.perf_counter() - started, self.ctx.snapshots.last_save_bytes
+                )
+            except StoreUnavailable as exc:
+                # All or nothing: the run is still where it was.
+                error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
+                self._record_stall(str(error))
+                raise error from exc
+            self.state = change.state
+            self.snapshot_seq = change.state.seq
+            if release:
+                self.released = True
+                if self._beat is not None:
+                    heartbeats().remove(self._beat)
+            self.ctx.remember_checkpoint(self.state)
+            failpoints.hit("snapshot.after_save", turn)
+
+    def _ends_turn(self, state: RunState) -> bool:
+        """Whether the turn ends right after checkpointing ``state``, with the next model call
+        (the next turn's): that checkpoint takes the lease's release along."""
+        return (
+            self.asked_model
+            and state.status.is_live
+            and not stopping()
+            and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
+        )
+
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
         turn = self.state.usage.model_turns
@@ -446,7 +512,7 @@ class Turn:
 
         It stops with the process: a worker that is killed or frozen lets the lease expire.
         """
-        beat = heartbeats().add(self.ctx, self.state.run_id, self.owner)
+        beat = self._beat = heartbeats().add(self.ctx, self.state.run_id, self.owner)
         try:
             yield
         finally:

@@ -354,6 +354,8 @@ def _check_ratchet_is_imported(sender: Any = None, **_: Any) -> None:
 @worker_init.connect
 def _check_tasks_stores_and_broker(sender: Any = None, **_: Any) -> None:
     app = sender.app
+    if app.main != "ratchet":
+        return  # another Celery app in this process (bench/selfchain.py's baseline)
     missing = missing_tasks(app.tasks)
     if missing:
         shadow = shadow_problem()
