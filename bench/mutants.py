@@ -550,7 +550,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T10",
         "tasks/tools_parallel.py",
-        '    turn.record([("run.parked", data)])\n    turn.checkpoint()\n',
+        '    turn.checkpointed([("run.parked", data)])\n',
         '    turn.record([("run.parked", data)])\n',
         TURN,
     ),
