@@ -2,6 +2,7 @@
 
     python bench/chaos.py [--runs 200] [--seed 1] [--timeout 300] [--pool prefork] [--concurrency 2]
                           [--hogs 0] [--keep] [--overlap]
+                          [--agent refund | parallel-probed | parallel-unprobed | parallel]
 
 Starts its own ``redis-server`` on a free port (broker and both stores), two
 ``celery -A worker worker`` processes (``--pool``, default prefork, with
@@ -25,6 +26,16 @@ a worker to start, whatever ratchet does. It prints figures, not pass/fail:
 - worker start time (Popen to Celery's ``worker_ready``, start-up checks included),
   the settings in effect and the load average, so a figure taken on a busy machine
   says so. ``--hogs N`` runs N CPU hogs (``while 1: pass``) for the whole bench.
+
+``--agent`` picks the agent (default ``refund``, above). ``parallel-probed``:
+one turn asks for two look-ups at once, the next for two refunds at once
+through the example's keyed ``send_refund``, whose probe asks the ledger
+about the call's idempotency key; ``parallel-unprobed`` is the same agent
+with the same tool minus its probe; ``--refund-latency`` (default 0.2 s) is
+the payment API's round trip, half before the refund is booked and half
+after, so kills land on refunds in flight. ``parallel`` runs N of each in the same
+fleet under the same kills, and prints both agents' figures side by side:
+the runs parked with the probe against the runs parked without it.
 """
 
 from __future__ import annotations
@@ -42,6 +53,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.models import Event
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +121,34 @@ class Process:
         return pids
 
 
+PARALLEL_TOOLS = {
+    "parallel-probed": "examples.refunds:send_refund",
+    "parallel-unprobed": "tests.probed_tools:send_refund_unprobed",
+}
+
+
+def write_parallel_agents(directory: Path, count: int, kind: str) -> list[Path]:
+    """Two look-ups at once, then two refunds at once through a non-idempotent tool."""
+    from tests.helpers import call, turn, write_agent
+
+    reference = PARALLEL_TOOLS[kind]
+    refund = reference.rsplit(":", 1)[1]
+    tools = ["examples.refunds:lookup_order", "examples.refunds:refund_policy", reference]
+    agents = []
+    for i in range(count):
+        script = [
+            {**turn("look", call("lookup_order", order_id="B2"),
+                    call("refund_policy", reason="lost in transit")), "sleep_s": 0.05},
+            {**turn("refund", call(refund, order_id=f"{kind}-{i}-a", amount_cents=2900),
+                    call(refund, order_id=f"{kind}-{i}-b", amount_cents=100)), "sleep_s": 0.05},
+            {**turn("Refunded."), "sleep_s": 0.05},
+        ]  # fmt: skip
+        agents.append(
+            write_agent(directory / f"{kind}{i}", script, name=f"{kind}-{i}", tools=tools)
+        )
+    return agents
+
+
 def write_agents(directory: Path, count: int) -> list[Path]:
     from tests.helpers import call, turn, write_agent
 
@@ -139,11 +182,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def duplicated_transitions(events: list[object]) -> int:
+def duplicated_transitions(events: list[Event]) -> int:
     keys: Counter[tuple[str, object]] = Counter()
     turns = 0
     for e in events:
-        kind, data = e.type, e.data  # type: ignore[attr-defined]
+        kind, data = e.type, e.data
         if kind == "model.responded":
             turns += 1
             keys[(kind, turns)] += 1
@@ -171,6 +214,16 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         action="store_true",
         help="kill even while the other worker is still starting (both may be down)",
     )
+    parser.add_argument(
+        "--agent",
+        default="refund",
+        choices=["refund", "parallel-probed", "parallel-unprobed", "parallel"],
+        help="parallel: N runs of parallel-probed and N of parallel-unprobed, side by side",
+    )
+    parser.add_argument(
+        "--refund-latency", type=float, default=0.2,
+        help="seconds send_refund takes (a payment API's round trip), half before booking",
+    )  # fmt: skip
     options = parser.parse_args()
     rng = random.Random(options.seed)
     work = Path(tempfile.mkdtemp(prefix="ratchet-chaos-"))
@@ -183,6 +236,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         RATCHET_BROKER_URL=url, RATCHET_SNAPSHOT_STORE=url, RATCHET_RUN_STORE=url,
         RATCHET_DATA_DIR=str(work / "data"), RATCHET_EXAMPLE_LEDGER=str(ledger),
         RATCHET_BENCH_READY_FILE=str(ready), PYTHONPATH=str(ROOT),
+        RATCHET_EXAMPLE_REFUND_LATENCY_S=str(options.refund_latency),
     )  # fmt: skip
     hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(options.hogs)]
     load_before = os.getloadavg()
@@ -190,8 +244,8 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     sys.path.insert(0, str(ROOT))
     import redis
 
+    from tasks.queues import TURNS_QUEUE
     from worker.api import Ratchet
-    from worker.app import TURNS_QUEUE
 
     celery = [sys.executable, "-m", "celery", "-A", "worker"]
     workers = [
@@ -215,9 +269,24 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             assert process.popen is not None
             starts.append((process.popen.pid, began))
         starts.pop()  # beat's
-        agents = write_agents(work / "agents", options.runs)
+        kinds = {"parallel": ["parallel-probed", "parallel-unprobed"]}.get(
+            options.agent, [options.agent]
+        )
+        agents: list[tuple[str, Path]] = []
+        for kind in kinds:
+            written = (
+                write_agents(work / "agents", options.runs)
+                if kind == "refund"
+                else write_parallel_agents(work / "agents", options.runs, kind)
+            )
+            agents.extend((kind, agent) for agent in written)
+        if len(kinds) > 1:
+            rng.shuffle(agents)  # both agents' runs side by side, under the same kills
         started = time.monotonic()
-        run_ids = [api.start(agent, "refund it", f"chaos-{i}") for i, agent in enumerate(agents)]
+        run_ids = [
+            api.start(agent, "refund it", f"chaos-{i}") for i, (_, agent) in enumerate(agents)
+        ]
+        kind_of = dict(zip(run_ids, (kind for kind, _ in agents), strict=True))
         next_kill = time.monotonic() + rng.uniform(1, 3)
         while time.monotonic() - started < options.timeout:
             live = [
@@ -259,14 +328,17 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             time.sleep(0.05)
         elapsed = time.monotonic() - started
         statuses: Counter[str] = Counter()
+        by_kind: dict[str, Counter[str]] = {kind: Counter() for kind in kinds}
         duplicates = 0
         for run_id in run_ids:
             record = api.ctx.runs.get(run_id)
-            statuses[
-                "lost" if record is None or record.status.is_live else record.status.value
-            ] += 1
+            status = "lost" if record is None or record.status.is_live else record.status.value
+            statuses[status] += 1
+            by_kind[kind_of[run_id]][status] += 1
             if record is not None:
-                duplicates += duplicated_transitions(api.ctx.runs.events(run_id))
+                events = api.ctx.runs.events(run_id)
+                duplicates += duplicated_transitions(events)
+                by_kind[kind_of[run_id]]["probed"] += sum(e.type == "tool.probed" for e in events)
         refunds = (
             Counter(line.split()[1] for line in ledger.read_text().splitlines())
             if ledger.exists()
@@ -300,8 +372,8 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
         # Per worker main process (pid): when it loaded, finished its checks, was ready.
         marks: dict[str, dict[str, float]] = {}
         for line in ready.read_text().splitlines():
-            event, at, pid = line.split()
-            marks.setdefault(pid, {})[event] = float(at)
+            mark_name, mark_at, mark_pid = line.split()
+            marks.setdefault(mark_pid, {})[mark_name] = float(mark_at)
         # Popen's pid is the worker's main process (``python -m celery`` runs in it).
         start_s, import_s, checks_s = [], [], []
         for pid, began in starts:
@@ -321,7 +393,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             at = kill_ms / 1000
             if not any(ready <= at < end for ready, end in up):
                 no_worker_s.append(min((r for r, _ in up if r > at), default=at) - at)
-        from worker.settings import Settings
+        from tasks.settings import Settings
 
         settings = Settings()
         figures = {
@@ -348,7 +420,10 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             "leases_taken_from_dead_owners": logs.count("whose process stopped renewing"),
             "kills_leaving_no_worker_up": len(no_worker_s),
             "no_worker_up_after_those_kills_s": [round(x, 1) for x in sorted(no_worker_s)],
-            "turns_queued_at_kills_p50_max": [percentile(backlog, 0.5), max(backlog, default=0)],
+            "turns_queued_at_kills_p50_max": [
+                percentile([float(n) for n in backlog], 0.5),
+                max(backlog, default=0),
+            ],
             "worker_starts_ready": f"{len(start_s)} of {len(starts)}",
             "worker_start_p50_s": round(percentile(start_s, 0.5), 2),
             "worker_start_max_s": round(max(start_s, default=float("nan")), 2),
@@ -366,6 +441,21 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
             "cpus": os.cpu_count(),
             "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         }
+        if options.agent != "refund":
+            figures["refunds_in_ledger"] = sum(refunds.values())
+            for kind in kinds:
+                counts = by_kind[kind]
+                figures[f"{kind}: runs"] = sum(counts[k] for k in counts if k != "probed")
+                for key in ("completed", "needs_reconciliation", "lost"):
+                    figures[f"{kind}: {key.replace('needs_reconciliation', 'parked')}"] = counts[
+                        key
+                    ]
+                figures[f"{kind}: probes asked"] = counts["probed"]
+        if len(kinds) > 1:
+            probed, unprobed = (by_kind[k]["needs_reconciliation"] for k in kinds)
+            figures["parked with probe / without"] = f"{probed} / {unprobed}" + (
+                f" = {probed / unprobed:.2f}" if unprobed else ""
+            )
         for key, value in figures.items():
             print(f"{key:38} {value}")
         print(json.dumps(figures, sort_keys=True))

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,11 +59,12 @@ def bench_fleet(url: str, env: dict[str, str], args: argparse.Namespace, workdir
         warm_up(env, workers=args.workers)
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
+        from tasks.settings import Settings
+        from tasks.task_base import send_through
         from worker.api import Ratchet
-        from worker.app import app
-        from worker.settings import Settings
+        from worker.app import make_app
 
-        app.conf.broker_url = broker
+        send_through(make_app(Settings(broker_url=broker)))
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
         started = time.perf_counter()
         ids = [api.start(agent, f"fleet run {i}") for i in range(args.runs)]
@@ -204,7 +206,7 @@ def bench_sweep(url: str, suspended: int, rounds: int = 200) -> None:
     from store.snapshots.memory import MemorySnapshotStore
     from tasks.context import Context
     from tasks.recovery import sweep_orphans
-    from worker.settings import Settings
+    from tasks.settings import Settings
 
     figures = {}
     for label, count, db in (("none", 0, 5), (f"{suspended:,}", suspended, 6)):
@@ -219,8 +221,8 @@ def bench_sweep(url: str, suspended: int, rounds: int = 200) -> None:
         found = sweep_orphans(ctx, enqueue=lambda run_id, seq: None)
         assert len(found) == 10, found
         figures[label] = (
-            timed(lambda r=runs: r.overdue(), rounds),
-            timed(lambda c=ctx: sweep_orphans(c, enqueue=lambda run_id, seq: None), rounds),
+            timed(runs.overdue, rounds),
+            timed(partial(sweep_orphans, ctx, enqueue=lambda run_id, seq: None), rounds),
             built,
         )
         runs.close()

@@ -197,9 +197,9 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
     from runtime.models import RunStatus
     from store import open_run_store, open_snapshot_store
     from tasks.context import Context
+    from tasks.settings import Settings
     from tasks.start import create_run
     from worker.app import make_app
-    from worker.settings import Settings
 
     url = f"{server.url}/{db}"
     metrics_port = _free_port()

@@ -11,8 +11,8 @@ import os
 import redis
 from celery import Celery
 
+from tasks.settings import Settings
 from worker.app import celery_config
-from worker.settings import Settings
 
 app = Celery("bench-selfchain")
 config = celery_config(Settings())

@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,8 +77,8 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     os.environ.update(env)
     import redis
 
+    from tasks.settings import Settings
     from worker.api import Ratchet
-    from worker.settings import Settings
 
     settings = Settings()
     hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(options.hogs)]
@@ -120,7 +121,10 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                     break
                 next_check = now + 0.5
             wall_ms = time.time() * 1000
-            for member, expiry in store.zrange(procs_key, 0, -1, withscores=True):
+            scored = cast(
+                "list[tuple[bytes, float]]", store.zrange(procs_key, 0, -1, withscores=True)
+            )
+            for member, expiry in scored:
                 before = last_expiry.get(member)
                 if before is not None and expiry > before:
                     gaps.append((expiry - before) / 1000)

@@ -63,7 +63,7 @@ def add_waiting(runs: RunStore, count: int) -> None:
 def best_sweep_s(runs: RunStore, repeats: int) -> float:
     from store.snapshots.memory import MemorySnapshotStore
     from tasks.context import Context
-    from worker.settings import Settings
+    from tasks.settings import Settings
 
     ctx = Context(Settings(), MemorySnapshotStore(), runs)
     best = float("inf")

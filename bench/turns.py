@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import redis
 
@@ -111,9 +113,55 @@ def warm_up(env: dict[str, str], workers: int = 1, timeout_s: float = 60.0) -> N
         probe.close()
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) of the live processes in process group ``pgid``."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:  # pgrp, after state and ppid
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+class Measured(NamedTuple):
+    turns_per_s: float
+    worker_cpu_ms: float
+    """Per turn: the worker's main and pool processes."""
+    redis_cpu_ms: float
+    """Per turn: redis-server (broker and stores; the driver's polling included)."""
+
+    def cpu(self) -> str:
+        return (
+            f"CPU {self.worker_cpu_ms + self.redis_cpu_ms:5.2f} ms/turn "
+            f"(worker {self.worker_cpu_ms:.2f}, redis-server {self.redis_cpu_ms:.2f})"
+        )
+
+
+def measured(
+    worker: subprocess.Popen[bytes], client: redis.Redis, turns: int, run: Callable[[], None]
+) -> Measured:
+    """Time ``run`` and count the CPU the worker's processes and redis-server spent on it."""
+    cpu, server = group_cpu_s(worker.pid), server_cpu_s(client)
+    started = time.perf_counter()
+    run()
+    elapsed = time.perf_counter() - started
+    worker_ms = (group_cpu_s(worker.pid) - cpu) * 1000 / turns
+    return Measured(turns / elapsed, worker_ms, (server_cpu_s(client) - server) * 1000 / turns)
+
+
 def bench_baseline(
     url: str, env: dict[str, str], runs: int, turns: int, concurrency: int, log: Path
-) -> float:
+) -> Measured:
     counter = redis.Redis.from_url(f"{url}/15")
     counter.delete("bench:chains_done")
     env = {**env, "RATCHET_BROKER_URL": f"{url}/1", "BENCH_COUNTER_URL": f"{url}/15"}
@@ -123,18 +171,20 @@ def bench_baseline(
         from bench import selfchain
 
         selfchain.app.conf.broker_url = f"{url}/1"
-        started = time.perf_counter()
-        for chain_id in range(runs):
-            selfchain.hop.apply_async((chain_id, turns))
-        wait_for(lambda: int(counter.get("bench:chains_done") or 0) >= runs, 600)
-        return runs * turns / (time.perf_counter() - started)
+
+        def run() -> None:
+            for chain_id in range(runs):
+                selfchain.hop.apply_async((chain_id, turns))
+            wait_for(lambda: int(counter.get("bench:chains_done") or 0) >= runs, 600)
+
+        return measured(worker, counter, runs * turns, run)
     finally:
         stop(worker)
 
 
 def bench_ratchet(
     url: str, env: dict[str, str], runs: int, turns: int, concurrency: int, log: Path, agent: Path
-) -> tuple[float, int]:
+) -> tuple[Measured, int]:
     stores = f"{url}/2"
     env = {
         **env,
@@ -148,18 +198,22 @@ def bench_ratchet(
         from runtime.models import RunStatus
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
+        from tasks.settings import Settings
+        from tasks.task_base import send_through
         from worker.api import Ratchet
-        from worker.app import app
-        from worker.settings import Settings
+        from worker.app import make_app
 
-        app.conf.broker_url = f"{url}/3"
+        send_through(make_app(Settings(broker_url=f"{url}/3")))
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
-        started = time.perf_counter()
-        ids = [api.start(agent, f"bench run {i}") for i in range(runs)]
-        wait_for(lambda: len(api.list(RunStatus.COMPLETED, limit=runs + 1)) >= runs, 600)
-        elapsed = time.perf_counter() - started
+        ids: list[str] = []
+
+        def run() -> None:
+            ids.extend(api.start(agent, f"bench run {i}") for i in range(runs))
+            wait_for(lambda: len(api.list(RunStatus.COMPLETED, limit=runs + 1)) >= runs, 600)
+
+        result = measured(worker, redis.Redis.from_url(url), runs * turns, run)
         bad = [i for i in ids if api.get(i).usage.model_turns != turns]
-        return runs * turns / elapsed, len(bad)
+        return result, len(bad)
     finally:
         stop(worker)
 
@@ -169,6 +223,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument(
+        "--no-task-events",
+        action="store_true",
+        help="both workers without Celery task events (RATCHET_TASK_EVENTS=0)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -177,6 +236,8 @@ def main() -> None:
         try:
             env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
             env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(directory / "data"))
+            if args.no_task_events:
+                env["RATCHET_TASK_EVENTS"] = "0"
             agent = write_agent(directory, args.turns)
             baseline = bench_baseline(
                 server.url, env, args.runs, args.turns, args.concurrency, directory / "baseline.log"
@@ -194,11 +255,20 @@ def main() -> None:
             server.stop()
     print(
         f"workload: {args.runs} runs x {args.turns} turns, prefork concurrency {args.concurrency}, "
-        "Redis broker and stores on loopback"
+        "Redis broker and stores on loopback" + (", no task events" if args.no_task_events else "")
     )
-    print(f"plain Celery self-chain (no-op tasks): {baseline:8.1f} turns/s")
-    print(f"ratchet durable turns (model + tool):  {durable:8.1f} turns/s")
-    print(f"ratio durable / self-chain:            {durable / baseline:8.2f}   (target >= 0.80)")
+    print(
+        f"plain Celery self-chain (no-op tasks): {baseline.turns_per_s:8.1f} turns/s, {baseline.cpu()}"
+    )
+    print(
+        f"ratchet durable turns (model + tool):  {durable.turns_per_s:8.1f} turns/s, {durable.cpu()}"
+    )
+    ratio = durable.turns_per_s / baseline.turns_per_s
+    print(f"ratio durable / self-chain:            {ratio:8.2f}   (target >= 0.80)")
+    cpu_ratio = (durable.worker_cpu_ms + durable.redis_cpu_ms) / (
+        baseline.worker_cpu_ms + baseline.redis_cpu_ms
+    )
+    print(f"CPU per turn, durable / self-chain:    {cpu_ratio:8.2f}")
     if wrong:
         print(f"WARNING: {wrong} runs did not take exactly {args.turns} turns")
 

@@ -3,6 +3,7 @@
 Nothing here talks to Celery or to a store; ``tasks/`` does the I/O around it.
 """
 
+from runtime.probes import NotRun, Ran, ToolContext, Unknown
 from runtime.tools import tool
 
-__all__ = ["tool"]
+__all__ = ["NotRun", "Ran", "ToolContext", "Unknown", "tool"]

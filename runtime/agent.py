@@ -33,12 +33,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import AgentFileError, ToolError
+from runtime.limits import LimitsTable
 from runtime.models import Budgets, Policy
-from runtime.providers import Provider, make_provider
+from runtime.providers import Provider
+from runtime.providers.known import make_provider
 from runtime.tools import ToolSpec, load_tool
 
 SNAPSHOT_FORMAT_VERSION = 1
-"""The snapshot format this build writes; part of every binding."""
+"""The format version every binding names. It stays 1 while this build reads every format-1
+snapshot (format 2 adds parallel tool calls, store/snapshots/format.py): raising it would
+refuse every live run after an upgrade as a changed agent."""
 
 MAX_TIMEOUT_S = 7 * 86_400.0
 """The longest timeout an agent may set: finite, and far below what the OS's waits accept."""
@@ -66,7 +70,11 @@ class AgentSpec(BaseModel):
     """Longest wait for one model call (with its retries); then the attempt is abandoned."""
     tool_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     """Longest wait for one tool call; then its outcome is unknown (see tasks/turn.py)."""
-    # The timeouts stay out of the binding on purpose: they bound how long a worker
+    max_parallel_tools: int = Field(default=4, ge=1, le=64)
+    """Tool calls of one model response run at the same time, at most (tasks/tools_parallel.py)."""
+    probe_timeout_s: float = Field(default=30.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    """Longest wait for a tool's outcome probe; then the call's outcome stays unknown."""
+    # The timeouts and max_parallel_tools stay out of the binding on purpose: they bound how long a worker
     # waits, not what the run does, and raising one is how an operator lets a slow
     # run go on — that must not make its resume refused as a changed agent.
     max_suspended_s: int | None = Field(default=None, ge=1, le=10 * 365 * 86_400)
@@ -75,6 +83,9 @@ class AgentSpec(BaseModel):
     """Agents this one may start with `run_child`: a name for the model, a file (relative)."""
     wake_on_input: bool = False
     """A run in a `wait` may be woken early by an answer (`runs continue --input`)."""
+    limits: LimitsTable = LimitsTable()
+    """Fleet-wide rate limits, concurrency caps and priority (runtime/limits.py). Not in the
+    binding: they decide when a run's calls go, not what the run does."""
 
 
 @dataclass(frozen=True)

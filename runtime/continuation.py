@@ -69,11 +69,6 @@ class Continuation(Strict):
             return {"approved": True}
         return {"approved": False, "reason": self.deny}
 
-    def describe(self) -> str:
-        if self.input is not None:
-            return "an input"
-        return "an approval" if self.approve else "a denial"
-
 
 def check_pinned(
     run_id: str,

@@ -6,8 +6,11 @@
     ├── AgentFileError            the agent file is malformed (names the file and the key)
     ├── ToolError                 a tool could not be declared or imported
     ├── ProviderError             the model provider failed (retryable or not)
-    ├── BudgetExhausted           a budget or the deadline does not allow the next step
+    │   └── ProviderRateLimited   HTTP 429: the turn waits on the queue, not in the worker
+    ├── BudgetError               the run's budgets stop its next step
+    │   ├── BudgetExhausted       a budget or the deadline does not allow the next step
     │   └── BudgetUnenforceable   a token budget with responses that reported no usage
+    ├── InvalidInput              a run's input (or its idempotency key) is refused
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
@@ -75,7 +78,25 @@ class ProviderError(RatchetError):
         self.retryable = retryable
 
 
-class BudgetExhausted(RatchetError):
+class ProviderRateLimited(ProviderError):
+    """The provider answered 429: not retried in-process, the turn is re-enqueued instead.
+
+    ``retry_after_s`` is the server's ``Retry-After`` (``None`` when it sent none).
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        RatchetError.__init__(self, message, message, retry_after_s)
+        self.retryable = True
+        self.retry_after_s = retry_after_s
+
+
+class BudgetError(RatchetError):
+    """The run's budgets stop its next step: one is used up, or one cannot be checked."""
+
+    budget: str
+
+
+class BudgetExhausted(BudgetError):
     def __init__(self, budget: str, used: float, limit: float) -> None:
         super().__init__(
             f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give the run more "
@@ -88,19 +109,25 @@ class BudgetExhausted(RatchetError):
         self.budget, self.used, self.limit = budget, used, limit
 
 
-class BudgetUnenforceable(BudgetExhausted):
+class BudgetUnenforceable(BudgetError):
     """A token budget cannot be checked: the provider did not report usage."""
 
     def __init__(self, budget: str, responses: int) -> None:
-        RatchetError.__init__(
-            self,
+        super().__init__(
             f"budget `{budget}` cannot be enforced: {responses} model response(s) reported "
             "no token usage, and ratchet does not guess; use a provider that reports usage "
             "or remove the budget, then start a new run",
             budget,
             responses,
         )
-        self.budget, self.used, self.limit = budget, responses, 0
+        self.budget, self.responses = budget, responses
+
+
+class InvalidInput(RatchetError):
+    """A run's input, or the key that starts it once, is refused before anything is recorded."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"run input refused: {problem}", problem)
 
 
 class InvalidRunId(RatchetError):

@@ -4,7 +4,7 @@ Two functions are the whole machine:
 
 - :func:`apply` folds one event into a :class:`RunState`. The state is exactly
   the fold of the run's events, so the snapshot is a cache the event log can
-  always rebuild (DESIGN invariant 5).
+  always rebuild (tests/test_recovery_rebuild.py holds it).
 - :func:`decide` looks at a state and says what happens next: call the model,
   run a tool, suspend, complete, fail on a budget, or nothing. Budgets and the
   deadline are checked here, before every model call and every tool call.
@@ -39,6 +39,7 @@ from runtime.models import (
     ToolCall,
     Usage,
 )
+from runtime.probes import Answer, Rule, unknown_outcome_rule
 from runtime.providers import ModelRequest, ModelResponse
 from runtime.timers import WAIT, wait_problem, woken_content
 from runtime.timers import prompt as timer_prompt
@@ -47,9 +48,22 @@ from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome
 # --- events -----------------------------------------------------------------
 
 
-def created_event(run_id: str, agent: Agent, user_input: str, now_ms: int) -> dict[str, Any]:
-    """The data of a run's first event, `run.created`."""
+def created_event(
+    run_id: str,
+    agent: Agent,
+    user_input: str,
+    now_ms: int,
+    priority: int | None = None,
+    concurrency_key: str | None = None,
+) -> dict[str, Any]:
+    """The data of a run's first event, `run.created` (a start's priority and key if given)."""
+    extra: dict[str, Any] = {}
+    if priority is not None:
+        extra["priority"] = priority
+    if concurrency_key is not None:
+        extra["concurrency_key"] = concurrency_key
     return {
+        **extra,
         "run_id": run_id,
         "agent": agent.name,
         "agent_file": str(agent.path),
@@ -87,7 +101,7 @@ def _tool_result(
         update={
             "transcript": state.transcript + (message,),
             "pending": rest,
-            "in_flight": None,
+            "running": tuple(c for c in state.running if c != call_id),
             "usage": usage,
             "approved": tuple(a for a in state.approved if a != call_id),
         }
@@ -124,7 +138,12 @@ def _responded(state: RunState, data: dict[str, Any]) -> RunState:
             }
         )
     state = state.model_copy(
-        update={"transcript": state.transcript + (message,), "pending": calls, "usage": usage}
+        update={
+            "transcript": state.transcript + (message,),
+            "pending": calls,
+            "usage": usage,
+            "throttled_since_ms": None,
+        }
     )
     return state.model_copy(update={"status": _live_status(state)})
 
@@ -150,6 +169,8 @@ def _initial(event: Event) -> RunState:
             "created_at_ms": d["created_at_ms"],
             "transcript": tuple(transcript),
             "parent": (d.get("parent") or {}).get("run_id"),
+            "priority": d.get("priority"),
+            "concurrency_key": d.get("concurrency_key"),
         }
     )
 
@@ -172,7 +193,18 @@ def _model_requested(state: RunState, event: Event) -> RunState:
 
 
 def _tool_requested(state: RunState, event: Event) -> RunState:
-    return state.model_copy(update={"in_flight": event.data["call_id"]})
+    call_id = event.data["call_id"]
+    if call_id in state.running:
+        return state
+    return state.model_copy(update={"running": state.running + (call_id,)})
+
+
+def _tool_probed(state: RunState, event: Event) -> RunState:
+    """A probe answered for a call cut short: ``ran`` is its outcome; any other answer is not."""
+    d = event.data
+    if d["answer"] == Answer.RAN.value:
+        return _tool_result(state, d["call_id"], True, d.get("result"))
+    return state
 
 
 def _tool_done(state: RunState, event: Event) -> RunState:
@@ -250,16 +282,43 @@ def _reconciled(state: RunState, event: Event) -> RunState:
     elif decision == "fail":
         state = _tool_result(state, d["call_id"], False, d["reason"])
     elif decision == "retry":
-        state = state.model_copy(update={"in_flight": None})
+        state = state.model_copy(
+            update={"running": tuple(c for c in state.running if c != d["call_id"])}
+        )
     else:
         raise ValueError(f"run {state.run_id}: unknown reconciliation decision {decision!r}")
     state = state.model_copy(update={"error": None})
     return state.model_copy(update={"status": _live_status(state)})
 
 
+def _throttled(state: RunState, event: Event) -> RunState:
+    """The turn waits on a rate limit, a 429 or a concurrency cap, back on the queue.
+
+    ``refused``: the provider answered 429 to the call ``model.requested`` counted, so
+    that request is given back — it did no work. ``since_ms`` (rate limits and 429s
+    only) is when the wait began, for the stall after ``max_wait_s``.
+    """
+    d = event.data
+    usage = state.usage
+    if d.get("refused") and usage.model_attempts > 0:
+        usage = usage.model_copy(update={"model_attempts": usage.model_attempts - 1})
+    since = d.get("since_ms")
+    state = state.model_copy(
+        update={
+            "usage": usage,
+            "throttled_since_ms": int(since) if since is not None else state.throttled_since_ms,
+        }
+    )
+    return state.model_copy(update={"status": _live_status(state)})
+
+
 def _resumed(state: RunState, event: Event) -> RunState:
     state = state.model_copy(
-        update={"recovery_attempts": state.recovery_attempts + 1, "error": None}
+        update={
+            "recovery_attempts": state.recovery_attempts + 1,
+            "error": None,
+            "throttled_since_ms": None,
+        }
     )
     return state.model_copy(update={"status": _live_status(state)})
 
@@ -282,6 +341,7 @@ FOLDS: dict[str, Fold] = {
     "tool.completed": _tool_done,
     "tool.failed": _tool_done,
     "tool.reconciled": _reconciled,
+    "tool.probed": _tool_probed,
     "run.suspended": _suspended,
     "run.continued": _continued,
     "run.woken": _woken,
@@ -296,6 +356,7 @@ FOLDS: dict[str, Fold] = {
     "run.stalled": _ended(RunStatus.STALLED, "reason"),
     "run.dead_lettered": _ended(RunStatus.DEAD_LETTERED, "reason"),
     "run.budget_raised": lambda state, event: fold_raise(state, event.data, _live_status(state)),
+    "run.throttled": _throttled,
 }
 """How each event type changes the state. Every type ever written must stay here."""
 
@@ -336,7 +397,23 @@ class CallModel:
 
 @dataclass(frozen=True)
 class RunTool:
+    """Run ``call``, and ``also`` at the same time: later calls of the same model response."""
+
     call: ToolCall
+    also: tuple[ToolCall, ...] = ()
+
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        return (self.call, *self.also)
+
+
+@dataclass(frozen=True)
+class Unresolved:
+    """Calls journaled as requested with no outcome (a crash or a timeout cut them short),
+    each with its rule (runtime/probes.py): probe them, park on the first that stays unknown,
+    run again the ones that may run again."""
+
+    calls: tuple[tuple[ToolCall, Rule], ...]
 
 
 @dataclass(frozen=True)
@@ -376,7 +453,7 @@ class Idle:
     why: str
 
 
-Action = CallModel | RunTool | StartChild | RefuseCall | Suspend | Fail | Idle
+Action = CallModel | RunTool | Unresolved | StartChild | RefuseCall | Suspend | Fail | Idle
 
 
 def _check_deadline(state: RunState, now_ms: int) -> None:
@@ -410,6 +487,9 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
     if not state.status.is_live:
         return Idle(f"run is {state.status.value}")
     try:
+        if state.running:
+            _check_deadline(state, now_ms)
+            return _unresolved(state, agent)
         if state.pending:
             call = state.pending[0]
             spec = agent.tools.get(call.name)
@@ -434,16 +514,82 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
             if call.name in agent.spec.policy.require_approval and call.id not in state.approved:
                 return Suspend(RunStatus.AWAITING_APPROVAL, call, f"approve `{call.name}`?")
             check_tool_budgets(state, now_ms)
-            return RunTool(call)
+            return RunTool(call, _alongside(state, agent))
         check_model_budgets(state, now_ms)
     except BudgetUnenforceable as exc:
         return Fail(str(exc))
     except BudgetExhausted as exc:
         return Fail(str(exc), exc.budget)
     request = ModelRequest(
-        messages=state.transcript, tools=agent.declarations(), turn=state.usage.model_turns
+        messages=in_request_order(state.transcript),
+        tools=agent.declarations(),
+        turn=state.usage.model_turns,
     )
     return CallModel(request)
+
+
+def _runs_alongside(call: ToolCall, state: RunState, agent: Agent) -> bool:
+    """A plain tool call that needs no one's approval: it may start with the calls before it."""
+    spec = agent.tools.get(call.name)
+    if spec is not None and spec.control:
+        return False
+    return call.name not in agent.spec.policy.require_approval or call.id in state.approved
+
+
+def _alongside(state: RunState, agent: Agent) -> tuple[ToolCall, ...]:
+    """The calls after the first that run with it: the plain calls that follow it, in order,
+    up to ``max_parallel_tools`` in all and within what ``max_tool_calls`` has left.
+
+    A control tool or a call awaiting approval ends the batch: it waits for the calls
+    before it, and the calls after it wait for it, so each is decided on its own turn."""
+    room = min(
+        agent.spec.max_parallel_tools,
+        state.budgets.max_tool_calls - state.usage.tool_calls,
+    )
+    batch: list[ToolCall] = []
+    for call in state.pending[1:room]:
+        if not _runs_alongside(call, state, agent):
+            break
+        batch.append(call)
+    return tuple(batch)
+
+
+def _unresolved(state: RunState, agent: Agent) -> Unresolved:
+    calls = []
+    for call in state.pending:
+        if call.id in state.running:
+            spec = agent.tools.get(call.name)
+            rule = (
+                Rule.PARK
+                if spec is None
+                else unknown_outcome_rule(spec.idempotent, spec.probe is not None)
+            )
+            calls.append((call, rule))
+    return Unresolved(tuple(calls))
+
+
+def in_request_order(transcript: tuple[Message, ...]) -> tuple[Message, ...]:
+    """The transcript as the model reads it: each response's tool results in the order it
+    asked for the calls. Parallel calls are journaled (and folded) as they finish."""
+    ordered: list[Message] = []
+    rank: dict[str, int] = {}
+    results: list[Message] = []
+
+    def flush() -> None:
+        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))
+        ordered.extend(results)
+        results.clear()
+
+    for message in transcript:
+        if message.role == "tool":
+            results.append(message)
+            continue
+        flush()
+        ordered.append(message)
+        if message.role == "assistant":
+            rank = {c.id: i for i, c in enumerate(message.tool_calls)}
+    flush()
+    return tuple(ordered)
 
 
 def response_events(response: ModelResponse) -> list[tuple[str, dict[str, Any]]]:
@@ -491,6 +637,7 @@ __all__ = [
     "Idle",
     "RefuseCall",
     "StartChild",
+    "Unresolved",
     "RunTool",
     "Suspend",
     "Usage",

@@ -67,6 +67,16 @@ SUSPENDED_STATUSES = frozenset(
     {RunStatus.NEEDS_USER_INPUT, RunStatus.BLOCKED, RunStatus.AWAITING_APPROVAL, RunStatus.WAITING}
 )
 TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+"""The run ended by its own course (or a cancel): its output or error is final."""
+FINISHED_STATUSES = TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED}
+"""Nothing moves the run on by itself: terminal, or dead-lettered (recovery gave up on it;
+only an operator's resume moves it on). A waiter stops at these; retention purges them.
+Parked (needs_reconciliation, stalled) and suspended runs wait for a person and are not
+among them."""
+
+INVALID_ARGUMENTS_KEY = "__invalid_json__"
+"""A provider that receives tool arguments it cannot parse puts the raw text under this
+key; the runtime answers the model with a tool error instead of running the tool."""
 
 
 class ToolCall(Strict):
@@ -172,8 +182,10 @@ class RunState(Strict):
     transcript: tuple[Message, ...]
     pending: tuple[ToolCall, ...] = ()
     """Tool calls the last model response asked for that have no outcome yet, in order."""
-    in_flight: str | None = None
-    """Call id journaled as requested whose outcome is not recorded (unknown if we crashed)."""
+    running: tuple[str, ...] = ()
+    """Call ids journaled as requested whose outcome is not recorded, in the order they were
+    requested: being run now, or cut short by a crash or a timeout (their outcome unknown).
+    Parallel tool calls put several here; snapshot format 1 held one (``in_flight``)."""
     approved: tuple[str, ...] = ()
     """Call ids a person approved; they may now run."""
     usage: Usage = Usage()
@@ -187,6 +199,12 @@ class RunState(Strict):
     """The run that started this one as a child (runtime/children.py); told when it ends."""
     parent_told: bool = False
     """The parent has been told how this child ended (or no longer waits for it)."""
+    throttled_since_ms: int | None = None
+    """Waiting on a model rate limit (or a 429) since then, without a call in between."""
+    priority: int | None = None
+    """The priority its start gave the run (0-4, higher first); else the agent's."""
+    concurrency_key: str | None = None
+    """The key its start named (a tenant): at most the agent's max_runs_per_key at once."""
 
     @model_serializer(mode="wrap")
     def _omit_unset_lineage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -197,7 +215,15 @@ class RunState(Strict):
             data.pop("parent", None)
             if not data.get("parent_told"):
                 data.pop("parent_told", None)
+        for name in ("throttled_since_ms", "priority", "concurrency_key"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
+
+    @property
+    def in_flight(self) -> str | None:
+        """The first call journaled as requested with no outcome, if any."""
+        return self.running[0] if self.running else None
 
     @property
     def deadline_ms(self) -> int:

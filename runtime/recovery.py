@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from runtime.errors import BindingChanged, BudgetExhausted, RatchetError, RunRefused
+from runtime.children import awaiting_delivery
+from runtime.errors import BindingChanged, BudgetError, RatchetError, RunRefused
 
 # Budget rules live in the FSM; the classification asks the same questions.
 from runtime.fsm import check_model_budgets, check_tool_budgets
 from runtime.models import Event, RunState, RunStatus
+from runtime.timers import due_at_ms
 
 SWEEPER = "sweeper"
 OPERATOR = "operator"
@@ -146,14 +148,14 @@ def classify(
     return Verdict(Disposition.RESUME_ELIGIBLE)
 
 
-def budget_problem(state: RunState, now_ms: int) -> BudgetExhausted | None:
+def budget_problem(state: RunState, now_ms: int) -> BudgetError | None:
     """The budget or deadline that forbids the run's next step, if one does."""
     try:
         if state.pending and state.suspension is None:
             check_tool_budgets(state, now_ms)
         else:
             check_model_budgets(state, now_ms)
-    except BudgetExhausted as exc:
+    except BudgetError as exc:
         return exc
     return None
 
@@ -162,7 +164,7 @@ def consecutive_recoveries(events: Sequence[Event]) -> list[Event]:
     """The sweeper's ``run.resumed`` events since the run last made progress, oldest first."""
     found: list[Event] = []
     for event in reversed(events):
-        if event.type in PROGRESS_EVENTS:
+        if event.type in PROGRESS_EVENTS or _probe_found_it(event):
             break
         if event.type == "run.resumed":
             if event.data.get("by") != SWEEPER:
@@ -170,6 +172,12 @@ def consecutive_recoveries(events: Sequence[Event]) -> list[Event]:
             found.append(event)
     found.reverse()
     return found
+
+
+def _probe_found_it(event: Event) -> bool:
+    """A probe's ``ran`` is the call's outcome: progress. Its other answers are not — a worker
+    that dies running a call its probe says did not run must still be dead-lettered."""
+    return event.type == "tool.probed" and event.data.get("answer") == "ran"
 
 
 def dead_letter_data(run_id: str, history: Sequence[Event], limit: int) -> dict[str, Any]:
@@ -191,3 +199,21 @@ def dead_letter_data(run_id: str, history: Sequence[Event], limit: int) -> dict[
             for e in history
         ],
     }
+
+
+def sweep_due_ms(state: RunState, now_ms: int, lease_ms: int, lead_ms: int) -> int | None:
+    """When the sweeper next looks at the run (its place in the due index); None: never.
+
+    A live run is overdue if nothing happens within one lease (``lease_ms``); a run
+    waiting for a time is due ``lead_ms`` before it wakes, so the sweeper schedules its
+    wake-up; a child that ended is due now (its parent is told now, or by the sweeper).
+    Any other run (finished, or suspended on a person) is not swept.
+    """
+    due = due_at_ms(state, lead_ms)
+    if due is not None:
+        return due
+    if awaiting_delivery(state):
+        return now_ms
+    if state.status.is_live:
+        return now_ms + lease_ms
+    return None

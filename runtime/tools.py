@@ -14,7 +14,11 @@ hints; pydantic validates the model's arguments, and arguments that do not
 validate go back to the model as an error result rather than crashing the run.
 A tool that raises does the same. ``@tool(idempotent=True)`` marks a tool safe
 to run again when a crash leaves its outcome unknown; the default is not
-idempotent, and such a call is parked for an operator instead of repeated.
+idempotent, and such a call is parked for an operator instead of repeated —
+unless the tool declares a probe, ``@tool(probe=fn)``, that can say whether it
+ran (runtime/probes.py). A tool (and its probe) that declares a parameter of
+type :class:`~runtime.probes.ToolContext` receives the call's stable
+idempotency key in it; that parameter is not part of the JSON schema.
 
 Four control tools are built in, ``request_user_input`` and ``blocked`` (the
 run waits for a person's answer), ``wait`` (for a time, runtime/timers.py) and
@@ -38,10 +42,9 @@ from pydantic_core import to_jsonable_python
 
 from runtime.children import RUN_CHILD, ChildArguments
 from runtime.errors import ToolError
+from runtime.models import INVALID_ARGUMENTS_KEY
+from runtime.probes import Answer, NotRun, Probed, Ran, ToolContext, Unknown
 from runtime.timers import WAIT, WaitArguments
-
-INVALID_ARGUMENTS_KEY = "__invalid_json__"
-"""Mirrors runtime.providers.INVALID_ARGUMENTS_KEY (tools must not import providers)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,14 +68,27 @@ WHAT_A_TOOL_IS = (
 @overload
 def tool(fn: F, /) -> F: ...
 @overload
-def tool(*, idempotent: bool = False, name: str | None = None) -> Callable[[F], F]: ...
 def tool(
-    fn: F | None = None, /, *, idempotent: bool = False, name: str | None = None
+    *, idempotent: bool = False, name: str | None = None, probe: Callable[..., Any] | None = None
+) -> Callable[[F], F]: ...
+def tool(
+    fn: F | None = None,
+    /,
+    *,
+    idempotent: bool = False,
+    name: str | None = None,
+    probe: Callable[..., Any] | None = None,
 ) -> F | Callable[[F], F]:
-    """Mark a function as a tool; ``idempotent=True`` means re-running it after a crash is safe."""
+    """Mark a function as a tool.
+
+    ``idempotent=True``: re-running it after a crash is safe. ``probe``: a function
+    that takes the tool's parameters (any of them, and a ``ToolContext`` one) and
+    returns ``Ran(result)``, ``NotRun()`` or ``Unknown(why)`` for a call whose
+    outcome a crash or a timeout left unknown. It must only ask, never act.
+    """
 
     def mark(func: F) -> F:
-        func.__ratchet_tool__ = {"idempotent": idempotent, "name": name}  # type: ignore[attr-defined]
+        func.__ratchet_tool__ = {"idempotent": idempotent, "name": name, "probe": probe}  # type: ignore[attr-defined]
         return func
 
     return mark(fn) if fn is not None else mark
@@ -90,15 +106,26 @@ class ToolSpec:
     control: bool
     arguments_model: type[BaseModel]
     fn: Callable[..., Any] | None
+    context_parameter: str | None = None
+    """The parameter that receives the call's :class:`ToolContext`, if the tool has one."""
+    probe: Callable[..., Any] | None = None
+    """Asks whether a call whose outcome is unknown ran (runtime/probes.py)."""
+    probe_parameters: tuple[str, ...] = ()
+    """The tool's parameters the probe takes."""
+    probe_context_parameter: str | None = None
 
     def declaration(self) -> dict[str, Any]:
         """What the model is told about the tool; part of the run's binding."""
-        return {
+        declaration: dict[str, Any] = {
             "name": self.name,
             "description": self.description,
             "parameters": self.parameters,
             "idempotent": self.idempotent,
         }
+        if self.probe is not None:
+            # Only when set: tools without a probe keep the binding their runs started with.
+            declaration["probe"] = True
+        return declaration
 
 
 @dataclass(frozen=True)
@@ -108,7 +135,8 @@ class ToolOutcome:
     """JSON-compatible result on success; an error message (str) otherwise."""
 
 
-def _arguments_model(name: str, fn: Callable[..., Any]) -> type[BaseModel]:
+def _parameters(name: str, fn: Callable[..., Any]) -> tuple[dict[str, Any], str | None]:
+    """The function's parameters as pydantic fields, and the one that takes a ToolContext."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
@@ -120,20 +148,49 @@ def _arguments_model(name: str, fn: Callable[..., Any]) -> type[BaseModel]:
             name, f"its type hints cannot be evaluated ({_short(exc)}); import what they name"
         ) from exc
     fields: dict[str, Any] = {}
+    context: str | None = None
     for param in signature.parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ToolError(name, f"parameter `{param.name}`: *args and **kwargs are not allowed")
         annotation = hints.get(param.name)
         if annotation is None:
             raise ToolError(name, f"parameter `{param.name}` needs a type hint")
+        if annotation is ToolContext:
+            if context is not None:
+                raise ToolError(name, "only one parameter may take the ToolContext")
+            context = param.name
+            continue
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (annotation, default)
+    return fields, context
+
+
+def _arguments_model(name: str, fields: dict[str, Any]) -> type[BaseModel]:
     config = ConfigDict(extra="forbid")
     try:
         model: type[BaseModel] = create_model(f"{name}_arguments", __config__=config, **fields)
     except Exception as exc:  # pydantic refuses a type it cannot validate
         raise ToolError(name, f"its parameter types cannot be validated ({_short(exc)})") from exc
     return model
+
+
+def _probe(
+    reference: str, probe: object, tool_fields: dict[str, Any]
+) -> tuple[Callable[..., Any] | None, tuple[str, ...], str | None]:
+    """The probe, the tool parameters it takes and its ToolContext parameter; ToolError if unfit."""
+    if probe is None:
+        return None, (), None
+    if not inspect.isfunction(probe):
+        raise ToolError(reference, f"its probe is {_kind(probe)}, not a plain function")
+    fields, context = _parameters(f"{reference} (probe)", probe)
+    foreign = sorted(set(fields) - set(tool_fields))
+    if foreign:
+        raise ToolError(
+            reference,
+            f"its probe takes `{foreign[0]}`, which is not a parameter of the tool; a probe "
+            "takes the tool's parameters (any of them) and a ToolContext",
+        )
+    return probe, tuple(fields), context
 
 
 def _short(exc: BaseException) -> str:
@@ -151,7 +208,9 @@ def spec_from_function(fn: Callable[..., Any], reference: str) -> ToolSpec:
     name = marks.get("name") or fn.__name__
     if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
         raise ToolError(reference, "its name must be 1-64 letters, digits, `_` or `-`")
-    model = _arguments_model(reference, fn)
+    fields, context = _parameters(reference, fn)
+    model = _arguments_model(reference, fields)
+    probe, probe_parameters, probe_context = _probe(reference, marks.get("probe"), fields)
     try:
         schema = model.model_json_schema()
     except Exception as exc:  # e.g. PydanticInvalidForJsonSchema for a TypeVar or a callable
@@ -172,6 +231,10 @@ def spec_from_function(fn: Callable[..., Any], reference: str) -> ToolSpec:
         control=False,
         arguments_model=model,
         fn=fn,
+        context_parameter=context,
+        probe=probe,
+        probe_parameters=probe_parameters,
+        probe_context_parameter=probe_context,
     )
 
 
@@ -310,13 +373,11 @@ def _import(reference: str, module_name: str) -> Any:
         ) from exc
 
 
-def invoke(spec: ToolSpec, arguments: dict[str, Any]) -> ToolOutcome:
-    """Run a tool; never raises for the tool's own failures (they become error results)."""
-    if spec.fn is None:
-        raise ToolError(spec.name, "control tools suspend the run; they are never invoked")
+def _parsed(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any] | str:
+    """The validated arguments by name, or why they do not validate (for the model)."""
     if INVALID_ARGUMENTS_KEY in arguments:
         raw = str(arguments[INVALID_ARGUMENTS_KEY])[:200]
-        return ToolOutcome(False, f"arguments for `{spec.name}` were not valid JSON: {raw}")
+        return f"arguments for `{spec.name}` were not valid JSON: {raw}"
     try:
         parsed = spec.arguments_model.model_validate(arguments)
     except ValidationError as exc:
@@ -324,12 +385,65 @@ def invoke(spec: ToolSpec, arguments: dict[str, Any]) -> ToolOutcome:
             f"{'.'.join(str(p) for p in err['loc']) or '(arguments)'}: {err['msg']}"
             for err in exc.errors()
         )
-        return ToolOutcome(False, f"invalid arguments for `{spec.name}`: {problems}")
+        return f"invalid arguments for `{spec.name}`: {problems}"
+    return {k: getattr(parsed, k) for k in type(parsed).model_fields}
+
+
+def invoke(
+    spec: ToolSpec, arguments: dict[str, Any], context: ToolContext | None = None
+) -> ToolOutcome:
+    """Run a tool; never raises for the tool's own failures (they become error results).
+
+    ``context`` goes to the tool's ToolContext parameter, if it has one (required then).
+    """
+    if spec.fn is None:
+        raise ToolError(spec.name, "control tools suspend the run; they are never invoked")
+    parsed = _parsed(spec, arguments)
+    if isinstance(parsed, str):
+        return ToolOutcome(False, parsed)
+    if spec.context_parameter is not None:
+        if context is None:
+            raise ToolError(spec.name, "it takes a ToolContext and none was given")
+        parsed[spec.context_parameter] = context
     try:
-        value = spec.fn(**{k: getattr(parsed, k) for k in type(parsed).model_fields})
+        value = spec.fn(**parsed)
     except Exception as exc:  # a tool's failure is the model's to handle, not the run's
         return ToolOutcome(False, f"`{spec.name}` raised {type(exc).__name__}: {exc}")
     try:
         return ToolOutcome(True, to_jsonable_python(value))
     except Exception as exc:
         return ToolOutcome(False, f"`{spec.name}` returned a value that is not JSON: {exc}")
+
+
+def ask_probe(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -> Probed:
+    """Ask the tool's probe whether the call ran; never raises (a failure is ``failed``).
+
+    The caller bounds how long it waits (tasks/tools_parallel.py): a probe that
+    does not answer in time is ``timed_out``.
+    """
+    if spec.probe is None:
+        raise ToolError(spec.name, "it has no probe")
+    parsed = _parsed(spec, arguments)
+    if isinstance(parsed, str):
+        # Arguments that do not validate never reach the tool: running the call "again"
+        # gives the model the same error and calls nothing.
+        return Probed(Answer.NOT_RUN)
+    kwargs = {k: v for k, v in parsed.items() if k in spec.probe_parameters}
+    if spec.probe_context_parameter is not None:
+        kwargs[spec.probe_context_parameter] = context
+    try:
+        answer = spec.probe(**kwargs)
+    except Exception as exc:  # the probe's failure leaves the outcome unknown
+        return Probed(Answer.FAILED, detail=f"raised {_short(exc)}")
+    if isinstance(answer, Ran):
+        try:
+            return Probed(Answer.RAN, to_jsonable_python(answer.result))
+        except Exception as exc:
+            return Probed(Answer.FAILED, detail=f"its result is not JSON ({_short(exc)})")
+    if isinstance(answer, NotRun):
+        return Probed(Answer.NOT_RUN)
+    if isinstance(answer, Unknown):
+        return Probed(Answer.UNKNOWN, detail=" ".join(str(answer.why).split())[:300])
+    return Probed(
+        Answer.FAILED, detail=f"returned {type(answer).__name__}, not Ran, NotRun or Unknown"
+    )

@@ -14,8 +14,9 @@ from runtime.budget import plan_raise
 from runtime.errors import RunNotFound
 from runtime.models import RunState, validate_run_id
 from tasks.context import Context
-from tasks.control import chain_turn, holding_lease
+from tasks.control import holding_lease
 from tasks.journal import append_events, load
+from tasks.queues import chain_turn
 
 
 def raise_budgets(

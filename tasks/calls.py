@@ -13,10 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
+from tasks import metrics
 from tasks.context import Context
-from worker import metrics
 
 log = logging.getLogger("ratchet.turn")
 
@@ -47,22 +47,21 @@ class _Callers:
         self._lock = threading.Lock()
 
     def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
+        return self.start(fn, what).result(timeout_s)
+
+    def start(self, fn: Callable[[], T], what: str) -> Started[T]:
+        """Start ``fn`` on a caller thread and return at once; :meth:`Started.result` waits."""
         with self._lock:
             slot = self._idle.pop() if self._idle else self._spawn()
         wake, box = slot
         done = threading.Event()
         box[:] = [fn, done, None, None]
         wake.set()
-        if not done.wait(timeout_s):
-            box[0] = None  # the thread exits when (if ever) the call returns
-            raise CallTimedOut(what, timeout_s)
-        value, error = box[2], box[3]
+        return Started(self, slot, done, what)
+
+    def _give_back(self, slot: tuple[threading.Event, list[Any]]) -> None:
         with self._lock:
             self._idle.append(slot)
-        if error is not None:
-            raise error
-        result: T = value
-        return result
 
     @staticmethod
     def _spawn() -> tuple[threading.Event, list[Any]]:
@@ -87,17 +86,63 @@ class _Callers:
         return wake, box
 
 
+class Started(Generic[T]):
+    """A call running on a caller thread (:func:`start`)."""
+
+    def __init__(
+        self,
+        callers: _Callers,
+        slot: tuple[threading.Event, list[Any]],
+        done: threading.Event,
+        what: str,
+    ) -> None:
+        self._callers, self._slot, self._done, self.what = callers, slot, done, what
+        self._taken = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout_s: float) -> T:
+        """Wait up to ``timeout_s`` for the call's value (or its exception, raised here).
+
+        Past the timeout the call is abandoned and CallTimedOut raised: its thread is
+        written off and exits when (if ever) the call returns. Call once.
+        """
+        if self._taken:
+            raise RuntimeError(f"{self.what}: its result was already taken")
+        self._taken = True
+        box = self._slot[1]
+        if not self._done.wait(max(0.0, timeout_s)):
+            box[0] = None  # the thread exits when (if ever) the call returns
+            raise CallTimedOut(self.what, timeout_s)
+        value, error = box[2], box[3]
+        self._callers._give_back(self._slot)
+        if error is not None:
+            raise error
+        result: T = value
+        return result
+
+
 _callers_by_pid: dict[int, _Callers] = {}
 
 
-def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run ``call`` on a caller thread; raise CallTimedOut if it takes over ``timeout_s``."""
+def _callers() -> _Callers:
     pid = os.getpid()
     with _lock:
         callers = _callers_by_pid.get(pid)
         if callers is None:
             callers = _callers_by_pid[pid] = _Callers()
-    return callers.call(call, timeout_s, what)
+    return callers
+
+
+def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``call`` on a caller thread; raise CallTimedOut if it takes over ``timeout_s``."""
+    return _callers().call(call, timeout_s, what)
+
+
+def start(call: Callable[[], T], what: str) -> Started[T]:
+    """Start ``call`` on a caller thread and return at once: calls that run side by side."""
+    return _callers().start(call, what)
 
 
 @dataclass

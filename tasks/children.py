@@ -21,17 +21,16 @@ from runtime.models import Event, RunState, ToolCall, validate_run_id
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
+from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from worker.app import CONTROL_QUEUE, app
+from tasks.queues import chain_turn
+from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.children")
 
 
 def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -> None:
     """Record the child run of ``call`` unless it exists, and enqueue its first turn."""
-    # Not at the top: tasks.control imports the turn task, which starts children.
-    from tasks.control import chain_turn
-
     agent = ctx.agent(parent.agent_file)
     child_agent = ctx.agent(
         child_agent_path(agent.path, agent.spec.children[call.arguments["agent"]])
@@ -59,11 +58,7 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
     failpoints.hit("child.enqueued", turn)
 
 
-def tell_parent_soon(child_id: str) -> None:
-    deliver_run.apply_async((child_id,), queue=CONTROL_QUEUE)
-
-
-@app.task(name="ratchet.deliver", ignore_result=True)
+@ratchet_task(name="ratchet.deliver", ignore_result=True)
 def deliver_run(child_id: str) -> str:
     """Tell an ended child's parent how it ended. Returns told | stale | busy."""
     return deliver(get_context(), validate_run_id(child_id))
@@ -73,8 +68,6 @@ def deliver(
     ctx: Context, child_id: str, enqueue: Callable[[str, int], None] | None = None
 ) -> str:
     """:func:`deliver_run`'s work; ``enqueue`` chains the parent's turn (default: the broker)."""
-    from tasks.control import chain_turn, holding_lease
-
     try:
         child = load(ctx, child_id, set_aside=False).state
     except RunNotFound:

@@ -16,9 +16,10 @@ from runtime.agent import Agent, load_agent
 from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
+from tasks import liveness
 from tasks.agent_cache import Version
 from tasks.pool import connections_per_process as connections
-from worker.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings
 
 
 @dataclass
@@ -102,9 +103,7 @@ class Context:
         return agent
 
     def close(self) -> None:
-        from tasks.liveness import forget  # tasks.liveness imports this module
-
-        forget(self.runs)
+        liveness.forget(self.runs)
         self.snapshots.close()
         self.runs.close()
 

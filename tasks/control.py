@@ -49,12 +49,11 @@ from runtime.errors import (
 )
 from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
-from tasks.children import tell_parent_soon
+from tasks import metrics
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load, new_owner, save_snapshot
-from tasks.turn import run_turn
-from worker import metrics
-from worker.app import app
+from tasks.queues import chain_turn, tell_parent_soon
+from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.control")
 
@@ -97,10 +96,6 @@ def _max_suspended_s(events: list[Event]) -> int | None:
 
 # --- continue ---------------------------------------------------------------
 
-
-def chain_turn(run_id: str, seq: int) -> None:
-    """Enqueue the run's next turn; it acts only if the run is still at ``seq``."""
-    run_turn.apply_async((run_id, seq))
 
 
 def apply_continuation(
@@ -201,7 +196,7 @@ CONTROL_TASK_OPTIONS: dict[str, Any] = {
 }
 
 
-@app.task(name="ratchet.continue", bind=True, **CONTROL_TASK_OPTIONS)
+@ratchet_task(name="ratchet.continue", bind=True, **CONTROL_TASK_OPTIONS)
 def continue_run(
     self: Any,
     run_id: str,
@@ -309,7 +304,7 @@ def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
         log.info("run %s: child %s not cancelled: %s", run_id, child, exc)
 
 
-@app.task(name="ratchet.cancel", **CONTROL_TASK_OPTIONS)
+@ratchet_task(name="ratchet.cancel", **CONTROL_TASK_OPTIONS)
 def cancel_run(run_id: str, reason: str | None = None) -> str:
     """Cancel a run. Returns cancelled | refused (the reason is logged)."""
     try:

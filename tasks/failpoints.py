@@ -5,6 +5,11 @@ Arm one with ``RATCHET_FAILPOINT=<name>`` (any turn) or ``<name>@<turn>``
 calls ``os._exit(137)`` at that point — no cleanup, no ack, like SIGKILL.
 Unarmed, a failpoint costs one comparison with ``None``.
 
+With ``RATCHET_FAILPOINT_HOLD=<path>`` as well, the armed point does not end the
+process: while ``<path>`` exists the turn waits there, then goes on (no file: it
+goes on at once). A test holds a turn at a point to act on the world around it —
+cut the host's network, say — and lets it go by removing the file.
+
 Points, in the order a turn passes them:
 
 - ``model.response.received``      the model answered; nothing recorded yet
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 POINTS = (
     "model.response.received",
@@ -46,14 +52,32 @@ def _parse(value: str | None) -> tuple[str, int | None] | None:
 
 
 _armed = _parse(os.environ.get("RATCHET_FAILPOINT"))
+_hold = os.environ.get("RATCHET_FAILPOINT_HOLD") or None
 
 
 def hit(name: str, turn: int) -> None:
-    """End the process here if this point is armed (for ``turn``, if one was given)."""
+    """End the process here if this point is armed (for ``turn``, if one was given).
+
+    With a hold file named, wait here while it exists instead.
+    """
     if _armed is None:
         return
     point, at_turn = _armed
     if point == name and (at_turn is None or at_turn == turn):
+        if _hold is not None:
+            _hold_while_present(_hold, name, turn)
+            return
         sys.stderr.write(f"ratchet failpoint {name} hit at turn {turn}: exiting\n")
         sys.stderr.flush()
         os._exit(137)
+
+
+def _hold_while_present(path: str, name: str, turn: int) -> None:
+    if not os.path.exists(path):
+        return
+    sys.stderr.write(f"ratchet failpoint {name} hit at turn {turn}: holding while {path} exists\n")
+    sys.stderr.flush()
+    while os.path.exists(path):
+        time.sleep(0.01)
+    sys.stderr.write(f"ratchet failpoint {name} released at turn {turn}\n")
+    sys.stderr.flush()

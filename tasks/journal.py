@@ -13,16 +13,20 @@ import logging
 import uuid
 from typing import Any, NamedTuple
 
-from runtime.children import awaiting_delivery
-from runtime.errors import RunNotFound, RunStateLost, SnapshotError, SnapshotTooLarge
+from runtime.errors import (
+    RunNotFound,
+    RunStateLost,
+    SnapshotError,
+    SnapshotTooLarge,
+    StaleWrite,
+)
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState, RunStatus
-from runtime.timers import due_at_ms
-from store.runs import RunRecord
-from tasks import tracing
+from runtime.recovery import sweep_due_ms
+from store.runs import Checkpoint, RunRecord
+from tasks import metrics, tracing
 from tasks.context import Context
 from tasks.liveness import process_id
-from worker import metrics
 
 log = logging.getLogger("ratchet.turn")
 
@@ -53,7 +57,14 @@ class Loaded(NamedTuple):
         return self.events
 
 
-def load(ctx: Context, run_id: str, *, whole_log: bool = False, set_aside: bool = True) -> Loaded:
+def load(
+    ctx: Context,
+    run_id: str,
+    *,
+    whole_log: bool = False,
+    set_aside: bool = True,
+    record: RunRecord | None = None,
+) -> Loaded:
     """The run's state: its snapshot with the events it lacks folded on, else the fold of all.
 
     The one way every task and command reads a run. The events are the truth; a
@@ -65,10 +76,13 @@ def load(ctx: Context, run_id: str, *, whole_log: bool = False, set_aside: bool 
     run's lease, so they never move a snapshot a worker is replacing) it is moved
     to the store's quarantine, never deleted; the state is rebuilt from the events.
 
+    ``record``: the run's record, when the caller just read it (with its lease).
+
     Raises RunNotFound (no record), RunStateLost (the events cannot give a state
     either), StoreUnavailable.
     """
-    record = ctx.runs.get(run_id)
+    if record is None:
+        record = ctx.runs.get(run_id)
     if record is None:
         raise RunNotFound(run_id)
     if not whole_log:
@@ -153,21 +167,63 @@ def _check(
     return record, events, None
 
 
-def save_snapshot(ctx: Context, state: RunState, expected_seq: int | None) -> None:
+def save_snapshot(
+    ctx: Context, state: RunState, expected_seq: int | None, owner: str | None = None
+) -> None:
     """Save ``state`` as the run's snapshot (CAS on ``expected_seq``), for a lease holder.
 
     A stored snapshot that cannot even be read for its seq (damaged since it was
     loaded, or never loaded: this process remembered the state) is set aside as
-    :func:`load` would, and the save expects none. Raises StaleWrite,
-    SnapshotTooLarge, StoreUnavailable.
+    :func:`load` would, and the save expects none.
+
+    With ``owner``: a snapshot found older than ``state`` where ``expected_seq``
+    was expected is a *late checkpoint of a worker that lost the run* (a save the
+    snapshot store cannot fence by lease: a frozen or partitioned worker's, which
+    can land long after it was sent). If ``owner`` still holds the lease and the
+    log ends at ``state.seq``, it is replaced; otherwise StaleWrite stands.
+    Raises StaleWrite, SnapshotTooLarge, StoreUnavailable.
     """
     try:
-        ctx.snapshots.save(state, expected_seq)
+        _save_or_replace_late(ctx, state, expected_seq, owner)
     except SnapshotTooLarge:
         raise
     except SnapshotError as exc:
         _unusable(ctx, state.run_id, str(exc), set_aside=True, then="the checkpoint is saved anew")
         ctx.snapshots.save(state, None)
+
+
+def _save_or_replace_late(
+    ctx: Context, state: RunState, expected_seq: int | None, owner: str | None
+) -> None:
+    try:
+        ctx.snapshots.save(state, expected_seq)
+    except StaleWrite as exc:
+        late = exc.found_seq
+        if owner is None or late is None or late >= state.seq or not _holds(ctx, state, owner):
+            raise
+        # Whatever is stored is behind the log this owner wrote last: a prefix of the
+        # run, stale, never newer. The compare-and-set against it still refuses the
+        # save if yet another writer got in meanwhile.
+        log.warning(
+            "run %s: the snapshot at seq %s is a late checkpoint of a worker that lost the "
+            "run; replacing it with seq %s",
+            state.run_id,
+            late,
+            state.seq,
+        )
+        ctx.snapshots.save(state, late)
+
+
+def _holds(ctx: Context, state: RunState, owner: str) -> bool:
+    """Whether ``owner`` holds the run's lease and its log ends at ``state.seq``."""
+    lease = ctx.runs.lease(state.run_id)
+    record = ctx.runs.get(state.run_id)
+    return (
+        lease is not None
+        and lease.owner == owner
+        and record is not None
+        and record.last_seq == state.seq
+    )
 
 
 def _unusable(
@@ -199,24 +255,77 @@ def append_events(
     ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
 ) -> RunState:
     """Append events after ``state`` (fenced by ``owner``'s lease and the seq); the new state."""
+    change = transition(ctx, state, items)
+    ctx.runs.append(change.record, change.events, owner)
+    _committed(ctx, state.status, change)
+    return change.state
+
+
+class Transition(NamedTuple):
+    """Events after a state, the state they produce, and its record: one write to make."""
+
+    record: RunRecord
+    state: RunState
+    events: list[Event]
+
+
+def transition(
+    ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]]
+) -> Transition:
+    """The events ``items`` after ``state``, folded; nothing is written."""
     now = ctx.runs.clock()
-    before = state.status
     events = []
     for kind, data in items:
         event = Event(seq=state.seq + 1, type=kind, at_ms=now, data=data)
         state = apply(state, event)
         events.append(event)
-    # A live run is overdue for the sweeper if nothing happens within one lease; a
-    # waiting one is due a sweep before it wakes, so the sweeper schedules its wake-up.
-    due = due_at_ms(state, int(ctx.settings.sweep_interval_s * 1000))
-    if due is None and awaiting_delivery(state):
-        due = now  # a child that ended: its parent is told now, or by the sweeper
-    if due is None:
-        due = now + int(ctx.settings.lease_s * 1000)
-    ctx.runs.append(RunRecord.from_state(state, now, due), events, owner)
-    metrics.recorded(before, state.status, events)
-    tracing.committed(ctx, state, events)  # only now: the events are committed
-    return state
+    lease_ms = int(ctx.settings.lease_s * 1000)
+    due = sweep_due_ms(state, now, lease_ms, int(ctx.settings.sweep_interval_s * 1000))
+    if events[-1].type == "run.throttled":
+        # Back on the queue with a countdown: overdue only once that has run out.
+        due = int(events[-1].data["until_ms"]) + lease_ms
+    return Transition(RunRecord.from_state(state, now, due), state, events)
+
+
+def commit_checkpointed(
+    ctx: Context,
+    before: RunState,
+    change: Transition,
+    owner: str,
+    snapshot_seq: int | None,
+    release: bool = False,
+) -> None:
+    """Append ``change`` after ``before``, save its state as the run's snapshot (CAS on
+    ``snapshot_seq``) and, with ``release``, let the lease go: one store call when the run
+    store :meth:`~store.runs.RunStore.commits_with` the snapshot store (both in one Redis),
+    all of it written or none; the separate calls otherwise.
+
+    A stored snapshot that cannot be read for its seq makes it the separate calls too
+    (:func:`save_snapshot` moves it aside). Raises StaleWrite, LeaseLost,
+    SnapshotTooLarge, StoreUnavailable.
+    """
+    if ctx.runs.commits_with(ctx.snapshots):
+        checkpoint = Checkpoint(ctx.snapshots, change.state, snapshot_seq)
+        try:
+            ctx.runs.commit(change.record, change.events, owner, checkpoint, release)
+        except SnapshotError as exc:
+            # Raised while planning the save, before anything was written: the separate
+            # calls keep the events, and move an unreadable snapshot aside (a snapshot
+            # too large is refused there again, once the events are in).
+            log.info("run %s: %s; writing the events and the snapshot apart", before.run_id, exc)
+        else:
+            _committed(ctx, before.status, change)
+            return
+    ctx.runs.append(change.record, change.events, owner)
+    _committed(ctx, before.status, change)
+    save_snapshot(ctx, change.state, snapshot_seq, owner)
+    if release:
+        ctx.runs.release_lease(before.run_id, owner)
+
+
+def _committed(ctx: Context, before: RunStatus, change: Transition) -> None:
+    metrics.recorded(before, change.state.status, change.events)
+    tracing.committed(ctx, change.state, change.events)  # only now: the events are committed
 
 
 def append_ending(

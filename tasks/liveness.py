@@ -31,11 +31,24 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from store.runs import Claim, RunStore
-from tasks.context import Context
+from tasks.settings import Settings
 
 log = logging.getLogger("ratchet.liveness")
+
+
+class Context(Protocol):
+    """What liveness needs of a :class:`tasks.context.Context` (which imports this module,
+    to stop beating in a run store it closes)."""
+
+    @property
+    def runs(self) -> RunStore: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
 
 _HOST = socket.gethostname().replace("/", "_") or "localhost"
 _lock = threading.Lock()

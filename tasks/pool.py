@@ -21,8 +21,6 @@ from typing import Any
 
 from celery.signals import worker_init, worker_ready
 
-from worker.checks import pool_name
-
 log = logging.getLogger("ratchet.pool")
 
 HEADROOM = 8
@@ -75,6 +73,16 @@ def green_pool_problem(pool: str) -> str | None:
         "is not monkey-patched, so every Redis and HTTP call would block all turns; pass "
         "the pool on the command line (`celery -A worker worker -P gevent`), which patches "
         "before anything is imported"
+    )
+
+
+def pool_name(pool_cls: Any) -> str:
+    """``prefork``, ``threads``, ``solo``, … from a name or a pool class."""
+    if isinstance(pool_cls, str):
+        return pool_cls
+    module = getattr(pool_cls, "__module__", "")
+    return {"thread": "threads", "asynpool": "prefork"}.get(
+        module.rsplit(".", 1)[-1], module.rsplit(".", 1)[-1]
     )
 
 

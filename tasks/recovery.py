@@ -43,14 +43,14 @@ from runtime.recovery import (
 )
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
-from tasks.children import tell_parent_soon
+from tasks import metrics
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load, new_owner
 from tasks.liveness import claim
+from tasks.queues import CONTROL_QUEUE, tell_parent_soon
+from tasks.task_base import ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import Advanced, advance, chain, run_turn
-from worker import metrics
-from worker.app import CONTROL_QUEUE, app
+from tasks.turn import Advanced, advance, chain, recover_takeovers_with, run_turn
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -108,7 +108,7 @@ def examine(
 # --- resume -----------------------------------------------------------------
 
 
-@app.task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@ratchet_task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
     """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
 
@@ -174,6 +174,14 @@ def resume(
         raise
     # Still holding the lease, take the turn from the state after the last checkpoint.
     return advance(ctx, run_id, resumed.seq, owner=owner)
+
+
+def _resume_taken_over(ctx: Context, run_id: str, owner: str) -> Advanced:
+    """A turn took the lease from a dead holder: recover the run as the sweeper would."""
+    return resume(ctx, run_id, SWEEPER, owner=owner)
+
+
+recover_takeovers_with(_resume_taken_over)
 
 
 def _last_seq(ctx: Context, run_id: str) -> int:
@@ -327,7 +335,7 @@ def purge_finished(ctx: Context, before_ms: int | None = None, limit: int = PURG
     return purged
 
 
-@app.task(name="ratchet.sweep", ignore_result=True)
+@ratchet_task(name="ratchet.sweep", ignore_result=True)
 def sweep() -> int:
     """One sweep (``celery -A worker beat`` sends it every ``sweep_interval_s``), then retention."""
     ctx = get_context()
@@ -369,12 +377,17 @@ def reconcile(
                 "only a run parked as needs_reconciliation has a call to reconcile; "
                 f"see `ratchet runs show {run_id}`",
             )
-        if call_id != state.in_flight:
+        if call_id not in state.running:
+            # Parallel calls may leave several open: each is reconciled on its own.
+            open_calls = (
+                f"the open call is {state.running[0]}"
+                if len(state.running) == 1
+                else f"the open calls are {', '.join(state.running) or 'none'}"
+            )
             raise RunRefused(
                 run_id,
                 state.status.value,
-                f"call {call_id!r} is not its open call; the open call is {state.in_flight} "
-                f"(`ratchet runs show {run_id}`)",
+                f"call {call_id!r} is not open; {open_calls} (`ratchet runs show {run_id}`)",
             )
         data: dict[str, Any] = {"call_id": call_id, "decision": decision, "by": OPERATOR}
         if decision == "result":
@@ -388,7 +401,7 @@ def reconcile(
     return state
 
 
-@app.task(name="ratchet.reconcile", ignore_result=True)
+@ratchet_task(name="ratchet.reconcile", ignore_result=True)
 def reconcile_run(
     run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
 ) -> int:

@@ -20,24 +20,20 @@ import hashlib
 import logging
 import uuid
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from runtime.errors import RatchetError, StaleWrite, StartConflict
+from runtime.errors import InvalidInput, StaleWrite, StartConflict
 from runtime.fsm import apply, created_event
+from runtime.limits import check_key
 from runtime.models import Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
+from tasks.task_base import ratchet_task
 from tasks.turn import advance, chain
-from worker.app import app
 
 MAX_INPUT_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
 log = logging.getLogger("ratchet.start")
-
-
-class InvalidInput(RatchetError):
-    def __init__(self, problem: str) -> None:
-        super().__init__(f"run input refused: {problem}", problem)
 
 
 def check_input(text: object) -> str:
@@ -56,25 +52,45 @@ def check_input(text: object) -> str:
 
 
 def create_run(
-    ctx: Context, agent_file: str | Path, text: str, run_id: str | None = None
+    ctx: Context,
+    agent_file: str | Path,
+    text: str,
+    run_id: str | None = None,
+    *,
+    priority: int | None = None,
+    concurrency_key: str | None = None,
 ) -> RunState:
     """Record a new run (its `run.created` event, record and first snapshot).
 
-    Raises AgentFileError for a bad agent file, InvalidInput for bad input,
-    StaleWrite if ``run_id`` is already taken.
+    Raises AgentFileError for a bad agent file, InvalidInput for bad input (also a
+    priority outside 0-4 or a malformed concurrency key), StaleWrite if ``run_id``
+    is already taken.
     """
     run_id = validate_run_id(run_id or uuid.uuid4().hex)
     agent = ctx.agent(agent_file)
     text = check_input(text)
+    check_limits(priority, concurrency_key)
     now = ctx.runs.clock()
-    first = Event(
-        seq=1, type="run.created", at_ms=now, data=created_event(run_id, agent, text, now)
-    )
+    data = created_event(run_id, agent, text, now, priority, concurrency_key)
+    first = Event(seq=1, type="run.created", at_ms=now, data=data)
     state = apply(None, first)
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.create(RunRecord.from_state(state, now, due), first)
     ctx.snapshots.save(state, None)
     return state
+
+
+def check_limits(priority: object, concurrency_key: object) -> None:
+    """A start's priority and concurrency key, as given from outside; InvalidInput if not."""
+    if priority is not None and (
+        not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 4
+    ):
+        raise InvalidInput(f"priority must be a whole number from 0 to 4, not {priority!r}")
+    if concurrency_key is not None:
+        try:
+            check_key(concurrency_key, "the concurrency key")
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
 
 
 def run_id_for(run_id: str | None, idempotency_key: str | None) -> str:
@@ -106,6 +122,9 @@ def start(
     text: str,
     run_id: str | None = None,
     idempotency_key: str | None = None,
+    *,
+    priority: int | None = None,
+    concurrency_key: str | None = None,
 ) -> Started:
     """Create the run the key names, or find it: the one path every start takes.
 
@@ -114,7 +133,9 @@ def start(
     """
     run_id = run_id_for(run_id, idempotency_key)
     try:
-        create_run(ctx, agent_file, text, run_id)
+        create_run(
+            ctx, agent_file, text, run_id, priority=priority, concurrency_key=concurrency_key
+        )
     except StaleWrite:
         record = _matching_run(ctx, run_id, agent_file, text)
         fresh = record.status == RunStatus.QUEUED and record.last_seq == 1
@@ -135,15 +156,17 @@ def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) 
     return record
 
 
-@app.task(
+@ratchet_task(
     name="ratchet.start", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
 )
 def start_run(
-    self: object,
+    self: Any,
     agent_file: str,
     text: str,
     run_id: str | None = None,
     idempotency_key: str | None = None,
+    priority: int | None = None,
+    concurrency_key: str | None = None,
 ) -> str:
     """Create the run (unless its key's run exists) and take its first turn. Idempotent.
 
@@ -154,7 +177,10 @@ def start_run(
     if run_id is None and idempotency_key is None:
         idempotency_key = f"celery-task:{self.request.id}"
     try:
-        run_id = start(ctx, agent_file, text, run_id, idempotency_key).run_id
+        run_id = start(
+            ctx, agent_file, text, run_id, idempotency_key,
+            priority=priority, concurrency_key=concurrency_key,
+        ).run_id  # fmt: skip
     except StartConflict as exc:
         log.warning("ratchet.start refused: %s", exc)
         return "conflict"

@@ -17,8 +17,10 @@ from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
+from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from worker.app import CONTROL_QUEUE, app
+from tasks.queues import CONTROL_QUEUE, chain_turn
+from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.timers")
 
@@ -35,7 +37,7 @@ def wake_at(run_id: str, seq: int, at_ms: int, now_ms: int) -> None:
     wake_run.apply_async((run_id, seq), countdown=countdown_s, queue=CONTROL_QUEUE)
 
 
-@app.task(name="ratchet.wake", ignore_result=True)
+@ratchet_task(name="ratchet.wake", ignore_result=True)
 def wake_run(run_id: str, seq: int) -> str:
     """Wake ``run_id`` if it is still waiting at ``seq`` and its time has come.
 
@@ -49,9 +51,6 @@ def wake(
     ctx: Context, run_id: str, seq: int, enqueue: Callable[[str, int], None] | None = None
 ) -> str:
     """:func:`wake_run`'s work; ``enqueue`` chains the next turn (default: the broker)."""
-    # Not at the top: tasks.control imports the turn task, which schedules wake-ups.
-    from tasks.control import chain_turn, holding_lease
-
     record = ctx.runs.get(run_id)
     if record is None or record.last_seq != seq or record.status != RunStatus.WAITING:
         return "stale"

@@ -151,7 +151,7 @@ def step(cursor: Cursor, event: Event, state: RunState) -> tuple[Cursor, list[Sp
         c.model_start = None
     elif kind == "tool.requested":
         c.tools[str(data["call_id"])] = event
-    elif kind in TOOL_ENDS and str(data.get("call_id")) in c.tools:
+    elif ends_call(kind, data) and str(data.get("call_id")) in c.tools:
         spans.append(_tool_span(c, event, base))
     # A run stopped on a budget may be given more (run.budget_raised) and go on: its
     # stop is a suspension of the trace, not its end, and the run span waits for that.
@@ -194,6 +194,11 @@ def _turn_span(c: Cursor, base: dict[str, Any]) -> SpanSpec:
     )
 
 
+def ends_call(kind: str, data: dict[str, Any]) -> bool:
+    """An outcome: also a probe that found the effect of a call cut short (runtime/probes.py)."""
+    return kind in TOOL_ENDS or (kind == "tool.probed" and data.get("answer") == "ran")
+
+
 def _tool_span(c: Cursor, event: Event, base: dict[str, Any]) -> SpanSpec:
     data = event.data
     call_id = str(data["call_id"])
@@ -206,6 +211,8 @@ def _tool_span(c: Cursor, event: Event, base: dict[str, Any]) -> SpanSpec:
         "gen_ai.tool.name": str(start.data.get("name", "")),
     }
     error = None
+    if event.type == "tool.probed":
+        attributes["ratchet.probed"] = str(data.get("answer"))
     if event.type == "tool.failed":
         error = str(data.get("error", ""))
     elif event.type == "tool.reconciled":

@@ -11,9 +11,11 @@
 
    - call the model — journal ``model.requested`` first (an attempt counts even
      if we crash), then **checkpoint the response before any tool runs**;
-   - run each tool call — journal ``tool.requested``, run it, journal its
-     outcome, checkpoint. A call found requested with no outcome was cut short
-     by a crash: an idempotent tool runs again, any other parks the run as
+   - run the tool calls — journal ``tool.requested``, run them side by side (up
+     to ``max_parallel_tools``), journal and checkpoint each outcome as it
+     finishes (tasks/tools_parallel.py). A call found requested with no
+     outcome was cut short by a crash: an idempotent tool runs again, one with
+     a probe is asked whether it ran, any other parks the run as
      ``needs_reconciliation`` for an operator;
    - suspend, complete or fail — recorded and checkpointed; a finished run's
      snapshot is deleted, its events kept.
@@ -30,8 +32,9 @@ Python cannot kill a thread, so a call that times out is *abandoned*: it may
 still finish in the background, and whatever it reports afterwards is dropped.
 A model call that timed out is a failed attempt (``model.failed``; the next
 turn asks again, within ``max_turns``); an idempotent tool is tried again a
-bounded number of times; any other tool's outcome is unknown, so the run is
-parked as ``needs_reconciliation``.
+bounded number of times; any other tool's outcome is unknown: its probe, if it
+has one, is asked whether it ran, and otherwise the run is parked as
+``needs_reconciliation``.
 
 A worker told to shut down (SIGTERM, Celery's warm shutdown) ends the turn at
 the next transition boundary and chains the rest, so another worker carries on
@@ -43,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -54,6 +57,7 @@ from runtime.errors import (
     BindingChanged,
     LeaseLost,
     ProviderError,
+    ProviderRateLimited,
     RunNotFound,
     SnapshotFailed,
     StaleWrite,
@@ -68,30 +72,36 @@ from runtime.fsm import (
     RunTool,
     StartChild,
     Suspend,
+    Unresolved,
     decide,
     response_events,
     suspension_event,
     tool_events,
-    unknown_tool_outcome,
 )
-from runtime.models import RunState, RunStatus, ToolCall, validate_run_id
+from runtime.models import RunState, RunStatus, validate_run_id
+from runtime.probes import Probed
 from runtime.providers import ModelRequest
-from runtime.recovery import SWEEPER
-from runtime.tools import ToolOutcome, ToolSpec, invoke
-from store.runs import Claim
-from tasks import failpoints, liveness
+from runtime.tools import ToolOutcome
+from store.runs import Claim, RunRecord
+from tasks import failpoints, limits, liveness, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
-from tasks.children import start_child, tell_parent_soon
+from tasks.children import start_child
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load, new_owner, save_snapshot
+from tasks.journal import (
+    append_events,
+    commit_checkpointed,
+    load,
+    new_owner,
+    save_snapshot,
+    transition,
+)
+from tasks.queues import tell_parent_soon
+from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
-from worker import metrics
-from worker.app import app
+from tasks.tools_parallel import TOOL_TIMEOUT_ATTEMPTS as TOOL_TIMEOUT_ATTEMPTS
+from tasks.tools_parallel import resolve, run_tools
 
 log = logging.getLogger("ratchet.turn")
-
-TOOL_TIMEOUT_ATTEMPTS = 3
-"""Tries in all for an idempotent tool that times out, before its call fails."""
 
 _stopping = threading.Event()
 
@@ -109,7 +119,7 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
-@app.task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@ratchet_task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_turn(run_id: str, expected_seq: int | None) -> str:
     """Advance ``run_id`` by one turn if it is at ``expected_seq``.
 
@@ -118,7 +128,9 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     """
     ctx = get_context()
     redelivered = bool((run_turn.request.delivery_info or {}).get("redelivered"))
+    started = time.perf_counter()
     done = advance(ctx, validate_run_id(run_id), expected_seq, redelivered=redelivered)
+    metrics.turn_timed(time.perf_counter() - started, throttled=done.countdown_s > 0)
     metrics.turn_done(done.outcome)
     if done.outcome == "next":
         chain(run_id, done)
@@ -132,11 +144,24 @@ class Advanced(NamedTuple):
     """The run's seq afterwards (-1 when the run was not read)."""
     turns: int
     """Model turns the run has had."""
+    countdown_s: float = 0.0
+    """``next`` after waiting on a limit (tasks/limits.py): chain the turn this much later."""
+    priority: int | None = None
+    """The broker priority of the next turn (runs under way before new ones)."""
 
 
 def chain(run_id: str, done: Advanced) -> None:
-    """Enqueue the next turn; it will act only if the run is still at ``done.seq``."""
-    run_turn.apply_async((run_id, done.seq))
+    """Enqueue the next turn; it will act only if the run is still at ``done.seq``.
+
+    One path for every turn that follows another: at once, or after ``countdown_s``
+    when the turn waited on a limit (a broker-held countdown, no worker slot).
+    """
+    options: dict[str, Any] = {}
+    if done.countdown_s > 0:
+        options["countdown"] = done.countdown_s
+    if done.priority is not None:
+        options["priority"] = done.priority
+    run_turn.apply_async((run_id, done.seq), **options)
     failpoints.hit("turn.enqueued", done.turns)
 
 
@@ -155,18 +180,17 @@ def advance(
     a holder of the lease is waited for until its process is known dead or alive.
     """
     owner = owner or new_owner()
-    claim = _take_lease(ctx, run_id, owner, redelivered)
+    claim, record = _take_lease(ctx, run_id, owner, redelivered)
     if claim.took_from is not None:
         # The holder's process died mid-turn: recover the run here and now, as the
         # sweeper would (counted towards dead-lettering), instead of waiting for it.
-        from tasks.recovery import resume  # tasks.recovery imports this module
-
-        return resume(ctx, run_id, SWEEPER, owner=owner)
+        return _recover_takeover(ctx, run_id, owner)
     if not claim.taken:
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
         return Advanced("leased", -1, 0)
+    turn: Turn | None = None
     try:
-        turn = Turn.open(ctx, run_id, owner)
+        turn = Turn.open(ctx, run_id, owner, record) if record is not None else None
         if turn is None:
             log.warning("run %s: no such run; dropping the message", run_id)
             return Advanced("missing", -1, 0)
@@ -180,14 +204,23 @@ def advance(
             )
             return Advanced("stale", turn.state.seq, turn.state.usage.model_turns)
         with turn.heartbeat():
+            turn.adopt()
             outcome = turn.take()
-        return Advanced(outcome, turn.state.seq, turn.state.usage.model_turns)
+        limits.turn_ended(ctx, turn.agent, turn.state)
+        return Advanced(
+            outcome,
+            turn.state.seq,
+            turn.state.usage.model_turns,
+            turn.waited.countdown_s if turn.waited is not None and outcome == "next" else 0.0,
+            limits.turn_priority(ctx, turn.agent, turn.state),
+        )
     except (LeaseLost, StaleWrite) as exc:
         # A zombie: our lease expired and another worker moved the run on.
         log.warning("%s", exc)
         return Advanced("fenced", -1, 0)
     finally:
-        ctx.runs.release_lease(run_id, owner)
+        if turn is None or not turn.released:
+            ctx.runs.release_lease(run_id, owner)
 
 
 LEASE_PATIENCE_S = 0.5
@@ -198,28 +231,66 @@ reads the run, finds it moved on, and lets go within milliseconds; a chained
 turn that gave up at once would leave the run to the sweeper."""
 
 
-def _take_lease(ctx: Context, run_id: str, owner: str, redelivered: bool = False) -> Claim:
-    """The lease, taken or renewed — or taken from a holder whose process is dead.
+def _take_lease(
+    ctx: Context, run_id: str, owner: str, redelivered: bool = False
+) -> tuple[Claim, RunRecord | None]:
+    """The lease — taken or renewed, or taken from a holder whose process is dead — and,
+    unless taken from a dead holder (its recovery reads the run itself), the run's record.
 
-    A redelivered message waits longer: RabbitMQ redelivers a dead consumer's message
+    The fast path is one store call: the lease and the record together
+    (``acquire_and_get``). Refused, the turn claims (``liveness.claim``), which also
+    takes a dead holder's lease, and keeps claiming for ``LEASE_PATIENCE_S``. A
+    redelivered message waits longer: RabbitMQ redelivers a dead consumer's message
     within a fraction of a second, before its liveness lapses, so the turn waits (at
     most one ``liveness_s``) for the holder to be known dead rather than leave the run
     to the sweeper; a holder that keeps beating is alive, and the delivery a duplicate.
     """
+    # A lease is never taken by a process that does not look alive, or another worker
+    # could take it straight back.
+    liveness.beats().keep_alive(ctx)
+    taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)
+    if taken:
+        return Claim(True), record
     started = time.monotonic()
     patience_s = LEASE_PATIENCE_S + (ctx.settings.liveness_s if redelivered else 0.0)
     while True:
         claim = liveness.claim(ctx, run_id, owner)
+        if claim.taken:
+            # From a dead holder, or the lease came free since the fast path refused it.
+            return claim, None if claim.took_from is not None else ctx.runs.get(run_id)
         waited_s = time.monotonic() - started
-        if claim.taken or waited_s >= patience_s:
-            return claim
+        if waited_s >= patience_s:
+            return claim, None
         pause_s = 0.01
         if waited_s >= LEASE_PATIENCE_S:
             if claim.holder_alive_until_ms is None:
-                return claim  # nothing will say the holder died: only its lease ends it
+                return claim, None  # nothing will say the holder died: only its lease ends it
             lapse_s = (claim.holder_alive_until_ms - ctx.runs.clock()) / 1000
             pause_s = min(max(lapse_s, 0.01), patience_s - waited_s, 0.5)
         time.sleep(pause_s)
+
+
+Takeover = Callable[[Context, str, str], Advanced]
+"""Recovers a run whose lease a turn took from a dead holder: ``(ctx, run_id, owner)``."""
+
+_takeover: Takeover | None = None
+
+
+def recover_takeovers_with(recover: Takeover) -> None:
+    """Set how a turn recovers a run it took from a dead holder (tasks.recovery's resume).
+
+    Handed in rather than imported: tasks.recovery imports this module, and importing
+    ``tasks`` imports tasks.recovery, so it is set before any turn runs.
+    """
+    global _takeover
+    _takeover = recover
+
+
+def _recover_takeover(ctx: Context, run_id: str, owner: str) -> Advanced:
+    if _takeover is None:
+        ctx.runs.release_lease(run_id, owner)
+        raise RuntimeError("tasks.recovery is not imported: a taken-over run cannot recover")
+    return _takeover(ctx, run_id, owner)
 
 
 class Turn:
@@ -234,11 +305,25 @@ class Turn:
         self.snapshot_seq = snapshot_seq
         self.owner = owner
         self._recording = threading.RLock()
+        self.waited: limits.Wait | None = None
+        """Set when the model call waits on a limit: the turn ends and is chained later."""
+        self.recording = self._recording
+        """Held to record and checkpoint, by the turn and its parallel tool calls."""
+        self.timed_out: dict[str, int] = {}
+        """Calls of this turn that timed out with their outcome unknown, and how often."""
+        self.last_probed: dict[str, Probed] = {}
+        self.asked_model = False
+        """This turn has called the model: the next model call is the next turn's."""
+        self.released = False
+        """The lease went with the turn's last checkpoint (:meth:`checkpointed`)."""
+        self._beat: tuple[str, str] | None = None
 
     @classmethod
-    def open(cls, ctx: Context, run_id: str, owner: str) -> Turn | None:
+    def open(
+        cls, ctx: Context, run_id: str, owner: str, record: RunRecord | None = None
+    ) -> Turn | None:
         try:
-            loaded = load(ctx, run_id)
+            loaded = load(ctx, run_id, record=record)
         except RunNotFound:
             return None
         state = loaded.state
@@ -246,12 +331,24 @@ class Turn:
 
     # --- the turn -----------------------------------------------------------
 
+    def adopt(self) -> None:
+        """Checkpoint at once when the snapshot lags the log (a resume, a crashed turn).
+
+        The events past the snapshot were appended by an earlier holder, which may
+        still send the checkpoint it owes: a frozen or partitioned worker's save can
+        reach the store long after it was sent. Saving ours first makes that late
+        save fail its compare-and-set instead of landing while this turn runs.
+        """
+        if self.snapshot_seq != self.state.seq and self.state.status.is_live:
+            self.checkpoint()
+
     def take(self) -> str:
         """Run decisions until the turn ends. Returns next | suspended | completed | failed | …"""
         if self.state.status.is_live and self.agent.binding != self.state.binding:
             return self._stall_on_binding()
-        asked_model = False
         while True:
+            if self.released:
+                return "next"  # the last checkpoint let the lease go: the next turn decides
             if stopping() and self.state.status.is_live:
                 log.info(
                     "run %s: worker shutting down; stopping at seq %s and chaining the rest",
@@ -261,10 +358,12 @@ class Turn:
                 return "next"
             action = decide(self.state, self.agent, self.ctx.runs.clock())
             if isinstance(action, CallModel):
-                if asked_model:
+                if self.asked_model:
                     return "next"
-                asked_model = True
+                self.asked_model = True
                 self.call_model(action.request)
+                if self.waited is not None:
+                    return "stalled" if self.waited.stalls else "next"
                 if self.state.status.is_terminal:
                     return self.finish()
                 continue
@@ -281,27 +380,33 @@ class Turn:
             self.record([("run.failed", {"reason": action.reason, **budget})])
             return self.finish()
         if isinstance(action, Suspend):
-            self.record([suspension_event(action)])
-            self.checkpoint()
+            self.checkpointed([suspension_event(action)])
             if action.reason == RunStatus.WAITING:
                 schedule_wake(self.ctx, self.state)
             return "suspended"
         if isinstance(action, StartChild):
             start_child(self.ctx, self.state, action.call, action.child_id)
-            wait = Suspend(RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}")
+            wait = Suspend(
+                RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}"
+            )
             self.record([suspension_event(wait)])
             self.checkpoint()
             return "suspended"
         if isinstance(action, RefuseCall):
-            self.record(tool_events(action.call, ToolOutcome(False, action.error)))
-            self.checkpoint()
+            self.checkpointed(tool_events(action.call, ToolOutcome(False, action.error)))
             return None
-        if isinstance(action, RunTool) and not self.run_tool(action.call):
+        if isinstance(action, RunTool):
+            run_tools(self, action)
+        if isinstance(action, Unresolved) and not resolve(self, action):
             return "parked"
         return None
 
     def call_model(self, request: ModelRequest) -> None:
         turn = request.turn + 1
+        gate = limits.admit(self.ctx, self.agent, self.state, request)
+        if isinstance(gate, limits.Wait):
+            self.wait_on_limit(gate)
+            return
         self.record([("model.requested", {"turn": turn})])
         abandoned = threading.Event()
 
@@ -323,6 +428,9 @@ class Turn:
             # A counted attempt: the next turn asks again, as a new model.requested.
             self.record([("model.failed", {"turn": turn, "error": str(exc), "timeout": True})])
             return
+        except ProviderRateLimited as exc:
+            self.wait_on_limit(limits.refused(self.ctx, self.agent, self.state, gate, turn, exc))
+            return
         except ProviderError as exc:
             if exc.retryable:
                 # The provider is down for longer than its retries cover: nothing about
@@ -339,90 +447,17 @@ class Turn:
                 self.checkpoint()
             return
         failpoints.hit("model.response.received", turn)
-        self.record(response_events(response))
-        self.checkpoint()
+        limits.settle(self.ctx, gate, response)
+        self.checkpointed(response_events(response))
         failpoints.hit("model.response.checkpointed", turn)
 
-    def run_tool(self, call: ToolCall) -> bool:
-        """Run one tool call and checkpoint its outcome; False if the run was parked instead."""
-        spec = self.agent.tools.get(call.name)
-        turn = self.state.usage.model_turns
-        if self.state.in_flight == call.id:
-            # Journaled as requested, no outcome: a crash cut it short, and it may have run.
-            if spec is None or not spec.idempotent:
-                self.park(call)
-                return False
-            log.info(
-                "run %s: re-running idempotent tool %s (call %s) after a crash",
-                self.state.run_id,
-                call.name,
-                call.id,
-            )
-        else:
-            self.record(
-                [
-                    (
-                        "tool.requested",
-                        {"call_id": call.id, "name": call.name, "arguments": call.arguments},
-                    )
-                ]
-            )
-        failpoints.hit("tool.requested", turn)
-        if spec is None:
-            outcome = unknown_tool_outcome(call, self.agent)
-        else:
-            found = self._invoke_bounded(spec, call)
-            if found is None:
-                self.park(call, timed_out_s=self.agent.spec.tool_timeout_s)
-                return False
-            outcome = found
-        failpoints.hit("tool.completed", turn)
-        self.record(tool_events(call, outcome))
-        self.checkpoint()
-        return True
-
-    def _invoke_bounded(self, spec: ToolSpec, call: ToolCall) -> ToolOutcome | None:
-        """The tool's outcome; None when a non-idempotent call timed out (outcome unknown)."""
-        timeout_s = self.agent.spec.tool_timeout_s
-        attempts = TOOL_TIMEOUT_ATTEMPTS if spec.idempotent else 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return bounded(lambda: invoke(spec, call.arguments), timeout_s, f"tool {call.name}")
-            except CallTimedOut as exc:
-                log.warning(
-                    "run %s: %s (attempt %s of %s)", self.state.run_id, exc, attempt, attempts
-                )
-        if not spec.idempotent:
-            return None
-        return ToolOutcome(
-            False, f"`{call.name}` did not return within {timeout_s:g} s, {attempts} times"
-        )
-
-    def park(self, call: ToolCall, timed_out_s: float | None = None) -> None:
-        cause = (
-            f"did not return within {timed_out_s:g} s and was abandoned"
-            if timed_out_s is not None
-            else "was in flight when a worker stopped"
-        )
-        reason = (
-            f"tool `{call.name}` (call {call.id}) {cause} and is not "
-            f"idempotent, so it may or may not have run; check its effect, then "
-            f"`ratchet runs reconcile {self.state.run_id} {call.id}` with --result, --retry or --fail"
-        )
-        self.record(
-            [
-                (
-                    "run.parked",
-                    {
-                        "reason": reason,
-                        "call_id": call.id,
-                        "tool": call.name,
-                        "arguments": call.arguments,
-                    },
-                )
-            ]
-        )
-        self.checkpoint()
+    def wait_on_limit(self, wait: limits.Wait) -> None:
+        """Record the wait (no attempt counted); the turn ends and is chained after it."""
+        self.waited = wait
+        if wait.events:
+            self.record(wait.events)
+        if wait.stalls:
+            self.checkpoint()
 
     def finish(self) -> str:
         """A terminal run keeps its events; its snapshot has served its purpose."""
@@ -455,13 +490,60 @@ class Turn:
         with self._recording:
             self.state = append_events(self.ctx, self.state, items, self.owner)
 
+    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """Record events and checkpoint the state they produce (:meth:`record`, :meth:`checkpoint`).
+
+        One store call when both stores are one Redis: the events, the snapshot and, on
+        the turn's last checkpoint, the lease's release, all written or none.
+        """
+        if not self.ctx.runs.commits_with(self.ctx.snapshots):
+            self.record(items)
+            self.checkpoint()
+            return
+        with self._recording:
+            change = transition(self.ctx, self.state, items)
+            turn = change.state.usage.model_turns
+            failpoints.hit("snapshot.before_save", turn)
+            release = self._ends_turn(change.state)
+            try:
+                started = time.perf_counter()
+                commit_checkpointed(
+                    self.ctx, self.state, change, self.owner, self.snapshot_seq, release
+                )
+                metrics.checkpointed(
+                    time.perf_counter() - started, self.ctx.snapshots.last_save_bytes
+                )
+            except StoreUnavailable as exc:
+                # All or nothing: the run is still where it was.
+                error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
+                self._record_stall(str(error))
+                raise error from exc
+            self.state = change.state
+            self.snapshot_seq = change.state.seq
+            if release:
+                self.released = True
+                if self._beat is not None:
+                    heartbeats().remove(self._beat)
+            self.ctx.remember_checkpoint(self.state)
+            failpoints.hit("snapshot.after_save", turn)
+
+    def _ends_turn(self, state: RunState) -> bool:
+        """Whether the turn ends right after checkpointing ``state``, with the next model call
+        (the next turn's): that checkpoint takes the lease's release along."""
+        return (
+            self.asked_model
+            and state.status.is_live
+            and not stopping()
+            and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
+        )
+
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
         turn = self.state.usage.model_turns
         failpoints.hit("snapshot.before_save", turn)
         try:
             started = time.perf_counter()
-            save_snapshot(self.ctx, self.state, self.snapshot_seq)
+            save_snapshot(self.ctx, self.state, self.snapshot_seq, self.owner)
             metrics.checkpointed(time.perf_counter() - started, self.ctx.snapshots.last_save_bytes)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))
@@ -491,7 +573,7 @@ class Turn:
 
         It stops with the process: a worker that is killed or frozen lets the lease expire.
         """
-        beat = heartbeats().add(self.ctx, self.state.run_id, self.owner)
+        beat = self._beat = heartbeats().add(self.ctx, self.state.run_id, self.owner)
         try:
             yield
         finally:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from store.runs.memory import MemoryRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.turn import Advanced, advance
-from worker.settings import Settings
 
 REFUND_TOOLS = [
     "examples.refunds:lookup_order",
@@ -65,6 +66,12 @@ def turn(content: str, *calls: dict[str, Any], tokens: tuple[int, int] = (10, 5)
     }
 
 
+def refunds(ledger: Path) -> list[str]:
+    """The ledger's refunds as ``refund ORDER CENTS``: without the idempotency key that the
+    example's ``send_refund`` books beside each (``issue_refund`` books none)."""
+    return [" ".join(line.split()[:3]) for line in ledger.read_text().splitlines()]
+
+
 def memory_context(**settings: Any) -> Context:
     return Context(Settings(**settings), MemorySnapshotStore(), MemoryRunStore())
 
@@ -75,5 +82,7 @@ def drive(ctx: Context, run_id: str, max_turns: int = 50) -> Advanced:
     for _ in range(max_turns):
         if done.outcome != "next":
             return done
+        if done.countdown_s:
+            time.sleep(done.countdown_s)  # the broker's countdown of a turn that waited on a limit
         done = advance(ctx, run_id, done.seq)
     raise AssertionError(f"run {run_id} still wants turns after {max_turns}")

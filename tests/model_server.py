@@ -15,6 +15,12 @@ connection with canned answers.
         ... base_url = server.url ...
 
     python -m tests.model_server --port 0 --latency 1 --turns 3   # a process; prints its URL
+
+With ``rpm`` / ``tpm`` set it enforces them as a provider does: a token bucket per
+limit, ``burst_s`` seconds of it deep, and beyond them 429 with a ``Retry-After``
+(fractional seconds) until the bucket has room; the tokens a request costs are the
+usage it reports. It records when it accepted each request (``accepted_at``) and how
+many it refused, for bench/limits.py.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,6 +55,18 @@ class ModelServer:
     in_flight: int = 0
     most_in_flight: int = 0
     """The most requests waiting out their latency at once."""
+    rpm: float = 0.0
+    """Requests a minute this server accepts (0: no limit); beyond them it answers 429."""
+    tpm: float = 0.0
+    """Tokens a minute (prompt and completion, as the usage reports them; 0: no limit)."""
+    burst_s: float = 2.0
+    """How deep the buckets are, in seconds of their rate."""
+    refused: int = 0
+    """Requests answered 429."""
+    accepted_at: list[float] = field(default_factory=list)
+    """``time.time()`` of each request accepted (within the limits)."""
+    accepted_tokens: int = 0
+    _buckets: dict[str, list[float]] = field(default_factory=dict, repr=False)
     _server: asyncio.Server | None = field(default=None, repr=False)
     _connections: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -70,6 +89,26 @@ class ModelServer:
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
+
+    def admit(self, cost_tokens: int, now: float) -> float:
+        """0 when a request of ``cost_tokens`` fits both buckets (taken), else seconds to wait."""
+        wanted = [("requests", self.rpm, 1.0), ("tokens", self.tpm, float(cost_tokens))]
+        wait_s = 0.0
+        for name, per_minute, cost in wanted:
+            if not per_minute:
+                continue
+            per_s, depth = per_minute / 60, per_minute / 60 * self.burst_s
+            level, at = self._buckets.setdefault(name, [depth, now])
+            level = min(depth, level + (now - at) * per_s)
+            self._buckets[name] = [level, now]
+            if level < min(cost, depth):
+                wait_s = max(wait_s, (min(cost, depth) - level) / per_s)
+        if wait_s > 0:
+            return wait_s
+        for name, per_minute, cost in wanted:
+            if per_minute:
+                self._buckets[name][0] -= cost
+        return 0.0
 
     def answer(self, body: Any) -> dict[str, Any]:
         """The chat completion for a request body: a tool call, or the final answer."""
@@ -125,6 +164,18 @@ class ModelServer:
                 except ValueError:
                     await self._send(writer, 400, {"error": {"message": "body is not JSON"}})
                     continue
+                if self.rpm or self.tpm:
+                    usage = self.answer(body)["usage"]
+                    cost = usage["prompt_tokens"] + usage["completion_tokens"]
+                    wait_s = self.admit(cost, time.monotonic())
+                    if wait_s > 0:
+                        self.refused += 1
+                        after = {"Retry-After": f"{wait_s:.3f}"}
+                        message = {"error": {"message": "Rate limit reached", "type": "requests"}}
+                        await self._send(writer, 429, message, after)
+                        continue
+                    self.accepted_at.append(time.time())
+                    self.accepted_tokens += cost
                 self.in_flight += 1
                 self.most_in_flight = max(self.most_in_flight, self.in_flight)
                 try:
@@ -155,11 +206,14 @@ class ModelServer:
             self._released.set()  # the caller's in-flight assertion says what went wrong
 
     @staticmethod
-    async def _send(writer: asyncio.StreamWriter, status: int, body: Any) -> None:
+    async def _send(
+        writer: asyncio.StreamWriter, status: int, body: Any, headers: dict[str, str] | None = None
+    ) -> None:
         payload = json.dumps(body).encode()
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found"}[status]
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests"}[status]
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         writer.write(
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
@@ -167,9 +221,12 @@ class ModelServer:
 
 
 @contextmanager
-def serve(latency_s: float, turns: int, hold_until: int = 0) -> Iterator[ModelServer]:
+def serve(
+    latency_s: float, turns: int, hold_until: int = 0, rpm: float = 0.0, tpm: float = 0.0,
+    burst_s: float = 2.0,
+) -> Iterator[ModelServer]:  # fmt: skip
     """A ModelServer on a free port, on an event loop in a daemon thread of this process."""
-    server = ModelServer(latency_s, turns, hold_until)
+    server = ModelServer(latency_s, turns, hold_until, rpm=rpm, tpm=tpm, burst_s=burst_s)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
@@ -197,15 +254,28 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency", type=float, required=True, help="seconds per answer")
     parser.add_argument("--turns", type=int, required=True, help="model turns per run")
+    parser.add_argument("--rpm", type=float, default=0.0, help="requests a minute (429 beyond)")
+    parser.add_argument("--tpm", type=float, default=0.0, help="tokens a minute (429 beyond)")
+    parser.add_argument("--burst", type=float, default=2.0, help="bucket depth, in seconds")
     args = parser.parse_args()
 
     async def run() -> None:
-        server = ModelServer(args.latency, args.turns, port=args.port)
+        server = ModelServer(
+            args.latency, args.turns, port=args.port, rpm=args.rpm, tpm=args.tpm,
+            burst_s=args.burst,
+        )  # fmt: skip
         await server.start()
         print(server.url, flush=True)
         # Ends when the parent closes our stdin (or dies): never outlives its benchmark.
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-        print(json.dumps({"requests": server.requests, "most_in_flight": server.most_in_flight}))
+        summary = {
+            "requests": server.requests,
+            "most_in_flight": server.most_in_flight,
+            "refused": server.refused,
+            "accepted_at": server.accepted_at,
+            "accepted_tokens": server.accepted_tokens,
+        }
+        print(json.dumps(summary))
 
     asyncio.run(run())
 

@@ -50,3 +50,37 @@ def counted_charge(sleep_s: float) -> dict[str, object]:
     _note("charge")
     time.sleep(sleep_s)
     return {"charged": True}
+
+
+def _host() -> str:
+    """The host a tool runs on, for the multi-host tests (RATCHET_TEST_HOST), else ``?``."""
+    return os.environ.get("RATCHET_TEST_HOST", "?")
+
+
+def _tries(kind: str, key: str) -> int:
+    path = os.environ.get("RATCHET_TEST_CALLS")
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as handle:
+        return sum(1 for line in handle if line.split(" ")[:2] == [kind, key])
+
+
+@tool
+def charge_once(charge_id: str, sleep_s: float) -> dict[str, object]:
+    """Charge a card, slowly. Not idempotent: each invocation notes ``charge <id> <host>``."""
+    _note(f"charge {charge_id} {_host()}")
+    time.sleep(sleep_s)
+    return {"charged": charge_id}
+
+
+@tool(idempotent=True)
+def lookup_slow_first(key: str, sleep_s: float) -> dict[str, object]:
+    """Look ``key`` up: slowly the first time (the try a partition cut off), at once after.
+
+    Safe to repeat; each invocation notes ``lookup <key> <host>``.
+    """
+    first = _tries("lookup", key) == 0
+    _note(f"lookup {key} {_host()}")
+    if first:
+        time.sleep(sleep_s)
+    return {"found": key}

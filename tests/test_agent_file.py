@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,9 +78,9 @@ def test_the_binding_changes_with_anything_that_decides_behaviour(tmp_path: Path
 )
 def test_a_bad_agent_file_is_refused_naming_the_file_and_the_key(
     tmp_path: Path,
-    edit,
+    edit: Callable[[str], str],
     key: str,
-    problem: str,  # type: ignore[no-untyped-def]
+    problem: str,
 ) -> None:
     path = write_agent(tmp_path, [turn("x")])
     path.write_text(edit(path.read_text()))

@@ -19,10 +19,10 @@ from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context
 from tasks.control import cancel
 from tasks.recovery import purge_finished
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
-from worker.settings import Settings
 
 
 class CountingFileSnapshotStore(FileSnapshotStore):

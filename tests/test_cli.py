@@ -24,11 +24,11 @@ from store.runs import RunRecord
 from store.runs.memory import MemoryRunStore
 from store.runs.sqlite import SqliteRunStore
 from tasks.context import Context, set_context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main
-from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]

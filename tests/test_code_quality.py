@@ -1,7 +1,9 @@
 """The habits STYLE.md asks for, held by the suite: ruff clean, mypy --strict clean.
 
 Both run on the project's own configuration (pyproject.toml), so `.ci/run`
-fails on a lint or type error as it does on a failing test.
+fails on a lint or type error as it does on a failing test. mypy checks the
+packages and, as strictly, the tests and the benches: a test that calls a
+function with the wrong arguments is a test of nothing.
 """
 
 from __future__ import annotations
@@ -28,4 +30,9 @@ def test_ruff_finds_nothing() -> None:
 
 def test_mypy_strict_finds_nothing() -> None:
     result = run(sys.executable, "-m", "mypy", "--no-incremental")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_strict_finds_nothing_in_the_tests_and_benches() -> None:
+    result = run(sys.executable, "-m", "mypy", "--strict", "--no-incremental", "tests", "bench")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -31,10 +31,10 @@ from store.runs.memory import MemoryRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, drive, turn, write_agent
 from worker.render import record_lines
-from worker.settings import Settings
 
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
 

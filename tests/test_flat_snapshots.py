@@ -128,7 +128,7 @@ def test_a_tampered_transcript_is_refused_on_load_not_returned(
     state = grown(make_state(seq=1), 1)
     store.save(state, expected_seq=None)
     if isinstance(store, RedisSnapshotStore):
-        store._client.lset(store._transcript_key("run-1"), 1, b'      {"role": "user"}')
+        store._client.lset(store._transcript_key("run-1"), 1, '      {"role": "user"}')
     else:
         prefix = store._transcript_prefix("run-1")
         (key,) = list(store._keys(prefix))

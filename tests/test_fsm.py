@@ -262,7 +262,7 @@ def test_a_call_is_in_flight_from_its_request_until_its_outcome(
     state = step(state, "tool.requested", call_id=first.id, name=first.name)
     assert state.in_flight == first.id and state.status == RunStatus.TOOLS
 
-    data = {"result": {}} if outcome == "tool.completed" else {"error": "no"}
+    data: dict[str, Any] = {"result": {}} if outcome == "tool.completed" else {"error": "no"}
     state = step(state, outcome, call_id=first.id, name=first.name, **data)
     assert state.in_flight is None
     assert [c.id for c in state.pending] == ["call_1_1"]

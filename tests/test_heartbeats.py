@@ -15,7 +15,7 @@ from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.calls import _Heartbeats
 from tasks.context import Context
-from worker.settings import Settings
+from tasks.settings import Settings
 
 
 class CountingRunStore(RedisRunStore):
@@ -37,6 +37,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
 
 def context(redis_url: str, lease_s: float) -> tuple[Context, CountingRunStore]:
     runs = CountingRunStore.from_url(redis_url)
+    assert isinstance(runs, CountingRunStore)
     runs.batches = []
     return Context(Settings(lease_s=lease_s), MemorySnapshotStore(), runs), runs
 

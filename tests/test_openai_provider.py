@@ -19,9 +19,10 @@ import httpx
 import pytest
 
 from runtime.agent import load_agent
-from runtime.errors import ProviderError
+from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import Message, TokenUsage, ToolCall
-from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, make_provider
+from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest
+from runtime.providers.known import make_provider
 from runtime.providers.openai import OpenAIProvider, parse_arguments, retry_after_s
 from tests.openai_server import OpenAIServer, load_fixture, serve
 
@@ -249,27 +250,24 @@ def test_a_body_that_is_not_a_chat_completion_is_a_clear_error(
 # --- retries ------------------------------------------------------------------------
 
 
-def test_a_429_waits_for_retry_after_tells_the_observer_then_succeeds(
+def test_a_429_is_not_retried_in_process_and_hands_its_retry_after_to_the_turn(
     server: OpenAIServer,
 ) -> None:
-    # Given a rate limit that asks for one second
+    # Given a rate limit that asks for one second, and an answer behind it
     server.enqueue_fixture("rate_limited")
     server.enqueue_fixture("text_answer")
     observed = Observed()
 
     # When the provider is asked
-    started = time.monotonic()
-    response = provider_for(server).complete(simple_request(), observer=observed)
-    elapsed_s = time.monotonic() - started
+    with pytest.raises(ProviderRateLimited) as caught:
+        provider_for(server).complete(simple_request(), observer=observed)
 
-    # Then it waited the second, said so once, and returned the second answer
-    assert elapsed_s >= 0.95
-    assert response.content.startswith("Both refunds are issued")
-    assert len(server.requests) == 2
-    [(kind, data)] = observed.events
-    assert kind == "model.retrying"
-    assert data["attempt"] == 1 and data["status"] == 429 and data["wait_s"] == 1.0
-    assert "Rate limit reached" in data["error"]
+    # Then it did not sleep or retry (that would hold the worker's slot): one request,
+    # no retry told, and the server's Retry-After is handed on for the queue's countdown
+    assert len(server.requests) == 1
+    assert observed.events == []
+    assert caught.value.retry_after_s == 1.0 and caught.value.retryable is True
+    assert "HTTP 429" in str(caught.value) and "Rate limit reached" in str(caught.value)
 
 
 def test_a_500_is_retried_and_the_next_answer_is_returned(server: OpenAIServer) -> None:
@@ -335,7 +333,7 @@ def test_exhausted_retries_raise_a_retryable_error_naming_attempts_and_last_stat
 def test_a_retry_after_beyond_max_retry_s_gives_up_at_once_instead_of_sleeping(
     server: OpenAIServer,
 ) -> None:
-    server.enqueue(429, {"error": {"message": "slow down"}}, {"Retry-After": "30"})
+    server.enqueue(503, {"error": {"message": "slow down"}}, {"Retry-After": "30"})
 
     started = time.monotonic()
     with pytest.raises(ProviderError) as caught:

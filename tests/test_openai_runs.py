@@ -31,6 +31,7 @@ from store import open_run_store, open_snapshot_store
 from store.packing import is_packed
 from store.runs import RunRecord
 from tasks.context import Context, set_context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import drive
@@ -39,7 +40,6 @@ from tests.redis_server import RedisServer
 from tests.workers import BROKER_DB
 from worker.api import Ratchet
 from worker.cli import main as cli
-from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -225,27 +225,35 @@ def test_a_multi_turn_run_with_tool_calls_completes_on_a_worker_counting_the_rec
     assert '"refunded_cents": 2900' in last[-1]["content"]
 
 
-def test_a_429_with_retry_after_and_a_500_are_retried_and_counted_as_attempts(
+def test_a_429_waits_on_the_queue_with_its_retry_after_and_is_not_counted_as_an_attempt(
     ratchet: Ratchet, server: OpenAIServer, key: str, tmp_path: Path
 ) -> None:
+    # Given a provider that answers 429 (Retry-After: 1), then 500, then the answer
     record, events = run_on_worker(ratchet, tmp_path, server, "retried")
 
+    # Then the 429 ended the turn (run.throttled, a countdown of the Retry-After on the
+    # broker), the next delivery asked again, and the 500 was retried in-process
     assert record.status == RunStatus.COMPLETED and record.output == ANSWER
     assert types_of(events) == [
         "run.created",
         "model.requested",
-        "model.retrying",
+        "run.throttled",
+        "model.requested",
         "model.retrying",
         "model.responded",
         "run.completed",
     ]
-    first, second = (e.data for e in events if e.type == "model.retrying")
-    assert (first["turn"], first["attempt"], first["status"], first["wait_s"]) == (1, 1, 429, 1.0)
-    assert "Rate limit reached" in first["error"]
-    assert (second["turn"], second["attempt"], second["status"]) == (1, 2, 500)
-    # Three requests, one model call: every request is an attempt
+    throttled = next(e for e in events if e.type == "run.throttled")
+    assert throttled.data["reason"] == "429" and throttled.data["refused"] is True
+    assert throttled.data["wait_s"] == 1.0 and throttled.data["turn"] == 1
+    second = next(e for e in events if e.seq > throttled.seq and e.type == "model.requested")
+    # The countdown really was on the queue: the next request came after Retry-After
+    assert second.at_ms - throttled.at_ms >= 950
+    retrying = next(e.data for e in events if e.type == "model.retrying")
+    assert (retrying["turn"], retrying["attempt"], retrying["status"]) == (1, 1, 500)
+    # Three requests, one model call; the refused one is given back: two attempts
     assert len(server.requests) == 3
-    assert record.usage.model_attempts == 3 and record.usage.model_turns == 1
+    assert record.usage.model_attempts == 2 and record.usage.model_turns == 1
 
 
 def test_a_server_slower_than_timeout_s_is_retried_within_the_turn(

@@ -21,12 +21,12 @@ from store.runs.redis import RedisRunStore
 from tasks.context import Context
 from tasks.journal import append_events, load, new_owner
 from tasks.recovery import reconcile, resume, sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import Turn, advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main as cli
-from worker.settings import Settings
 
 LEASE_MS = 10_000
 
@@ -73,7 +73,7 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
     assert advance(ctx, run_id, None).outcome == "next"
     loaded = load(ctx, run_id)
     state = loaded.state
-    responded = {
+    responded: dict[str, Any] = {
         "content": "refund",
         "tool_calls": [
             {
@@ -88,7 +88,7 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
         "call_id": "call_2_1",
         "name": "issue_refund",
         "arguments": responded["tool_calls"][0]["arguments"],
-    }  # type: ignore[index]
+    }
     append_events(
         ctx,
         state,

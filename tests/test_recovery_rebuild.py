@@ -5,7 +5,8 @@ tools and approvals that suspend the run, answered by appending
 ``run.continued`` directly (the snapshot is then stale, and the next turn heals
 it); budgets that end the run; scripts that run out (a provider error) — and
 for every prefix of the event log the fold succeeds, and wherever a snapshot
-was saved, the fold of that prefix equals it (DESIGN invariant 5).
+was saved, the fold of that prefix equals it: the snapshot is only a cache of
+the fold (runtime/fsm.py).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from store import open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
+from tasks.settings import Settings
 from tests.contract.test_snapshot_store_contract import make_state
 from tests.redis_server import HOST, _binary, _free_port, running_redis_server
-from worker.settings import Settings
 
 PASSWORD = "s3cr3t-pa55"
 
@@ -122,7 +122,7 @@ def test_the_key_prefix_setting_keeps_two_deployments_apart(redis_url: str) -> N
     assert runs_b.get("run-1") is None
     assert snapshots_a.list() == ["run-1"] and runs_a.get("run-1") is not None
     client = redis.Redis.from_url(redis_url)
-    keys = {k.decode() for k in client.keys("*")}
+    keys = {k.decode() if isinstance(k, bytes) else k for k in client.keys("*")}
     client.close()
     assert keys and all(k.startswith("fleet-a:") for k in keys), keys
     for snapshots, runs in fleets.values():

@@ -23,10 +23,10 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
 from tasks.control import cancel
 from tasks.recovery import resume
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.contract.conftest import FakeClock
 from tests.helpers import call, drive, memory_context, turn, write_agent
-from worker.settings import Settings
 
 LEASE_S = 60
 

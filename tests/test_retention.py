@@ -13,12 +13,12 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context, set_context
 from tasks.control import cancel
 from tasks.recovery import sweep
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.contract.conftest import FakeClock
 from tests.helpers import turn, write_agent
 from worker.cli import main
 from worker.cli_recovery import cutoff_ms
-from worker.settings import Settings
 
 DAY_MS = 86_400_000
 

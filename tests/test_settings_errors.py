@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import ConfigInvalid
+from tasks.settings import EXIT_CONFIG_INVALID, load_settings
 from tests.redis_server import HOST, _free_port
 from tests.workers import ROOT
-from worker.settings import EXIT_CONFIG_INVALID, load_settings
 
 pytestmark = pytest.mark.slow
 

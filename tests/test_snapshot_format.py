@@ -25,7 +25,9 @@ GOLDEN = Path(__file__).parent / "golden"
 def test_every_golden_snapshot_version_still_decodes() -> None:
     # Given every format version this project has ever written
     files = sorted(GOLDEN.glob("snapshot-v*.json"))
-    assert [f.name for f in files] == ["snapshot-v1.json"], "add a golden file for each new version"
+    assert [f.name for f in files] == ["snapshot-v1.json", "snapshot-v2.json"], (
+        "add a golden file for each new version"
+    )
     for path in files:
         # When this build reads it
         state = snapshot_format.decode(path.read_bytes(), path.name)
@@ -46,15 +48,32 @@ def test_every_golden_snapshot_version_still_decodes() -> None:
 
 
 def test_a_snapshot_is_sorted_indented_json_with_a_trailing_newline() -> None:
-    data = (GOLDEN / "snapshot-v1.json").read_bytes()
+    data = (GOLDEN / "snapshot-v2.json").read_bytes()
     state = snapshot_format.decode(data, "golden")
     encoded = snapshot_format.encode(state)
     assert encoded.endswith(b"}\n")
     value = json.loads(encoded)
     assert list(value) == sorted(value) == ["kind", "run", "version"]
     assert encoded == data, (
-        "format 1 must encode exactly as it did when the golden file was written"
+        "format 2 must encode exactly as it did when the golden file was written"
     )
+
+
+def test_a_format_1_document_reads_as_the_same_run_in_format_2() -> None:
+    v1 = snapshot_format.decode((GOLDEN / "snapshot-v1.json").read_bytes(), "v1")
+    v2 = snapshot_format.decode((GOLDEN / "snapshot-v2.json").read_bytes(), "v2")
+    assert v1 == v2
+    # A format-1 run cut short with its one call in flight keeps that call open.
+    value = _golden()
+    value["run"]["in_flight"] = "call_2_1"  # type: ignore[index]
+    state = snapshot_format.decode(json.dumps(value).encode(), "v1-in-flight")
+    assert state.running == ("call_2_1",) and state.in_flight == "call_2_1"
+    assert b'"in_flight"' not in snapshot_format.encode(state)
+    # Format 1 never had `running`: it is refused there as the unknown field it is.
+    value["run"]["running"] = []  # type: ignore[index]
+    del value["run"]["in_flight"]  # type: ignore[attr-defined]
+    with pytest.raises(SnapshotMalformed, match="unknown field"):
+        snapshot_format.decode(json.dumps({**value, "version": 1}).encode(), "v1")
 
 
 def _golden() -> dict[str, object]:
@@ -81,10 +100,10 @@ def test_another_kind_of_document_is_refused_saying_which_it_is() -> None:
 
 def test_a_future_version_is_refused_saying_what_to_do() -> None:
     value = _golden()
-    value["version"] = 2
+    value["version"] = 3
     with pytest.raises(SnapshotUnsupportedVersion) as refused:
         snapshot_format.decode(json.dumps(value).encode(), "snap.json")
-    assert "version `2`" in str(refused.value) and "upgrade ratchet" in str(refused.value)
+    assert "version `3`" in str(refused.value) and "upgrade ratchet" in str(refused.value)
 
 
 @pytest.mark.parametrize("data", [b"", b"not json", b"[1, 2]", b"\xff\xfe"])
@@ -149,7 +168,7 @@ def golden_with_a_value_replaced(draw: st.DrawFn) -> bytes:
     while isinstance(node, (dict, list)) and node and draw(st.booleans()):
         key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
         path.append(key)
-        node = node[key]  # type: ignore[index]
+        node = node[key]
     replacement = draw(JSON_VALUES)
     if not path:
         return json.dumps(replacement).encode()

@@ -18,6 +18,7 @@ end the process.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,14 +31,14 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
-from tasks.journal import load
+from tasks.journal import append_events, load
 from tasks.recovery import resume
+from tasks.settings import Settings
 from tasks.start import create_run
-from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, advance, append_events
+from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, Advanced, advance
 from tests.contract.conftest import FakeClock
 from tests.helpers import call, drive, turn, write_agent
 from tests.test_recovery import park_with_refund_in_flight, refund_agent
-from worker.settings import Settings
 
 LEASE_S = 60
 """Long, so the heartbeat (every third of it) never renews a lease during a test."""
@@ -61,7 +62,7 @@ def ctx(clock: FakeClock) -> Context:
 
 
 def at_point(
-    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], None]
+    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], object]
 ) -> None:
     """Call ``act`` the ``nth`` time the turn passes failpoint ``point`` (1-based)."""
     seen = {"hits": 0}
@@ -172,6 +173,76 @@ def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
     assert "last_seq" in seen, f"the turn never reached {point} #{nth}"
     assert done.outcome == "fenced"
     assert ctx.runs.events(run_id)[-1].seq == seen["last_seq"]
+
+
+LATE_CHECKPOINT = [
+    # (where worker B is when A's checkpoint lands, the snapshot's seq just after it)
+    ("tool.requested", 4),  # in its first tool call: B saved at seq 4 as it took over
+    ("snapshot.before_save", 3),  # about to save as it takes over: A's lands first
+]
+
+
+@pytest.mark.parametrize(("b_point", "landed_seq"), LATE_CHECKPOINT)
+def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run_over(
+    ctx: Context,
+    clock: FakeClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ledger: Path,
+    b_point: str,
+    landed_seq: int,
+) -> None:
+    # A snapshot save is fenced by its seq only (the snapshot store cannot see leases),
+    # and a partitioned worker's save can reach the store long after it was sent: TCP
+    # retransmits it once the link is back (measured: docs/testing.md, multi-host).
+    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
+    a_paused, a_go, b_paused, b_go = (threading.Event() for _ in range(4))
+
+    def hit(name: str, turn: int) -> None:
+        who = threading.current_thread().name
+        if who == "worker-a" and name == "snapshot.before_save" and not a_paused.is_set():
+            a_paused.set()
+            assert a_go.wait(10)
+        elif who == "worker-b" and name == b_point and not b_paused.is_set():
+            b_paused.set()
+            assert b_go.wait(10)
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+    outcomes: dict[str, str] = {}
+
+    def worker(name: str, work: Callable[[Context], Advanced]) -> threading.Thread:
+        own = Context(ctx.settings, ctx.snapshots, ctx.runs)
+        thread = threading.Thread(
+            target=lambda: outcomes.update({name: work(own).outcome}), name=name
+        )
+        thread.start()
+        return thread
+
+    # Given worker A with the model's answer appended (seq 3), its checkpoint not yet sent
+    a = worker("worker-a", lambda own: advance(own, run_id, 1))
+    assert a_paused.wait(10)
+    # And worker B, after A's lease expired, resuming the run (run.resumed at seq 4)
+    clock.advance(LEASE_S * 1000 + 1)
+    b = worker("worker-b", lambda own: resume(own, run_id, SWEEPER))
+    assert b_paused.wait(10)
+    # When A's checkpoint reaches the store, and then B carries on
+    a_go.set()
+    a.join(10)
+    landed = ctx.snapshots.load(run_id)
+    b_go.set()
+    b.join(10)
+
+    # Then A's turn ends fenced, and B's goes on to the next turn, its checkpoint the
+    # run's snapshot: a late checkpoint that got in before B's first one is replaced
+    assert landed is not None and landed.seq == landed_seq
+    assert outcomes == {"worker-a": "fenced", "worker-b": "next"}
+    record = ctx.runs.get(run_id)
+    snapshot = ctx.snapshots.load(run_id)
+    assert record is not None and snapshot is not None
+    assert snapshot.seq == record.last_seq
+    kinds = [e.type for e in ctx.runs.events(run_id)]
+    assert kinds[3:6] == ["run.resumed", "tool.requested", "tool.completed"]
+    assert drive(ctx, run_id).outcome == "completed"
 
 
 @pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:3], ids=WRITE_PATH_IDS[:3])

@@ -32,11 +32,11 @@ from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context, set_context
 from tasks.control import apply_continuation
 from tasks.recovery import examine, resume, sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, turn, write_agent
 from worker.cli import main as cli
-from worker.settings import Settings
 
 Damage = Callable[[Path, str, str], None]
 """Damage ``<dir>/<run>.json`` (the run's file); the second run's snapshot is ``<dir>/<other>.json``."""
@@ -61,7 +61,7 @@ def wrong_kind(directory: Path, run_id: str, other: str) -> None:
 
 
 def wrong_version(directory: Path, run_id: str, other: str) -> None:
-    _rewrite(directory / f"{run_id}.json", lambda d: d.update(version=2))
+    _rewrite(directory / f"{run_id}.json", lambda d: d.update(version=3))
 
 
 def unknown_field(directory: Path, run_id: str, other: str) -> None:
@@ -112,7 +112,7 @@ DAMAGES = [
     pytest.param(truncated, "not JSON", id="truncated"),
     pytest.param(empty, "empty", id="empty"),
     pytest.param(wrong_kind, "`ratchet.memory` document", id="wrong-kind"),
-    pytest.param(wrong_version, "version `2`", id="wrong-version"),
+    pytest.param(wrong_version, "version `3`", id="wrong-version"),
     pytest.param(unknown_field, "`colour`: unknown field", id="unknown-field"),
     pytest.param(over_the_limit, "byte limit", id="over-16-mib"),
     pytest.param(huge_integer, "integer", id="5000-digit-integer"),
@@ -372,7 +372,9 @@ def test_on_redis_an_unusable_snapshot_is_renamed_into_its_quarantine_and_the_ru
         client = ctx.snapshots._client
         key = f"ratchet:run:{{{run_id}}}:snapshot"
         client.delete(key)
-        client.hset(key, mapping={"seq": str(record.last_seq).encode(), **fields})
+        client.hset(key, "seq", str(record.last_seq).encode())
+        for name, value in fields.items():
+            client.hset(key, name, value)
         ctx.forget_checkpoint(run_id)
         with caplog.at_level(logging.WARNING):
             assert advance(ctx, run_id, record.last_seq).outcome == "suspended"

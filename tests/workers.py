@@ -1,7 +1,8 @@
 """Real Celery workers for tests: one in-process session worker, and subprocesses.
 
-- ``session_worker``: Celery's own in-process test worker (threads pool) for the
-  app in ``worker.app``, on the session's redis-server (database 0 is its broker).
+- ``session_worker``: Celery's own in-process test worker (threads pool) for
+  ``session_app``, ratchet's app on the session's redis-server (database 0 is its
+  broker), which what the tests send goes through.
   Tests give it their stores through ``tasks.context.set_context``.
 - ``ratchet``: a per-test API over Redis stores in the test's own database, with
   that context installed for the session worker.
@@ -20,20 +21,22 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
+from tasks.settings import Settings
+from tasks.task_base import send_through, sending_app
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
-from worker.app import app
-from worker.settings import Settings
+from worker.app import make_app
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_AGENT = ROOT / "examples" / "refund-desk.toml"
@@ -41,11 +44,27 @@ BROKER_DB = 0
 
 
 @pytest.fixture(scope="session")
-def session_worker(redis_server: RedisServer) -> Iterator[None]:
-    app.conf.broker_url = f"{redis_server.url}/{BROKER_DB}"
-    app.conf.broker_transport_options = {"visibility_timeout": 3600}
+def session_app(redis_server: RedisServer) -> Iterator[Celery]:
+    """ratchet's app on the session's redis-server (database 0 is its broker).
+
+    What ratchet sends outside a task goes through it for the session; the app the
+    environment configures (``worker.app.app``) is left as it was built.
+    """
+    settings = Settings(broker_url=f"{redis_server.url}/{BROKER_DB}", visibility_timeout_s=3600)
+    app = make_app(settings)
+    before = sending_app()
+    send_through(app)
+    try:
+        yield app
+    finally:
+        send_through(before)
+        app.close()
+
+
+@pytest.fixture(scope="session")
+def session_worker(session_app: Celery) -> Iterator[None]:
     with start_worker(
-        app,
+        session_app,
         pool="threads",
         concurrency=2,
         perform_ping_check=False,
@@ -53,6 +72,14 @@ def session_worker(redis_server: RedisServer) -> Iterator[None]:
         shutdown_timeout=10,
     ):
         yield
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
+    """Wait until ``check()`` holds (polling every 50 ms); fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
 
 
 def redis_context(url: str, **settings: object) -> Context:
@@ -89,6 +116,8 @@ class WorkerProcess:
     env: dict[str, str]
     log_path: Path
     args: tuple[str, ...] = ()
+    app: str = "worker"
+    """The ``-A`` argument: ratchet's app, or an application's with ratchet installed."""
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def start(self) -> WorkerProcess:
@@ -97,7 +126,7 @@ class WorkerProcess:
             "-m",
             "celery",
             "-A",
-            "worker",
+            self.app,
             "worker",
             "--loglevel",
             "INFO",
@@ -143,9 +172,9 @@ class WorkerProcesses:
     directory: Path
     started: list[WorkerProcess] = field(default_factory=list)
 
-    def start(self, *args: str, **env: str) -> WorkerProcess:
+    def start(self, *args: str, app: str = "worker", **env: str) -> WorkerProcess:
         log_path = self.directory / f"worker-{len(self.started)}.log"
-        worker = WorkerProcess({**self.base_env, **env}, log_path, args).start()
+        worker = WorkerProcess({**self.base_env, **env}, log_path, args, app).start()
         self.started.append(worker)
         return worker
 

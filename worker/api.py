@@ -25,16 +25,13 @@ from kombu.exceptions import OperationalError
 
 from runtime.continuation import check_pinned, make_continuation
 from runtime.errors import RunNotFound, RunNotQueued, RunRefused
-from runtime.models import TERMINAL_STATUSES, Event, RunStatus, Suspension, validate_run_id
+from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.journal import Loaded, load, new_owner
 from tasks.start import start
 from tasks.turn import run_turn
-
-FINISHED = frozenset(TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED})
-"""Statuses nothing moves on from by itself (dead-lettered: only an operator's resume)."""
 
 
 def make_cursor(record: RunRecord) -> str:
@@ -61,8 +58,15 @@ class Ratchet:
         text: str,
         run_id: str | None = None,
         idempotency_key: str | None = None,
+        *,
+        priority: int | None = None,
+        concurrency_key: str | None = None,
     ) -> str:
         """Create a run and enqueue its first turn; returns the run id. Idempotent by key.
+
+        ``priority`` (0-4, higher first) overrides the agent's ``[limits] priority``;
+        ``concurrency_key`` (e.g. a tenant) puts the run under the agent's
+        ``max_runs_per_key`` (docs/limits.md).
 
         The key is ``run_id`` or ``idempotency_key`` (the run id is derived from it):
         the same key with the same agent file and input returns the existing run (and
@@ -72,10 +76,17 @@ class Ratchet:
         (AgentFileError, InvalidInput). RunNotQueued: the run is recorded but the broker
         could not take its first turn; the crash sweeper queues it once the broker is back.
         """
-        started = start(self.ctx, agent_file, text, run_id, idempotency_key)
+        started = start(
+            self.ctx, agent_file, text, run_id, idempotency_key,
+            priority=priority, concurrency_key=concurrency_key,
+        )  # fmt: skip
         if started.awaits_first_turn:
+            from tasks.limits import first_turn_priority
+
+            level = first_turn_priority(self.ctx, self.ctx.agent(agent_file), priority)
+            options = {"priority": level} if level is not None else {}
             try:
-                run_turn.apply_async((started.run_id, 1))
+                run_turn.apply_async((started.run_id, 1), **options)
             except (OperationalError, OSError) as exc:
                 problem = " ".join(str(exc).split()) or type(exc).__name__
                 raise RunNotQueued(started.run_id, f"broker: {problem}") from exc
@@ -205,7 +216,7 @@ class Ratchet:
                 seq = event.seq
                 yield event
             record = self.get(run_id)
-            stopped = record.status in FINISHED or (until_suspended and not record.status.is_live)
+            stopped = record.status in FINISHED_STATUSES or (until_suspended and not record.status.is_live)
             if stopped and record.last_seq <= seq:
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -312,7 +323,7 @@ class Ratchet:
         """The finished runs a purge with this cutoff would delete (what `--dry-run` lists)."""
         found = [
             record
-            for status in sorted(FINISHED)
+            for status in sorted(FINISHED_STATUSES)
             for record in self.ctx.runs.list(status, limit)
             if record.updated_at_ms < before_ms
         ]
@@ -339,9 +350,10 @@ class Ratchet:
     def open_call(self, run_id: str) -> JournalEntry | None:
         """The journal's call with no recorded outcome, if any (what a parked run waits on)."""
         self.get(run_id)
+        events = self.ctx.runs.events(run_id)
         settled = {
             e.data["call_id"]
-            for e in self.ctx.runs.events(run_id)
+            for e in events
             if e.type == "tool.reconciled" and e.data.get("decision") != "retry"
         }
         open_calls = [
@@ -349,6 +361,11 @@ class Ratchet:
             for e in self.ctx.runs.journal(run_id)
             if e.status == "requested" and e.call_id not in settled
         ]
+        # Parallel calls may leave several open: the one the run was parked on comes first.
+        parked = [e.data.get("call_id") for e in events if e.type == "run.parked"]
+        for entry in open_calls:
+            if parked and entry.call_id == parked[-1]:
+                return entry
         return open_calls[-1] if open_calls else None
 
     def sweep(self) -> builtins.list[str]:

@@ -5,7 +5,7 @@ turn tasks with ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1, and a
 separate ``ratchet.control`` queue so continuations, cancels and sweeps never
 wait behind long turns. The broker's redelivery is only a fast path: ratchet's
 own leases, fencing and sweeper are what make a run survive a crash
-(see CELERY-NOTES in the design docs).
+(docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from typing import Any
 
 from celery import Celery
 from celery.beat import PersistentScheduler
-from kombu import Exchange, Queue
 
 from runtime.errors import ConfigInvalid
-from worker.rejected import rejected_folder
-from worker.settings import EXIT_CONFIG_INVALID, Settings, get_settings
+from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, queues, task_routes
+from tasks.rejected import rejected_folder
+from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
+from tasks.task_base import send_through
+from worker.startup import on_a_command_line
 
-TURNS_QUEUE = "ratchet.turns"
-CONTROL_QUEUE = "ratchet.control"
+__all__ = ["CONTROL_QUEUE", "TURNS_QUEUE", "app", "celery_config", "make_app"]
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -71,32 +72,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_hijack_root_logger": False,
         "task_default_queue": TURNS_QUEUE,
-        # Each queue gets its own exchange and routing key: a bare Queue(name) would be
-        # bound to Celery's default routing key, and every message would land in both.
-        "task_queues": tuple(
-            Queue(name, Exchange(name, type="direct"), routing_key=name)
-            for name in (TURNS_QUEUE, CONTROL_QUEUE)
-        ),
-        "task_routes": {
-            "ratchet.start": {"queue": TURNS_QUEUE},
-            "ratchet.turn": {"queue": TURNS_QUEUE},
-            "ratchet.continue": {"queue": CONTROL_QUEUE},
-            "ratchet.cancel": {"queue": CONTROL_QUEUE},
-            "ratchet.resume": {"queue": TURNS_QUEUE},
-            "ratchet.sweep": {"queue": CONTROL_QUEUE},
-            "ratchet.reconcile": {"queue": CONTROL_QUEUE},
-            "ratchet.wake": {"queue": CONTROL_QUEUE},
-            "ratchet.deliver": {"queue": CONTROL_QUEUE},
-        },
-        # `celery -A worker beat` sends the crash sweeper; a sweep that waited longer
-        # than one interval is dropped, since the next one is already on its way.
-        "beat_schedule": {
-            "ratchet.sweep": {
-                "task": "ratchet.sweep",
-                "schedule": settings.sweep_interval_s,
-                "options": {"queue": CONTROL_QUEUE, "expires": settings.sweep_interval_s},
-            }
-        },
+        "task_queues": queues(),
+        "task_routes": task_routes(),
+        # `celery -A worker beat` sends the crash sweeper.
+        "beat_schedule": beat_schedule(settings.sweep_interval_s),
         # Beat's schedule files (celerybeat-schedule.*) live with the rest of ratchet's state.
         "beat_schedule_filename": str(settings.resolved_data_dir / "celerybeat-schedule"),
         "beat_scheduler": "worker.app:Scheduler",
@@ -111,32 +90,36 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def make_app(settings: Settings | None = None) -> Celery:
+def celery_config_with_priorities(settings: Settings) -> dict[str, Any]:
+    from worker.priorities import with_priorities
+
+    return with_priorities(celery_config(settings), CONTROL_QUEUE)
+
+
+def make_app(settings: Settings | None = None, *, set_as_current: bool = False) -> Celery:
+    """A ratchet Celery app built from ``settings`` (the environment's when None).
+
+    ratchet's tasks are registered on it when it is finalised (they are shared tasks:
+    :func:`tasks.task_base.ratchet_task`). It does not become the current app unless
+    asked: a second app built in a test or a bench (to send to another broker, to
+    start a worker) does not take over what the module's :data:`app` sends.
+    """
+    import tasks.metrics  # noqa: F401  (worker_init: Prometheus, if RATCHET_METRICS_PORT)
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
-    import worker.metrics  # noqa: F401  (worker_init: Prometheus, if RATCHET_METRICS_PORT)
     import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
     from worker.consumer import ContinuationConsumer
 
     # RatchetAMQP picks worker.transport's kombu transports for redis:// and filesystem://
     # URLs (they survive a bad queue entry); other brokers keep kombu's own.
     app = Celery(
-        "ratchet", amqp="worker.transport:RatchetAMQP", task_cls="worker.task_base:RatchetTask"
+        "ratchet",
+        amqp="worker.transport:RatchetAMQP",
+        task_cls="tasks.task_base:RatchetTask",
+        set_as_current=set_as_current,
     )
-    app.conf.update(celery_config(settings or get_settings()))
+    app.conf.update(celery_config_with_priorities(settings or get_settings()))
     app.steps["consumer"].add(ContinuationConsumer)
     return app
-
-
-COMMANDS = ("celery", "ratchet", "worker", "-m")
-"""How a command line shows in ``__main__`` or ``sys.argv[0]`` (``-m``: a package's import)."""
-
-
-def _on_a_command_line() -> bool:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    name = spec.name.split(".")[0] if spec is not None and spec.name else ""
-    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return name in COMMANDS or program in COMMANDS
 
 
 def _app_or_exit() -> Celery:
@@ -146,12 +129,16 @@ def _app_or_exit() -> Celery:
     has an error handler; an application importing ratchet gets ConfigInvalid instead.
     """
     try:
-        return make_app()
+        app = make_app(set_as_current=True)
     except ConfigInvalid as exc:
-        if not _on_a_command_line():
+        if not on_a_command_line():
             raise
         print(f"ratchet: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_INVALID) from None
+    # What ratchet sends outside a task goes through this app (the API's, the CLI's, the
+    # console's request threads), unless the application installed ratchet on its own.
+    send_through(app, unless_set=True)
+    return app
 
 
 class Scheduler(PersistentScheduler):  # type: ignore[misc]  # celery is untyped

@@ -4,8 +4,8 @@ Two checks: the broker's visibility timeout against the longest turn (below), an
 that every Redis store keeps an append-only file (at the end of this module).
 
 **The broker check.** A Redis broker redelivers a message whose task has run
-longer than ``visibility_timeout`` — while the first copy still runs (CELERY-NOTES:
-three copies of a 35 s task with a 10 s timeout). Ratchet's fencing makes the
+longer than ``visibility_timeout`` — while the first copy still runs (a 35 s task
+with a 10 s timeout runs three times at once). Ratchet's fencing makes the
 copies harmless, but they hold workers and hammer the lease, so a worker whose
 longest possible turn does not fit in the visibility timeout refuses to start.
 
@@ -27,18 +27,19 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from celery.signals import import_modules, worker_init
 
-from worker.settings import Settings, get_settings
+from tasks.pool import pool_name
+from tasks.settings import Settings, get_settings
+from tasks.turn import TOOL_TIMEOUT_ATTEMPTS
+from worker.startup import shadow_problem
 
 log = logging.getLogger("ratchet.checks")
 
-TOOL_TIMEOUT_ATTEMPTS = 3
-"""Keep equal to tasks.turn.TOOL_TIMEOUT_ATTEMPTS (not imported: tasks imports the app)."""
 TIME_LIMITED_POOLS = ("prefork",)
 """Pools that enforce Celery's hard time limit by killing the pool process."""
 
@@ -78,16 +79,6 @@ def longest_turn(settings: Settings, pool: str, time_limit_s: float | None) -> L
     if not bounds:
         return LongestTurn(None, f"the {pool} pool does not enforce the turn time limit")
     return LongestTurn(*min(bounds))
-
-
-def pool_name(pool_cls: Any) -> str:
-    """``prefork``, ``threads``, ``solo``, … from a name or a pool class."""
-    if isinstance(pool_cls, str):
-        return pool_cls
-    module = getattr(pool_cls, "__module__", "")
-    return {"thread": "threads", "asynpool": "prefork"}.get(
-        module.rsplit(".", 1)[-1], module.rsplit(".", 1)[-1]
-    )
 
 
 def broker_problem(
@@ -272,11 +263,6 @@ EXPECTED_TASKS = (
     "ratchet.reconcile",
 )
 """Every task a worker must have registered before it consumes a message."""
-RATCHET_PACKAGES = ("tasks", "store", "runtime", "worker")
-"""Ratchet's top-level packages: a module of the same name earlier on sys.path shadows them."""
-RATCHET_ROOT = Path(__file__).resolve().parents[1]
-
-
 def store_problems(settings: Settings) -> list[str]:
     """Open each store and make a real round trip; one line per store that cannot be used.
 
@@ -286,8 +272,8 @@ def store_problems(settings: Settings) -> list[str]:
     import uuid
 
     from runtime.errors import RatchetError
-    from store import open_run_store, open_snapshot_store
-    from worker.settings import masked
+    from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
+    from tasks.settings import masked
 
     probe = PROBE_RUN_ID_PREFIX + uuid.uuid4().hex[:16]
     problems = []
@@ -295,7 +281,10 @@ def store_problems(settings: Settings) -> list[str]:
         ("RATCHET_SNAPSHOT_STORE", settings.resolved_snapshot_store, _snapshot_round_trip),
         ("RATCHET_RUN_STORE", settings.resolved_run_store, _run_store_round_trip),
     )
-    opener = {"RATCHET_SNAPSHOT_STORE": open_snapshot_store, "RATCHET_RUN_STORE": open_run_store}
+    opener: dict[str, Callable[..., SnapshotStore | RunStore]] = {
+        "RATCHET_SNAPSHOT_STORE": open_snapshot_store,
+        "RATCHET_RUN_STORE": open_run_store,
+    }
     for variable, url, round_trip in checks:
         try:
             store = opener[variable](url, redis_prefix=settings.redis_prefix)
@@ -325,7 +314,7 @@ def _run_store_round_trip(store: Any, probe: str) -> None:
 
 def broker_unreachable(app: Any, retries: int) -> str | None:
     """Connect to the broker, retrying ``retries`` times (1-5 s apart); None, or why not."""
-    from worker.settings import masked
+    from tasks.settings import masked
 
     connection = app.connection_for_write()
     try:
@@ -344,42 +333,6 @@ def broker_unreachable(app: Any, retries: int) -> str | None:
     return None
 
 
-def shadowing_modules() -> list[str]:
-    """Modules that would be imported instead of ratchet's own packages, by path.
-
-    Celery puts the current directory first on ``sys.path`` while it imports task
-    modules, so a team's ``tasks.py`` or ``store.py`` there wins over ratchet's.
-    """
-    import importlib.util
-
-    from celery.utils.imports import cwd_in_path
-
-    found = []
-    with cwd_in_path():
-        for name in RATCHET_PACKAGES:
-            module = sys.modules.get(name)
-            origin = getattr(module, "__file__", None) if module is not None else None
-            if module is None:
-                try:
-                    spec = importlib.util.find_spec(name)
-                except (ImportError, ValueError):
-                    spec = None
-                origin = spec.origin if spec is not None else None
-            if origin and not Path(origin).resolve().is_relative_to(RATCHET_ROOT):
-                found.append(f"{origin} shadows ratchet's `{name}` package")
-    return found
-
-
-def _shadow_problem() -> str | None:
-    shadows = shadowing_modules()
-    if not shadows:
-        return None
-    return (
-        "ratchet: refusing to start: " + "; ".join(shadows) + " (the current directory comes "
-        "first on sys.path); rename that module or start the worker from another directory"
-    )
-
-
 def missing_tasks(registered: Any) -> list[str]:
     return [name for name in EXPECTED_TASKS if name not in registered]
 
@@ -393,7 +346,7 @@ def _refuse(problem: str) -> None:
 def _check_ratchet_is_imported(sender: Any = None, **_: Any) -> None:
     # Before Celery imports the task modules: a shadowing `store.py` would otherwise end
     # in an ImportError traceback, a shadowing `tasks.py` in a worker with no tasks.
-    problem = _shadow_problem()
+    problem = shadow_problem()
     if problem is not None:
         _refuse(problem)
 
@@ -401,9 +354,11 @@ def _check_ratchet_is_imported(sender: Any = None, **_: Any) -> None:
 @worker_init.connect
 def _check_tasks_stores_and_broker(sender: Any = None, **_: Any) -> None:
     app = sender.app
+    if app.main != "ratchet":
+        return  # another Celery app in this process (bench/selfchain.py's baseline)
     missing = missing_tasks(app.tasks)
     if missing:
-        shadow = _shadow_problem()
+        shadow = shadow_problem()
         _refuse(
             shadow
             or f"ratchet: refusing to start: ratchet's tasks {', '.join(missing)} are not "

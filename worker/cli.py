@@ -6,18 +6,14 @@ one line on stderr that says why and what to do.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from collections.abc import Callable
-from functools import wraps
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from runtime.errors import RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus, validate_run_id
-from store.runs import RunRecord
+from worker.cli_base import _api, _dump, _record_json, main, refusals, runs
 from worker.exits import Exit, wait_exit
 from worker.render import (
     event_line,
@@ -27,48 +23,6 @@ from worker.render import (
     run_times,
     when_utc,
 )
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def refusals(fn: F) -> F:
-    """Turn ratchet's errors into one line on stderr and exit status 1."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except BrokenPipeError:
-            # The reader went away (`| head`): not an error worth a line on stderr.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
-        except FileNotFoundError as exc:
-            click.echo(
-                f"ratchet: no such file: {exc.filename}; check the path "
-                "(agent files are .toml, e.g. examples/refund-desk.toml)",
-                err=True,
-            )
-            sys.exit(1)
-        except (RatchetError, ValueError, OSError) as exc:
-            message = " ".join(str(exc).split())
-            click.echo(f"ratchet: {message}", err=True)
-            sys.exit(1)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _api() -> Any:
-    from worker.api import Ratchet
-
-    return Ratchet()
-
-
-def _dump(value: Any) -> None:
-    click.echo(json.dumps(value, sort_keys=True, ensure_ascii=False))
-
-
-def _record_json(record: RunRecord) -> dict[str, Any]:
-    return record.model_dump(mode="json")
 
 
 def _event_json(event: Event) -> dict[str, Any]:
@@ -88,16 +42,7 @@ def _given_run_id(value: str | None) -> str | None:
         ) from exc
 
 
-@click.group()
-@click.version_option(package_name="ratchet")
-def main() -> None:
-    """Durable LLM-agent runs on Celery."""
-
-
-@main.group()
-def runs() -> None:
-    """Start, list, show and follow runs."""
-
+__all__ = ["main"]  # the `ratchet` command (pyproject's entry point), with every subcommand
 
 EXIT_NOT_QUEUED = Exit.NOT_ENQUEUED
 """`runs start`: the run is recorded but not queued; it starts once the broker is back (EX_TEMPFAIL)."""
@@ -347,6 +292,6 @@ def demo(agent_file: str | None, text: str) -> None:
     sys.exit(run_demo(agent_file, text))
 
 
-# Command modules register themselves on the groups above.
-from worker import cli_control, cli_lineage, cli_recovery, cli_rejected  # noqa: E402,F401
+# Command modules register themselves on the groups (worker.cli_base).
+from worker import cli_control, cli_limits, cli_lineage, cli_recovery, cli_rejected  # noqa: E402,F401
 from worker.console import command as console_command  # noqa: E402,F401

@@ -6,7 +6,7 @@ import click
 
 from runtime.models import Suspension
 from tasks.control import new_continuation_id
-from worker.cli import _api, _dump, _record_json, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, refusals, runs
 from worker.render import record_lines
 
 

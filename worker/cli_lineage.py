@@ -9,7 +9,7 @@ import getpass
 
 import click
 
-from worker.cli import _api, _dump, refusals, runs
+from worker.cli_base import _api, _dump, refusals, runs
 
 
 @runs.command("fork")

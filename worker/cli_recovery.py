@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from runtime.errors import RatchetError
-from worker.cli import _api, _dump, _record_json, main, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, main, refusals, runs
 from worker.exits import Exit
 from worker.render import record_lines, when_utc
 

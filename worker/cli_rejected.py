@@ -7,12 +7,12 @@ import sys
 
 import click
 
-from worker.cli import _dump, main, refusals
-from worker.rejected import Rejected, RejectedStore, open_rejected
+from tasks.rejected import Rejected, RejectedStore, open_rejected
+from worker.cli_base import _dump, main, refusals
 
 
 def _store() -> RejectedStore:
-    from worker.settings import get_settings
+    from tasks.settings import get_settings
 
     settings = get_settings()
     return open_rejected(settings.resolved_broker_url, settings.resolved_data_dir)

@@ -25,33 +25,20 @@ from __future__ import annotations
 
 from typing import Any
 
-TURNS_QUEUE = "ratchet.turns"
-CONTROL_QUEUE = "ratchet.control"
+from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE, route
 
-QUEUES: dict[str, str] = {
-    "ratchet.start": TURNS_QUEUE,
-    "ratchet.turn": TURNS_QUEUE,
-    "ratchet.resume": TURNS_QUEUE,
-    "ratchet.continue": CONTROL_QUEUE,
-    "ratchet.cancel": CONTROL_QUEUE,
-    "ratchet.sweep": CONTROL_QUEUE,
-    "ratchet.wake": CONTROL_QUEUE,
-    "ratchet.deliver": CONTROL_QUEUE,
-    "ratchet.reconcile": CONTROL_QUEUE,
-}
+__all__ = [
+    "CONTROL_QUEUE",
+    "QUEUES",
+    "TURNS_QUEUE",
+    "cancel_run",
+    "continue_run",
+    "route",
+    "start_run",
+]
+
+QUEUES = ROUTES
 """The queue of each ratchet task (the workers' ``task_routes``)."""
-
-
-def route(app: Any) -> None:
-    """Route ``app``'s ratchet tasks to ratchet's queues, before any route it already has."""
-    ours = {name: {"queue": queue} for name, queue in QUEUES.items()}
-    existing = app.conf.task_routes
-    if existing is None:
-        app.conf.task_routes = ours
-    elif isinstance(existing, dict):
-        app.conf.task_routes = {**existing, **ours}
-    else:  # a list or tuple of routers: ours first
-        app.conf.task_routes = (ours, *existing)
 
 
 def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: Any) -> str:

@@ -12,7 +12,7 @@ message is handed to ``ratchet.continue`` on the control queue — the one
 handler every continuation goes through, with its checks and exactly-once
 rules — and then acknowledged. A malformed one (not JSON, not an object, no
 ``run_id``, a wrong type, an unknown key) is set aside in the dead-letter store
-(:mod:`worker.rejected`) with a logged reason; it never stops the consumer.
+(:mod:`tasks.rejected`) with a logged reason; it never stops the consumer.
 
 If the worker dies after handing a message on but before acknowledging it,
 the broker delivers it again: with a ``continuation_id`` the second copy is a
@@ -33,12 +33,12 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.worker.consumer import Consumer as CeleryConsumer
-from kombu import Consumer, Queue  # type: ignore[attr-defined]
+from kombu import Consumer, Queue
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
 from runtime.errors import MalformedContinuation
-from worker.rejected import RejectedStore, message_bytes, set_aside, store_for_app
+from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
 

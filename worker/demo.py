@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
+from tasks.settings import get_settings
 from worker.render import event_line
-from worker.settings import get_settings
 
 
 def _example_agent() -> str:

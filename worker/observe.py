@@ -140,10 +140,11 @@ class RunIdFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not hasattr(record, "run_id"):
-            record.run_id = _run_id_of(record)
+            run_id = _run_id_of(record)
+            record.run_id = run_id
             data = getattr(record, "data", None)
-            if record.run_id and isinstance(data, dict) and "id" in data:
-                record.msg = f"{record.msg} (run {record.run_id})"
+            if run_id and isinstance(data, dict) and "id" in data:
+                record.msg = f"{record.msg} (run {run_id})"
         return True
 
 
@@ -209,7 +210,7 @@ def configure_handlers(logger: logging.Logger, json_logs: bool) -> None:
 @after_setup_logger.connect
 @after_setup_task_logger.connect
 def _on_logging_setup(logger: logging.Logger | None = None, **_: Any) -> None:
-    from worker.settings import get_settings
+    from tasks.settings import get_settings
 
     if logger is not None:
         configure_handlers(logger, get_settings().log_format == "json")

@@ -37,6 +37,10 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
         return f"{d['name']} → {_clip(json.dumps(d.get('result')), 55)}"
     if kind == "tool.failed":
         return f"{d['name']} ✗ {_clip(d.get('error', ''), 55)}"
+    if kind == "tool.probed":
+        found = f" → {_clip(json.dumps(d.get('result')), 40)}" if d.get("answer") == "ran" else ""
+        why = f" ({_clip(d['detail'], 40)})" if d.get("detail") else ""
+        return f"{d['name']} [{d['call_id']}] probe: {d['answer']}{found}{why}"
     if kind == "run.completed":
         return _clip(d.get("output", ""), 70)
     if kind in (

@@ -6,24 +6,20 @@ attempt may succeed) and nothing else. ``identity()`` is what of the provider
 decides the run's behaviour; it goes into the binding (never a secret).
 
 ``model = "scripted"`` plays a JSON script; ``model = "openai:<name>"`` and
-others plug in through :func:`make_provider`.
+others plug in through :func:`runtime.providers.known.make_provider`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import Field
 
+from runtime.models import INVALID_ARGUMENTS_KEY as INVALID_ARGUMENTS_KEY
 from runtime.models import Message, Strict, TokenUsage, ToolCall
 
 Observer = Callable[[str, dict[str, Any]], None]
-
-INVALID_ARGUMENTS_KEY = "__invalid_json__"
-"""A provider that receives tool arguments it cannot parse puts the raw text under this
-key; the runtime answers the model with a tool error instead of running the tool."""
 
 
 class ModelRequest(Strict):
@@ -52,23 +48,3 @@ class Provider(Protocol):
         run's event log shows every attempt.
         """
         ...
-
-
-def make_provider(model: str, agent_file: Path, settings: dict[str, Any]) -> Provider:
-    """Build the provider an agent file names in ``model``.
-
-    Raises ``ValueError`` with the list of known providers when ``model`` is unknown;
-    the agent loader turns it into an error naming the file and the key.
-    """
-    from runtime.providers.scripted import ScriptedProvider
-
-    if model == "scripted":
-        script = settings.get("script")
-        if not script:
-            raise ValueError('the scripted provider needs `script = "file.json"`')
-        return ScriptedProvider(agent_file.parent / str(script))
-    if model.startswith("openai:"):
-        from runtime.providers.openai import OpenAIProvider
-
-        return OpenAIProvider.from_settings(model.removeprefix("openai:"), settings)
-    raise ValueError(f"unknown provider `{model}`; known: `scripted`, `openai:<model-name>`")

@@ -20,8 +20,11 @@ owns the policy, and the observer hears about each retry.
 
 Guarantees:
 
-- **Retries**: 429, 408, 5xx, timeouts and connection errors are retried,
-  honouring ``Retry-After`` (seconds or an HTTP-date), at most
+- **429 is not retried here**: it raises ``ProviderRateLimited`` at once with
+  the server's ``Retry-After`` (seconds or an HTTP-date), and the turn goes back
+  on the queue with that countdown, holding no worker slot (tasks/limits.py).
+- **Retries**: 408, 5xx, timeouts and connection errors are retried,
+  honouring ``Retry-After``, at most
   ``max_attempts`` requests, and no sleep reaches past ``max_retry_s`` after
   the first request (a ``Retry-After`` beyond that ends the call at once).
   Without ``Retry-After`` the wait is exponential from 0.5 s (capped at 8 s),
@@ -82,7 +85,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
-from runtime.errors import ProviderError
+from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import Message, TokenUsage
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
 from runtime.providers.http import pool_size, shared_client
@@ -119,6 +122,8 @@ class ProviderTable(BaseModel):
     """No retry sleeps past this many seconds after the first request."""
     temperature: float | None = Field(default=None, ge=0, le=2)
     """Sampling temperature; the server's default when unset."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """The completion's length limit, sent when set (and the rate limiter's estimate)."""
 
     @field_validator("api_key_env")
     @classmethod
@@ -227,6 +232,15 @@ class OpenAIProvider:
         host = f"[{self._url.host}]" if ":" in self._url.host else self._url.host
         return f"{host}:{self._url.port}" if self._url.port is not None else host
 
+    @property
+    def max_tokens(self) -> int | None:
+        return self._table.max_tokens
+
+    def limit_key(self) -> str:
+        """The default name of this provider's shared rate limit: host, model and key variable
+        (the variable's name, never the key)."""
+        return f"openai/{self._host}/{self.model}/{self._table.api_key_env or API_KEY_ENV}"
+
     def identity(self) -> dict[str, Any]:
         # The host, not the URL: a URL may carry credentials, and the key never goes here.
         return {"provider": "openai", "model": self.model, "base_url_host": self._host}
@@ -283,6 +297,8 @@ class OpenAIProvider:
             payload["tools"] = [to_openai_tool(d) for d in request.tools]
         if self._table.temperature is not None:
             payload["temperature"] = self._table.temperature
+        if self._table.max_tokens is not None:
+            payload["max_tokens"] = self._table.max_tokens
         return payload
 
     def _api_key(self) -> str | None:
@@ -332,7 +348,16 @@ class OpenAIProvider:
         except httpx.HTTPError as exc:
             raise ProviderError(_redact(f"{self._describe()}: {exc}", key)) from None
         status = response.status_code
-        if status == 429 or status == 408 or status >= 500:
+        if status == 429:
+            # Not retried here: sleeping out Retry-After would hold the worker's slot. The
+            # turn goes back on the queue with a countdown instead (tasks/limits.py).
+            after = retry_after_s(response.headers)
+            raise ProviderRateLimited(
+                f"{self._describe()}: HTTP 429: {_server_message(response, key)}"
+                + (f"; the server asks to wait {after:g} s" if after is not None else ""),
+                after,
+            )
+        if status == 408 or status >= 500:
             raise _RetryableFailure(
                 status, _server_message(response, key), retry_after_s(response.headers)
             )

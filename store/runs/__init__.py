@@ -33,6 +33,7 @@ backend implements the ``_`` primitives.
 from __future__ import annotations
 
 import builtins
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -40,8 +41,8 @@ from typing import Any, NamedTuple
 
 from pydantic import Field
 
-from runtime.children import awaiting_delivery
 from runtime.errors import StaleWrite
+from runtime.models import FINISHED_STATUSES as FINISHED_STATUSES  # what retention purges
 from runtime.models import (
     Event,
     RunState,
@@ -51,14 +52,8 @@ from runtime.models import (
     Usage,
     validate_run_id,
 )
-from runtime.timers import is_timer
 from store.retry import with_retries
-
-FINISHED_STATUSES = frozenset(
-    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD_LETTERED}
-)
-"""Statuses whose runs retention purges: nothing will move them on by itself. Parked
-(needs_reconciliation, stalled) and suspended runs wait for a person and are kept."""
+from store.snapshots import Parts, SnapshotStore, TranscriptMoved
 
 
 def wall_ms() -> int:
@@ -83,7 +78,10 @@ class RunRecord(Strict):
     suspended_ms: int = 0
     recovery_attempts: int = 0
     due_at_ms: int | None = None
-    """Live runs only: when the next step is overdue; the sweeper's index."""
+    """When the sweeper next looks at the run (the due index); None: never.
+
+    The caller decides (:func:`runtime.recovery.sweep_due_ms`): the store keeps it.
+    """
     suspension: Suspension | None = None
     """Suspended runs only: what the run waits for, and since when."""
 
@@ -104,15 +102,9 @@ class RunRecord(Strict):
             budgets=state.budgets.model_dump(mode="json"),
             suspended_ms=state.suspended_ms,
             recovery_attempts=state.recovery_attempts,
-            # A waiting run (runtime/timers.py) is in the due index too: at its wake-up.
-            # and so is a child that ended before its parent was told (runtime/children.py).
-            due_at_ms=due_at_ms if _swept(state) else None,
+            due_at_ms=due_at_ms,
             suspension=state.suspension if state.status.is_suspended else None,
         )
-
-
-def _swept(state: RunState) -> bool:
-    return state.status.is_live or is_timer(state) or awaiting_delivery(state)
 
 
 class JournalEntry(Strict):
@@ -164,6 +156,27 @@ class Orphan(NamedTuple):
     owner: str
 
 
+class Checkpoint(NamedTuple):
+    """A snapshot save that rides on a transition (:meth:`RunStore.commit`)."""
+
+    store: SnapshotStore
+    state: RunState
+    expected_seq: int | None
+    """The stored snapshot's seq (compare-and-set); None: none is stored."""
+
+
+def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
+    validate_run_id(record.run_id)
+    if not events:
+        raise ValueError("append needs at least one event")
+    for before, after in zip(events, events[1:], strict=False):
+        if after.seq != before.seq + 1:
+            raise ValueError(f"events must be contiguous: {before.seq} then {after.seq}")
+    if record.last_seq != events[-1].seq:
+        raise ValueError("the record's last_seq must be the last event's seq")
+    return list(events)
+
+
 class RunStore(ABC):
     """Contract every run-store backend passes (see tests/contract/)."""
 
@@ -191,24 +204,119 @@ class RunStore(ABC):
         Refused with StaleWrite unless ``events[0].seq`` follows the stored last
         seq, and with LeaseLost if ``owner`` is given and does not hold the lease.
         """
-        validate_run_id(record.run_id)
-        if not events:
-            raise ValueError("append needs at least one event")
-        for before, after in zip(events, events[1:], strict=False):
-            if after.seq != before.seq + 1:
-                raise ValueError(f"events must be contiguous: {before.seq} then {after.seq}")
-        if record.last_seq != events[-1].seq:
-            raise ValueError("the record's last_seq must be the last event's seq")
+        mine = _checked_batch(record, events)
         try:
-            with_retries(lambda: self._append(record, list(events), owner, self.clock()))
+            with_retries(lambda: self._append(record, mine, owner, self.clock()))
         except StaleWrite as exc:
-            # A retry whose first attempt landed (reply lost) finds its own events.
-            mine = list(events)
-            if (
-                exc.found_seq != mine[-1].seq
-                or self._events(record.run_id, mine[0].seq - 1, len(mine)) != mine
-            ):
+            if not self._landed(exc, mine):
                 raise
+
+    def _landed(self, exc: StaleWrite, mine: builtins.list[Event]) -> bool:
+        """A retry whose first attempt landed (reply lost) finds its own events."""
+        return exc.found_seq == mine[-1].seq and (
+            self._events(exc.run_id, mine[0].seq - 1, len(mine)) == mine
+        )
+
+    # --- a transition in one call: events, snapshot, lease ------------------
+
+    def commits_with(self, snapshots: SnapshotStore) -> bool:
+        """Whether :meth:`commit` writes ``snapshots``' snapshot in the same atomic call.
+
+        A capability: a backend that keeps events and snapshots in one place (the
+        Redis run store with a Redis snapshot store on the same server and prefix)
+        overrides this and :meth:`_commit`. Otherwise ``commit`` makes the separate
+        calls each contract already promises.
+        """
+        del snapshots
+        return False
+
+    def commit(
+        self,
+        record: RunRecord,
+        events: Sequence[Event],
+        owner: str | None,
+        checkpoint: Checkpoint | None = None,
+        release: bool = False,
+    ) -> None:
+        """One transition: :meth:`append` the events, save ``checkpoint``, and with
+        ``release`` let ``owner``'s lease go.
+
+        The fences are those of the separate calls: the events' seq and the lease
+        (StaleWrite, LeaseLost), the snapshot's compare-and-set on seq (StaleWrite).
+        When :meth:`commits_with` the checkpoint's store, it is one atomic call,
+        all written or nothing; else the calls in that order (the events first:
+        they are the truth, a snapshot only a shortcut).
+        """
+        run_id = validate_run_id(record.run_id)
+        if checkpoint is None or not self.commits_with(checkpoint.store):
+            self.append(record, events, owner)
+            if checkpoint is not None:
+                checkpoint.store.save(checkpoint.state, checkpoint.expected_seq)
+            if release and owner is not None:
+                self.release_lease(run_id, owner)
+            return
+        mine = _checked_batch(record, events)
+        snapshots, state, expected_seq = checkpoint
+        if state.run_id != run_id or state.seq != record.last_seq:
+            raise ValueError("a transition's checkpoint is the state its last event produced")
+        for _ in range(2):
+            parts = snapshots._plan(run_id, state, expected_seq)
+            try:
+                with_retries(
+                    functools.partial(
+                        self._commit_now,
+                        record,
+                        mine,
+                        owner,
+                        snapshots,
+                        parts,
+                        expected_seq,
+                        release,
+                    )
+                )
+            except TranscriptMoved:
+                snapshots._forget(run_id)
+                continue
+            except StaleWrite as exc:
+                snapshots._forget(run_id)
+                # Our own transition, landed by an attempt whose reply was lost, is
+                # written whole: the snapshot and the release with the events.
+                if not self._landed(exc, mine):
+                    raise
+            snapshots._saved(run_id, state, parts)
+            return
+        raise StaleWrite(run_id, expected_seq, expected_seq)
+
+    def _commit_now(
+        self,
+        record: RunRecord,
+        events: builtins.list[Event],
+        owner: str | None,
+        snapshots: SnapshotStore,
+        parts: Parts,
+        expected_seq: int | None,
+        release: bool,
+    ) -> None:
+        self._commit(record, events, owner, self.clock(), snapshots, parts, expected_seq, release)
+
+    def _commit(
+        self,
+        record: RunRecord,
+        events: builtins.list[Event],
+        owner: str | None,
+        now_ms: int,
+        snapshots: SnapshotStore,
+        parts: Parts,
+        expected_seq: int | None,
+        release: bool,
+    ) -> None:
+        """Backends that :meth:`commits_with` a snapshot store: the whole transition, atomically.
+
+        Refuse it all with StaleWrite (the events' seq, or the snapshot's seq:
+        ``StaleWrite(run_id, expected_seq, found)``), LeaseLost, or TranscriptMoved
+        (as :meth:`SnapshotStore._put_parts`).
+        """
+        raise NotImplementedError(f"{self.name} does not commit snapshots")
 
     def get(self, run_id: str) -> RunRecord | None:
         run_id = validate_run_id(run_id)
@@ -242,6 +350,15 @@ class RunStore(ABC):
                     status="requested",
                     requested_seq=event.seq,
                     requested_at_ms=event.at_ms,
+                )
+            elif (
+                event.type == "tool.probed"
+                and data.get("answer") == "ran"
+                and data["call_id"] in entries
+            ):
+                # The call's probe found its effect: that is its outcome (runtime/probes.py).
+                entries[data["call_id"]] = entries[data["call_id"]].model_copy(
+                    update={"status": "completed", "result": data.get("result")}
                 )
             elif event.type in ("tool.completed", "tool.failed") and data["call_id"] in entries:
                 done = event.type == "tool.completed"
@@ -279,6 +396,25 @@ class RunStore(ABC):
         lease_ms = int(lease_s * 1000)
         taken = with_retries(lambda: self._renew(checked, lease_ms, self.clock()))
         return [run_id for (run_id, _), held in zip(checked, taken, strict=True) if not held]
+
+    def acquire_and_get(
+        self, run_id: str, owner: str, lease_s: float
+    ) -> tuple[bool, RunRecord | None]:
+        """:meth:`acquire_lease`, and when taken the run's record: one call where the backend can.
+
+        ``(False, None)`` if another owner holds the lease; ``(True, None)`` if the
+        lease is taken but the run has no record.
+        """
+        run_id = validate_run_id(run_id)
+        lease_ms = int(lease_s * 1000)
+        return with_retries(lambda: self._acquire_and_get(run_id, owner, lease_ms, self.clock()))
+
+    def _acquire_and_get(
+        self, run_id: str, owner: str, lease_ms: int, now_ms: int
+    ) -> tuple[bool, RunRecord | None]:
+        if not self._acquire(run_id, owner, lease_ms, now_ms):
+            return False, None
+        return True, self._get(run_id)
 
     def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease up if ``owner`` holds it, so another worker need not wait."""

@@ -3,7 +3,7 @@
 Key layout (``prefix`` defaults to ``ratchet``; ``{<id>}`` is the run's hash tag,
 so every key of one run lives in one Cluster slot, next to its snapshot)::
 
-    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status
+    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status, due
     {prefix}:run:{<id>}:events        list  Event JSON at index seq - 1 (zlib-packed when that
                                             makes it shorter: see store.packing)
     {prefix}:run:{<id>}:lease         hash  owner, expires_at_ms (PX TTL: lease + grace)
@@ -14,8 +14,14 @@ so every key of one run lives in one Cluster slot, next to its snapshot)::
     {prefix}:procs                    zset  worker process id scored by liveness expiry (ms)
     {prefix}:proc:<process>:leases    set   run ids whose lease the process claimed (orphaned)
 
-Every write is one Lua script, so the fences (last seq, lease owner and
-expiry) are checked and the events, record and indexes written atomically.
+Every write is one Lua script (``lua/*.lua``, read once at import), so the fences
+(last seq, lease owner and expiry) are checked and the events, record and indexes
+written atomically. An append writes an index only when what it indexes changed: the
+status sets and the finished set when the status does, the due set when the due time
+does (the record keeps the status and due time it indexed). With a
+:class:`~store.snapshots.redis.RedisSnapshotStore` on the same server, database and
+prefix, the same script also saves the snapshot and may release the lease: one round
+trip per transition (:meth:`RunStore.commit`).
 The four ``runs:*`` indexes are global, in other slots than the run's keys:
 the scripts touch them on a single node (and Sentinel); on Redis Cluster the
 index updates would move into separate calls after the per-run script.
@@ -28,7 +34,7 @@ TTL only sweeps away leases long dead.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import redis
 
@@ -45,7 +51,17 @@ from store.runs import (
     owner_process,
     wall_ms,
 )
-from store.snapshots.redis import DEFAULT_PREFIX, checked_prefix, connect, translated, where
+from store.snapshots import Parts, SnapshotStore, TranscriptMoved
+from store.snapshots.redis import (
+    DEFAULT_PREFIX,
+    RedisSnapshotStore,
+    checked_prefix,
+    connect,
+    lua,
+    server,
+    translated,
+    where,
+)
 
 MAX_EVENT_BYTES = 64 * 1024 * 1024
 """An event inflating past this is refused as corrupt (a guard, not a format limit)."""
@@ -57,221 +73,21 @@ OVERDUE_BATCH = 200
 RENEW_BATCH = 1000
 """Leases renewed per pipeline: a heartbeat round of up to this many is one round trip."""
 
-# KEYS: record, events, by_created, status set of the new status, due, finished.
-# ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
-#       first event's seq, first event JSON, finished-at ms or "".
-# Returns nil when created, else the existing run's last seq.
-_CREATE = """
-local found = redis.call('HGET', KEYS[1], 'last_seq')
-if found then
-  return found
-end
--- An event log without a record is debris of a removed run; the id starts afresh.
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
-redis.call('RPUSH', KEYS[2], ARGV[8])
-redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-if ARGV[6] == '' then
-  redis.call('ZREM', KEYS[5], ARGV[1])
-else
-  redis.call('ZADD', KEYS[5], ARGV[6], ARGV[1])
-end
-if ARGV[9] == '' then
-  redis.call('ZREM', KEYS[6], ARGV[1])
-else
-  redis.call('ZADD', KEYS[6], ARGV[9], ARGV[1])
-end
-return nil
-"""
-
-# KEYS: record, events, lease, by_created, status set of the new status, due, finished.
-# ARGV: run id, record JSON, last seq, status, created_at_ms, due_at_ms or "",
-#       expected last seq, "1" if fenced by a lease else "0", owner, now_ms,
-#       status-set key prefix, finished-at ms or "", then (seq, event JSON) pairs.
-# Returns nil when appended, {'stale', found seq or ''} or {'lease'}.
-# The old status's set is named from ARGV[11]: it is only known once the record
-# is read, inside the script (single node; see the module docstring for Cluster).
-_APPEND = """
-local found = redis.call('HGET', KEYS[1], 'last_seq')
-if found ~= ARGV[7] then
-  return {'stale', found or ''}
-end
-if ARGV[8] == '1' then
-  local lease = redis.call('HMGET', KEYS[3], 'owner', 'expires_at_ms')
-  if lease[1] ~= ARGV[9] or tonumber(lease[2]) <= tonumber(ARGV[10]) then
-    return {'lease'}
-  end
-end
-local old_status = redis.call('HGET', KEYS[1], 'status')
-if old_status ~= ARGV[4] then
-  redis.call('ZREM', ARGV[11] .. old_status, ARGV[1])
-end
--- The fence above makes the log contiguous, so an event's index is its seq - 1
--- (a list costs a few bytes an entry; a sorted set costs about a hundred).
-for i = 13, #ARGV, 2 do
-  redis.call('RPUSH', KEYS[2], ARGV[i + 1])
-end
-redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-redis.call('ZADD', KEYS[5], ARGV[5], ARGV[1])
-if ARGV[6] == '' then
-  redis.call('ZREM', KEYS[6], ARGV[1])
-else
-  redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
-end
-if ARGV[12] == '' then
-  redis.call('ZREM', KEYS[7], ARGV[1])
-else
-  redis.call('ZADD', KEYS[7], ARGV[12], ARGV[1])
-end
-return nil
-"""
-
-# KEYS: finished, by_created, due. ARGV: before_ms, limit, run-key prefix ("<prefix>:run:{"),
-# status-set key prefix. Deletes the oldest finished runs updated before before_ms; their ids.
-# The finished index holds only runs whose status is finished (append keeps it so), and
-# every index the run is in is cleaned with its keys: nothing dangles.
-_PURGE = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, ARGV[2])
-for _, id in ipairs(ids) do
-  local base = ARGV[3] .. id .. '}:'
-  local status = redis.call('HGET', base .. 'record', 'status')
-  if status then
-    redis.call('ZREM', ARGV[4] .. status, id)
-  end
-  redis.call('UNLINK', base .. 'record', base .. 'events', base .. 'lease')
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[3], id)
-end
-return ids
-"""
-
-# KEYS: lease. ARGV: owner, now_ms, new expires_at_ms, TTL in ms. Returns 1 if taken.
-_ACQUIRE = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'expires_at_ms')
-if lease[1] and lease[1] ~= ARGV[1] and tonumber(lease[2]) > tonumber(ARGV[2]) then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires_at_ms', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return 1
-"""
-
-# KEYS: lease. ARGV: owner, new expires_at_ms, TTL in ms. Returns 1 if extended.
-# Only the holder's key is touched: a lease released (key gone) or taken stays so.
-_EXTEND = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'expires_at_ms', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-
-# KEYS: lease, the owner's process's lease set (or the lease key again: none). ARGV: owner,
-# run id. The run leaves the owner's set even when another owner took the lease since.
-_RELEASE = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-end
-if KEYS[2] ~= KEYS[1] then
-  redis.call('SREM', KEYS[2], ARGV[2])
-end
-return nil
-"""
-
-# KEYS: record, due. ARGV: run id, seen seq, due_at_ms. Returns 1 if moved. Only the index
-# moves: the record's JSON keeps the due time its last append gave it.
-_POSTPONE = """
-if redis.call('HGET', KEYS[1], 'last_seq') ~= ARGV[2] then
-  return 0
-end
-if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-  return 0
-end
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-return 1
-"""
-
-# The process of an owner id "<process>/<attempt>" (store.runs.owner_process), or nil.
-_OWNER_PROCESS = """
-local function owner_process(owner)
-  local process = string.match(owner, '^(.+)/[^/]+$')
-  return process
-end
-"""
-
-# KEYS: lease, procs, the claiming owner's process's lease set (or the lease key again).
-# ARGV: owner, now_ms, new expires_at_ms, TTL in ms, run id, process-set key prefix.
-# Returns {1, owner taken from or ''} or {0, holder, holder's liveness expiry or ''}.
-_CLAIM = (
-    _OWNER_PROCESS
-    + """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'expires_at_ms')
-local took = ''
-if lease[1] and lease[1] ~= ARGV[1] and tonumber(lease[2]) > tonumber(ARGV[2]) then
-  local holder = owner_process(lease[1])
-  local alive = holder and redis.call('ZSCORE', KEYS[2], holder)
-  if not alive or tonumber(alive) > tonumber(ARGV[2]) then
-    return {0, lease[1], alive or ''}
-  end
-  took = lease[1]
-  redis.call('SREM', ARGV[6] .. holder .. ':leases', ARGV[5])
-end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires_at_ms', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if KEYS[3] ~= KEYS[1] then
-  redis.call('SADD', KEYS[3], ARGV[5])
-end
-return {1, took}
-"""
-)
-
-# KEYS: procs. ARGV: process, expires_at_ms, now_ms. Returns 1 if it was still alive.
-_BEAT = """
-local before = redis.call('ZSCORE', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-if before and tonumber(before) > tonumber(ARGV[3]) then
-  return 1
-end
-return 0
-"""
-
-# KEYS: procs. ARGV: now_ms, limit, process-set key prefix, run-key prefix ("<prefix>:run:{").
-# Walks the dead processes (liveness expired) and the leases each claimed: returns
-# {run id, owner, ...} for each unexpired lease one still holds; drops set members it no
-# longer holds, and forgets a dead process that holds nothing.
-_ORPHANED = (
-    _OWNER_PROCESS
-    + """
-local found = {}
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 100)
-for _, process in ipairs(dead) do
-  local held_key = ARGV[3] .. process .. ':leases'
-  local holding = 0
-  for _, id in ipairs(redis.call('SMEMBERS', held_key)) do
-    local lease = redis.call('HMGET', ARGV[4] .. id .. '}:lease', 'owner', 'expires_at_ms')
-    if lease[1] and owner_process(lease[1]) == process
-        and tonumber(lease[2]) > tonumber(ARGV[1]) then
-      holding = holding + 1
-      if #found < 2 * tonumber(ARGV[2]) then
-        table.insert(found, id)
-        table.insert(found, lease[1])
-      end
-    else
-      redis.call('SREM', held_key, id)
-    end
-  end
-  if holding == 0 then
-    redis.call('ZREM', KEYS[1], process)
-    redis.call('DEL', held_key)
-  end
-end
-return found
-"""
-)
+_CREATE = lua(__package__ or "store.runs", "create.lua")
+_APPEND = lua(__package__ or "store.runs", "append.lua")
+"""One transition: events, record and indexes, and optionally the snapshot and the release."""
+_PURGE = lua(__package__ or "store.runs", "purge.lua")
+_ACQUIRE = lua(__package__ or "store.runs", "acquire.lua")
+"""Takes the lease and reads the record in one call; indexes it under the owner's process."""
+_EXTEND = lua(__package__ or "store.runs", "extend.lua")
+_RELEASE = lua(__package__ or "store.runs", "release.lua")
+_POSTPONE = lua(__package__ or "store.runs", "postpone.lua")
+_OWNER_PROCESS = lua(__package__ or "store.runs", "owner_process.lua")
+"""A Lua function prepended to the scripts that read an owner id's process."""
+_CLAIM = _OWNER_PROCESS + lua(__package__ or "store.runs", "claim.lua")
+"""Takes the lease, also from a holder whose process is dead; indexes it under the taker's."""
+_BEAT = lua(__package__ or "store.runs", "beat.lua")
+_ORPHANED = _OWNER_PROCESS + lua(__package__ or "store.runs", "orphaned.lua")
 
 
 def _packed(event: Event) -> bytes:
@@ -382,16 +198,54 @@ class RedisRunStore(RunStore):
     def _append(
         self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int
     ) -> None:
+        self._transition(record, events, owner, now_ms)
+
+    def commits_with(self, snapshots: SnapshotStore) -> bool:
+        """True for a Redis snapshot store on this store's server, database and prefix."""
+        return isinstance(snapshots, RedisSnapshotStore) and snapshots.keyspace() == (
+            server(self._client),
+            self._prefix,
+        )
+
+    def _commit(
+        self,
+        record: RunRecord,
+        events: list[Event],
+        owner: str | None,
+        now_ms: int,
+        snapshots: SnapshotStore,
+        parts: Parts,
+        expected_seq: int | None,
+        release: bool,
+    ) -> None:
+        assert isinstance(snapshots, RedisSnapshotStore)
+        self._transition(record, events, owner, now_ms, snapshots, parts, expected_seq, release)
+
+    def _transition(
+        self,
+        record: RunRecord,
+        events: list[Event],
+        owner: str | None,
+        now_ms: int,
+        snapshots: RedisSnapshotStore | None = None,
+        parts: Parts | None = None,
+        expected_seq: int | None = None,
+        release: bool = False,
+    ) -> None:
+        """The append script: the events and record, and the snapshot and release if given."""
         run_id = record.run_id
         expected = events[0].seq - 1
         keys = [
             self._run_key(run_id, "record"),
             self._run_key(run_id, "events"),
             self._run_key(run_id, "lease"),
-            self._by_created,
             self._status_key(record.status),
             self._due,
             self._finished,
+            self._run_key(run_id, "snapshot"),
+            f"{self._prefix}:snapshots",
+            self._run_key(run_id, "transcript"),
+            self._held_key(owner or "", self._run_key(run_id, "lease")),
         ]
         args: list[str | bytes] = [
             *self._record_args(record),
@@ -401,16 +255,42 @@ class RedisRunStore(RunStore):
             str(now_ms),
             self._status_prefix,
             self._finished_at(record),
+            "1" if release else "0",
         ]
-        for event in events:
-            args += [str(event.seq), _packed(event)]
+        fragments: list[bytes] = []
+        if parts is None:
+            args += ["", "", "", "", "", "", "", ""]
+        else:
+            base = parts.base
+            head = pack(parts.head)
+            fragments = [pack(f) for f in parts.fragments]
+            args += [
+                "replace" if base is None else "append",
+                "" if expected_seq is None else str(expected_seq),
+                head,
+                "" if base is None else str(base.length),
+                "" if base is None else base.chain,
+                str(parts.tip.length),
+                str(parts.tip.size),
+                parts.tip.chain,
+            ]
+        args.append(str(len(events)))
+        args += [_packed(event) for event in events]
+        args += fragments
         with translated(self._where):
             refused = cast("list[bytes] | None", self._append_script(keys=keys, args=args))
+        if snapshots is not None and refused is None:
+            snapshots.bytes_written += len(args[15]) + sum(len(f) for f in fragments)
         if refused is None:
             return
         if refused[0] == b"stale":
             found = refused[1].decode()
             raise StaleWrite(run_id, expected, int(found) if found else None)
+        if refused[0] == b"snapshot":
+            found = refused[1].decode()
+            raise StaleWrite(run_id, expected_seq, int(found) if found else None)
+        if refused[0] == b"moved":
+            raise TranscriptMoved(run_id)
         raise LeaseLost(run_id, str(owner))
 
     def _get(self, run_id: str) -> RunRecord | None:
@@ -445,11 +325,21 @@ class RedisRunStore(RunStore):
     # --- leases -------------------------------------------------------------
 
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
+        return self._acquire_and_get(run_id, owner, lease_ms, now_ms)[0]
+
+    def _acquire_and_get(
+        self, run_id: str, owner: str, lease_ms: int, now_ms: int
+    ) -> tuple[bool, RunRecord | None]:
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
-        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms)]
+        lease = self._run_key(run_id, "lease")
+        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id]
+        keys = [lease, self._run_key(run_id, "record"), self._held_key(owner, lease)]
         with translated(self._where):
-            taken = self._acquire_script(keys=[self._run_key(run_id, "lease")], args=args)
-        return bool(taken)
+            found = cast("list[Any]", self._acquire_script(keys=keys, args=args))
+        if not found[0]:
+            return False, None
+        data = found[1] if len(found) > 1 else None
+        return True, RunRecord.model_validate_json(data) if data else None
 
     def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         return self._renew([(run_id, owner)], lease_ms, now_ms)[0]

@@ -242,10 +242,14 @@ class SnapshotStore(ABC):
                     state, self.max_bytes
                 ):
                     raise
-            self._remember(run_id, state.seq, state.transcript, parts.tip)
-            _last_save.nbytes = len(parts.head) + sum(len(f) for f in parts.fragments)
+            self._saved(run_id, state, parts)
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
+
+    def _saved(self, run_id: str, state: RunState, parts: Parts) -> None:
+        """``parts`` of ``state`` are stored (by this store, or in a run store's transition)."""
+        self._remember(run_id, state.seq, state.transcript, parts.tip)
+        _last_save.nbytes = len(parts.head) + sum(len(f) for f in parts.fragments)
 
     def _plan(self, run_id: str, state: RunState, expected_seq: int | None) -> Parts:
         """Which messages are new, and the document's full size against the limit."""

@@ -1,4 +1,4 @@
-"""The snapshot document, format version 1.
+"""The snapshot document, format version 2.
 
 A snapshot is a JSON document a person can read: sorted keys, two-space
 indent, a trailing newline, a ``kind`` and a format ``version``, unknown
@@ -10,8 +10,15 @@ a golden file of each lives in ``tests/golden/`` and is decoded on every run.
     {
       "kind": "ratchet.snapshot",
       "run": { ...RunState... },
-      "version": 1
+      "version": 2
     }
+
+Versions:
+
+- **1** — the run's one open tool call as ``run.in_flight`` (a call id or null).
+- **2** — parallel tool calls: ``run.running``, the list of call ids journaled
+  as requested with no outcome, in request order; ``in_flight`` is gone. A
+  format-1 document reads as format 2 with ``running`` holding its ``in_flight``.
 """
 
 from __future__ import annotations
@@ -32,24 +39,118 @@ from runtime.errors import (
 from runtime.models import Message, RunState, Strict
 
 KIND: Final = "ratchet.snapshot"
-VERSION = 1
-READABLE_VERSIONS = (1,)
+READABLE_VERSIONS = (1, 2)
+"""The versions this build decodes; it writes the newest (2: parallel tool calls), and
+upgrades a format-1 document on load."""
 MAX_BYTES = 16 * 1024 * 1024
 
 
+class SnapshotV2(Strict):
+    kind: Literal["ratchet.snapshot"] = KIND
+    version: Literal[2] = 2
+    run: RunState
+
+
 class SnapshotV1(Strict):
+    """Read only: ``run`` is upgraded to format 2 (:func:`_upgrade_v1`) before it is validated."""
+
     kind: Literal["ratchet.snapshot"] = KIND
     version: Literal[1] = 1
     run: RunState
 
 
+def _upgrade_v1(value: dict[str, object], where: str) -> dict[str, object]:
+    """A format-1 document's fields as format 2 names them: ``in_flight`` becomes ``running``."""
+    run = value.get("run")
+    if isinstance(run, dict) and "running" in run:
+        raise SnapshotMalformed(where, "`run.running`: unknown field (format 2 has it)")
+    if not isinstance(run, dict) or "in_flight" not in run:
+        return value
+    run = dict(run)
+    in_flight = run.pop("in_flight")
+    run["running"] = [] if in_flight is None else [in_flight]
+    return {**value, "run": run}
+
+
 def encode(state: RunState, max_bytes: int = MAX_BYTES) -> bytes:
     """The document for ``state``; raises SnapshotTooLarge over ``max_bytes``."""
-    document = SnapshotV1(run=state).model_dump(mode="json")
-    data = (json.dumps(document, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
+    document = SnapshotV2(run=state).model_dump(mode="json")
+    data = (pretty(document) + "\n").encode()
     if len(data) > max_bytes:
         raise SnapshotTooLarge(state.run_id, len(data), max_bytes)
     return data
+
+
+def pretty(value: object) -> str:
+    """``json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False)``, the same text, faster.
+
+    Python's indenting encoder is pure Python (only the compact one is in C), and a
+    checkpoint encodes the snapshot's head every time: this walks the value once,
+    joining strings, and leaves each string's escaping to the C function json uses.
+    Anything but the JSON types (``model_dump(mode="json")`` gives no other) goes to
+    json.dumps itself. tests/test_snapshot_format.py checks the two agree.
+    """
+    out: list[str] = []
+    try:
+        _pretty(value, "\n", out)
+    except _NotPlain:
+        return json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False)
+    return "".join(out)
+
+
+class _NotPlain(Exception):
+    """A value :func:`pretty` leaves to json.dumps."""
+
+
+_quoted = json.encoder.encode_basestring  # the C function when the _json module is there
+
+
+def _pretty(value: object, newline: str, out: list[str]) -> None:  # noqa: C901 - one switch
+    # The order of json.encoder's own checks, so subclasses come out as json.dumps puts them.
+    if isinstance(value, str):
+        out.append(_quoted(value))
+    elif value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif isinstance(value, int):
+        out.append(int.__repr__(value))
+    elif isinstance(value, float):
+        if value != value or value in (_INFINITY, -_INFINITY):
+            raise _NotPlain
+        out.append(float.__repr__(value))
+    elif isinstance(value, list | tuple):
+        if not value:
+            out.append("[]")
+            return
+        inner = newline + "  "
+        separator = "["
+        for entry in value:
+            out.append(separator + inner)
+            _pretty(entry, inner, out)
+            separator = ","
+        out.append(newline + "]")
+    elif isinstance(value, dict):
+        if not value:
+            out.append("{}")
+            return
+        if not all(isinstance(key, str) for key in value):
+            raise _NotPlain  # json.dumps turns numbers and booleans into keys its own way
+        inner = newline + "  "
+        separator = "{"
+        for key in sorted(value):
+            out.append(separator + inner)
+            out.append(_quoted(key) + ": ")
+            _pretty(value[key], inner, out)
+            separator = ","
+        out.append(newline + "}")
+    else:
+        raise _NotPlain
+
+
+_INFINITY = float("inf")
 
 
 # --- the document in parts: what the appending backends (redis, s3) store ---------
@@ -64,6 +165,7 @@ _SLOT: Final = b'\n    "transcript": []'
 """Where the run's transcript sits in the head. Keys of deeper objects are indented further,
 and a key inside a JSON string has its quotes escaped, so this occurs once."""
 _INDENT: Final = b"      "
+_NEWLINE_INDENTED: Final = "\n" + _INDENT.decode()
 GENESIS: Final = "0" * 64
 """The chain hash of an empty transcript."""
 
@@ -75,8 +177,8 @@ def encode_head(state: RunState) -> bytes:
 
 def encode_fragment(message: Message) -> bytes:
     """``message`` exactly as :func:`encode` lays it out inside the transcript array."""
-    text = json.dumps(message.model_dump(mode="json"), sort_keys=True, indent=2, ensure_ascii=False)
-    return _INDENT + text.encode().replace(b"\n", b"\n" + _INDENT)
+    text = pretty(message.model_dump(mode="json"))
+    return _INDENT + text.replace("\n", _NEWLINE_INDENTED).encode()
 
 
 def chain(before: str, fragments: Iterable[bytes]) -> str:
@@ -136,7 +238,9 @@ def decode(data: bytes, where: str, max_bytes: int = MAX_BYTES) -> RunState:
         readable = ", ".join(f"`{v}`" for v in READABLE_VERSIONS)
         raise SnapshotUnsupportedVersion(where, _shown(version), readable)
     try:
-        return SnapshotV1.model_validate(value).run
+        if version == 1:
+            return SnapshotV1.model_validate(_upgrade_v1(value, where)).run
+        return SnapshotV2.model_validate(value).run
     except ValidationError as exc:
         err = exc.errors(include_url=False, include_input=False)[0]
         loc = ".".join(str(p) for p in err["loc"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
 from queue import Empty, LifoQueue
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -68,65 +69,19 @@ reply may take, so a wait this long means the pool is too small, not briefly ful
 DEFAULT_PREFIX = "ratchet"
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
-# KEYS[1] the run's snapshot hash, KEYS[2] the index set, KEYS[3] the transcript list.
-# ARGV: expected seq ("" for none stored), new seq, document, run id.
-# Returns nil when written, else {found seq or ""}.
-# The index set is in another slot than the run's hash: on Redis Cluster the
-# SADD would move out of the script into a second call (list() only reads it).
-_PUT = """
-local found = redis.call('HGET', KEYS[1], 'seq') or ''
-if found ~= ARGV[1] then
-  return {found}
-end
-redis.call('DEL', KEYS[3])
-redis.call('HDEL', KEYS[1], 'head', 'n', 'size', 'chain')
-redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'doc', ARGV[3])
-redis.call('SADD', KEYS[2], ARGV[4])
-return nil
-"""
 
-# KEYS[1] the run's snapshot hash, KEYS[2] the index set, KEYS[3] the transcript list.
-# ARGV: [1] expected seq ("" for none), [2] new seq, [3] head, [4] run id,
-#       [5] "append" or "replace", [6] base length, [7] base chain,
-#       [8] new length, [9] new size, [10] new chain, [11..] the fragments to push.
-# Returns nil when written, {'stale', found seq or ""}, or {'moved'} when the seq
-# matches but the stored transcript is not the base this append was planned on.
-_PUT_PARTS = """
-local found = redis.call('HGET', KEYS[1], 'seq') or ''
-if found ~= ARGV[1] then
-  return {'stale', found}
-end
-if ARGV[5] == 'append' then
-  local tip = redis.call('HMGET', KEYS[1], 'n', 'chain')
-  if tip[1] ~= ARGV[6] or tip[2] ~= ARGV[7] or redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[6]) then
-    return {'moved'}
-  end
-else
-  redis.call('DEL', KEYS[3])
-end
-for i = 11, #ARGV do
-  redis.call('RPUSH', KEYS[3], ARGV[i])
-end
-redis.call('HDEL', KEYS[1], 'doc')
-redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'head', ARGV[3], 'n', ARGV[8], 'size', ARGV[9],
-  'chain', ARGV[10])
-redis.call('SADD', KEYS[2], ARGV[4])
-return nil
-"""
+def lua(package: str, name: str) -> str:
+    """The source of a Lua script kept beside its backend, in ``<package>/lua/<name>``.
 
-# KEYS[1] the run's snapshot hash, KEYS[2] the transcript list, KEYS[3] and KEYS[4] their
-# quarantined names, KEYS[5] the index set. ARGV: run id. Returns 1 when moved, 0 if none.
-_QUARANTINE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  return 0
-end
-redis.call('RENAME', KEYS[1], KEYS[3])
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('RENAME', KEYS[2], KEYS[4])
-end
-redis.call('SREM', KEYS[5], ARGV[1])
-return 1
-"""
+    Read once, when the backend's module is imported; redis-py sends it by SHA
+    (EVALSHA) and loads it into a server that does not know it yet.
+    """
+    return resources.files(package).joinpath("lua", name).read_text(encoding="utf-8")
+
+
+_PUT = lua(__package__ or "store.snapshots", "put.lua")
+_PUT_PARTS = lua(__package__ or "store.snapshots", "put_parts.lua")
+_QUARANTINE = lua(__package__ or "store.snapshots", "quarantine.lua")
 
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,  # includes BusyLoadingError (a restarted server)
@@ -183,6 +138,12 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
         client_name="ratchet",
     )
     return redis.Redis(connection_pool=pool)
+
+
+def server(client: redis.Redis) -> tuple[Any, ...]:
+    """Which server and database a client talks to, as its connections are made."""
+    kwargs = client.connection_pool.connection_kwargs
+    return tuple(kwargs.get(k) for k in ("host", "port", "path", "db", "username"))
 
 
 @contextmanager
@@ -248,6 +209,10 @@ class RedisSnapshotStore(SnapshotStore):
         ``max_connections``: the most calls this process makes at once (see :func:`connect`).
         """
         return cls(connect(url, max_connections), prefix, url)
+
+    def keyspace(self) -> tuple[tuple[Any, ...], str]:
+        """The server and database this store's keys are in, and their prefix."""
+        return server(self._client), self._prefix
 
     def _key(self, run_id: str) -> str:
         return f"{self._prefix}:run:{{{run_id}}}:snapshot"

@@ -44,8 +44,8 @@ concurrent saves expecting the same seq, at most one reports success, unless a
 further save, built on the winner, completes between a loser's PUT and its
 read-back (milliseconds); then that loser may also report success, while the
 stored snapshot is the winner's line. Every stale save that runs alone is
-refused on any server. Ratchet's lease and the event log's fence (DESIGN
-invariant 2) keep two workers from both advancing a run either way; the
+refused on any server. Ratchet's lease and the event log's fence (a
+write names the seq it follows) keep two workers from both advancing a run either way; the
 read-back costs one small GET per save.
 
 **Why boto3, not obstore.** boto3 is what operators of AWS already run and

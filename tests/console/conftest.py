@@ -120,9 +120,9 @@ def screenshot(browser: WebDriver, name: str) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
     # The whole page, not only the window: the timeline is below the fold.
-    metrics = browser.execute_cdp_cmd("Page.getLayoutMetrics", {})  # type: ignore[attr-defined]
+    metrics = browser.execute_cdp_cmd("Page.getLayoutMetrics", {})
     size = metrics["cssContentSize"]
-    shot = browser.execute_cdp_cmd(  # type: ignore[attr-defined]
+    shot = browser.execute_cdp_cmd(
         "Page.captureScreenshot",
         {
             "format": "png",

@@ -21,12 +21,12 @@ from selenium.webdriver.support.ui import WebDriverWait
 from runtime.models import RunStatus
 from store.runs import RunRecord
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.console.conftest import TOKEN, ConsoleServer, log_in, screenshot
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcesses, redis_context
 from worker.app import make_app
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -163,6 +163,23 @@ def test_orphaned_lists_only_unexpired_leases_of_dead_processes(
         run_store.orphaned(limit=0)
 
 
+def test_a_lease_taken_with_its_record_in_one_call_is_found_once_its_process_dies(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    # A turn's fast path (acquire_and_get) indexes the lease under its owner's process
+    # as claim_lease does: else the sweeper would find the run only once the lease expired.
+    run_store.renew_liveness(A, ALIVE_S)
+    run_store.renew_liveness(B, ALIVE_S)
+    assert run_store.acquire_and_get("run-1", owner(A), LEASE_S)[0]
+    assert run_store.acquire_lease("run-2", owner(A, "t2"), LEASE_S)
+    clock.advance(ALIVE_MS)
+    run_store.renew_liveness(B, ALIVE_S)
+
+    assert sorted(run_store.orphaned()) == [Orphan("run-1", owner(A)),
+                                            Orphan("run-2", owner(A, "t2"))]  # fmt: skip
+    assert run_store.claim_lease("run-1", owner(B), LEASE_S).took_from == owner(A)
+
+
 def test_a_dead_process_is_forgotten_once_its_runs_are_taken_over(
     run_store: RunStore, clock: FakeClock
 ) -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -91,7 +91,7 @@ def rich_state(run_id: str = "run-1", seq: int = 9) -> RunState:
             Message(role="tool", content="{}", tool_call_id="call-1", name="lookup", is_error=True),
         ),
         pending=(ask,),
-        in_flight=None,
+        running=(),
         approved=("call-0",),
         usage=Usage(model_attempts=2, model_turns=1, input_tokens=10, output_tokens=5,
                     total_tokens=15, responses_without_usage=1, tool_calls=1),
@@ -482,7 +482,7 @@ def _no_kind(doc: dict[str, Any]) -> None:
 
 
 def _future_version(doc: dict[str, Any]) -> None:
-    doc["version"] = 2
+    doc["version"] = 3
 
 
 REFUSALS = [
@@ -500,7 +500,7 @@ REFUSALS = [
     pytest.param(edited_document(_no_kind), SnapshotWrongKind,
                  ["`ratchet.snapshot`", "point the snapshot store"], id="no-kind"),
     pytest.param(edited_document(_future_version), SnapshotUnsupportedVersion,
-                 ["version `2`", "reads `1`", "upgrade ratchet on this worker"],
+                 ["version `3`", "reads `1`, `2`", "upgrade ratchet on this worker"],
                  id="future-version"),
 ]  # fmt: skip
 
@@ -549,7 +549,7 @@ def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
         return [p.read_bytes() for p in (store.directory / "quarantine").glob(f"{run_id}.*.json")]
     if isinstance(store, RedisSnapshotStore):
         keys = store._client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
-        return [b"".join(v for v in store._client.hvals(k)) for k in keys]
+        return [b"".join(cast(list[bytes], store._client.hvals(k))) for k in keys]
     assert isinstance(store, S3SnapshotStore)
     prefix = f"{store._prefix}quarantine/{run_id}."
     return [b"" for key in store._keys(prefix) if "/heads/" in key]

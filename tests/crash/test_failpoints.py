@@ -32,12 +32,12 @@ from store.runs import RunRecord
 from tasks.context import Context
 from tasks.failpoints import POINTS
 from tasks.recovery import sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from tests.redis_server import RedisServer, running_redis_server
 from tests.workers import WorkerProcess, redis_context, worker_env
 from worker.app import make_app
-from worker.settings import Settings
 
 STORES_DB, DYING_BROKER_DB, HEALTHY_BROKER_DB = 0, 1, 2
 LEASE_S = "1"
@@ -200,12 +200,18 @@ def test_a_worker_dying_at_a_failpoint_loses_nothing_and_repeats_nothing(
         else []
     )
     parks = (point, at_turn) in NON_IDEMPOTENT_IN_FLIGHT
+    # Points where the model's answer was not yet committed. On one Redis a checkpointed
+    # transition is one write (events and snapshot together), so a worker dying just before
+    # the answer's checkpoint (the turn's first snapshot.before_save) loses the answer too.
+    uncommitted = {"model.response.received"}
+    if rig.ctx.runs.commits_with(rig.ctx.snapshots):
+        uncommitted.add("snapshot.before_save")
     # Turn 3 answers without tools and chains nothing: those three points are never reached.
     if reached:
         assert exit_code == 137, dying.log()[-2000:]
         assert f"failpoint {point} hit at turn {at_turn}" in dying.log()
         # At turn 3 the answer and run.completed are recorded together: past that, no resume.
-        completed_before_dying = at_turn == 3 and point != "model.response.received"
+        completed_before_dying = at_turn == 3 and point not in uncommitted
         if not parks and not completed_before_dying:
             resumed = [e.data["by"] for e in events if e.type == "run.resumed"]
             assert resumed == ["sweeper"], resumed
@@ -222,7 +228,7 @@ def test_a_worker_dying_at_a_failpoint_loses_nothing_and_repeats_nothing(
     # And no checkpointed model answer was asked for again
     asked = model_calls_by_turn(rig.call_log, calls_before)
     for t in (1, 2, 3):
-        expected = 2 if (point, t) == ("model.response.received", at_turn) else 1
+        expected = 2 if point in uncommitted and t == at_turn else 1
         if parks and t == 3:
             expected = 0
         assert asked[t] == expected, (t, asked)

@@ -24,12 +24,12 @@ from runtime.models import RunStatus
 from store import open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks.context import Context
+from tasks.rejected import FolderRejected, Rejected, rejected_folder
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcess, WorkerProcesses
 from worker.app import make_app
-from worker.rejected import FolderRejected, Rejected, rejected_folder
-from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)
 T = TypeVar("T")
@@ -139,7 +139,7 @@ def test_a_worker_sets_aside_files_in_its_queue_folder_that_are_not_messages(
         run_id = embedded.start(write_agent(tmp_path / "agent", [turn("Done.")]))
         record = wait_until(
             "the run completes",
-            lambda: (r := embedded.record(run_id)).status.is_terminal and r,
+            lambda: r if (r := embedded.record(run_id)).status.is_terminal else None,
         )
         assert record.status == RunStatus.COMPLETED, record.error
         alive(worker)
@@ -249,7 +249,8 @@ def test_after_a_full_disk_the_run_finishes_by_itself_and_no_empty_message_is_le
         filler.unlink()
         filler = None
         record = wait_until(
-            "the run finishes", lambda: (r := embedded.record(run_id)).status.is_terminal and r
+            "the run finishes",
+            lambda: r if (r := embedded.record(run_id)).status.is_terminal else None,
         )
         assert record.status == RunStatus.COMPLETED, record.error
         alive(worker)

@@ -21,11 +21,11 @@ from runtime.models import RunStatus
 from store.runs import Lease
 from tasks.context import Context
 from tasks.recovery import sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context
 from worker.app import make_app
-from worker.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -23,13 +23,13 @@ from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context
 from tasks.recovery import resume
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import running_redis_server
 from tests.workers import ROOT, WorkerProcesses, redis_context
 from worker.app import make_app
-from worker.settings import Settings
 
 pytestmark = pytest.mark.slow
 

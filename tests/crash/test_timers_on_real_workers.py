@@ -22,11 +22,11 @@ import pytest
 
 from runtime.models import RunStatus
 from runtime.timers import wake_at_ms
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcesses, redis_context
 from worker.app import make_app
-from worker.settings import Settings
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 45) -> None:

@@ -31,13 +31,13 @@ from store.runs import RunRecord
 from tasks import tracing
 from tasks.context import Context
 from tasks.recovery import reconcile, sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer, running_redis_server
 from tests.tracing_sink import read_spans
 from tests.workers import WorkerProcess, redis_context, worker_env
 from worker.app import make_app
-from worker.settings import Settings
 
 STORES_DB, DYING_BROKER_DB, HEALTHY_BROKER_DB = 0, 1, 2
 EXPORTER = "tests.tracing_sink:exporter"

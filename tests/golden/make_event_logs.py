@@ -20,6 +20,7 @@ encodes it.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from runtime.children import child_run_id
 from runtime.continuation import make_continuation
 from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState
+from runtime.probes import idempotency_key
 from runtime.recovery import OPERATOR, SWEEPER
 from store.snapshots import format as snapshot_format
 from tasks.budget import raise_budgets
@@ -40,6 +42,7 @@ from tasks.journal import append_events, new_owner
 from tasks.recovery import reconcile, resume
 from tasks.start import create_run
 from tasks.timers import wake
+from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 
 EVENTS = Path(__file__).parent / "events"
@@ -202,8 +205,8 @@ def provider_stalled_resumed(ctx: Context, home: Path) -> str:
 
     os.environ["GOLDEN_OPENAI_API_KEY"] = "sk-golden-not-a-secret"
     with serve() as server:
-        # A rate limit, then errors past the provider's retries: the run stalls
-        server.enqueue_fixture("rate_limited")
+        # Errors past the provider's retries: the run stalls (a 429 would wait on the queue)
+        server.enqueue(503, {"error": {"message": "overloaded"}}, {"Retry-After": "0"})
         server.enqueue_fixture("server_error")
         path = home / "retried.toml"
         path.write_text(
@@ -305,10 +308,123 @@ def resume_refused(ctx: Context, home: Path) -> str:
     return run.run_id
 
 
+PROBED_TOOLS = [
+    "tests.probed_tools:effect",
+    "tests.probed_tools:effect_unknown",
+    "tests.probed_tools:timed_effect",
+]
+
+
+def parallel_tools(ctx: Context, home: Path) -> str:
+    os.environ["RATCHET_TEST_TIMES"] = str(home / "times")
+    calls = [
+        call("timed_effect", label=x, sleep_s=s) for x, s in (("a", 0.3), ("b", 0.2), ("c", 0.1))
+    ]
+    agent = write_agent(
+        home, [turn("Three at once.", *calls), turn("Done.")], name="parallel", tools=PROBED_TOOLS
+    )
+    run = create_run(ctx, agent, INPUT, "golden-parallel-tools")
+    drive(ctx, run.run_id)  # outcomes journaled as they finish: c, b, a
+    return run.run_id
+
+
+def probed_parallel(ctx: Context, home: Path) -> str:
+    os.environ["RATCHET_TEST_EFFECTS"] = str(home / "effects")
+    labels = (("effect", "a"), ("effect", "b"), ("effect_unknown", "c"))
+    agent = write_agent(
+        home,
+        [turn("Three at once.", *(call(t, label=x) for t, x in labels)), turn("Done.")],
+        name="probed",
+        tools=PROBED_TOOLS,
+    )
+    run = create_run(ctx, agent, INPUT, "golden-probed-parallel")
+    # Given a worker that journaled three parallel calls, ran only the first, and died
+    calls = [
+        {"id": f"call_1_{i}", "name": t, "arguments": {"label": x}}
+        for i, (t, x) in enumerate(labels, 1)
+    ]
+    responded = {"content": "Three at once.", "tool_calls": calls,
+                 "usage": {"input_tokens": 10, "output_tokens": 5}}  # fmt: skip
+    requested = [
+        ("tool.requested", {"call_id": c["id"], "name": c["name"], "arguments": c["arguments"]})
+        for c in calls
+    ]
+    owner = new_owner()
+    assert ctx.runs.acquire_lease(run.run_id, owner, 10.0)
+    append_events(
+        ctx,
+        _state(ctx, run.run_id),
+        [("model.requested", {"turn": 0}), ("model.responded", responded), *requested],
+        owner,
+    )
+    ctx.runs.release_lease(run.run_id, owner)
+    key = idempotency_key(run.run_id, 1, "call_1_1")
+    (home / "effects").write_text(f"{key} a\n")
+    # When the next turn probes them: a ran, b did not, c cannot tell, so the run parks on c
+    drive(ctx, run.run_id)
+    # and once an operator records c, b is probed again and run
+    reconcile(ctx, run.run_id, "call_1_3", "result", {"done": "c"}, enqueue=_no_enqueue)
+    drive(ctx, run.run_id)
+    return run.run_id
+
+
 def _state(ctx: Context, run_id: str) -> RunState:
     state = rebuild(_events(ctx, run_id))
     assert state is not None
     return state
+
+
+def throttled(ctx: Context, home: Path) -> str:
+    """A second call over the agent's rate limit reserves its time and waits on the queue."""
+    from store.limits import MemoryLimitStore
+    from tasks.limits import use_limit_store
+
+    now = [1_000_000.0]
+    use_limit_store(ctx, MemoryLimitStore(clock=lambda: now[0]))
+    agent = write_agent(
+        home,
+        [turn("Looking it up.", call("lookup_order", order_id="B2")), turn("Order B2 is on its way.")],
+        name="throttled",
+        extra='[limits]\nkey = "golden-key"\nrequests_per_minute = 60\nburst_s = 0.001',
+    )
+    run = create_run(ctx, agent, INPUT, "golden-throttled")
+    done = advance(ctx, run.run_id, None)  # the first call goes, its tool runs
+    done = advance(ctx, run.run_id, done.seq)  # the second is a second too soon
+    assert done.outcome == "next" and done.countdown_s > 0, done
+    now[0] += done.countdown_s * 1000  # the broker's countdown, run out
+    done = drive(ctx, run.run_id)
+    assert done.outcome == "completed", done
+    return run.run_id
+
+
+def refused_429(ctx: Context, home: Path) -> str:
+    """A 429 gives its request back and the turn waits out Retry-After on the queue."""
+    import os
+
+    from tests.openai_server import serve
+
+    os.environ["GOLDEN_OPENAI_API_KEY"] = "sk-golden-not-a-secret"
+    with serve() as server:
+        server.enqueue(429, {"error": {"message": "Rate limit reached"}}, {"Retry-After": "0"})
+        server.enqueue_fixture("text_answer")
+        path = home / "refused.toml"
+        path.write_text(
+            "\n".join(
+                [
+                    'name = "refused"',
+                    'model = "openai:gpt-test"',
+                    "tools = []",
+                    "[provider]",
+                    f'base_url = "{server.url}"',
+                    'api_key_env = "GOLDEN_OPENAI_API_KEY"',
+                ]
+            )
+            + "\n"
+        )
+        run = create_run(ctx, path, INPUT, "golden-refused-429")
+        done = drive(ctx, run.run_id)
+        assert done.outcome == "completed", done
+    return run.run_id
 
 
 SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
@@ -327,13 +443,19 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "child-told": parent_and_child,
     "parent-woken": parent_woken,
     "resume-refused": resume_refused,
+    "throttled": throttled,
+    "refused-429": refused_429,
+    "parallel-tools": parallel_tools,
+    "probed-parallel": probed_parallel,
 }
 
 
 def main() -> None:
-    from worker.app import app
+    from tasks.settings import Settings
+    from tasks.task_base import send_through
+    from worker.app import make_app
 
-    app.conf.broker_url = "memory://"  # the scenarios' enqueues go nowhere
+    send_through(make_app(Settings(broker_url="memory://")))  # the scenarios' enqueues go nowhere
     EVENTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d")
     for name, scenario in SCENARIOS.items():

@@ -24,6 +24,13 @@ import redis
 from kombu import Connection, Queue
 
 from runtime.models import RunStatus
+from tasks.rejected import (
+    MAX_ENTRIES,
+    MAX_MESSAGE_BYTES,
+    FolderRejected,
+    RedisRejected,
+    Rejected,
+)
 from tests.helpers import write_agent
 from tests.integration.test_continuations_on_real_workers import (
     ASK,
@@ -36,13 +43,6 @@ from tests.integration.test_continuations_on_real_workers import (
 )
 from tests.redis_server import running_redis_server
 from tests.workers import ROOT, WorkerProcess, WorkerProcesses, redis_context, worker_env
-from worker.rejected import (
-    MAX_ENTRIES,
-    MAX_MESSAGE_BYTES,
-    FolderRejected,
-    RedisRejected,
-    Rejected,
-)
 
 pytestmark = pytest.mark.timeout(240)
 

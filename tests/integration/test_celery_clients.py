@@ -13,11 +13,11 @@ from celery import Celery
 from runtime.models import RunStatus
 from store.runs import RunRecord
 from tasks.context import Context
+from tasks.settings import Settings
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcesses, redis_context
 from worker import client
 from worker.app import celery_config
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -57,7 +57,7 @@ def start_and_wait(agent: Path, *extra: str) -> Result:
 
 def test_wait_exits_with_a_status_per_outcome(ratchet: Ratchet, tmp_path: Path) -> None:
     done = start_and_wait(write_agent(tmp_path / "ok", [turn("Done.")]))
-    assert done.exit_code == Exit.OK == 0, done.output
+    assert done.exit_code == int(Exit.OK) == 0, done.output
 
     over_budget = write_agent(
         tmp_path / "failed",
@@ -65,16 +65,16 @@ def test_wait_exits_with_a_status_per_outcome(ratchet: Ratchet, tmp_path: Path) 
         budgets={"max_turns": 1},
     )
     failed = start_and_wait(over_budget)
-    assert failed.exit_code == Exit.FAILED == 3, failed.output
+    assert failed.exit_code == int(Exit.FAILED) == 3, failed.output
     assert "status     failed" in failed.output
 
     asks = start_and_wait(write_agent(tmp_path / "ask", ASK))
-    assert asks.exit_code == Exit.SUSPENDED == 4, asks.output
+    assert asks.exit_code == int(Exit.SUSPENDED) == 4, asks.output
     assert "status     needs_user_input" in asks.output
 
     slow = write_agent(tmp_path / "slow", [{**turn("Done."), "sleep_s": 3}])
     timed_out = start_and_wait(slow, "--timeout", "0.5")
-    assert timed_out.exit_code == Exit.TIMEOUT == 6, timed_out.output
+    assert timed_out.exit_code == int(Exit.TIMEOUT) == 6, timed_out.output
     assert "is still" in timed_out.output
 
 
@@ -98,7 +98,7 @@ def test_wait_exits_5_for_a_run_that_stalled_and_needs_an_operator(
     assert not waiting.is_alive()
     result = outcome["r"]
     assert ratchet.get("stalls-1").status == RunStatus.STALLED
-    assert result.exit_code == Exit.OPERATOR == 5, result.output
+    assert result.exit_code == int(Exit.OPERATOR) == 5, result.output
 
 
 # --- runs events --follow (item 8) ----------------------------------------------

@@ -15,20 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 from click.testing import CliRunner
 from kombu import Connection, Queue
 
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer
 from tests.workers import WorkerProcesses, redis_context
 from worker.api import Ratchet
-from worker.app import app, make_app
+from worker.app import make_app
 from worker.cli import main
-from worker.settings import Settings
 
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
 REFUND = [turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)), turn("ok")]
@@ -101,15 +102,15 @@ def test_a_suspended_run_answered_from_the_cli_completes_and_a_repeat_is_acknowl
 
 
 def test_a_continuation_sent_by_a_celery_client_is_applied_once_even_when_sent_twice(
-    ratchet: Ratchet, tmp_path: Path
+    ratchet: Ratchet, session_app: Celery, tmp_path: Path
 ) -> None:
     run_id = start_suspended(ratchet, tmp_path)
     answer = {"run_id": run_id, "input": "Order B2", "continuation_id": "celery-1"}
     # When a client that speaks Celery sends the same answer twice, and then a different one
-    app.send_task("ratchet.continue", kwargs=answer)
-    app.send_task("ratchet.continue", kwargs=answer)
+    session_app.send_task("ratchet.continue", kwargs=answer)
+    session_app.send_task("ratchet.continue", kwargs=answer)
     record = wait_for(ratchet.ctx, run_id, finished)
-    app.send_task("ratchet.continue", kwargs={**answer, "continuation_id": "celery-2"})
+    session_app.send_task("ratchet.continue", kwargs={**answer, "continuation_id": "celery-2"})
     time.sleep(0.3)
     # Then the run completed with exactly one answer
     assert record.status == RunStatus.COMPLETED

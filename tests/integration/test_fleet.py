@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.redis_server import _free_port
 from tests.workers import EXAMPLE_AGENT, WorkerProcess, WorkerProcesses, redis_context
 from worker.api import Ratchet
 from worker.app import make_app
-from worker.checks import TOOL_TIMEOUT_ATTEMPTS, broker_problem, longest_turn
-from worker.settings import Settings
+from worker.checks import broker_problem, longest_turn
 
 # The example agent: model_timeout_s 120 (default) + 20 tool calls x 300 s x 3 tries.
 EXAMPLE_LONGEST_TURN_S = 18_120
@@ -30,12 +30,6 @@ def wait_for_log(worker: WorkerProcess, text: str, timeout_s: float = 30) -> Non
 
 
 # --- the broker check -------------------------------------------------------------
-
-
-def test_the_tool_attempts_the_check_assumes_are_the_ones_a_turn_makes() -> None:
-    from tasks.turn import TOOL_TIMEOUT_ATTEMPTS as turn_attempts
-
-    assert TOOL_TIMEOUT_ATTEMPTS == turn_attempts
 
 
 def test_the_longest_turn_is_the_time_limit_in_prefork_and_the_agents_own_otherwise() -> None:
@@ -109,9 +103,9 @@ def test_a_prefork_worker_exposes_prometheus_metrics_that_count_a_run(
     # Then the metrics, summed over the pool processes, counted what happened
     samples = scrape(port)
     assert samples['ratchet_turns_total{outcome="completed"}'] == 1
-    assert samples['ratchet_turns_total{outcome="next"}'] == 3
+    assert samples['ratchet_turns_total{outcome="next"}'] == 2  # two look-ups at once, a refund
     assert samples['ratchet_events_total{type="tool.completed"}'] == 3
     assert samples['ratchet_run_transitions_total{status="completed"}'] == 1
-    assert samples["ratchet_checkpoint_seconds_count"] >= 7
+    assert samples["ratchet_checkpoint_seconds_count"] >= 6
     assert samples["ratchet_checkpoint_bytes_sum"] > 1000
     assert samples.get("ratchet_dead_lettered_total", 0) == 0

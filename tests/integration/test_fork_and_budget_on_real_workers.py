@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from runtime.models import RunStatus
-from tests.helpers import call, turn, write_agent
+from tests.helpers import call, refunds, turn, write_agent
 from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses
 
 
@@ -66,7 +66,7 @@ def test_a_fork_before_the_refund_runs_on_a_real_worker_and_says_it_refunds_agai
         e["seq"]
         for e in events
         if e["type"] == "model.responded"
-        and any(c["name"] == "issue_refund" for c in e["data"]["tool_calls"])
+        and any(c["name"] == "send_refund" for c in e["data"]["tool_calls"])
     ]
     assert len(asked) == 1, events
     # When an operator forks it where the model had asked for the refund
@@ -74,10 +74,10 @@ def test_a_fork_before_the_refund_runs_on_a_real_worker_and_says_it_refunds_agai
     # Then the CLI says the fork refunds again, and the worker carries the fork to the end
     assert forked.returncode == 0, forked.stderr
     assert f"run fork-b2: forked from {original} at seq {asked[0]}" in forked.stdout
-    assert "will run `issue_refund`" in forked.stdout and "not idempotent" in forked.stdout
+    assert "will run `send_refund`" in forked.stdout and "not idempotent" in forked.stdout
     record = wait_until_finished(env, "fork-b2", worker.log)
     assert record["status"] == RunStatus.COMPLETED.value, record
-    assert ledger.read_text().splitlines() == ["refund B2 2900", "refund B2 2900"]
+    assert refunds(ledger) == ["refund B2 2900", "refund B2 2900"]
     # and the original is as it was
     again = [
         json.loads(line)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.model_server import ModelServer, serve
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context
 from worker.app import make_app
-from worker.settings import Settings
 
 TURNS = 3
 """Model turns per run: two with a tool call, then the answer."""

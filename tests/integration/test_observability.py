@@ -15,11 +15,11 @@ from kombu import Connection
 
 from runtime.models import RunStatus
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context
 from worker.app import celery_config, make_app
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -104,6 +104,11 @@ def online(events: Events) -> None:
     events.wait_for(lambda e: e.get("type") in ("worker-online", "worker-heartbeat"))
 
 
+def succeeded(task_id: str) -> Callable[[dict[str, Any]], bool]:
+    """An event matcher: the task ``task_id`` succeeded."""
+    return lambda e: e.get("type") == "task-succeeded" and e.get("uuid") == task_id
+
+
 def log_lines(worker: WorkerProcess, needle: str) -> list[str]:
     return [line for line in worker.log().splitlines() if needle in line]
 
@@ -146,9 +151,7 @@ def test_a_worker_sends_task_events_by_default_with_readable_arguments_and_logs_
         # Sweeps that find nothing leave no INFO line; one that finds an orphan does.
         empty = [send(redis_url, "ratchet.sweep") for _ in range(3)]
         for task_id in empty:
-            events.wait_for(
-                lambda e, t=task_id: e.get("type") == "task-succeeded" and e.get("uuid") == t
-            )
+            events.wait_for(succeeded(task_id))
         assert log_lines(worker, "ratchet.sweep[") == [], log_lines(worker, "ratchet.sweep[")
         orphan = create_run(ctx, write_agent(tmp_path / "o", LOOKUP, name="desk"), "x").run_id
         deadline = time.monotonic() + 30

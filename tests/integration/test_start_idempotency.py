@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import refunds
 from tests.redis_server import RedisServer, _free_port, running_redis_server
 from tests.workers import ROOT, WorkerProcesses, worker_env
 
@@ -135,7 +136,7 @@ def test_a_start_while_the_broker_is_down_says_so_and_runs_once_the_broker_is_ba
         processes.start("--pool", "solo")
         # Then the run starts by itself and completes, refunding exactly once
         wait_for("the run to complete", lambda: show(env, "broker-down-1")["status"] == "completed")
-        assert ledger.read_text().splitlines() == ["refund B2 2900"]
+        assert refunds(ledger) == ["refund B2 2900"]
         # And beat keeps its schedule under the data dir, not in its working directory
         assert list(beat_dir.iterdir()) == []
         assert list((tmp_path / "data").glob("celerybeat-schedule*"))
@@ -147,7 +148,7 @@ def test_a_start_while_the_broker_is_down_says_so_and_runs_once_the_broker_is_ba
     late = start(env, "--run-id", "broker-down-1")
     assert late.returncode == 0 and late.stdout.strip() == "broker-down-1", late.stderr
     assert run_count(env) == 1
-    assert ledger.read_text().splitlines() == ["refund B2 2900"]
+    assert refunds(ledger) == ["refund B2 2900"]
 
 
 def test_an_idempotency_key_gives_one_run_however_often_the_start_is_sent(
@@ -169,7 +170,7 @@ def test_an_idempotency_key_gives_one_run_however_often_the_start_is_sent(
         (run_id,) = ids
         wait_for("the run to complete", lambda: show(env, run_id)["status"] == "completed")
         assert run_count(env) == 1
-        assert ledger.read_text().splitlines() == ["refund B2 2900"]
+        assert refunds(ledger) == ["refund B2 2900"]
         # And the key with another input is refused
         other = start(env, "--idempotency-key", "refund-B2-ticket-7", text="Refund order B3")
         assert other.returncode == 1 and "already exists with another input" in other.stderr
@@ -212,7 +213,7 @@ for text in ("Refund order B2", "Refund order B2", "Refund order B3"):
         wait_for(
             "the run to complete", lambda: show(env, runs[0]["run_id"])["status"] == "completed"
         )
-        assert ledger.read_text().splitlines() == ["refund B2 2900"]
+        assert refunds(ledger) == ["refund B2 2900"]
         assert "already exists with another input" in processes.started[0].log()
     finally:
         processes.stop_all()

@@ -20,12 +20,12 @@ from runtime.models import RunStatus
 from store.runs.sqlite import SqliteRunStore
 from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context
+from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
 from tests.test_unusable_snapshots import DAMAGES
 from tests.workers import ROOT, WorkerProcesses, worker_env
-from worker.settings import Settings
 
 pytestmark = pytest.mark.slow
 

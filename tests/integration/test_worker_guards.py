@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from tasks.settings import Settings
 from tests.redis_server import HOST, RedisServer, _binary, _free_port, running_redis_server
 from tests.workers import WorkerProcess, WorkerProcesses
 from worker.checks import redis_persistence, store_persistence_problem
-from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -8,7 +8,7 @@ import logging
 import click
 
 from runtime.errors import RatchetError
-from worker.cli import main, refusals
+from worker.cli_base import main, refusals
 
 log = logging.getLogger("ratchet.console")
 

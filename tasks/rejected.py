@@ -243,7 +243,7 @@ class AmqpRejected(RejectedStore):
         self.where = f"the RabbitMQ queue {AMQP_QUEUE}"
 
     def _queue(self) -> Any:
-        from kombu import Queue  # type: ignore[attr-defined]
+        from kombu import Queue
 
         return Queue(  # type: ignore[no-untyped-call]
             AMQP_QUEUE,
@@ -252,7 +252,7 @@ class AmqpRejected(RejectedStore):
         )
 
     def _with_channel(self, fn: Callable[[Any], Any]) -> Any:
-        from kombu import Connection  # type: ignore[attr-defined]
+        from kombu import Connection
 
         with Connection(self.url) as connection:  # type: ignore[no-untyped-call]
             channel = connection.channel()
@@ -265,7 +265,7 @@ class AmqpRejected(RejectedStore):
                 channel.close()
 
     def add(self, entry: Rejected) -> None:
-        from kombu import Connection  # type: ignore[attr-defined]
+        from kombu import Connection
 
         with Connection(self.url) as connection:  # type: ignore[no-untyped-call]
             producer = connection.Producer()
@@ -366,7 +366,7 @@ def store_for_app(app: Any) -> RejectedStore:
         if url.startswith("filesystem://") and folder:
             store = FolderRejected(Path(folder))
         else:
-            from worker.settings import get_settings
+            from tasks.settings import get_settings
 
             store = open_rejected(url, get_settings().resolved_data_dir)
         _stores[key] = store

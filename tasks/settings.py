@@ -83,7 +83,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:
         # A turn that outlives the Redis visibility timeout is delivered again while it
-        # still runs (CELERY-NOTES): the time limit must end it first.
+        # still runs (kombu's Redis transport restores unacked messages past it): the
+        # time limit must end it first.
         if self.turn_time_limit_s >= self.visibility_timeout_s:
             raise ValueError(
                 f"RATCHET_TURN_TIME_LIMIT_S ({self.turn_time_limit_s}) must be below "

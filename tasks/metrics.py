@@ -32,7 +32,13 @@ Exposed (all counters except the two histograms):
   ``ratchet_leases_lost_total`` — the heartbeat that renews every turn's lease;
 - ``ratchet_resumes_total{by}`` (sweeper, operator), ``ratchet_suspensions_total{reason}``,
   ``ratchet_continuations_total``, ``ratchet_parked_total``, ``ratchet_dead_lettered_total``,
-  ``ratchet_purged_runs_total``.
+  ``ratchet_purged_runs_total``;
+- ``ratchet_throttled_total{reason}`` — turns put back on the queue by a limit
+  (reserved, over_limit, 429, concurrency); ``ratchet_limit_checks_total{outcome}``
+  and ``ratchet_limit_check_seconds_total`` — the limit store's answers and the time
+  they took; ``ratchet_turn_seconds_total{throttled}`` — time inside turn tasks,
+  split by whether the turn ended waiting on a limit (the slot time waiting costs).
+  ``ratchet limits`` shows each limit's use this minute, its lines and its places.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from typing import Any
 from celery.signals import worker_init, worker_shutdown
 
 from runtime.models import Event, RunStatus
-from worker.settings import get_settings
+from tasks.settings import get_settings
 
 log = logging.getLogger("ratchet.metrics")
 
@@ -99,6 +105,18 @@ class _Metrics:
         )
         self.renewals = counter("ratchet_lease_renewals", "Leases renewed by heartbeats.")
         self.leases_lost = counter("ratchet_leases_lost", "Leases a heartbeat found taken.")
+        self.throttled = counter(
+            "ratchet_throttled", "Turns put back on the queue by a limit.", ["reason"]
+        )
+        self.limit_checks = counter(
+            "ratchet_limit_checks", "Answers of the limit store, by outcome.", ["outcome"]
+        )
+        self.limit_check_s = counter(
+            "ratchet_limit_check_seconds", "Time spent asking the limit store."
+        )
+        self.turn_s = counter(
+            "ratchet_turn_seconds", "Time inside turn tasks, by whether they waited.", ["throttled"]
+        )
 
 
 _on: _Metrics | None = None
@@ -133,6 +151,22 @@ def recorded(before: RunStatus | None, after: RunStatus, events: Sequence[Event]
 def turn_done(outcome: str) -> None:
     if _on is not None:
         _on.turns.labels(outcome).inc()
+
+
+def turn_timed(seconds: float, throttled: bool) -> None:
+    if _on is not None:
+        _on.turn_s.labels("yes" if throttled else "no").inc(seconds)
+
+
+def throttled(reason: str) -> None:
+    if _on is not None:
+        _on.throttled.labels(reason).inc()
+
+
+def limit_checked(seconds: float, outcome: str) -> None:
+    if _on is not None:
+        _on.limit_checks.labels(outcome).inc()
+        _on.limit_check_s.inc(seconds)
 
 
 def heartbeat_round(late_s: float, took_s: float, leases: int, lost: int) -> None:
@@ -193,9 +227,9 @@ def enable(port: int, directory: Path | None = None, address: str = "127.0.0.1")
         stale.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     # prometheus-client picks its value class when first imported; pick again now.
-    values.ValueClass = values.get_value_class()
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(directory))
+    multiprocess.MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
     start_http_server(port, addr=address, registry=registry)
     _on = _Metrics()
     shown = f"[{address}]" if ":" in address else address

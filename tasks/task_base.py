@@ -7,7 +7,7 @@ traceback in the worker log. :class:`RatchetTask` checks the arguments first,
 against a strict pydantic model built from the task function's signature and
 type hints: no coercion (``"5"`` is not an int, ``true`` is not an int), no
 unknown keyword. A message that fails is set aside in the dead-letter store
-(:mod:`worker.rejected`) with one WARNING line naming the task, the argument
+(:mod:`tasks.rejected`) with one WARNING line naming the task, the argument
 and the signature to send, and Celery records the task as ignored (the
 message is acknowledged: sending it again would fail the same way).
 
@@ -20,15 +20,18 @@ from __future__ import annotations
 import inspect
 import json
 import typing
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
-from celery import Task
+from celery import Task, current_app, shared_task
+from celery._state import get_current_task
 from celery.exceptions import Ignore
+from celery.local import Proxy
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from runtime.errors import InvalidRunId
-from worker.rejected import set_aside, store_for_app
+from tasks.rejected import set_aside, store_for_app
 
 
 class RatchetTask(Task):  # type: ignore[misc]
@@ -125,3 +128,47 @@ class RatchetTask(Task):  # type: ignore[misc]
             queue or self.name,
             lambda: store_for_app(self.app),
         )
+
+
+_sending_app: Any = None
+"""The app ratchet's tasks are sent through outside a running task (:func:`send_through`)."""
+
+
+def send_through(app: Any, *, unless_set: bool = False) -> None:
+    """Send ratchet's tasks through ``app`` when no ratchet task is running in the thread.
+
+    ``tasks.install(app)`` sets it; ratchet's own app (``worker.app``) sets it only
+    ``unless_set``, so importing ratchet's worker package into an application that
+    installed ratchet on its own app does not take the sends over. Without it, the
+    sends would follow Celery's current app, which is whichever app was built last
+    in the thread (a client's, a test's).
+    """
+    global _sending_app
+    if not unless_set or _sending_app is None:
+        _sending_app = app
+
+
+def sending_app() -> Any:
+    """The app a send goes through: the running task's, else :func:`send_through`'s."""
+    task = get_current_task()
+    if task is not None:
+        return task.app
+    return _sending_app if _sending_app is not None else current_app._get_current_object()
+
+
+def ratchet_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """Declare a ratchet task: ``@ratchet_task(name="ratchet.turn", ...)``.
+
+    The task is a Celery shared task: it is registered on every Celery app that is
+    finalised in the process, ratchet's own (``celery -A worker``) or an application's
+    (``tasks.install(app)``), and always with :class:`RatchetTask` as its base, whatever
+    the app's own task class. What the decorator returns stands for the task of
+    :func:`sending_app`: calling or sending it goes through that app.
+    """
+    name = options["name"]
+
+    def declare(fun: Callable[..., Any]) -> Any:
+        shared_task(base=RatchetTask, **options)(fun)
+        return Proxy(lambda: sending_app().tasks[name])
+
+    return declare

@@ -1,0 +1,698 @@
+"""Where the fleet's rate limits and concurrency caps keep their state.
+
+One store per deployment, beside the run store: the Redis the run store uses
+(every decision one Lua script, atomic across workers and hosts, on the Redis
+server's clock), or for the embedded default a SQLite file next to the run
+database (one ``BEGIN IMMEDIATE`` transaction per decision, shared by the
+processes of one machine); ``memory://`` for tests. The arithmetic is
+:mod:`runtime.limits`; the Redis script repeats it, and the conformance tests
+hold both to the same answers.
+
+What is kept, per limit key: one TAT per rate, a ``blocked until`` time (a 429's
+``Retry-After``), reservations by (run, seq), the two waiting lines (runs under
+way, new runs) and per-minute counters for operators. Per concurrency key: the
+runs holding a place and the line of runs waiting for one. And the run-time
+overrides of limits and caps operators set with ``ratchet limits set`` / ``cap``,
+which workers read with a short cache (tasks/limits.py) — no restart.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import StoreUnavailable
+from runtime.limits import Rate, Verdict, corrected_tat, schedule
+
+RESERVATION_EARLY_MS = 5
+"""A reserved turn that fires this early (a timer's jitter) still goes."""
+LINE_KEEP_MS = 3_600_000
+"""A place in a waiting line not asked about for this long is dropped (its run went away)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    verdict: Verdict
+    place: int
+    """Denied: the run's 0-based position in the waiting lines (runs under way first)."""
+    now_ms: float
+    """The store's clock when it decided."""
+
+
+@dataclass(frozen=True)
+class Place:
+    held: bool
+    """The run holds one of the key's places (it may call the model)."""
+    place: int
+    """Not held: how many runs wait ahead of it."""
+    holders: tuple[str, ...]
+    """Not held: (some of) the runs holding the places, for a check they are still live."""
+
+
+@dataclass(frozen=True)
+class LimitUse:
+    key: str
+    requests_this_minute: int
+    tokens_this_minute: int
+    ahead_s: dict[str, float]
+    """Per rate: how far its schedule runs ahead of now (reserved calls, debt)."""
+    blocked_s: float
+    waiting: tuple[int, int]
+    """Runs waiting: under way, new."""
+
+
+@dataclass(frozen=True)
+class CapUse:
+    key: str
+    holders: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
+def minute_of(wall_ms: float) -> int:
+    return int(wall_ms // 60_000)
+
+
+class LimitStore(ABC):
+    """The contract: atomic decisions on shared state (see the module docstring)."""
+
+    @abstractmethod
+    def admit(
+        self,
+        key: str,
+        run_id: str,
+        seq: int,
+        next_seq: int,
+        rates: Sequence[Rate],
+        costs: Sequence[float],
+        horizon_ms: float,
+        under_way: bool,
+    ) -> Admission:
+        """May ``run_id`` at ``seq`` call the model now? Takes a reservation made for
+        ``seq`` if there is one; a new reservation is kept for ``next_seq`` (the seq of
+        the turn that will be re-enqueued)."""
+
+    @abstractmethod
+    def settle(self, key: str, delta_tokens: float, rate: Rate) -> None:
+        """The call cost ``delta_tokens`` more (or fewer) than its estimate."""
+
+    @abstractmethod
+    def block(self, key: str, for_ms: float) -> None:
+        """The provider said 429 with Retry-After: nobody calls before ``for_ms`` from now."""
+
+    @abstractmethod
+    def acquire(self, cap_key: str, run_id: str, cap: int) -> Place:
+        """Take (or keep) a place under ``cap_key``; else join its line, in order."""
+
+    @abstractmethod
+    def release(self, cap_key: str, run_id: str, cap: int) -> list[str]:
+        """Let go of ``run_id``'s place (or its place in line); the runs handed a place."""
+
+    @abstractmethod
+    def use(self, key: str) -> LimitUse: ...
+
+    @abstractmethod
+    def cap_use(self, cap_key: str) -> CapUse: ...
+
+    @abstractmethod
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        """Limits set at run time: key → {requests_per_minute, tokens_per_minute}."""
+
+    @abstractmethod
+    def set_override(self, key: str, values: dict[str, Any] | None) -> None:
+        """Set (``None``: remove) a limit's run-time values."""
+
+    @abstractmethod
+    def cap_overrides(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def set_cap_override(self, cap_key: str, cap: int | None) -> None: ...
+
+    @abstractmethod
+    def known(self) -> tuple[list[str], list[str]]:
+        """Limit keys and concurrency keys ever used (for ``ratchet limits``)."""
+
+
+# --- the embedded default and tests: the arithmetic in Python, on documents -------
+
+
+class LocalLimitStore(LimitStore):
+    """Decisions in Python on JSON documents, one transaction each (``_documents``)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock or (lambda: time.time_ns() / 1e6)
+
+    @abstractmethod
+    @contextmanager
+    def _documents(self, *names: str) -> Iterator[dict[str, dict[str, Any]]]:
+        """The named documents (``{}`` when new), saved as left when the block ends."""
+        yield {}  # pragma: no cover
+
+    def admit(self, key: str, run_id: str, seq: int, next_seq: int, rates: Sequence[Rate],
+              costs: Sequence[float], horizon_ms: float, under_way: bool) -> Admission:  # fmt: skip
+        now = self._clock()
+        with self._documents(f"limit:{key}", "known") as docs:
+            doc = docs[f"limit:{key}"]
+            docs["known"].setdefault("limits", {})[key] = 1
+            taken = _take_reservation(doc, f"{run_id}:{seq}", now)
+            if taken is not None:
+                return Admission(taken, 0, now)
+            tats = doc.setdefault("tats", {})
+            verdict = schedule(
+                [tats.get(r.unit) for r in rates], costs, rates, now, horizon_ms,
+                doc.get("blocked_until", 0.0),
+            )  # fmt: skip
+            lines = doc.setdefault("lines", [{}, {}])
+            for line in lines:
+                for run, since in list(line.items()):
+                    if since < now - LINE_KEEP_MS:
+                        del line[run]
+            if verdict.outcome == "denied":
+                mine = lines[0 if under_way else 1]
+                mine.setdefault(run_id, now)
+                order = sorted(mine, key=lambda r: (mine[r], r))
+                place = order.index(run_id) + (0 if under_way else len(lines[0]))
+                return Admission(verdict, place, now)
+            assert verdict.tats is not None
+            for rate, tat in zip(rates, verdict.tats, strict=True):
+                tats[rate.unit] = tat
+            for line in lines:
+                line.pop(run_id, None)
+            tokens = sum(int(c) for r, c in zip(rates, costs, strict=True) if r.unit == "tokens")
+            _count(doc, now, 1, tokens)
+            if verdict.outcome == "reserved":
+                at = now + verdict.wait_ms
+                doc.setdefault("reservations", {})[f"{run_id}:{next_seq}"] = [at, at + LINE_KEEP_MS]
+            return Admission(verdict, 0, now)
+
+    def settle(self, key: str, delta_tokens: float, rate: Rate) -> None:
+        now = self._clock()
+        with self._documents(f"limit:{key}") as docs:
+            doc = docs[f"limit:{key}"]
+            tats = doc.setdefault("tats", {})
+            if "tokens" in tats:
+                tats["tokens"] = corrected_tat(tats["tokens"], delta_tokens, rate, now)
+            _count(doc, now, 0, int(delta_tokens))
+
+    def block(self, key: str, for_ms: float) -> None:
+        now = self._clock()
+        with self._documents(f"limit:{key}") as docs:
+            doc = docs[f"limit:{key}"]
+            doc["blocked_until"] = max(doc.get("blocked_until", 0.0), now + for_ms)
+
+    def acquire(self, cap_key: str, run_id: str, cap: int) -> Place:
+        now = self._clock()
+        with self._documents(f"cap:{cap_key}", "known") as docs:
+            doc = docs[f"cap:{cap_key}"]
+            docs["known"].setdefault("caps", {})[cap_key] = 1
+            holders: list[str] = doc.setdefault("holders", [])
+            line: dict[str, float] = doc.setdefault("line", {})
+            if run_id in holders:
+                return Place(True, 0, ())
+            line.setdefault(run_id, now)
+            order = sorted(line, key=lambda r: (line[r], r))
+            place = order.index(run_id)
+            free = cap - len(holders)
+            if place < free:
+                del line[run_id]
+                holders.append(run_id)
+                return Place(True, 0, ())
+            return Place(False, place - max(0, free), tuple(holders[:50]))
+
+    def release(self, cap_key: str, run_id: str, cap: int) -> list[str]:
+        with self._documents(f"cap:{cap_key}") as docs:
+            doc = docs[f"cap:{cap_key}"]
+            holders: list[str] = doc.setdefault("holders", [])
+            line: dict[str, float] = doc.setdefault("line", {})
+            if run_id in holders:
+                holders.remove(run_id)
+            line.pop(run_id, None)
+            handed = []
+            for run in sorted(line, key=lambda r: (line[r], r)):
+                if len(holders) >= cap:
+                    break
+                del line[run]
+                holders.append(run)
+                handed.append(run)
+            return handed
+
+    def use(self, key: str) -> LimitUse:
+        now = self._clock()
+        with self._documents(f"limit:{key}") as docs:
+            doc = docs[f"limit:{key}"]
+            this = doc.get("counts", {}).get(str(minute_of(now)), [0, 0])
+            ahead = {u: max(0.0, t - now) / 1000 for u, t in doc.get("tats", {}).items()}
+            lines = doc.get("lines", [{}, {}])
+            blocked = max(0.0, doc.get("blocked_until", 0.0) - now) / 1000
+            return LimitUse(key, this[0], this[1], ahead, blocked, (len(lines[0]), len(lines[1])))
+
+    def cap_use(self, cap_key: str) -> CapUse:
+        with self._documents(f"cap:{cap_key}") as docs:
+            doc = docs[f"cap:{cap_key}"]
+            line = doc.get("line", {})
+            order = tuple(sorted(line, key=lambda r: (line[r], r)))
+            return CapUse(cap_key, tuple(doc.get("holders", ())), order)
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        with self._documents("config") as docs:
+            return dict(docs["config"].get("limits", {}))
+
+    def set_override(self, key: str, values: dict[str, Any] | None) -> None:
+        with self._documents("config", "known") as docs:
+            limits = docs["config"].setdefault("limits", {})
+            if values is None:
+                limits.pop(key, None)
+            else:
+                limits[key] = values
+                docs["known"].setdefault("limits", {})[key] = 1
+
+    def cap_overrides(self) -> dict[str, int]:
+        with self._documents("config") as docs:
+            return dict(docs["config"].get("caps", {}))
+
+    def set_cap_override(self, cap_key: str, cap: int | None) -> None:
+        with self._documents("config", "known") as docs:
+            caps = docs["config"].setdefault("caps", {})
+            if cap is None:
+                caps.pop(cap_key, None)
+            else:
+                caps[cap_key] = cap
+                docs["known"].setdefault("caps", {})[cap_key] = 1
+
+    def known(self) -> tuple[list[str], list[str]]:
+        with self._documents("known") as docs:
+            known = docs["known"]
+            return sorted(known.get("limits", {})), sorted(known.get("caps", {}))
+
+
+def _take_reservation(doc: dict[str, Any], name: str, now: float) -> Verdict | None:
+    """The verdict on a reservation made earlier for this (run, seq); None if there is none."""
+    reservations = doc.setdefault("reservations", {})
+    for other, (_, expires) in list(reservations.items()):
+        if expires < now:
+            del reservations[other]
+    mine = reservations.pop(name, None)
+    if mine is None:
+        return None
+    if mine[0] - now <= RESERVATION_EARLY_MS:
+        return Verdict("go", 0.0, None, "reserved")
+    reservations[name] = mine  # a timer that fired early: it comes back at its time
+    return Verdict("reserved", mine[0] - now, None, "early")
+
+
+def _count(doc: dict[str, Any], now: float, requests: int, tokens: int) -> None:
+    counts = doc.setdefault("counts", {})
+    this = counts.setdefault(str(minute_of(now)), [0, 0])
+    this[0] += requests
+    this[1] += tokens
+    for old in [m for m in counts if int(m) < minute_of(now) - 1]:
+        del counts[old]
+
+
+class MemoryLimitStore(LocalLimitStore):
+    """One process's limits (tests, ``memory://`` run stores)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        super().__init__(clock)
+        self._docs: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def _documents(self, *names: str) -> Iterator[dict[str, dict[str, Any]]]:
+        with self._lock:
+            yield {name: self._docs.setdefault(name, {}) for name in names}
+
+
+class SqliteLimitStore(LocalLimitStore):
+    """The embedded default's limits: a SQLite file shared by one machine's processes."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] | None = None) -> None:
+        super().__init__(clock)
+        self.path = path
+        self._local = threading.local()
+
+    def _connection(self) -> sqlite3.Connection:
+        import os
+
+        held = getattr(self._local, "connection", None)
+        if held is not None and held[0] == os.getpid():
+            return held[1]  # type: ignore[no-any-return]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(self.path, timeout=10, isolation_level=None)
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute(
+            "CREATE TABLE IF NOT EXISTS limits (name TEXT PRIMARY KEY, doc TEXT NOT NULL)"
+        )
+        self._local.connection = (os.getpid(), connection)
+        return connection
+
+    @contextmanager
+    def _documents(self, *names: str) -> Iterator[dict[str, dict[str, Any]]]:
+        try:
+            db = self._connection()
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"limits {self.path}", str(exc)) from exc
+        try:
+            docs = {}
+            for name in names:
+                row = db.execute("SELECT doc FROM limits WHERE name = ?", (name,)).fetchone()
+                docs[name] = json.loads(row[0]) if row else {}
+            yield docs
+            for name, doc in docs.items():
+                db.execute(
+                    "INSERT OR REPLACE INTO limits (name, doc) VALUES (?, ?)",
+                    (name, json.dumps(doc, separators=(",", ":"))),
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+
+# --- Redis: one Lua script per decision, on the server's clock --------------------
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+"""
+
+# KEYS: tat:requests, tat:tokens, blocked, reservation(seq), reservation(next seq),
+#       line:under_way, line:new, count:requests(minute), count:tokens(minute)
+# ARGV: rpm, tpm, burst_ms, cost requests, cost tokens, horizon_ms, line (0|1), run, keep_ms
+_ADMIT = (
+    _NOW
+    + """
+local res = redis.call('GET', KEYS[4])
+if res then
+  local at = tonumber(res)
+  if at - now <= tonumber(ARGV[10]) then
+    redis.call('DEL', KEYS[4])
+    return {'go', '0', 'reserved', tostring(now), '0'}
+  end
+  return {'reserved', tostring(at - now), 'early', tostring(now), '0'}
+end
+local per_minute = {tonumber(ARGV[1]), tonumber(ARGV[2])}
+local tau = tonumber(ARGV[3])
+local costs = {tonumber(ARGV[4]), tonumber(ARGV[5])}
+local units = {'requests', 'tokens'}
+local go, binding = now, ''
+local blocked = tonumber(redis.call('GET', KEYS[3]) or '0')
+if blocked > go then go = blocked; binding = 'blocked' end
+local tats = {}
+for i = 1, 2 do
+  if per_minute[i] > 0 then
+    local v = redis.call('GET', KEYS[i])
+    if v then
+      tats[i] = tonumber(v)
+      if tats[i] - tau > go then go = tats[i] - tau; binding = units[i] end
+    end
+  end
+end
+local wait = go - now
+local keep = tonumber(ARGV[9])
+local run = ARGV[8]
+local mine = KEYS[6 + tonumber(ARGV[7])]
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now - keep)
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - keep)
+if wait > tonumber(ARGV[6]) then
+  redis.call('ZADD', mine, 'NX', now, run)
+  redis.call('PEXPIRE', mine, keep)
+  local place = redis.call('ZRANK', mine, run)
+  if tonumber(ARGV[7]) == 1 then place = place + redis.call('ZCARD', KEYS[6]) end
+  return {'denied', tostring(wait), binding, tostring(now), tostring(place)}
+end
+for i = 1, 2 do
+  if per_minute[i] > 0 then
+    local base = tats[i] or go
+    if go > base then base = go end
+    local tat = base + costs[i] * 60000 / per_minute[i]
+    redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now + tau) + keep)
+  end
+end
+redis.call('ZREM', KEYS[6], run)
+redis.call('ZREM', KEYS[7], run)
+redis.call('INCRBY', KEYS[8], 1)
+redis.call('PEXPIRE', KEYS[8], 180000)
+if per_minute[2] > 0 then
+  redis.call('INCRBY', KEYS[9], math.floor(costs[2]))
+  redis.call('PEXPIRE', KEYS[9], 180000)
+end
+if wait > 0 then
+  redis.call('SET', KEYS[5], string.format('%.3f', go), 'PX', keep)
+  return {'reserved', tostring(wait), binding, tostring(now), '0'}
+end
+return {'go', '0', binding, tostring(now), '0'}
+"""
+)
+
+# KEYS: tat:tokens, count:tokens(minute); ARGV: delta, tokens per minute
+_SETTLE = (
+    _NOW
+    + """
+local v = redis.call('GET', KEYS[1])
+redis.call('INCRBY', KEYS[2], math.floor(tonumber(ARGV[1])))
+redis.call('PEXPIRE', KEYS[2], 180000)
+if not v then return 0 end
+local tat, d = tonumber(v), tonumber(ARGV[1])
+local interval = 60000 / tonumber(ARGV[2])
+if d >= 0 then
+  if now > tat then tat = now end
+  tat = tat + d * interval
+elseif tat > now then
+  tat = math.max(now, tat + d * interval)
+else
+  return 0
+end
+redis.call('SET', KEYS[1], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 3600000)
+return 1
+"""
+)
+
+_BLOCK = (
+    _NOW
+    + """
+local until_ms = now + tonumber(ARGV[1])
+local was = tonumber(redis.call('GET', KEYS[1]) or '0')
+if until_ms > was then
+  redis.call('SET', KEYS[1], string.format('%.3f', until_ms), 'PX', math.ceil(tonumber(ARGV[1])) + 1000)
+end
+return 1
+"""
+)
+
+# KEYS: holders (set), line (zset); ARGV: run, cap
+_ACQUIRE = (
+    _NOW
+    + """
+local run, cap = ARGV[1], tonumber(ARGV[2])
+if redis.call('SISMEMBER', KEYS[1], run) == 1 then return {1, 0} end
+redis.call('ZADD', KEYS[2], 'NX', now, run)
+local place = redis.call('ZRANK', KEYS[2], run)
+local free = cap - redis.call('SCARD', KEYS[1])
+if place < free then
+  redis.call('ZREM', KEYS[2], run)
+  redis.call('SADD', KEYS[1], run)
+  return {1, 0}
+end
+if free < 0 then free = 0 end
+local out = {0, place - free}
+for _, holder in ipairs(redis.call('SRANDMEMBER', KEYS[1], 50)) do out[#out + 1] = holder end
+return out
+"""
+)
+
+_RELEASE = """
+local run, cap = ARGV[1], tonumber(ARGV[2])
+redis.call('SREM', KEYS[1], run)
+redis.call('ZREM', KEYS[2], run)
+local handed = {}
+while redis.call('SCARD', KEYS[1]) < cap do
+  local head = redis.call('ZPOPMIN', KEYS[2])
+  if #head == 0 then break end
+  redis.call('SADD', KEYS[1], head[1])
+  handed[#handed + 1] = head[1]
+end
+return handed
+"""
+
+
+class RedisLimitStore(LimitStore):
+    """Limits on the run store's Redis; a limit's keys share one hash slot (``{…}``)."""
+
+    def __init__(self, client: Any, prefix: str = "ratchet") -> None:
+        self._client = client
+        self._prefix = prefix
+        self._admit = client.register_script(_ADMIT)
+        self._settle = client.register_script(_SETTLE)
+        self._block = client.register_script(_BLOCK)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
+        self._config = f"{prefix}:limits:config"
+        self._caps = f"{prefix}:limits:caps"
+        self._known = f"{prefix}:limits:known"
+        self._known_caps = f"{prefix}:limits:known_caps"
+        self._registered: set[tuple[str, str]] = set()
+
+    def _k(self, key: str, part: str) -> str:
+        return f"{self._prefix}:limit:{{{key}}}:{part}"
+
+    def _c(self, cap_key: str, part: str) -> str:
+        return f"{self._prefix}:cap:{{{cap_key}}}:{part}"
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        import redis
+
+        try:
+            yield
+        except redis.RedisError as exc:
+            raise StoreUnavailable("limits (redis)", f"{type(exc).__name__}: {exc}") from exc
+
+    def _register(self, set_key: str, key: str) -> None:
+        if (set_key, key) not in self._registered:
+            self._client.sadd(set_key, key)
+            self._registered.add((set_key, key))
+
+    def admit(self, key: str, run_id: str, seq: int, next_seq: int, rates: Sequence[Rate],
+              costs: Sequence[float], horizon_ms: float, under_way: bool) -> Admission:  # fmt: skip
+        by_unit = {r.unit: (r, c) for r, c in zip(rates, costs, strict=True)}
+        rpm = by_unit["requests"][0].per_minute if "requests" in by_unit else 0
+        tpm = by_unit["tokens"][0].per_minute if "tokens" in by_unit else 0
+        burst_ms = max((r.tolerance_ms for r in rates), default=0.0)
+        minute = minute_of(time.time() * 1000)
+        keys = [
+            self._k(key, "tat:requests"), self._k(key, "tat:tokens"), self._k(key, "blocked"),
+            self._k(key, f"res:{run_id}:{seq}"), self._k(key, f"res:{run_id}:{next_seq}"),
+            self._k(key, "line:under_way"), self._k(key, "line:new"),
+            self._k(key, f"count:requests:{minute}"), self._k(key, f"count:tokens:{minute}"),
+        ]  # fmt: skip
+        args = [rpm, tpm, burst_ms, by_unit.get("requests", (None, 1))[1],
+                by_unit.get("tokens", (None, 0))[1], horizon_ms, 0 if under_way else 1, run_id,
+                LINE_KEEP_MS, RESERVATION_EARLY_MS]  # fmt: skip
+        with self._translated():
+            self._register(self._known, key)
+            outcome, wait, binding, now, place = self._admit(keys=keys, args=args)
+        verdict = Verdict(_s(outcome), float(wait), None, _s(binding) or None)  # type: ignore[arg-type]
+        return Admission(verdict, int(place), float(now))
+
+    def settle(self, key: str, delta_tokens: float, rate: Rate) -> None:
+        minute = minute_of(time.time() * 1000)
+        keys = [self._k(key, "tat:tokens"), self._k(key, f"count:tokens:{minute}")]
+        with self._translated():
+            self._settle(keys=keys, args=[int(delta_tokens), rate.per_minute])
+
+    def block(self, key: str, for_ms: float) -> None:
+        with self._translated():
+            self._block(keys=[self._k(key, "blocked")], args=[for_ms])
+
+    def acquire(self, cap_key: str, run_id: str, cap: int) -> Place:
+        with self._translated():
+            self._register(self._known_caps, cap_key)
+            out = self._acquire(
+                keys=[self._c(cap_key, "holders"), self._c(cap_key, "line")], args=[run_id, cap]
+            )
+        return Place(bool(out[0]), int(out[1]), tuple(_s(h) for h in out[2:]))
+
+    def release(self, cap_key: str, run_id: str, cap: int) -> list[str]:
+        with self._translated():
+            handed = self._release(
+                keys=[self._c(cap_key, "holders"), self._c(cap_key, "line")], args=[run_id, cap]
+            )
+        return [_s(h) for h in handed]
+
+    def use(self, key: str) -> LimitUse:
+        minute = minute_of(time.time() * 1000)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.time()
+        for part in ("tat:requests", "tat:tokens", "blocked", f"count:requests:{minute}",
+                     f"count:tokens:{minute}"):  # fmt: skip
+            pipe.get(self._k(key, part))
+        pipe.zcard(self._k(key, "line:under_way"))
+        pipe.zcard(self._k(key, "line:new"))
+        with self._translated():
+            (secs, micros), tr, tt, blocked, cr, ct, w0, w1 = pipe.execute()
+        now = secs * 1000 + micros / 1000
+        ahead = {u: max(0.0, float(v) - now) / 1000 for u, v in (("requests", tr), ("tokens", tt))
+                 if v is not None}  # fmt: skip
+        blocked_s = max(0.0, float(blocked) - now) / 1000 if blocked else 0.0
+        return LimitUse(key, int(cr or 0), int(ct or 0), ahead, blocked_s, (int(w0), int(w1)))
+
+    def cap_use(self, cap_key: str) -> CapUse:
+        with self._translated():
+            holders = sorted(_s(h) for h in self._client.smembers(self._c(cap_key, "holders")))
+            line = [_s(r) for r in self._client.zrange(self._c(cap_key, "line"), 0, -1)]
+        return CapUse(cap_key, tuple(holders), tuple(line))
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        with self._translated():
+            raw = self._client.hgetall(self._config)
+        return {_s(k): json.loads(v) for k, v in raw.items()}
+
+    def set_override(self, key: str, values: dict[str, Any] | None) -> None:
+        with self._translated():
+            if values is None:
+                self._client.hdel(self._config, key)
+            else:
+                self._client.hset(self._config, key, json.dumps(values, sort_keys=True))
+                self._client.sadd(self._known, key)
+
+    def cap_overrides(self) -> dict[str, int]:
+        with self._translated():
+            raw = self._client.hgetall(self._caps)
+        return {_s(k): int(v) for k, v in raw.items()}
+
+    def set_cap_override(self, cap_key: str, cap: int | None) -> None:
+        with self._translated():
+            if cap is None:
+                self._client.hdel(self._caps, cap_key)
+            else:
+                self._client.hset(self._caps, cap_key, cap)
+                self._client.sadd(self._known_caps, cap_key)
+
+    def known(self) -> tuple[list[str], list[str]]:
+        with self._translated():
+            limits = sorted(_s(k) for k in self._client.smembers(self._known))
+            caps = sorted(_s(k) for k in self._client.smembers(self._known_caps))
+        return limits, caps
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def open_limit_store(runs: Any, redis_prefix: str = "ratchet") -> LimitStore:
+    """The limit store beside run store ``runs``: its Redis, a SQLite file beside it, or memory."""
+    import sys
+
+    # Looked up, not imported: a run store of a backend never imported is not of it, and
+    # importing redis-py costs what the embedded default should not pay (and more, with
+    # opentelemetry installed, which redis-py then loads).
+    redis_backend = sys.modules.get("store.runs.redis")
+    sqlite_backend = sys.modules.get("store.runs.sqlite")
+    if redis_backend is not None and isinstance(runs, redis_backend.RedisRunStore):
+        return RedisLimitStore(runs._client, redis_prefix)
+    if sqlite_backend is not None and isinstance(runs, sqlite_backend.SqliteRunStore):
+        path = Path(runs.path)
+        return SqliteLimitStore(path.with_name(path.stem + ".limits.sqlite3"))
+    return MemoryLimitStore()
+
+
+__all__ = [
+    "Admission",
+    "CapUse",
+    "LimitStore",
+    "LimitUse",
+    "MemoryLimitStore",
+    "Place",
+    "RedisLimitStore",
+    "SqliteLimitStore",
+    "open_limit_store",
+]

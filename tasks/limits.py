@@ -1,0 +1,330 @@
+"""Before each model call: the fleet's rate limits and concurrency caps. Waiting costs no slot.
+
+:func:`admit` asks the limit store (store/limits.py) whether the run may call its
+model now. If not, it says how long to wait and which events to record, and the
+turn ends: ``run.throttled`` is appended, the lease released, and the same turn
+put back on the queue with a countdown (:func:`tasks.turn.chain`). No model
+attempt is counted and no worker slot sleeps. A 429 the provider answers anyway
+(another client shares the key, or the limits are set too high) goes the same
+way (:func:`refused`): the request ``model.requested`` counted is given back, the
+whole fleet holds off for the ``Retry-After``, and the turn waits on the queue.
+A run that waits on rates or 429s for longer than its agent's ``max_wait_s`` in
+a row is stalled with a reason that says which limit and how to go on.
+
+Concurrency caps (``max_runs`` for an agent, ``max_runs_per_key`` for a key the
+start names) are places: a run takes one before its first model call and keeps
+it until it stops being live (:func:`turn_ended`); the next run in the line is
+handed the place and its turn enqueued at once. A waiting run holds nothing but
+its place in line and a safety-net turn every :data:`CAP_RECHECK_S`; it never
+stalls on a cap.
+
+Limits come from the agent file's ``[limits]`` table and are overridden at run
+time by ``ratchet limits set`` / ``ratchet limits cap`` (kept in the limit store,
+read here through a cache of :data:`OVERRIDES_TTL_S`): changing a limit needs no
+restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.agent import Agent
+from runtime.errors import ProviderRateLimited
+from runtime.limits import (
+    NEW_RUN_HORIZON_MS,
+    UNDER_WAY_HORIZON_MS,
+    Rate,
+    broker_priority,
+    estimate_tokens,
+    rates_of,
+    retry_after_ms,
+    spacing_ms,
+)
+from runtime.models import RunState
+from runtime.providers import ModelRequest, ModelResponse
+from store.limits import LimitStore, open_limit_store
+from tasks import metrics
+from tasks.context import Context
+from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, chain_turn, scheme_of
+
+log = logging.getLogger("ratchet.limits")
+
+CAP_RECHECK_S = 30.0
+"""A run waiting for a concurrency place looks again this often (if no place was handed)."""
+OVERRIDES_TTL_S = 2.0
+"""How long a worker keeps the run-time limits it read: a change reaches it within this."""
+RETRY_JITTER = 0.1
+"""A denied call asks again up to this fraction later, so equal waits do not come back at once."""
+DEFAULT_RETRY_AFTER_S = 1.0
+"""A 429 without Retry-After waits this long."""
+
+_stores: weakref.WeakKeyDictionary[Any, LimitStore] = weakref.WeakKeyDictionary()
+_stores_lock = threading.Lock()
+
+
+def limit_store(ctx: Context) -> LimitStore:
+    """The limit store beside ``ctx``'s run store (one per run store, per process)."""
+    with _stores_lock:
+        found = _stores.get(ctx.runs)
+        if found is None:
+            found = _stores[ctx.runs] = open_limit_store(ctx.runs, ctx.settings.redis_prefix)
+        return found
+
+
+def use_limit_store(ctx: Context, store: LimitStore) -> None:
+    """Give ``ctx`` this limit store (tests: one with a clock of their own)."""
+    with _stores_lock:
+        _stores[ctx.runs] = store
+
+
+@dataclass
+class _Overrides:
+    read_at: float = -1e9
+    limits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    caps: dict[str, int] = field(default_factory=dict)
+
+
+_overrides: weakref.WeakKeyDictionary[LimitStore, _Overrides] = weakref.WeakKeyDictionary()
+
+
+def overrides(store: LimitStore) -> _Overrides:
+    """The run-time limits and caps, read again when older than OVERRIDES_TTL_S."""
+    held = _overrides.setdefault(store, _Overrides())
+    if time.monotonic() - held.read_at >= OVERRIDES_TTL_S:
+        held.limits, held.caps = store.overrides(), store.cap_overrides()
+        held.read_at = time.monotonic()
+    return held
+
+
+def limit_key(agent: Agent) -> str | None:
+    """The name of the agent's shared limit: ``[limits] key``, else the provider's default."""
+    if agent.spec.limits.key:
+        return agent.spec.limits.key
+    default = getattr(agent.provider, "limit_key", None)
+    return str(default()) if callable(default) else None
+
+
+def rates(store: LimitStore, agent: Agent) -> tuple[str | None, tuple[Rate, ...]]:
+    """The agent's limit key and its rates as they are now (run-time values win)."""
+    key = limit_key(agent)
+    if key is None:
+        return None, ()
+    table = agent.spec.limits
+    now = overrides(store).limits.get(key, {})
+    rpm = now.get("requests_per_minute", table.requests_per_minute)
+    tpm = now.get("tokens_per_minute", table.tokens_per_minute)
+    return key, rates_of(rpm, tpm, float(now.get("burst_s", table.burst_s)))
+
+
+def caps(store: LimitStore, agent: Agent, state: RunState) -> list[tuple[str, int]]:
+    """The concurrency caps the run is under: (cap key, places)."""
+    table, now = agent.spec.limits, overrides(store).caps
+    found = []
+    agent_key = f"agent:{agent.name}"
+    agent_cap = now.get(agent_key, table.max_runs)
+    if agent_cap:
+        found.append((agent_key, int(agent_cap)))
+    if state.concurrency_key is not None:
+        key = f"key:{state.concurrency_key}"
+        key_cap = now.get(key, table.max_runs_per_key)
+        if key_cap:
+            found.append((key, int(key_cap)))
+    return found
+
+
+# --- before the call -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Go:
+    """The call may go; ``key`` and ``estimate`` settle its token cost afterwards."""
+
+    key: str | None = None
+    tokens: Rate | None = None
+    estimate: int = 0
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The turn ends and goes back on the queue after ``countdown_s``."""
+
+    countdown_s: float
+    events: list[tuple[str, dict[str, Any]]]
+    """To record first (none for a reserved turn that fired a little early)."""
+    stalls: bool = False
+
+
+def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) -> Go | Wait:
+    """May ``state``'s next model call go now? Never sleeps."""
+    store = limit_store(ctx)
+    turn = request.turn + 1
+    for cap_key, cap in caps(store, agent, state):
+        waiting = _take_place(ctx, store, state, cap_key, cap)
+        if waiting is not None:
+            return _cap_wait(ctx, state, turn, cap_key, cap, waiting)
+    key, limits = rates(store, agent)
+    if key is None:
+        return Go()  # a provider without a key (scripted): nothing is shared
+    completion = getattr(agent.provider, "max_tokens", None) or agent.spec.limits.completion_tokens
+    estimate = estimate_tokens(request.messages, request.tools, completion)
+    costs = [1.0 if r.unit == "requests" else float(estimate) for r in limits]
+    under_way = state.usage.model_turns > 0
+    horizon = UNDER_WAY_HORIZON_MS if under_way else NEW_RUN_HORIZON_MS
+    started = time.perf_counter()
+    admission = store.admit(key, state.run_id, state.seq, state.seq + 1, limits, costs,
+                            horizon, under_way)  # fmt: skip
+    verdict = admission.verdict
+    metrics.limit_checked(time.perf_counter() - started, verdict.outcome)
+    tokens = next((r for r in limits if r.unit == "tokens"), None)
+    if verdict.outcome == "go":
+        return Go(key, tokens, estimate)
+    if verdict.binding == "early":
+        return Wait(verdict.wait_ms / 1000, [])
+    wait_ms = verdict.wait_ms
+    if verdict.outcome == "denied":
+        spacing = spacing_ms(costs, limits)
+        wait_ms = retry_after_ms(wait_ms, horizon, admission.place, spacing)
+        wait_ms *= 1 + random.uniform(0, RETRY_JITTER)
+    reason = "reserved" if verdict.outcome == "reserved" else "over_limit"
+    return _rate_wait(ctx, agent, state, turn, key, reason, wait_ms, verdict.binding)
+
+
+def _take_place(
+    ctx: Context, store: LimitStore, state: RunState, cap_key: str, cap: int
+) -> int | None:
+    """None once the run holds a place under ``cap_key``; else how many wait ahead of it."""
+    place = store.acquire(cap_key, state.run_id, cap)
+    if place.held:
+        return None
+    # Places of runs that stopped without letting go (a cancel, a crash) are taken back.
+    freed = False
+    for holder in place.holders:
+        record = ctx.runs.get(holder) if holder != state.run_id else None
+        if holder != state.run_id and (record is None or not record.status.is_live):
+            _hand_on(ctx, store.release(cap_key, holder, cap), cap_key, cap)
+            freed = True
+    if freed:
+        place = store.acquire(cap_key, state.run_id, cap)
+        if place.held:
+            return None
+    return place.place
+
+
+def _cap_wait(ctx: Context, state: RunState, turn: int, cap_key: str, cap: int, ahead: int) -> Wait:
+    now = ctx.runs.clock()
+    data = {
+        "turn": turn,
+        "reason": "concurrency",
+        "limit": cap_key,
+        "cap": cap,
+        "ahead": ahead,
+        "wait_s": CAP_RECHECK_S,
+        "until_ms": now + int(CAP_RECHECK_S * 1000),
+    }
+    metrics.throttled("concurrency")
+    return Wait(CAP_RECHECK_S, [("run.throttled", data)])
+
+
+def _rate_wait(ctx: Context, agent: Agent, state: RunState, turn: int, key: str, reason: str,
+               wait_ms: float, binding: str | None, refused: bool = False) -> Wait:  # fmt: skip
+    now = ctx.runs.clock()
+    since = state.throttled_since_ms if state.throttled_since_ms is not None else now
+    max_wait_ms = agent.spec.limits.max_wait_s * 1000
+    data: dict[str, Any] = {
+        "turn": turn,
+        "reason": reason,
+        "limit": key,
+        "binding": binding,
+        "wait_s": round(wait_ms / 1000, 3),
+        "until_ms": now + int(wait_ms),
+        "since_ms": since,
+    }
+    if refused:
+        data["refused"] = True
+    metrics.throttled(reason)
+    events: list[tuple[str, dict[str, Any]]] = [("run.throttled", data)]
+    if now + wait_ms - since > max_wait_ms:
+        waited_s = (now - since) / 1000
+        why = "the provider's 429 (Retry-After)" if binding == "blocked" else f"its {binding} limit"
+        stall = (
+            f"model `{key}` is held by {why}: waited {waited_s:.0f} s and would wait "
+            f"{wait_ms / 1000:.0f} s more, past the agent's max_wait_s="
+            f"{agent.spec.limits.max_wait_s:g}; raise the limit (`ratchet limits set {key} ...`) "
+            f"or wait for the provider, then `ratchet runs resume {state.run_id}`"
+        )
+        events.append(("run.stalled", {"reason": stall}))
+        return Wait(0.0, events, stalls=True)
+    return Wait(wait_ms / 1000, events)
+
+
+# --- after the call ------------------------------------------------------------------
+
+
+def settle(ctx: Context, go: Go, response: ModelResponse) -> None:
+    """Correct the token estimate from the response's usage (kept when it reports none)."""
+    if go.key is None or go.tokens is None or response.usage is None:
+        return
+    actual = response.usage.input_tokens + response.usage.output_tokens
+    if actual != go.estimate:
+        limit_store(ctx).settle(go.key, actual - go.estimate, go.tokens)
+
+
+def refused(
+    ctx: Context, agent: Agent, state: RunState, go: Go, turn: int, exc: ProviderRateLimited
+) -> Wait:
+    """The provider answered 429: hold the whole key off for Retry-After, wait on the queue."""
+    wait_s = exc.retry_after_s if exc.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
+    key = go.key or limit_key(agent) or agent.spec.model
+    limit_store(ctx).block(key, wait_s * 1000)
+    log.info("run %s: %s; waiting %.2f s on the queue", state.run_id, exc, wait_s)
+    return _rate_wait(ctx, agent, state, turn, key, "429", wait_s * 1000, "blocked", refused=True)
+
+
+# --- around the turn -----------------------------------------------------------------
+
+
+def turn_priority(ctx: Context, agent: Agent, state: RunState) -> int | None:
+    """The broker priority of the run's next turn; None on a broker without priorities."""
+    run_priority = state.priority if state.priority is not None else agent.spec.limits.priority
+    return _on_broker(ctx, run_priority, under_way=state.usage.model_attempts > 0)
+
+
+def first_turn_priority(ctx: Context, agent: Agent, run_priority: int | None) -> int | None:
+    """The broker priority of a new run's first turn (the start's priority, else the agent's)."""
+    chosen = run_priority if run_priority is not None else agent.spec.limits.priority
+    return _on_broker(ctx, chosen, under_way=False)
+
+
+def _on_broker(ctx: Context, run_priority: int, under_way: bool) -> int | None:
+    scheme = scheme_of(ctx.settings.resolved_broker_url)
+    if scheme not in REDIS_SCHEMES + AMQP_SCHEMES:
+        return None
+    return broker_priority(run_priority, under_way, reversed_scale=scheme in REDIS_SCHEMES)
+
+
+def turn_ended(ctx: Context, agent: Agent, state: RunState) -> None:
+    """A run that is no longer live lets go of its concurrency places (handed on in order)."""
+    if state.status.is_live:
+        return
+    store = limit_store(ctx)
+    for cap_key, cap in caps(store, agent, state):
+        _hand_on(ctx, store.release(cap_key, state.run_id, cap), cap_key, cap)
+
+
+def _hand_on(ctx: Context, handed: list[str], cap_key: str, cap: int) -> None:
+    """Enqueue the turns of runs just handed a place; a run gone meanwhile passes it on."""
+    store = limit_store(ctx)
+    while handed:
+        run_id = handed.pop(0)
+        record = ctx.runs.get(run_id)
+        if record is None or not record.status.is_live:
+            handed.extend(store.release(cap_key, run_id, cap))
+            continue
+        log.info("run %s: handed a place under %s; its turn is queued", run_id, cap_key)
+        chain_turn(run_id, record.last_seq)

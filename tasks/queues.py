@@ -1,0 +1,95 @@
+"""Where each ratchet task goes: two queues, one route per task name; sends by name.
+
+``ratchet.turns`` carries the long work (a turn, a start, a resume);
+``ratchet.control`` the short messages (continue, cancel, sweep, wake-ups,
+deliveries to a parent) that must never wait behind a long turn. Each queue
+has its own direct exchange and routing key: a bare ``Queue(name)`` would be
+bound to Celery's default routing key, and every message would land in both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kombu.entity import Exchange, Queue
+
+from tasks.task_base import sending_app
+
+REDIS_SCHEMES = ("redis", "rediss", "sentinel")
+AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+"""Brokers with priorities (worker/priorities.py): Redis's lists, RabbitMQ's x-max-priority."""
+
+TURNS_QUEUE = "ratchet.turns"
+CONTROL_QUEUE = "ratchet.control"
+
+ROUTES: dict[str, str] = {
+    "ratchet.start": TURNS_QUEUE,
+    "ratchet.turn": TURNS_QUEUE,
+    "ratchet.resume": TURNS_QUEUE,
+    "ratchet.continue": CONTROL_QUEUE,
+    "ratchet.cancel": CONTROL_QUEUE,
+    "ratchet.sweep": CONTROL_QUEUE,
+    "ratchet.reconcile": CONTROL_QUEUE,
+    "ratchet.wake": CONTROL_QUEUE,
+    "ratchet.deliver": CONTROL_QUEUE,
+}
+"""The queue of each ratchet task (an app's ``task_routes``)."""
+
+
+def chain_turn(run_id: str, seq: int) -> None:
+    """Enqueue the run's next turn; it acts only if the run is still at ``seq``.
+
+    Sent by name (through :func:`tasks.task_base.sending_app`): the modules
+    that chain a turn (a cancel, a wake-up, a child's delivery) sit below the turn
+    task, which starts children and schedules wake-ups.
+    """
+    sending_app().send_task("ratchet.turn", (run_id, seq), queue=ROUTES["ratchet.turn"])
+
+
+def tell_parent_soon(child_id: str) -> None:
+    """Enqueue ``ratchet.deliver``: tell an ended child's parent how it ended."""
+    sending_app().send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
+
+
+def scheme_of(broker_url: str) -> str:
+    return broker_url.split("://", 1)[0].split("+", 1)[0]
+
+
+def route(app: Any) -> None:
+    """Route ``app``'s ratchet tasks to ratchet's queues, before any route it already has."""
+    ours = task_routes()
+    existing = app.conf.task_routes
+    if existing is None:
+        app.conf.task_routes = ours
+    elif isinstance(existing, dict):
+        app.conf.task_routes = {**existing, **ours}
+    else:  # a list or tuple of routers: ours first
+        app.conf.task_routes = (ours, *existing)
+
+
+def queues() -> tuple[Any, ...]:
+    """ratchet's kombu queues (an app's ``task_queues``)."""
+    return tuple(
+        Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+        for name in (TURNS_QUEUE, CONTROL_QUEUE)
+    )
+
+
+def task_routes() -> dict[str, dict[str, str]]:
+    """:data:`ROUTES` in Celery's ``task_routes`` form."""
+    return {name: {"queue": queue} for name, queue in ROUTES.items()}
+
+
+def beat_schedule(sweep_interval_s: float) -> dict[str, dict[str, Any]]:
+    """The crash sweeper, sent every ``sweep_interval_s`` by beat (an app's ``beat_schedule``).
+
+    A sweep that waited longer than one interval is dropped, since the next one is
+    already on its way.
+    """
+    return {
+        "ratchet.sweep": {
+            "task": "ratchet.sweep",
+            "schedule": sweep_interval_s,
+            "options": {"queue": CONTROL_QUEUE, "expires": sweep_interval_s},
+        }
+    }

@@ -1,0 +1,291 @@
+"""The tool calls of a turn: a model response's calls side by side, and calls cut short.
+
+:func:`run_tools` carries out :class:`runtime.fsm.RunTool`: its calls (the first
+pending call and the plain calls after it, at most the agent's
+``max_parallel_tools``) are journaled ``tool.requested`` together, then each
+runs on a caller thread of its own (tasks/calls.py). Each outcome is journaled
+and checkpointed **as it finishes**, in whatever order they finish; the model
+reads them in the order it asked (``runtime.fsm.in_request_order``). A crash
+in the middle leaves the finished calls recorded — never run again — and the
+others requested with no outcome.
+
+:func:`resolve` carries out :class:`runtime.fsm.Unresolved`, the calls a crash
+or a timeout left with no outcome, each by its rule (runtime/probes.py): an
+idempotent call runs again; a call whose tool has a probe is asked about
+(``tool.probed``) — ``ran`` is its outcome, ``not_run`` runs it, anything else
+parks; any other call parks the run, naming the call.
+
+Every wait is bounded: a tool by ``tool_timeout_s`` (an idempotent one is tried
+``TOOL_TIMEOUT_ATTEMPTS`` times; any other is left unknown, for its probe), a
+probe by ``probe_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from runtime.fsm import RunTool, Unresolved, tool_events, unknown_tool_outcome
+from runtime.models import ToolCall
+from runtime.probes import (
+    Answer,
+    Probed,
+    Rule,
+    ToolContext,
+    idempotency_key,
+    park_cause,
+    probed_event,
+)
+from runtime.tools import ToolOutcome, ToolSpec, ask_probe, invoke
+from tasks import failpoints
+from tasks.calls import CallTimedOut, Started, bounded, start
+
+if TYPE_CHECKING:
+    import threading
+
+    from runtime.agent import Agent
+    from runtime.models import RunState
+
+
+class Turn(Protocol):
+    """What the parallel calls use of the turn running them (tasks.turn.Turn)."""
+
+    agent: Agent
+    state: RunState
+    recording: threading.RLock
+    timed_out: dict[str, int]
+    last_probed: dict[str, Probed]
+
+    def record(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
+
+    def checkpoint(self) -> None: ...
+
+    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
+
+
+log = logging.getLogger("ratchet.turn")
+
+TOOL_TIMEOUT_ATTEMPTS = 3
+"""Tries in all for an idempotent tool that times out, before its call fails.
+
+A tool that is not idempotent gets one try per turn; when its probe says it did
+not run, it is tried again, as many times in all."""
+
+
+def tool_context(turn: Turn, call: ToolCall) -> ToolContext:
+    """The call's context: its key is the same on every attempt and every worker."""
+    run_id = turn.state.run_id
+    key = idempotency_key(run_id, turn.state.usage.model_turns, call.id)
+    return ToolContext(run_id=run_id, call_id=call.id, idempotency_key=key)
+
+
+@dataclass
+class _Call:
+    index: int
+    call: ToolCall
+    spec: ToolSpec
+    attempt: int = 0
+    started: Started[ToolOutcome] | None = None
+    deadline: float = 0.0
+
+
+@dataclass
+class _Batch:
+    turn: Turn
+    finished: queue.SimpleQueue[tuple[int, int]] = field(default_factory=queue.SimpleQueue)
+
+    def launch(self, item: _Call) -> None:
+        item.attempt += 1
+        spec, call, context = item.spec, item.call, tool_context(self.turn, item.call)
+        index, attempt, finished = item.index, item.attempt, self.finished
+
+        def job() -> ToolOutcome:
+            try:
+                return invoke(spec, call.arguments, context)
+            finally:
+                finished.put((index, attempt))
+
+        item.started = start(job, f"tool {call.name}")
+        item.deadline = time.monotonic() + self.turn.agent.spec.tool_timeout_s
+
+
+def run_tools(turn: Turn, action: RunTool) -> None:
+    """Run the action's calls side by side; journal and checkpoint each outcome as it comes.
+
+    A call that is not idempotent and outlives ``tool_timeout_s`` is left requested
+    with no outcome (recorded in ``turn.timed_out``): the next decision is then
+    :class:`Unresolved`, which asks its probe or parks the run.
+    """
+    state = turn.state
+    turn_number = state.usage.model_turns
+    fresh = [c for c in action.calls if c.id not in state.running]
+    for call in action.calls:
+        if call.id in state.running:
+            log.info(
+                "run %s: running tool %s (call %s) again: its outcome was unknown and it may run "
+                "again",
+                state.run_id,
+                call.name,
+                call.id,
+            )
+    if fresh:
+        turn.record([_requested(call) for call in fresh])
+    failpoints.hit("tool.requested", turn_number)
+    batch = _Batch(turn)
+    waiting: dict[int, _Call] = {}
+    for index, call in enumerate(action.calls):
+        spec = turn.agent.tools.get(call.name)
+        if spec is None:
+            _record(turn, call, unknown_tool_outcome(call, turn.agent))
+            continue
+        item = waiting[index] = _Call(index, call, spec)
+        batch.launch(item)
+    while waiting:
+        soonest = min(item.deadline for item in waiting.values())
+        try:
+            index, attempt = batch.finished.get(timeout=max(0.0, soonest - time.monotonic()))
+        except queue.Empty:
+            index, attempt = -1, 0
+        item_or_none = waiting.get(index)
+        if item_or_none is not None and item_or_none.attempt == attempt:
+            item = waiting.pop(index)
+            assert item.started is not None
+            outcome = _outcome(item.started, item.call)
+            failpoints.hit("tool.completed", turn_number)
+            _record(turn, item.call, outcome)
+            continue
+        now = time.monotonic()
+        for item in [i for i in waiting.values() if i.deadline <= now and not _done(i)]:
+            if not _timed_out(turn, batch, item):
+                del waiting[item.index]
+
+
+def _timed_out(turn: Turn, batch: _Batch, item: _Call) -> bool:
+    """``item`` outlived ``tool_timeout_s``: abandon it; True if it was started again."""
+    assert item.started is not None
+    timeout_s = turn.agent.spec.tool_timeout_s
+    try:
+        item.started.result(0)  # abandons it: its thread is written off
+    except CallTimedOut:
+        pass
+    attempts = TOOL_TIMEOUT_ATTEMPTS if item.spec.idempotent else 1
+    log.warning(
+        "run %s: %s (attempt %s of %s)",
+        turn.state.run_id,
+        CallTimedOut(item.started.what, timeout_s),
+        item.attempt,
+        attempts,
+    )
+    if item.attempt < attempts:
+        batch.launch(item)
+        return True
+    if item.spec.idempotent:
+        text = f"`{item.call.name}` did not return within {timeout_s:g} s, {item.attempt} times"
+        _record(turn, item.call, ToolOutcome(False, text))
+    else:
+        # Its outcome is unknown: the next decision asks its probe, or parks.
+        turn.timed_out[item.call.id] = turn.timed_out.get(item.call.id, 0) + 1
+    return False
+
+
+def _done(item: _Call) -> bool:
+    return item.started is not None and item.started.done()
+
+
+def _outcome(started: Started[ToolOutcome], call: ToolCall) -> ToolOutcome:
+    try:
+        return started.result(60.0)  # it has finished: its value is a moment away
+    except Exception as exc:  # invoke turns a tool's own failures into outcomes already
+        return ToolOutcome(False, f"`{call.name}` failed in the runtime: {type(exc).__name__}")
+
+
+def _requested(call: ToolCall) -> tuple[str, dict[str, Any]]:
+    return ("tool.requested", {"call_id": call.id, "name": call.name, "arguments": call.arguments})
+
+
+def _record(turn: Turn, call: ToolCall, outcome: ToolOutcome) -> None:
+    """Journal one call's outcome and checkpoint it: from here on it never runs again."""
+    with turn.recording:
+        turn.checkpointed(tool_events(call, outcome))
+
+
+def resolve(turn: Turn, action: Unresolved) -> bool:
+    """Probe, run again or park the calls cut short; False if the run was parked."""
+    again: list[ToolCall] = []
+    stuck: list[tuple[ToolCall, Probed | None]] = []
+    asked = False
+    for call, rule in action.calls:
+        spec = turn.agent.tools.get(call.name)
+        if rule == Rule.RERUN:
+            again.append(call)
+            continue
+        if rule == Rule.PARK or spec is None:
+            stuck.append((call, None))
+            continue
+        if turn.timed_out.get(call.id, 0) >= TOOL_TIMEOUT_ATTEMPTS:
+            stuck.append((call, turn.last_probed.get(call.id)))
+            continue
+        probed = _probe(turn, spec, call)
+        turn.record([probed_event(call.id, call.name, probed)])
+        asked = True
+        turn.last_probed[call.id] = probed
+        log.info(
+            "run %s: the probe of tool %s (call %s) answered %s",
+            turn.state.run_id,
+            call.name,
+            call.id,
+            probed.answer.value,
+        )
+        if probed.answer == Answer.NOT_RUN:
+            again.append(call)
+        elif probed.answer != Answer.RAN:
+            stuck.append((call, probed))
+    if asked:
+        turn.checkpoint()
+    if stuck:
+        park(turn, stuck)
+        return False
+    if again:
+        run_tools(turn, RunTool(again[0], tuple(again[1:])))
+    return True
+
+
+def _probe(turn: Turn, spec: ToolSpec, call: ToolCall) -> Probed:
+    timeout_s = turn.agent.spec.probe_timeout_s
+    context = tool_context(turn, call)
+    try:
+        return bounded(
+            lambda: ask_probe(spec, call.arguments, context), timeout_s, f"probe of {call.name}"
+        )
+    except CallTimedOut:
+        return Probed(Answer.TIMED_OUT, detail=f"no answer within {timeout_s:g} s")
+    except Exception as exc:  # ask_probe catches the probe's own; this is the runtime's
+        return Probed(Answer.FAILED, detail=type(exc).__name__)
+
+
+def park(turn: Turn, stuck: list[tuple[ToolCall, Probed | None]]) -> None:
+    """Park the run on the first call whose outcome stays unknown, naming it (and the rest)."""
+    call, probed = stuck[0]
+    timed_out_s = turn.agent.spec.tool_timeout_s if call.id in turn.timed_out else None
+    run_id = turn.state.run_id
+    reason = (
+        f"tool `{call.name}` (call {call.id}) {park_cause(probed, timed_out_s)}; check its "
+        f"effect, then `ratchet runs reconcile {run_id} {call.id}` with --result, --retry or --fail"
+    )
+    others = [c.id for c, _ in stuck[1:]]
+    if others:
+        reason += f"; calls {', '.join(others)} are unknown too: reconcile each"
+    data: dict[str, Any] = {
+        "reason": reason,
+        "call_id": call.id,
+        "tool": call.name,
+        "arguments": call.arguments,
+    }
+    if probed is not None:
+        data["probe"] = probed.answer.value
+    if others:
+        data["also_unknown"] = others
+    turn.checkpointed([("run.parked", data)])

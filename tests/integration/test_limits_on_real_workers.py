@@ -1,0 +1,276 @@
+"""Fleet-wide limits on real ``celery -A worker worker`` processes sharing a real Redis.
+
+The 429 → countdown path on a real worker is in tests/test_openai_runs.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.models import Event, RunStatus
+from store.limits import RedisLimitStore
+from tasks.context import Context
+from tasks.settings import Settings
+from tasks.start import create_run
+from tasks.turn import advance
+from tests.helpers import call, turn, write_agent
+from tests.model_server import ModelServer, serve
+from tests.workers import ROOT, WorkerProcesses, redis_context
+from worker.app import make_app
+
+WAIT_S = 120
+
+
+@pytest.fixture
+def ctx(redis_url: str) -> Iterator[Context]:
+    context = redis_context(redis_url)
+    yield context
+    context.close()
+
+
+def openai_agent(directory: Path, server: ModelServer, name: str, limits: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.toml"
+    path.write_text(
+        "\n".join(
+            [
+                f'name = "{name}"',
+                'model = "openai:limited"',
+                "tools = []",
+                "[provider]",
+                f'base_url = "{server.url}"',
+                "[limits]",
+                f'key = "{name}-key"',
+                limits,
+            ]
+        )
+        + "\n"
+    )
+    return path
+
+
+def start_all(ctx: Context, redis_url: str, agent: Path, count: int) -> list[str]:
+    """Create ``count`` runs and send their first turns, as ``Ratchet.start`` would."""
+    states = [create_run(ctx, agent, f"task {i}") for i in range(count)]
+    client = make_app(Settings(broker_url=redis_url))
+    try:
+        for state in states:
+            client.send_task("ratchet.turn", (state.run_id, state.seq))
+    finally:
+        client.close()
+    return [s.run_id for s in states]
+
+
+def wait_all(ctx: Context, run_ids: list[str], workers: WorkerProcesses) -> None:
+    deadline = time.monotonic() + WAIT_S
+    for run_id in run_ids:
+        while (record := ctx.runs.get(run_id)) is None or record.status.is_live:
+            logs = "\n".join(w.log()[-3000:] for w in workers.started)
+            assert time.monotonic() < deadline, f"run {run_id} still live\n{logs}"
+            time.sleep(0.1)
+        assert record.status == RunStatus.COMPLETED, record.error
+
+
+def events_of(ctx: Context, run_ids: list[str], kind: str) -> list[Event]:
+    return [e for r in run_ids for e in ctx.runs.events(r) if e.type == kind]
+
+
+@pytest.mark.timeout(180)
+def test_two_worker_processes_share_one_limit_and_the_provider_refuses_nothing(
+    worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a provider that accepts 120 requests a minute (5 s of it at once) and answers 429
+    # beyond, and two worker processes whose agent holds itself to that limit
+    with serve(latency_s=0.0, turns=1, rpm=120, burst_s=5.0) as server:
+        agent = openai_agent(tmp_path, server, "shared", "requests_per_minute = 120\nburst_s = 0.5")
+        for _ in range(2):
+            worker_processes.start("--pool", "threads", "--concurrency", "4")
+        # When 30 runs of one call each go through both of them at once
+        run_ids = start_all(ctx, redis_url, agent, 30)
+        wait_all(ctx, run_ids, worker_processes)
+        accepted, refused = sorted(server.accepted_at), server.refused
+
+    # Then both workers took turns, and together they kept to the one limit: no 429 (two
+    # limits of 120 a minute each, one per process, would have sent twice that; the bucket's
+    # 5 s absorbs a call late by a loaded machine)
+    for worker in worker_processes.started:
+        assert "ratchet.turn" in worker.log()
+    assert refused == 0 and len(accepted) == 30
+    # The limiter spaced them: at most 1 + 2/s x t calls in any t seconds (the burst of
+    # 0.5 s is one call). Calls can only come later than planned, never earlier.
+    span_s = accepted[-1] - accepted[0]
+    assert span_s >= (30 - 2) / 2 - 1.0, span_s
+    throttled = events_of(ctx, run_ids, "run.throttled")
+    assert throttled and {e.data["limit"] for e in throttled} == {"shared-key"}
+    assert all(e.data["reason"] in ("reserved", "over_limit") for e in throttled)
+
+
+@pytest.mark.timeout(180)
+def test_a_limit_changed_at_run_time_reaches_running_workers_without_a_restart(
+    worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a worker running an agent whose file allows 6000 calls a minute
+    with serve(latency_s=0.0, turns=1) as server:
+        agent = openai_agent(tmp_path, server, "changed", "requests_per_minute = 6000")
+        worker_processes.start("--pool", "threads", "--concurrency", "4")
+        env = worker_processes.base_env
+        before = start_all(ctx, redis_url, agent, 3)
+        wait_all(ctx, before, worker_processes)
+        assert events_of(ctx, before, "run.throttled") == []
+
+        # When an operator lowers it to 60 a minute with the CLI, the worker still running
+        set_it = subprocess.run(
+            [sys.executable, "-m", "worker", "limits", "set", "changed-key", "--rpm", "60",
+             "--burst-s", "0.001"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert set_it.returncode == 0, set_it.stderr
+        store = RedisLimitStore(ctx.runs._client)  # type: ignore[attr-defined]
+        assert store.overrides()["changed-key"]["requests_per_minute"] == 60
+        # the worker reads it within its cache's seconds: pairs of runs until one waits
+        deadline = time.monotonic() + 60
+        while True:
+            probes = start_all(ctx, redis_url, agent, 2)
+            wait_all(ctx, probes, worker_processes)
+            if events_of(ctx, probes, "run.throttled"):
+                break
+            assert time.monotonic() < deadline, "the worker never applied the new limit"
+        run_ids = start_all(ctx, redis_url, agent, 5)
+        wait_all(ctx, run_ids, worker_processes)
+
+        # Then the five calls went one a second, as the new limit says
+        throttled = events_of(ctx, run_ids, "run.throttled")
+        assert {e.data["limit"] for e in throttled} == {"changed-key"}
+        asked = sorted(e.at_ms for e in events_of(ctx, run_ids, "model.requested"))
+        # Five calls one second apart span four seconds (a call only ever goes later than
+        # its slot; the first may be up to a second late); at 6000 a minute it was ~0
+        assert len(asked) == 5 and (asked[-1] - asked[0]) / 1000 >= 3.0, asked
+
+        # And when the operator lifts the override, the file's limit applies again
+        unset = subprocess.run(
+            [sys.executable, "-m", "worker", "limits", "unset", "changed-key"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert unset.returncode == 0, unset.stderr
+        assert "changed-key" not in store.overrides()
+        shown = subprocess.run(
+            [sys.executable, "-m", "worker", "limits"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0 and "changed-key" in shown.stdout, shown.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_concurrency_cap_of_2_runs_10_runs_at_most_2_at_once_in_order(
+    worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    # Given an agent capped at 2 runs at once, whose runs take a while (two slow turns),
+    # and two workers with 8 slots between them
+    slow = {"sleep_s": 0.5}
+    agent = write_agent(
+        tmp_path,
+        [
+            {**turn("Looking.", call("lookup_order", order_id="A1")), **slow},
+            {**turn("Done."), **slow},
+        ],
+        name="capped",
+        extra="[limits]\nmax_runs = 2",
+    )
+    for _ in range(2):
+        worker_processes.start("--pool", "threads", "--concurrency", "4")
+
+    # When 10 runs start one after another (each once its first turn has taken a place
+    # or joined the line, so the line's order is the order they started in)
+    run_ids = []
+    client = make_app(Settings(broker_url=redis_url))
+    try:
+        for i in range(10):
+            state = create_run(ctx, agent, f"task {i}")
+            client.send_task("ratchet.turn", (state.run_id, state.seq))
+            run_ids.append(state.run_id)
+            deadline = time.monotonic() + WAIT_S
+            while (record := ctx.runs.get(state.run_id)) is None or record.last_seq == 1:
+                assert time.monotonic() < deadline, "the first turn was not taken"
+                time.sleep(0.02)
+    finally:
+        client.close()
+    wait_all(ctx, run_ids, worker_processes)
+
+    # Then never more than 2 were in progress (first model call to completion), and 2 were
+    spans = []
+    for run_id in run_ids:
+        events = ctx.runs.events(run_id)
+        begun = next(e.at_ms for e in events if e.type == "model.requested")
+        ended = next(e.at_ms for e in events if e.type == "run.completed")
+        spans.append((begun, ended, run_id))
+    marks = sorted([(b, 1) for b, _, _ in spans] + [(e, -1) for _, e, _ in spans])
+    level, most = 0, 0
+    for _, step in marks:
+        level += step
+        most = max(most, level)
+    assert most == 2, spans
+    # The runs started in the order they came, the 8 that waited for a place too: no run
+    # began before one two places ahead of it in line (two places freed at nearly the same
+    # moment are handed in order, but their turns may be picked up a moment apart)
+    began = {i: b for b, _, i in spans}
+    for ahead, run_id in enumerate(run_ids):
+        for later in run_ids[ahead + 2 :]:
+            assert began[later] >= began[run_id], (run_ids.index(later), ahead, spans)
+    waited = [r for r in run_ids if any(e.type == "run.throttled" for e in ctx.runs.events(r))]
+    assert len(waited) >= 8
+    # And nobody holds a place any more
+    store = RedisLimitStore(ctx.runs._client)  # type: ignore[attr-defined]
+    assert (
+        store.cap_use("agent:capped").holders == () and store.cap_use("agent:capped").waiting == ()
+    )
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
+    if request.param == "redis":
+        return redis_url
+    url: str = request.getfixturevalue("rabbitmq_vhost")
+    return url
+
+
+@pytest.mark.timeout(180)
+def test_a_turn_of_a_run_under_way_is_taken_before_first_turns_queued_earlier(
+    worker_processes: WorkerProcesses, redis_url: str, broker_url: str, tmp_path: Path
+) -> None:
+    # Given a run under way (its first call made, in this process) and five new runs
+    ctx = redis_context(redis_url, broker_url=broker_url)
+    agent = write_agent(
+        tmp_path, [turn("Looking.", call("lookup_order", order_id="A1")), turn("Done.")]
+    )
+    started = create_run(ctx, agent, "under way")
+    done = advance(ctx, started.run_id, None)
+    assert done.outcome == "next" and done.priority is not None
+    new = [create_run(ctx, agent, f"new {i}") for i in range(5)]
+    # When the five first turns are queued first, then the run under way's next turn,
+    # and only then a worker with one slot starts
+    client = make_app(Settings(broker_url=broker_url))
+    try:
+        for state in new:
+            client.send_task("ratchet.turn", (state.run_id, state.seq))
+        client.send_task("ratchet.turn", (started.run_id, done.seq), priority=done.priority)
+    finally:
+        client.close()
+    worker_processes.start("--pool", "solo", RATCHET_BROKER_URL=broker_url)
+    run_ids = [started.run_id] + [s.run_id for s in new]
+    wait_all(ctx, run_ids, worker_processes)
+
+    # Then the broker handed the run under way over first: it finished before any new run
+    # made its first call
+    finished = next(e.at_ms for e in ctx.runs.events(started.run_id) if e.type == "run.completed")
+    firsts = [
+        next(e.at_ms for e in ctx.runs.events(s.run_id) if e.type == "model.requested") for s in new
+    ]
+    assert finished <= min(firsts), (finished, firsts)
+    ctx.close()

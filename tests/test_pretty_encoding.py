@@ -1,0 +1,61 @@
+"""The snapshot's pretty printer writes exactly what ``json.dumps(indent=2, sort_keys=True)`` does.
+
+The readable document's bytes are part of the format (golden files, byte-identical
+reassembly from a head and fragments), so the faster encoder must never differ:
+checked on arbitrary JSON values, on a full snapshot, and on values it leaves to json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store.snapshots import format as snapshot_format
+from tests.contract.test_snapshot_store_contract import rich_state
+
+
+def dumped(value: object) -> str:
+    return json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False)
+
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(values)
+def test_any_json_value_is_encoded_as_json_dumps_does(value: object) -> None:
+    assert snapshot_format.pretty(value) == dumped(value)
+
+
+def test_a_snapshot_document_and_its_fragments_are_the_bytes_json_dumps_gives() -> None:
+    state = rich_state()
+    document = snapshot_format.SnapshotV1(run=state).model_dump(mode="json")
+    assert snapshot_format.encode(state) == (dumped(document) + "\n").encode()
+    head = snapshot_format.encode_head(state)
+    fragments = [snapshot_format.encode_fragment(m) for m in state.transcript]
+    assert snapshot_format.assemble(head, fragments) == snapshot_format.encode(state)
+
+
+def test_what_it_does_not_encode_itself_is_left_to_json() -> None:
+    # Keys that are not strings, and floats JSON has no literal for: json.dumps' own text.
+    for value in ({1: "a", 2: "b"}, {"x": [math.inf, -math.inf]}, [math.nan], {True: None}):
+        assert snapshot_format.pretty(value) == dumped(value)

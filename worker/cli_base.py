@@ -1,0 +1,73 @@
+"""The ``ratchet`` command's groups and what every command shares.
+
+:mod:`worker.cli` and the command modules (``worker.cli_*``, the console's) all
+register on these groups; :mod:`worker.cli` imports the command modules, so
+``ratchet`` (``worker.cli:main``) has every command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+
+from runtime.errors import RatchetError
+from store.runs import RunRecord
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def refusals(fn: F) -> F:
+    """Turn ratchet's errors into one line on stderr and exit status 1."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:
+            # The reader went away (`| head`): not an error worth a line on stderr.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
+        except FileNotFoundError as exc:
+            click.echo(
+                f"ratchet: no such file: {exc.filename}; check the path "
+                "(agent files are .toml, e.g. examples/refund-desk.toml)",
+                err=True,
+            )
+            sys.exit(1)
+        except (RatchetError, ValueError, OSError) as exc:
+            message = " ".join(str(exc).split())
+            click.echo(f"ratchet: {message}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _api() -> Any:
+    from worker.api import Ratchet
+
+    return Ratchet()
+
+
+def _dump(value: Any) -> None:
+    click.echo(json.dumps(value, sort_keys=True, ensure_ascii=False))
+
+
+def _record_json(record: RunRecord) -> dict[str, Any]:
+    return record.model_dump(mode="json")
+
+
+@click.group()
+@click.version_option(package_name="ratchet")
+def main() -> None:
+    """Durable LLM-agent runs on Celery."""
+
+
+@main.group()
+def runs() -> None:
+    """Start, list, show and follow runs."""

@@ -1,0 +1,141 @@
+"""``ratchet limits``: each limit's use now, and changing limits and caps at run time.
+
+``ratchet limits`` lists every limit key the fleet has used (requests and tokens
+this minute against the limit in force, how far its schedule runs ahead, the runs
+waiting in its lines, a 429's hold) and every concurrency cap (places held, runs
+waiting). ``set`` / ``unset`` and ``cap`` / ``uncap`` change them in the limit store;
+running workers read the change within a few seconds (tasks/limits.py) — no restart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from runtime.limits import check_key
+from worker.cli_base import _dump, main, refusals
+
+
+def _store() -> Any:
+    from tasks.context import get_context
+    from tasks.limits import limit_store
+
+    return limit_store(get_context())
+
+
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: limits and caps.")
+@click.pass_context
+@refusals
+def limits(context: click.Context, as_json: bool) -> None:
+    """Fleet-wide model rate limits and concurrency caps, and their use right now."""
+    if context.invoked_subcommand is not None:
+        return
+    store = _store()
+    keys, caps = store.known()
+    overrides, cap_overrides = store.overrides(), store.cap_overrides()
+    shown_limits = []
+    for key in keys:
+        use = store.use(key)
+        shown_limits.append(
+            {
+                "key": key,
+                "set_at_run_time": overrides.get(key, {}),
+                "requests_this_minute": use.requests_this_minute,
+                "tokens_this_minute": use.tokens_this_minute,
+                "ahead_s": {unit: round(s, 3) for unit, s in use.ahead_s.items()},
+                "blocked_s": round(use.blocked_s, 3),
+                "waiting": {"under_way": use.waiting[0], "new": use.waiting[1]},
+            }
+        )
+    shown_caps = []
+    for cap_key in caps:
+        use = store.cap_use(cap_key)
+        shown_caps.append(
+            {
+                "key": cap_key,
+                "set_at_run_time": cap_overrides.get(cap_key),
+                "holders": list(use.holders),
+                "waiting": list(use.waiting),
+            }
+        )
+    if as_json:
+        _dump({"limits": shown_limits, "caps": shown_caps})
+        return
+    if not shown_limits and not shown_caps:
+        click.echo("no limits used yet (set them in an agent file's [limits], or `limits set`)")
+    for item in shown_limits:
+        set_now = ", ".join(f"{k}={v}" for k, v in sorted(item["set_at_run_time"].items()))
+        ahead = ", ".join(f"{u} {s:g} s" for u, s in item["ahead_s"].items()) or "-"
+        click.echo(
+            f"{item['key']}: {item['requests_this_minute']} requests, "
+            f"{item['tokens_this_minute']} tokens this minute; ahead {ahead}; waiting "
+            f"{item['waiting']['under_way']} under way + {item['waiting']['new']} new"
+            + (f"; held off {item['blocked_s']:g} s (429)" if item["blocked_s"] else "")
+            + (f"; set at run time: {set_now}" if set_now else "")
+        )
+    for item in shown_caps:
+        click.echo(
+            f"{item['key']}: {len(item['holders'])} in progress, {len(item['waiting'])} waiting"
+            + (
+                f"; cap set at run time: {item['set_at_run_time']}"
+                if item["set_at_run_time"]
+                else ""
+            )
+        )
+
+
+@limits.command("set")
+@click.argument("key")
+@click.option("--rpm", type=click.IntRange(min=1), default=None, help="Requests a minute.")
+@click.option("--tpm", type=click.IntRange(min=1), default=None, help="Tokens a minute.")
+@click.option(
+    "--burst-s", type=click.FloatRange(min=0, min_open=True, max=60), default=None,
+    help="How far ahead of even spacing calls may run, in seconds of the rate.",
+)  # fmt: skip
+@refusals
+def limits_set(key: str, rpm: int | None, tpm: int | None, burst_s: float | None) -> None:
+    """Set KEY's limits at run time (over the agent files'); workers follow within seconds."""
+    check_key(key, "a limit key")
+    values = {
+        name: value
+        for name, value in (
+            ("requests_per_minute", rpm), ("tokens_per_minute", tpm), ("burst_s", burst_s)
+        )
+        if value is not None
+    }  # fmt: skip
+    if not values:
+        raise click.UsageError("give --rpm, --tpm or --burst-s")
+    store = _store()
+    store.set_override(key, {**store.overrides().get(key, {}), **values})
+    click.echo(f"{key}: " + ", ".join(f"{k}={v}" for k, v in sorted(values.items())))
+
+
+@limits.command("unset")
+@click.argument("key")
+@refusals
+def limits_unset(key: str) -> None:
+    """Drop KEY's run-time limits: the agent files' apply again."""
+    _store().set_override(check_key(key, "a limit key"), None)
+    click.echo(f"{key}: the agent files' limits apply")
+
+
+@limits.command("cap")
+@click.argument("key")
+@click.argument("places", type=click.IntRange(min=1))
+@refusals
+def limits_cap(key: str, places: int) -> None:
+    """At most PLACES runs in progress under KEY (`agent:NAME`, or `key:TENANT`)."""
+    check_key(key, "a concurrency key")
+    _store().set_cap_override(key, places)
+    click.echo(f"{key}: at most {places} runs in progress")
+
+
+@limits.command("uncap")
+@click.argument("key")
+@refusals
+def limits_uncap(key: str) -> None:
+    """Drop KEY's run-time cap: the agent files' apply again."""
+    _store().set_cap_override(check_key(key, "a concurrency key"), None)
+    click.echo(f"{key}: the agent files' cap applies")
