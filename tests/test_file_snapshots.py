@@ -140,6 +140,26 @@ def test_bytes_a_dying_save_appended_are_never_read_and_the_next_save_cuts_them_
     assert b"half a mess" not in transcript.read_bytes()
 
 
+def test_a_store_that_loaded_the_run_before_decodes_only_the_new_messages_and_agrees(
+    tmp_path: Path,
+) -> None:
+    # Given two processes on one directory, taking a run's turns in alternation
+    directory = tmp_path / "snapshots"
+    one, other = FileSnapshotStore(directory), FileSnapshotStore(directory)
+    state = make_state(seq=1)
+    one.save(state, expected_seq=None)
+    for turn_no in range(1, 21):
+        saver = one if turn_no % 2 else other
+        loaded = saver.load("run-1")
+        assert loaded == state
+        state = grown(state, turn_no)
+        saver.save(state, expected_seq=loaded.seq)
+    # Then what each loads (only the messages after its last tip) is the whole read's state
+    fresh = FileSnapshotStore(directory).load("run-1")
+    assert one.load("run-1") == other.load("run-1") == fresh == state
+    assert one.load_document("run-1") == snapshot_format.encode(state)
+
+
 def test_a_save_that_replaces_the_transcript_removes_the_old_file(tmp_path: Path) -> None:
     directory = tmp_path / "snapshots"
     store = FileSnapshotStore(directory)
@@ -174,5 +194,6 @@ def test_a_damaged_transcript_is_refused_on_load_not_returned(
 
     damage(transcript)  # type: ignore[operator]
 
+    # (a process that remembers nothing of the run: this one may trust what it saved)
     with pytest.raises(SnapshotMalformed, match=problem):
-        store.load("run-1")
+        FileSnapshotStore(directory).load("run-1")

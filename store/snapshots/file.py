@@ -58,7 +58,7 @@ from pathlib import Path
 
 from runtime.errors import SnapshotMalformed, StaleWrite, StoreUnavailable
 from runtime.models import RUN_ID_PATTERN, RunState
-from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
+from store.snapshots import KNOWN_RUNS, Parts, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class FileSnapshotStore(SnapshotStore):
         self._where = f"snapshot directory {self.directory}"
         self.bytes_written = 0
         """Bytes saves wrote (heads and transcript appends): what checkpoints cost."""
+        self._ends: dict[str, tuple[str, TranscriptTip, int]] = {}
+        """Per run last loaded or saved: its transcript file, tip, and the tip's byte offset."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with self._dir() as dir_fd:
@@ -290,16 +292,8 @@ class FileSnapshotStore(SnapshotStore):
         data = self._read_bounded(dir_fd, name, head.offset, run_id, exact=True)
         if data is None:
             return None
-        fragments, at = [], 0
         try:
-            while at < len(data):
-                newline = data.index(b"\n", at, at + 24)
-                size = int(data[at:newline])
-                end = newline + 1 + size
-                if size < 0 or end > len(data):
-                    raise ValueError("a message runs past the head's offset")
-                fragments.append(data[newline + 1 : end])
-                at = end
+            fragments = _unframe(data)
         except ValueError as exc:
             raise SnapshotMalformed(
                 self.where(run_id), f"its transcript file {name} does not parse ({exc})"
@@ -331,7 +325,9 @@ class FileSnapshotStore(SnapshotStore):
             if fragments is None:
                 continue
             try:
-                return snapshot_format.assemble(head.document, fragments), head.tip
+                document = snapshot_format.assemble(head.document, fragments)
+                self._end(run_id, head.transcript, head.tip, head.offset)
+                return document, head.tip
             except ValueError:
                 # No single empty transcript in the head: say what is wrong with it exactly.
                 snapshot_format.decode(head.document, self.where(run_id), self.max_bytes)
@@ -458,6 +454,7 @@ class FileSnapshotStore(SnapshotStore):
                 data = json.dumps(header, sort_keys=True).encode() + b"\n" + parts.head
                 self._write_head(dir_fd, run_id, data, run_id + HEAD)
                 self.bytes_written += len(frames) + len(data)
+                self._end(run_id, generation, parts.tip, offset + len(frames))
                 if head is None or head.transcript != generation:
                     # What the new head no longer names: a whole legacy file, the old transcript.
                     self._remove(dir_fd, run_id, keep=HEAD, generation=generation)
@@ -547,6 +544,48 @@ class FileSnapshotStore(SnapshotStore):
         except OSError as exc:
             raise StoreUnavailable(self._where, exc.strerror or str(exc)) from exc
 
+    def _end(self, run_id: str, generation: str, tip: TranscriptTip, offset: int) -> None:
+        self._ends.pop(run_id, None)
+        self._ends[run_id] = (generation, tip, offset)
+        while len(self._ends) > KNOWN_RUNS:
+            self._ends.pop(next(iter(self._ends)), None)
+
+    def _read_after(
+        self, run_id: str, base: TranscriptTip
+    ) -> tuple[bytes, list[bytes], TranscriptTip] | None:
+        known = self._ends.get(run_id)
+        if known is None or known[1] != base:
+            return None
+        generation, _, start = known
+        try:
+            with self._dir() as dir_fd:
+                head = self._read_head(dir_fd, run_id)
+                if head is None or head.transcript != generation or head.offset < start:
+                    return None
+                name = f"{run_id}.{generation}{TRANSCRIPT}"
+                data = self._read_range(dir_fd, name, start, head.offset - start)
+        except (OSError, SnapshotMalformed):
+            return None  # the whole read says what is wrong, or finds the replaced file
+        if data is None:
+            return None
+        fragments = _unframe(data)
+        self._end(run_id, generation, head.tip, head.offset)
+        return head.document, fragments, head.tip
+
+    def _read_range(self, dir_fd: int, name: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes of ``name`` from ``start``; None if it is gone, a link, or short."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = os.pread(fd, length, start)
+            return data if len(data) == length else None
+        finally:
+            os.close(fd)
+
     def _get(self, run_id: str) -> bytes | None:
         found = self._read(run_id)
         return found[0] if found is not None else None
@@ -608,6 +647,20 @@ class FileSnapshotStore(SnapshotStore):
             if name.endswith((SUFFIX, HEAD)) and name.count(".") == 1
         }
         return [run_id for run_id in ids if RUN_ID_PATTERN.fullmatch(run_id)]
+
+
+def _unframe(data: bytes) -> list[bytes]:
+    """The fragments of ``<length>\\n<fragment>`` frames; ValueError if they do not parse."""
+    fragments, at = [], 0
+    while at < len(data):
+        newline = data.index(b"\n", at, at + 24)
+        size = int(data[at:newline])
+        end = newline + 1 + size
+        if size < 0 or end > len(data):
+            raise ValueError("a message runs past the head's offset")
+        fragments.append(data[newline + 1 : end])
+        at = end
+    return fragments
 
 
 def _write_all(fd: int, data: bytes, at: int) -> None:
