@@ -1,0 +1,134 @@
+"""The embedded ``filesystem://`` broker: whole messages only, and a wake-up instead of a poll.
+
+kombu's filesystem transport creates a message file under its final name and
+then writes into it, and its consumer takes any file it lists: a consumer that
+lists the folder while a producer is still writing moves and reads half a
+message, and the worker dies with ``Unrecoverable error: JSONDecodeError``
+(kombu#1551). Here real producer processes publish large messages as fast as
+they can while a real consumer drains the folder; every message must arrive
+whole, and none may be set aside as unreadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Queue
+
+import worker.transport as transport
+
+pytestmark = pytest.mark.timeout(240)
+
+TRANSPORT = transport.FILESYSTEM_ALIAS
+MESSAGES = 40
+PRODUCERS = 2
+BODY_BYTES = 3 * 1024 * 1024
+"""Large enough that writing one message takes a few milliseconds: a wide window."""
+
+PRODUCER = r"""
+import hashlib, sys
+from kombu import Connection, Exchange, Producer, Queue
+import worker.transport
+
+folder, transport_name, count, size, tag = sys.argv[1:6]
+options = {"data_folder_in": folder, "data_folder_out": folder, "control_folder": folder + "/c",
+           "rejected_folder": folder + "/rejected"}
+with Connection("filesystem://", transport=transport_name, transport_options=options) as conn:
+    producer = Producer(conn, exchange=Exchange("torn", "direct"), routing_key="torn")
+    for i in range(int(count)):
+        text = (f"{tag}-{i} " * (int(size) // 8))[: int(size)]
+        producer.publish({"text": text, "sha": hashlib.sha256(text.encode()).hexdigest()},
+                         serializer="json")
+"""
+
+
+def options(folder: Path) -> dict[str, Any]:
+    return {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(folder / "c"),
+        "rejected_folder": str(folder / "rejected"),
+        "polling_interval": 0.001,
+    }
+
+
+def test_a_consumer_never_reads_a_message_a_producer_is_still_writing(tmp_path: Path) -> None:
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    received: list[dict[str, str]] = []
+
+    def on_message(body: dict[str, str], message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options(folder)) as c:
+        queue = Queue("torn", Exchange("torn", "direct"), "torn")
+        with Consumer(c, [queue], callbacks=[on_message], accept=["json"]):
+            # When producer processes publish large messages while the consumer drains
+            producers = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        PRODUCER,
+                        str(folder),
+                        TRANSPORT,
+                        str(MESSAGES),
+                        str(BODY_BYTES),
+                        f"p{n}",
+                    ],  # fmt: skip
+                    cwd=Path(__file__).resolve().parents[2],
+                )
+                for n in range(PRODUCERS)
+            ]
+            deadline = time.monotonic() + 180
+            while len(received) < PRODUCERS * MESSAGES and time.monotonic() < deadline:
+                try:
+                    c.drain_events(timeout=1)
+                except TimeoutError:
+                    if all(p.poll() is not None for p in producers) and not list(
+                        folder.glob("*.msg")
+                    ):
+                        break
+            for producer in producers:
+                assert producer.wait(timeout=60) == 0
+
+    # Then every message arrived whole, and none was set aside as unreadable
+    rejected = sorted(p.name for p in (folder / "rejected").glob("*")) if (
+        folder / "rejected"
+    ).exists() else []  # fmt: skip
+    assert rejected == []
+    assert len(received) == PRODUCERS * MESSAGES
+    for body in received:
+        assert hashlib.sha256(body["text"].encode()).hexdigest() == body["sha"]
+
+
+def test_an_idle_consumer_sleeps_on_the_folder_and_wakes_for_a_message(tmp_path: Path) -> None:
+    # Given a consumer draining an empty folder with the wake-up (no fast poll)
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    wake = transport.FolderWake.open(str(folder))
+    assert wake is not None, "inotify is available on Linux"
+    # When nothing arrives, a wait lasts its whole span
+    started = time.monotonic()
+    wake.wait(0.3)
+    assert time.monotonic() - started >= 0.29
+    # When a temp file is written and renamed into a message, the wait returns
+    (folder / ".x.tmp").write_bytes(b"{}")
+    (folder / ".x.tmp").rename(folder / "1_x.torn.msg")
+    started = time.monotonic()
+    wake.wait(30)
+    assert time.monotonic() - started < 10
+    # and a temp file alone does not wake it
+    (folder / ".y.tmp").write_bytes(json.dumps({}).encode())
+    started = time.monotonic()
+    wake.wait(0.3)
+    assert time.monotonic() - started >= 0.29
+    wake.close()
