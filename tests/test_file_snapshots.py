@@ -118,13 +118,14 @@ def test_a_snapshot_file_of_the_previous_layout_is_read_shown_and_converted_by_t
     assert store.list() == [run_id]
 
 
+@pytest.mark.parametrize("fsync", [False, True])
 def test_bytes_a_dying_save_appended_are_never_read_and_the_next_save_cuts_them_off(
-    tmp_path: Path,
+    tmp_path: Path, fsync: bool
 ) -> None:
     # Given a run saved twice, and a save that died after appending to the transcript
     # but before its head was renamed into place (bytes no head names)
     directory = tmp_path / "snapshots"
-    store = FileSnapshotStore(directory)
+    store = FileSnapshotStore(directory, fsync=fsync)
     state = grown(make_state(seq=1), 1)
     store.save(state, expected_seq=None)
     (transcript,) = directory.glob("run-1.*.transcript")
@@ -135,7 +136,7 @@ def test_bytes_a_dying_save_appended_are_never_read_and_the_next_save_cuts_them_
     assert store.load_document("run-1") == snapshot_format.encode(state)
     # and the next save, from a process that remembers nothing, appends after the head's end
     newer = grown(state, 2)
-    FileSnapshotStore(directory).save(newer, expected_seq=state.seq)
+    FileSnapshotStore(directory, fsync=fsync).save(newer, expected_seq=state.seq)
     assert store.load_document("run-1") == snapshot_format.encode(newer)
     assert b"half a mess" not in transcript.read_bytes()
 
