@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -263,6 +264,14 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
                 return payload
         raise Empty()
 
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
+        super().basic_ack(delivery_tag, multiple)
+        self.connection.poke()  # a prefetch slot is free: a waiting consumer may take more
+
+    def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        super().basic_reject(delivery_tag, requeue)
+        self.connection.poke()
+
     def get_table(self, exchange: str) -> list[Any]:
         try:
             return list(super().get_table(exchange))
@@ -288,7 +297,8 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
 
 
 class FolderWake:
-    """Wakes a waiting consumer when a message file lands in a folder (inotify, Linux).
+    """Wakes a waiting consumer when a message file lands in a folder (inotify, Linux),
+    or when it may take one again (an ack or a reject freed a prefetch slot: ``poke``).
 
     Made per process: an inotify descriptor inherited over a fork would share
     its event queue with the parent.
@@ -299,9 +309,16 @@ class FolderWake:
 
         flags = inotify_simple.flags
         self._inotify = inotify_simple.INotify(inheritable=False, nonblocking=True)
-        # Renamed in (ratchet's atomic writes), or written in place (a plain kombu producer).
-        self._inotify.add_watch(folder, flags.MOVED_TO | flags.CLOSE_WRITE)
-        self.pid = os.getpid()
+        try:
+            # Renamed in (ratchet's atomic writes), or written in place (a plain kombu producer).
+            self._inotify.add_watch(folder, flags.MOVED_TO | flags.CLOSE_WRITE)
+            self._poked, self._poke = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            self._inotify.close()
+            raise
+        self._poller = select.poll()
+        self._poller.register(self._inotify.fileno(), select.POLLIN)
+        self._poller.register(self._poked, select.POLLIN)
 
     @classmethod
     def open(cls, folder: str) -> FolderWake | None:
@@ -312,18 +329,39 @@ class FolderWake:
             log.info("no inotify wake-up on %s (%s); polling for messages", folder, exc)
             return None
 
+    def poke(self) -> None:
+        """Wake the wait (from any thread)."""
+        try:
+            os.write(self._poke, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already poked (the pipe is full), or closed
+
     def wait(self, seconds: float) -> None:
-        """Return when a ``*.msg`` file arrived since the last wait, or after ``seconds``."""
+        """Return when a ``*.msg`` file arrived or ``poke`` was called since the last wait,
+        or after ``seconds``."""
         deadline = monotonic() + seconds
         left = seconds
         while left > 0:
-            events = self._inotify.read(timeout=max(1, int(left * 1000)))
-            if any(event.name.endswith(".msg") for event in events):
+            ready = self._poller.poll(max(1, int(left * 1000)))
+            woken = False
+            for fd, _ in ready:
+                if fd == self._poked:
+                    try:
+                        os.read(self._poked, 4096)
+                    except BlockingIOError:
+                        pass
+                    woken = True
+                else:
+                    events = self._inotify.read(timeout=0)
+                    woken = woken or any(event.name.endswith(".msg") for event in events)
+            if woken:
                 return
             left = deadline - monotonic()
 
     def close(self) -> None:
         self._inotify.close()
+        for fd in (self._poked, self._poke):
+            os.close(fd)
 
 
 class FilesystemTransport(filesystem.Transport):
@@ -339,10 +377,17 @@ class FilesystemTransport(filesystem.Transport):
             self._wake = FolderWake.open(folder) if folder else None
         return self._wake
 
+    def poke(self) -> None:
+        """Wake this process's waiting consumer, if it waits on the folder."""
+        wake = self._wake
+        if wake is not None and self._wake_tried_pid == os.getpid():
+            wake.poke()
+
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         # kombu's virtual Transport.drain_events, with the sleep between empty polls
         # replaced by a wait on the folder's wake-up. The watch exists before the
-        # first look, so a message that lands in between wakes the wait at once.
+        # first look, so a message that lands in between wakes the wait at once; an
+        # ack wakes it too (with every prefetch slot taken, a look finds "nothing").
         wake = self._folder_wake()
         if wake is None:
             super().drain_events(connection, timeout)
