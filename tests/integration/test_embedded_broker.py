@@ -15,6 +15,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -131,4 +132,43 @@ def test_an_idle_consumer_sleeps_on_the_folder_and_wakes_for_a_message(tmp_path:
     started = time.monotonic()
     wake.wait(0.3)
     assert time.monotonic() - started >= 0.29
+    # An ack (a free prefetch slot) pokes it from another thread
+    poker = threading.Timer(0.05, wake.poke)
+    poker.start()
+    started = time.monotonic()
+    wake.wait(30)
+    assert time.monotonic() - started < 10
+    poker.join()
     wake.close()
+
+
+def test_an_ack_wakes_a_consumer_whose_prefetch_slots_were_all_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (no once-a-second look: only a wake-up can end the wait before the drain's timeout)
+    monkeypatch.setattr(transport, "IDLE_POLL_S", 600.0)
+    # Given a consumer with one prefetch slot, holding its message unacknowledged (names
+    # of its own: kombu keeps a process's bindings per transport class)
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    held: list[Any] = []
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options(folder)) as c:
+        queue = Queue("acked", Exchange("acked", "direct"), "acked")
+        with Consumer(c, [queue], callbacks=[lambda body, m: held.append(m)], accept=["json"]) as k:
+            k.qos(prefetch_count=1)
+            producer = c.Producer(exchange=queue.exchange, routing_key="acked")
+            producer.publish({"n": 1}, serializer="json")
+            producer.publish({"n": 2}, serializer="json")
+            c.drain_events(timeout=30)
+            assert len(held) == 1
+            # When another thread acknowledges it while this one waits (the slot frees)
+            acker = threading.Timer(0.05, held[0].ack)
+            acker.start()
+            started = time.monotonic()
+            c.drain_events(timeout=30)
+            # Then the waiting drain takes the next message, woken by the ack: not at the
+            # end of its 30 s (after which a last look would find it too)
+            assert sorted(m.payload["n"] for m in held) == [1, 2]
+            assert time.monotonic() - started < 20
+            acker.join()
+            held[1].ack()
