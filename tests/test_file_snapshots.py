@@ -198,3 +198,16 @@ def test_a_damaged_transcript_is_refused_on_load_not_returned(
     # (a process that remembers nothing of the run: this one may trust what it saved)
     with pytest.raises(SnapshotMalformed, match=problem):
         FileSnapshotStore(directory).load("run-1")
+
+
+def test_a_transcript_no_head_names_is_removed_when_the_store_opens(tmp_path: Path) -> None:
+    # Given a run's first save that died after writing its transcript, beside a saved run
+    directory = tmp_path / "snapshots"
+    store = FileSnapshotStore(directory)
+    store.save(grown(make_state(seq=1), 1), expected_seq=None)
+    (kept,) = directory.glob("run-1.*.transcript")
+    (directory / "run-2.0123456789abcdef.transcript").write_bytes(b"3\nabc")
+    # When a worker opens the store, the orphan is gone and the saved run intact
+    FileSnapshotStore(directory)
+    assert sorted(p.name for p in directory.glob("*.transcript")) == [kept.name]
+    assert store.load_document("run-1") == snapshot_format.encode(grown(make_state(seq=1), 1))

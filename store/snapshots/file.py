@@ -172,8 +172,15 @@ class FileSnapshotStore(SnapshotStore):
             pass
         with self._locked(dir_fd):
             # Saves write their temp file while holding the lock: none is in progress now.
-            for entry in os.scandir(dir_fd):
-                if _TEMP.match(entry.name) and not entry.is_dir(follow_symlinks=False):
+            entries = [e for e in os.scandir(dir_fd) if not e.is_dir(follow_symlinks=False)]
+            names = {entry.name for entry in entries}
+            for entry in entries:
+                leftover = _TEMP.match(entry.name) is not None
+                if entry.name.endswith(TRANSCRIPT):
+                    # The first save of a run that died before its head was in place.
+                    run_id = entry.name.split(".", 1)[0]
+                    leftover = run_id + HEAD not in names and run_id + SUFFIX not in names
+                if leftover:
                     os.unlink(entry.name, dir_fd=dir_fd)
                     log.info("%s: removed %s, left by a save that did not finish", self._where,
                              entry.name)  # fmt: skip
