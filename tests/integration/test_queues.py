@@ -7,7 +7,6 @@ import redis
 from tasks.turn import run_turn
 from worker.app import CONTROL_QUEUE, TURNS_QUEUE, app
 
-
 PRIORITY_SEP = "\x06\x16"
 """kombu's Redis transport keeps one list per priority step: ``<queue>``, ``<queue>\\x06\\x16<n>``."""
 
