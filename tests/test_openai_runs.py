@@ -563,7 +563,8 @@ def test_after_every_kind_of_run_the_key_is_nowhere_in_a_file_and_sqlite_data_di
 
     # Then every byte of the data directory (the snapshot file, the SQLite database) is clean
     on_disk = directory_blobs(data)
-    assert any(p.endswith(".json") for p, _ in on_disk), "the halfway run has no snapshot file"
+    assert any(p.endswith(".head") for p, _ in on_disk), "the halfway run has no snapshot head"
+    assert any(p.endswith(".transcript") for p, _ in on_disk), "nor a transcript"
     assert any(halfway.encode() in value for _, value in on_disk)
     requests += server.requests
     assert {r.headers["authorization"] for r in requests} == {f"Bearer {key}"}

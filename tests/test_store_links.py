@@ -61,23 +61,49 @@ def test_a_planted_temp_file_link_does_not_make_a_save_overwrite_its_target(
     assert victim.read_bytes() == PRECIOUS
     loaded = store.load("run-1")
     assert loaded is not None and loaded.seq == 2
-    assert not (directory / "run-1.json").is_symlink()
+    assert not (directory / "run-1.head").is_symlink()
 
 
+@pytest.mark.parametrize("layout", ["head", "whole"])
 def test_a_snapshot_file_that_is_a_link_to_another_runs_is_never_written_through(
-    tmp_path: Path,
+    tmp_path: Path, layout: str
 ) -> None:
     directory = tmp_path / "snapshots"
     store = FileSnapshotStore(directory)
-    store.save(state("other", seq=3), None)
-    other = (directory / "other.json").read_bytes()
-    (directory / "run-1.json").symlink_to("other.json")
+    if layout == "head":
+        store.save(state("other", seq=3), None)
+    else:  # a whole document, as the previous layout stored every run
+        store._put("other", state("other", seq=3), b"{}", None)
+    suffix = ".head" if layout == "head" else ".json"
+    other = (directory / f"other{suffix}").read_bytes()
+    (directory / f"run-1{suffix}").symlink_to(f"other{suffix}")
     # A save that expects the seq the link's target holds is refused, not written through
     with pytest.raises(SnapshotMalformed, match="symbolic link"):
         store.save(state("run-1", seq=4), 3)
-    assert (directory / "other.json").read_bytes() == other
+    assert (directory / f"other{suffix}").read_bytes() == other
     with pytest.raises(SnapshotMalformed, match="symbolic link"):
         store.load("run-1")
+
+
+def test_a_transcript_file_that_is_a_link_is_neither_read_nor_appended_through(
+    tmp_path: Path, victim: Path
+) -> None:
+    # Given a run whose transcript file was replaced by a link to a file outside
+    directory = tmp_path / "snapshots"
+    store = FileSnapshotStore(directory)
+    store.save(state(seq=1), None)
+    (transcript,) = directory.glob("run-1.*.transcript")
+    victim.write_bytes(transcript.read_bytes() + PRECIOUS)
+    transcript.unlink()
+    transcript.symlink_to(victim)
+    before = victim.read_bytes()
+    # Then neither a load nor an append goes through it
+    with pytest.raises(SnapshotMalformed, match="symbolic link"):
+        store.load("run-1")
+    again = FileSnapshotStore(directory)  # remembers nothing: plans from the stored tip
+    with pytest.raises(SnapshotMalformed, match="symbolic link"):
+        again.save(state(seq=2).model_copy(update={"transcript": state(seq=1).transcript * 2}), 1)
+    assert victim.read_bytes() == before
 
 
 def test_a_lock_file_planted_as_a_link_is_moved_aside_at_open_and_never_followed(
@@ -112,7 +138,9 @@ def test_leftover_temp_files_are_removed_when_the_store_opens_and_links_are_not_
     # When a worker opens the store
     store = FileSnapshotStore(directory)
     # Then the leftovers are gone, their targets untouched, the snapshot kept
-    assert sorted(p.name for p in directory.iterdir()) == [".lock", "run-1.json"]
+    names = sorted(p.name for p in directory.iterdir())
+    assert [names[0], names[2]] == [".lock", "run-1.head"] and len(names) == 3, names
+    assert names[1].startswith("run-1.") and names[1].endswith(".transcript")
     assert victim.read_bytes() == PRECIOUS
     loaded = store.load("run-1")
     assert loaded is not None and loaded.seq == 1

@@ -39,70 +39,89 @@ from tests.helpers import call, drive, turn, write_agent
 from worker.cli import main as cli
 
 Damage = Callable[[Path, str, str], None]
-"""Damage ``<dir>/<run>.json`` (the run's file); the second run's snapshot is ``<dir>/<other>.json``."""
+"""Damage ``<dir>/<run>.head`` (the run's head); the second run's is ``<dir>/<other>.head``."""
+
+
+def _split(path: Path) -> tuple[bytes, bytes]:
+    """The head file's header line (newline included) and its document."""
+    header, _, document = path.read_bytes().partition(b"\n")
+    return header + b"\n", document
 
 
 def _rewrite(path: Path, edit: Callable[[dict[str, object]], None]) -> None:
-    document = json.loads(path.read_bytes())
+    header, data = _split(path)
+    document = json.loads(data)
     edit(document)
-    path.write_text(json.dumps(document, indent=2))
+    path.write_bytes(header + json.dumps(document, indent=2).encode())
 
 
 def truncated(directory: Path, run_id: str, other: str) -> None:
-    (directory / f"{run_id}.json").write_bytes(b"{truncated")
+    path = directory / f"{run_id}.head"
+    path.write_bytes(_split(path)[0] + b"{truncated")
 
 
 def empty(directory: Path, run_id: str, other: str) -> None:
-    (directory / f"{run_id}.json").write_bytes(b"")
+    path = directory / f"{run_id}.head"
+    path.write_bytes(_split(path)[0])
 
 
 def wrong_kind(directory: Path, run_id: str, other: str) -> None:
-    _rewrite(directory / f"{run_id}.json", lambda d: d.update(kind="ratchet.memory"))
+    _rewrite(directory / f"{run_id}.head", lambda d: d.update(kind="ratchet.memory"))
 
 
 def wrong_version(directory: Path, run_id: str, other: str) -> None:
-    _rewrite(directory / f"{run_id}.json", lambda d: d.update(version=3))
+    _rewrite(directory / f"{run_id}.head", lambda d: d.update(version=3))
 
 
 def unknown_field(directory: Path, run_id: str, other: str) -> None:
-    _rewrite(directory / f"{run_id}.json", lambda d: d.update(colour="red"))
+    _rewrite(directory / f"{run_id}.head", lambda d: d.update(colour="red"))
 
 
 def over_the_limit(directory: Path, run_id: str, other: str) -> None:
-    path = directory / f"{run_id}.json"
+    path = directory / f"{run_id}.head"
     path.write_bytes(path.read_bytes() + b" " * snapshot_format.MAX_BYTES)
 
 
 def huge_integer(directory: Path, run_id: str, other: str) -> None:
-    path = directory / f"{run_id}.json"
-    text = path.read_text()
+    path = directory / f"{run_id}.head"
+    header, data = _split(path)
+    text = data.decode()
     seq = f'"seq": {json.loads(text)["run"]["seq"]}'
     assert seq in text
-    path.write_text(text.replace(seq, '"seq": ' + "7" * 5000))
+    path.write_bytes(header + text.replace(seq, '"seq": ' + "7" * 5000).encode())
 
 
 def deep_nesting(directory: Path, run_id: str, other: str) -> None:
     depth = 50_000
-    (directory / f"{run_id}.json").write_text(
-        '{"kind": "ratchet.snapshot", "version": 1, "run": ' + "[" * depth + "]" * depth + "}"
+    path = directory / f"{run_id}.head"
+    path.write_bytes(
+        _split(path)[0]
+        + b'{"kind": "ratchet.snapshot", "version": 1, "run": '
+        + b"[" * depth
+        + b"]" * depth
+        + b"}"
     )
 
 
 def another_runs_state(directory: Path, run_id: str, other: str) -> None:
-    (directory / f"{run_id}.json").write_bytes((directory / f"{other}.json").read_bytes())
+    # The other run's head and the transcript it names, copied under this run's names.
+    (directory / f"{run_id}.head").write_bytes((directory / f"{other}.head").read_bytes())
+    for transcript in directory.glob(f"{other}.*.transcript"):
+        generation = transcript.name.split(".")[1]
+        (directory / f"{run_id}.{generation}.transcript").write_bytes(transcript.read_bytes())
 
 
 def link_to_another_run(directory: Path, run_id: str, other: str) -> None:
-    path = directory / f"{run_id}.json"
+    path = directory / f"{run_id}.head"
     path.unlink()
-    path.symlink_to(f"{other}.json")
+    path.symlink_to(f"{other}.head")
 
 
 def link_out_of_the_directory(directory: Path, run_id: str, other: str) -> None:
-    # The target is this very run's document: a store that follows the link reads a
+    # The target is this very run's head: a store that follows the link reads a
     # valid snapshot, and one that writes through it overwrites a file outside.
-    path = directory / f"{run_id}.json"
-    outside = directory.parent / "outside.json"
+    path = directory / f"{run_id}.head"
+    outside = directory.parent / "outside.head"
     outside.write_bytes(path.read_bytes())
     path.unlink()
     path.symlink_to(outside)
@@ -173,12 +192,14 @@ def assert_set_aside(
 ) -> None:
     """Moved aside, never deleted, with exactly one WARNING naming the file and the problem."""
     directory = snapshots_dir(ctx)
-    quarantined = list((directory / "quarantine").glob(f"{run_id}.*.json"))
-    assert len(quarantined) == 1, sorted((directory / "quarantine").iterdir())
+    # The document, or (when head and transcript do not assemble) the head and its transcript.
+    aside = directory / "quarantine"
+    quarantined = [*aside.glob(f"{run_id}.*.json"), *aside.glob(f"{run_id}.*Z.head")]
+    assert len(quarantined) == 1, sorted(aside.iterdir())
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
-    assert str(directory / f"{run_id}.json") in message
+    assert str(directory / f"{run_id}.head") in message
     assert problem in message
     assert str(quarantined[0]) in message
     # The other run's snapshot, and whatever a link pointed to, are untouched.
@@ -327,7 +348,7 @@ def test_a_snapshot_of_an_earlier_run_with_the_same_id_is_set_aside(
     path = agent(tmp_path)
     first = create_run(ctx, path, "first", run_id="reused")
     assert advance(ctx, first.run_id, None).outcome == "next"
-    earlier = (snapshots_dir(ctx) / "reused.json").read_bytes()
+    earlier = {p.name: p.read_bytes() for p in snapshots_dir(ctx).glob("reused.*")}
     with sqlite3.connect(tmp_path / "data" / "runs.sqlite3") as db:
         for table in ("events", "leases", "runs"):
             db.execute(f"DELETE FROM {table} WHERE run_id = ?", ("reused",))
@@ -336,7 +357,8 @@ def test_a_snapshot_of_an_earlier_run_with_the_same_id_is_set_aside(
         pass  # the second run is created in a later millisecond, as any reuse is
     create_run(ctx, path, "second", run_id="reused")
     assert advance(ctx, "reused", None).outcome == "next"
-    (snapshots_dir(ctx) / "reused.json").write_bytes(earlier)
+    for name, data in earlier.items():
+        (snapshots_dir(ctx) / name).write_bytes(data)
     ctx.forget_checkpoint("reused")
     # When its next turn loads it
     with caplog.at_level(logging.WARNING):

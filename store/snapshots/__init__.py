@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import json
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -154,6 +155,12 @@ class SnapshotStore(ABC):
         """The run's snapshot, or ``None`` if it has none."""
         run_id = validate_run_id(run_id)
         tip: TranscriptTip | None = None
+        if self.appends_transcript:
+            known = self._known(run_id)
+            if known is not None:
+                grown = self._load_after(run_id, known)
+                if grown is not None:
+                    return grown
         try:
             if self.appends_transcript:
                 found = with_retries(lambda: self._read(run_id))
@@ -179,6 +186,42 @@ class SnapshotStore(ABC):
         if tip is not None:
             self._remember(run_id, state.seq, state.transcript, tip)
         return state
+
+    def _load_after(self, run_id: str, known: _Known) -> RunState | None:
+        """The stored state, decoding only the messages after the transcript this store
+        last loaded or saved (None: read it whole). What a turn on the other process of a
+        pool costs then stays flat; the stored hash chain proves the prefix is unchanged."""
+        try:
+            found = with_retries(lambda: self._read_after(run_id, known.tip))
+        except (ValueError, TypeError, RecursionError):
+            return None  # the whole read says exactly what does not parse
+        if found is None:
+            return None
+        head, fragments, tip = found
+        if (
+            tip.length != known.tip.length + len(fragments)
+            or snapshot_format.chain(known.tip.chain, fragments) != tip.chain
+            or snapshot_format.document_size(head, tip.length, tip.size) > self.max_bytes
+        ):
+            return None
+        where = self.where(run_id)
+        state = snapshot_format.decode(head, where, self.max_bytes)
+        if state.run_id != run_id or state.transcript:
+            return None
+        try:
+            messages = tuple(Message.model_validate(json.loads(f)) for f in fragments)
+        except (ValueError, RecursionError):
+            return None
+        state = state.model_copy(update={"transcript": known.transcript + messages})
+        self._remember(run_id, state.seq, state.transcript, tip)
+        return state
+
+    def _read_after(
+        self, run_id: str, base: TranscriptTip
+    ) -> tuple[bytes, list[bytes], TranscriptTip] | None:
+        """Appending backends, optionally: the head, the fragments stored after ``base``
+        and the stored tip; None when the backend cannot tell (then the whole is read)."""
+        return None
 
     def where(self, run_id: str) -> str:
         """The run's snapshot as an error message names it (a file's path, a key)."""

@@ -183,6 +183,22 @@ def test_a_bare_install_runs_a_run_on_rabbitmq(
     run_to_completion(fresh_venv, elsewhere, env, tmp_path)
 
 
+def test_a_bare_install_runs_the_demo_on_the_embedded_default(
+    fresh_venv: Venv, elsewhere: Path, tmp_path: Path
+) -> None:
+    # What `pip install .` and `ratchet demo` give a newcomer: filesystem:// broker (woken by
+    # inotify, a core dependency on Linux), flat file snapshots, SQLite runs; nothing else.
+    env = venv_env(tmp_path)
+    assert subprocess.run([fresh_venv.bin("python"), "-c", "import inotify_simple"],
+                          timeout=60).returncode == 0  # fmt: skip
+    demo = subprocess.run(
+        [fresh_venv.bin("ratchet"), "demo"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert any(": completed in " in line for line in demo.stdout.splitlines()), demo.stdout
+
+
 def test_an_s3_store_without_boto3_is_one_line_naming_the_extra(
     fresh_venv: Venv, elsewhere: Path, tmp_path: Path
 ) -> None:

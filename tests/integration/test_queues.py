@@ -7,6 +7,14 @@ import redis
 from tasks.turn import run_turn
 from worker.app import CONTROL_QUEUE, TURNS_QUEUE, app
 
+PRIORITY_SEP = "\x06\x16"
+"""kombu's Redis transport keeps one list per priority step: ``<queue>``, ``<queue>\\x06\\x16<n>``."""
+
+
+def messages_in(client: redis.Redis, queue: str) -> int:
+    """Messages waiting in ``queue``, over all its priority lists (worker/priorities.py)."""
+    return sum(int(client.llen(f"{queue}{PRIORITY_SEP}{n}" if n else queue)) for n in range(10))
+
 
 def test_a_turn_and_a_control_message_each_land_in_exactly_their_own_queue(redis_url: str) -> None:
     with app.connection_for_write(redis_url) as connection:
@@ -20,5 +28,5 @@ def test_a_turn_and_a_control_message_each_land_in_exactly_their_own_queue(redis
         )
     # Then each queue holds exactly one message: nothing is delivered twice
     client = redis.Redis.from_url(redis_url)
-    assert client.llen(TURNS_QUEUE) == 1
-    assert client.llen(CONTROL_QUEUE) == 1
+    assert messages_in(client, TURNS_QUEUE) == 1
+    assert messages_in(client, CONTROL_QUEUE) == 1
