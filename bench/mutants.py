@@ -751,6 +751,23 @@ MUTANTS: tuple[Mutant, ...] = (
         LIVENESS,
         k="dead_owners_lease",
     ),
+    # --- the fast path's lease in the index orphaned() walks (Redis) -------------
+    Mutant(
+        "L8",
+        "store/runs/lua/acquire.lua",
+        "  redis.call('SADD', KEYS[3], ARGV[5])\n",
+        "",
+        ("tests/contract/test_liveness_contract.py",),
+        k="one_call and redis",
+    ),
+    Mutant(
+        "L9",
+        "store/runs/lua/append.lua",
+        "  redis.call('SREM', KEYS[10], ARGV[1])\n",
+        "",
+        ("tests/contract/test_transition_contract.py",),
+        k="lease_index",
+    ),
 )
 
 
