@@ -29,6 +29,8 @@ from tests.contract.test_snapshot_store_contract import make_state
 from tests.helpers import call, turn, write_agent
 
 GOLDEN = Path(__file__).parent / "golden" / "snapshot-v1.json"
+GOLDEN_V2 = Path(__file__).parent / "golden" / "snapshot-v2.json"
+"""The same run as :data:`GOLDEN`, in the format this build writes (2)."""
 TURNS = 60
 
 
@@ -101,9 +103,10 @@ def test_a_snapshot_file_of_the_previous_layout_is_read_shown_and_converted_by_t
     (directory / f"{run_id}.json").write_bytes(golden)
     store = FileSnapshotStore(directory)
 
-    # Then it loads, and reads as the document (what `ratchet snapshots show` prints) exactly
+    # Then it loads (format 1, upgraded on load), and reads as the document it holds (what
+    # `ratchet snapshots show` prints) exactly
     state = store.load(run_id)
-    assert state is not None and snapshot_format.encode(state) == golden
+    assert state is not None and snapshot_format.encode(state) == GOLDEN_V2.read_bytes()
     assert store.load_document(run_id) == golden
 
     # When a process that never loaded it saves the run's next checkpoint

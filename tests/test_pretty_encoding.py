@@ -48,7 +48,7 @@ def test_any_json_value_is_encoded_as_json_dumps_does(value: object) -> None:
 
 def test_a_snapshot_document_and_its_fragments_are_the_bytes_json_dumps_gives() -> None:
     state = rich_state()
-    document = snapshot_format.SnapshotV1(run=state).model_dump(mode="json")
+    document = snapshot_format.SnapshotV2(run=state).model_dump(mode="json")
     assert snapshot_format.encode(state) == (dumped(document) + "\n").encode()
     head = snapshot_format.encode_head(state)
     fragments = [snapshot_format.encode_fragment(m) for m in state.transcript]
