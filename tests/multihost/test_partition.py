@@ -8,14 +8,17 @@ the store host's veth address, as a fleet on a LAN would.
 The story: w1 holds three runs, each in a long call — a non-idempotent charge,
 a model call, an idempotent lookup — and a fourth whose checkpoint it is about
 to send, and w2 is running runs of its own, when w1's cable is pulled for 30 s
-(the checkpoint goes into the dead link). Then:
+(the checkpoint goes into the dead link). It runs in both deployments of the snapshot
+store: combined with the run store (one Redis database and prefix: the checkpoint held is
+the whole transition script, events and snapshot) and apart (another database: the
+answer's events are in, the checkpoint held is the snapshot save). Then:
 
 - while w1 is cut off, its runs move to w2 within the recovery bound (the
   expiry of w1's claim, read from the settings, plus one sweep interval);
 - once w1 is back, every write its stale turns attempt is refused by the
   store's fences (counted from w1's own log and its metrics), and the
-  checkpoint it sent into the cut, which reaches Redis after the heal, does not
-  fence out w2's own writes;
+  checkpoint it sent into the cut, which reaches Redis after the heal, is refused
+  and does not fence out w2's own writes;
 - no non-idempotent tool ran twice, and every run ends completed, or parked
   naming the call whose outcome is unknown.
 """
