@@ -8,14 +8,17 @@ the store host's veth address, as a fleet on a LAN would.
 The story: w1 holds three runs, each in a long call — a non-idempotent charge,
 a model call, an idempotent lookup — and a fourth whose checkpoint it is about
 to send, and w2 is running runs of its own, when w1's cable is pulled for 30 s
-(the checkpoint goes into the dead link). Then:
+(the checkpoint goes into the dead link). It runs in both deployments of the snapshot
+store: combined with the run store (one Redis database and prefix: the checkpoint held is
+the whole transition script, events and snapshot) and apart (another database: the
+answer's events are in, the checkpoint held is the snapshot save). Then:
 
 - while w1 is cut off, its runs move to w2 within the recovery bound (the
   expiry of w1's claim, read from the settings, plus one sweep interval);
 - once w1 is back, every write its stale turns attempt is refused by the
   store's fences (counted from w1's own log and its metrics), and the
-  checkpoint it sent into the cut, which reaches Redis after the heal, does not
-  fence out w2's own writes;
+  checkpoint it sent into the cut, which reaches Redis after the heal, is refused
+  and does not fence out w2's own writes;
 - no non-idempotent tool ran twice, and every run ends completed, or parked
   naming the call whose outcome is unknown.
 """
@@ -39,12 +42,14 @@ from typing import Any
 import pytest
 
 from runtime.models import Event, RunStatus
+from store.runs.redis import RedisRunStore
+from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.netns import Fleet, Host
-from tests.workers import ROOT, redis_context
+from tests.workers import ROOT
 from worker.app import make_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.multihost]
@@ -97,13 +102,14 @@ class Deployment:
     w1: Host
     w2: Host
     redis_url: str = ""
+    snapshot_url: str = ""
     started: dict[str, Process] = field(default_factory=dict)
 
     def env(self, host: Host, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
         env.update(
             RATCHET_BROKER_URL=self.redis_url,
-            RATCHET_SNAPSHOT_STORE=self.redis_url,
+            RATCHET_SNAPSHOT_STORE=self.snapshot_url,
             RATCHET_RUN_STORE=self.redis_url,
             RATCHET_DATA_DIR=str(self.directory / f"data-{host.name}"),
             RATCHET_EXAMPLE_LEDGER=str(self.directory / "refunds.ledger"),
@@ -141,10 +147,18 @@ def _ready(process: Process) -> bool:
     return "ready." in process.log()
 
 
-def deploy(fleet: Fleet) -> Deployment:
+COMBINED, SEPARATE = "combined", "separate"
+"""The two deployments of the snapshot store: in the run store's Redis database and
+prefix (a transition is one script, the default), or in another database (the run
+store's calls, then the snapshot store's)."""
+
+
+def deploy(fleet: Fleet, snapshots: str) -> Deployment:
     store, w1, w2 = fleet.add_host("store"), fleet.add_host("w1"), fleet.add_host("w2")
     deployment = Deployment(fleet, fleet.directory, store, w1, w2)
     deployment.redis_url = f"redis://{store.address}:{REDIS_PORT}/0"
+    snapshot_db = 0 if snapshots == COMBINED else 1
+    deployment.snapshot_url = f"redis://{store.address}:{REDIS_PORT}/{snapshot_db}"
     redis_dir = fleet.directory / "redis"
     redis_dir.mkdir()
     deployment.start(
@@ -189,10 +203,15 @@ class StoreMonitor:
                         with self._lock:
                             self.seen.append((float(at), text.decode(errors="replace")))
 
-    def first(self, after_s: float, containing: str) -> float | None:
-        """When the first command after ``after_s`` (epoch s) naming ``containing`` ran."""
+    def commands(self, after_s: float, matching: Callable[[str], bool]) -> list[tuple[float, str]]:
+        """The commands run after ``after_s`` (epoch s) ``matching``, with when each ran."""
         with self._lock:
-            return next((at for at, text in self.seen if at > after_s and containing in text), None)
+            return [(at, text) for at, text in self.seen if at > after_s and matching(text)]
+
+    def save(self, path: Path) -> None:
+        """What the store saw from this address, one command a line (for a failure's reader)."""
+        with self._lock:
+            path.write_text("".join(f"{at:.6f} {text}\n" for at, text in self.seen))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -248,6 +267,58 @@ def fenced_turns(log: str, run_id: str) -> int:
     return len(re.findall(rf"succeeded in \S+: 'fenced' \(run {run_id}\)", log))
 
 
+HELD_AFTER = {COMBINED: "model.requested", SEPARATE: "model.responded"}
+"""The late run's last event while w1 holds its write at ``snapshot.before_save``: combined,
+the model's answer, its events and snapshot are one script not sent yet; apart, the answer's
+events are appended and the snapshot is not saved yet."""
+HELD_WRITE = {COMBINED: "transition script", SEPARATE: "snapshot save"}
+
+
+def held_write(snapshots: str, late: str, owner: str) -> Callable[[str], bool]:
+    """Which command the store saw is the late run's held write: apart, a snapshot save (in
+    the snapshots' own database); combined, a transition script of the turn that held it
+    (``owner``; the events with a snapshot to save: the snapshot mode argument, which an
+    events-only append such as a stall's leaves empty)."""
+
+    def matching(command: str) -> bool:
+        if snapshots == SEPARATE:
+            return command.startswith("[1 ") and f"{{{late}}}:snapshot" in command
+        return (
+            f"{{{late}}}:events" in command
+            and f'"{owner}"' in command
+            and ('"replace"' in command or '"append"' in command)
+        )
+
+    return matching
+
+
+def check_late_log(
+    ctx: Context,
+    snapshots: str,
+    late: str,
+    held_seq: int,
+    cut_ms: int,
+    resumed_at_tool: list[str],
+    resumed_at_model: list[str],
+) -> None:
+    """The late run's log holds nothing of w1's held write.
+
+    Apart, the answer's events were in before the cut, only the snapshot was late: the run
+    resumed at its tool call. Combined, the held transition script reached the store after
+    the heal and was refused, all of it: the log past the model call is w2's takeover, its
+    call of the model again, and the turns after it, every event stamped after the cut,
+    none of the held script's (stamped before it).
+    """
+    done = [t for t in types(ctx, late) if t not in RECOVERY_EVENTS]
+    if snapshots == SEPARATE:
+        assert done == resumed_at_tool
+        return
+    assert done == resumed_at_model
+    past = ctx.runs.events(late)[held_seq:]
+    assert past[0].type == "run.resumed"
+    assert all(e.at_ms > cut_ms for e in past), [e for e in past if e.at_ms <= cut_ms]
+
+
 W1_QUEUE = "w1.direct"
 """A queue only w1 consumes: the test hands w1 its runs, as a router pinning work to a host would."""
 RECOVERY_EVENTS = {"run.resumed"}
@@ -255,13 +326,23 @@ RECOVERY_EVENTS = {"run.resumed"}
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("snapshots", [COMBINED, SEPARATE])
 def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_cannot_write(
-    fleet: Fleet, capsys: pytest.CaptureFixture[str], record_property: Callable[[str, object], None]
+    fleet: Fleet,
+    snapshots: str,
+    capsys: pytest.CaptureFixture[str],
+    record_property: Callable[[str, object], None],
 ) -> None:
     settings = Settings()
     bound_s = recovery_bound_s(settings)
-    d = deploy(fleet)
-    ctx = redis_context(d.redis_url)
+    d = deploy(fleet, snapshots)
+    ctx = Context(
+        settings=Settings(),
+        snapshots=RedisSnapshotStore.from_url(d.snapshot_url),
+        runs=RedisRunStore.from_url(d.redis_url),
+    )
+    # The deployment is the one named: a transition is one store call only when combined
+    assert ctx.runs.commits_with(ctx.snapshots) is (snapshots == COMBINED)
     client = make_app(Settings(broker_url=d.redis_url))
     agents = fleet.directory / "agents"
     monitor: StoreMonitor | None = None
@@ -320,7 +401,9 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
 
         wait_for("w1 holds its three runs in their calls",
                  lambda: all(in_call_on_w1(r) for r in held), timeout_s=60)  # fmt: skip
-        # And a fourth run on w1 whose model answer is appended, its checkpoint held back
+        # And a fourth run on w1 whose model has answered, its checkpoint held back: apart,
+        # the answer's events are appended and the snapshot is not saved yet; combined,
+        # events and snapshot are one script that is not sent yet
         hold.touch()
         late = start(
             "late",
@@ -329,8 +412,12 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
             W1_QUEUE,
         )
         wait_for("w1 holds the late run's checkpoint",
-                 lambda: types(ctx, late)[-1] == "model.responded"
-                 and "holding while" in w1.log(), timeout_s=30)  # fmt: skip
+                 lambda: types(ctx, late)[-1] == HELD_AFTER[snapshots]
+                 and "snapshot.before_save hit at turn 1: holding while" in w1.log(),
+                 timeout_s=30)  # fmt: skip
+        late_seq = ctx.runs.events(late)[-1].seq
+        late_lease = ctx.runs.lease(late)
+        assert late_lease is not None
         # And w2 (w1's pool is full) running two runs of its own, each with two refunds
         own = [
             start(
@@ -354,6 +441,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
 
         # When w1's cable is pulled for 30 s
         cut_ms = ctx.runs.clock()
+        late_checkpoint = held_write(snapshots, late, late_lease.owner)
         cut_at = time.monotonic()
         fleet.cut(d.w1)
         # (and the held checkpoint is let go, into the dead link: its bytes wait in the kernel)
@@ -383,10 +471,10 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         # And the checkpoint w1 sent into the cut reaches the store after the heal (TCP
         # retransmits a socket's bytes after its client gave up on it and closed it)
         wait_for("w1's late checkpoint reaches the store",
-                 lambda: monitor.first(cut_ms / 1000, f"{{{late}}}:snapshot") is not None,
+                 lambda: monitor.commands(cut_ms / 1000, late_checkpoint) != [],
                  timeout_s=60)  # fmt: skip
-        landed_at = monitor.first(cut_ms / 1000, f"{{{late}}}:snapshot")
-        assert landed_at is not None
+        landed_at, landed = monitor.commands(cut_ms / 1000, late_checkpoint)[0]
+        connection = landed.split("]")[0]  # "[db address:port": the socket it was sent on
 
         # And once w1 is back, each of its three turns tries to write, is refused, and stops
         wait_for("w1's stale turns stop, fenced",
@@ -408,7 +496,12 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         # and w2, which took the runs over, never had a write refused (the late checkpoint
         # did not fence it out)
         assert refusals(w2.log()) == {kind: [] for kind in REFUSALS}
+        # (nor got in before w2's next save, which would have found it and replaced it)
+        assert "a late checkpoint of a worker that lost the run" not in w2.log()
+        # And w1's late turn, its write timed out in the cut, said so and stopped: its
+        # checkpoint not saved, the stall it then tried not recorded (the store unreachable)
         assert f"run {late}: checkpoint at seq 3 could not be saved" in w1.log()
+        assert f"run {late}: could not record the stall" in w1.log()
         done = {r: [t for t in types(ctx, r) if t not in RECOVERY_EVENTS] for r in [*held, late]}
         assert done[charge] == ["run.created", "model.requested", "model.responded",
                                 "tool.requested", "run.parked"]  # fmt: skip
@@ -418,7 +511,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         assert done[lookup] == ["run.created", "model.requested", "model.responded",
                                 "tool.requested", "tool.completed", "model.requested",
                                 "model.responded", "run.completed"]  # fmt: skip
-        assert done[late] == done[lookup]
+        check_late_log(ctx, snapshots, late, late_seq, cut_ms, done[lookup], done[model])
         # And no non-idempotent tool ran twice; the idempotent lookup ran again, on w2
         ran = effects(d)
         assert sorted(ran) == sorted(
@@ -427,18 +520,29 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         )  # fmt: skip
         once = [" ".join(line.split()[:2]) for line in ran if not line.startswith("lookup")]
         # And the refusals counted in w1's log are the ones its metrics counted
-        writes_refused = len(refused["lease"]) + len(refused["seq"])
+        logged_refused = len(refused["lease"]) + len(refused["seq"])
         renewals_refused = len(refused["renewal"])
         assert set(refused["lease"] + refused["seq"]) == held.keys()
-        assert writes_refused == len(held)
+        assert logged_refused == len(held)
         fenced_delta = after['ratchet_turns_total{outcome="fenced"}'] - before.get(
             'ratchet_turns_total{outcome="fenced"}', 0
         )
         lost_delta = after["ratchet_leases_lost_total"] - before.get("ratchet_leases_lost_total", 0)
-        assert fenced_delta == writes_refused
+        assert fenced_delta == logged_refused
         assert lost_delta == renewals_refused
+        # And the held write (each copy sent on that socket), which the store refused after
+        # the heal: its reply went to a socket w1 had closed, so only the store's record and
+        # the run's log tell
+        held_refused = [
+            at
+            for at, text in monitor.commands(cut_ms / 1000, late_checkpoint)
+            if text.startswith(connection + "]")
+        ]
+        writes_refused = logged_refused + len(held_refused)
 
         figures = {
+            "snapshots": snapshots,
+            "held_write": HELD_WRITE[snapshots],
             "recovery_bound_s": bound_s,
             "moved_within_bound": all(v <= bound_s for v in moved_s.values()),
             "cut_for_s": round(cut_for_s, 2),
@@ -447,6 +551,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
                                                   ("lookup", lookup), ("late", late))},
             "late_checkpoint_landed_after_heal_s": round(landed_at - healed_ms / 1000, 2),
             "writes_refused": writes_refused,
+            "held_writes_refused_at_store": len(held_refused),
             "renewals_refused": renewals_refused,
             "effects": {kind: sum(1 for line in ran if line.startswith(kind))
                         for kind in ("charge", "refund", "lookup")},
@@ -459,5 +564,6 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
     finally:
         if monitor is not None:
             monitor.close()
+            monitor.save(d.directory / "monitor-w1.log")
         client.close()
         ctx.close()
