@@ -624,7 +624,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V2",
         "tasks/recovery.py",
-        "        if seen_seq is not None and seq != seen_seq:\n",
+        "        if seen_seq is not None and seq != seen_seq and not took_over:\n",
         "        if False:\n",
         RECOVERY,
     ),

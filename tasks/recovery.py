@@ -130,16 +130,21 @@ def resume(
     """
     if owner is None:
         owner = new_owner()
-        taken = claim(ctx, run_id, owner).taken
+        claimed = claim(ctx, run_id, owner)
+        taken, took_over = claimed.taken, claimed.took_from is not None
     else:
-        taken = True
+        taken = took_over = True  # a turn took it from a dead holder
     if not taken:
         log.info("run %s: a worker holds the lease, so it is not orphaned; no resume", run_id)
         return Advanced("leased", -1, 0)
     try:
         state, events, verdict = examine(ctx, run_id)
         seq = state.seq if state is not None else _last_seq(ctx, run_id)
-        if seen_seq is not None and seq != seen_seq:
+        # A run that moved since the sweep saw it is in a live worker's hands, unless its
+        # lease was just taken from a dead process: then nobody moves it but this resume
+        # (the moves were the dead worker's last writes), and refusing would leave it
+        # with no lease and no turn queued until it is overdue, a whole lease later.
+        if seen_seq is not None and seq != seen_seq and not took_over:
             log.info(
                 "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
             )

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
+from runtime.recovery import SWEEPER
 from tasks.context import Context
+from tasks.journal import append_events
 from tasks.liveness import beats, process_id
-from tasks.recovery import sweep_orphans
+from tasks.recovery import resume, sweep_orphans
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
@@ -114,6 +116,28 @@ def test_a_turn_that_finds_a_dead_owners_lease_resumes_the_run_at_once(
     assert types[1] == "run.resumed"
     assert ctx.runs.events(run_id)[1].data["by"] == "sweeper"
     assert done.outcome in ("next", "completed")
+    assert ctx.runs.orphaned() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_sweeper_resume_of_a_run_its_dead_owner_moved_on_since_the_sweep_still_resumes_it(
+    tmp_path: Path, ledger: Path
+) -> None:
+    # Given a sweep that saw a run at seq 1, then its worker moved it on and died holding it
+    ctx = memory_context(**LIVENESS)
+    state = create_run(ctx, refund_agent(tmp_path), "refund B2")
+    owner = dead_owner(ctx, state.run_id)
+    moved = append_events(ctx, state, [("model.requested", {})], owner)
+    assert moved.seq == 2
+
+    # When the sweep's resume, carrying seq 1, arrives
+    done = resume(ctx, state.run_id, SWEEPER, seen_seq=1)
+
+    # Then it takes the run over and resumes it now (no lease left behind for a whole
+    # lease period): the next event after the dead worker's is the resume
+    assert done.outcome in ("next", "completed"), done
+    types = [e.type for e in ctx.runs.events(state.run_id)]
+    assert types[2] == "run.resumed"
     assert ctx.runs.orphaned() == []
 
 
