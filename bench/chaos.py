@@ -246,6 +246,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
 
     from tasks.queues import TURNS_QUEUE
     from worker.api import Ratchet
+    from worker.priorities import redis_lists
 
     celery = [sys.executable, "-m", "celery", "-A", "worker"]
     workers = [
@@ -305,7 +306,7 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
                     time.sleep(0.05)
                     continue
                 pids = group_pids(victim.popen.pid) | {victim.popen.pid}
-                backlog.append(int(broker.llen(TURNS_QUEUE)))
+                backlog.append(sum(int(broker.llen(name)) for name in redis_lists(TURNS_QUEUE)))
                 dead_pid = victim.popen.pid
                 victim.kill()
                 # From its death (kill returns once the worker is reaped): an event stamped

@@ -29,6 +29,14 @@ from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
 MAX_PRIORITY = 9
 
+REDIS_PRIORITY_SEP = "\x06\x16"
+"""kombu's Redis transport keeps a queue's step ``n`` > 0 in the list ``<queue>\\x06\\x16<n>``."""
+
+
+def redis_lists(queue: str) -> list[str]:
+    """The Redis lists holding ``queue``'s messages, one per priority step (0 is the queue's name)."""
+    return [f"{queue}{REDIS_PRIORITY_SEP}{n}" if n else queue for n in range(MAX_PRIORITY + 1)]
+
 
 def with_priorities(config: dict[str, Any], control_queue: str) -> dict[str, Any]:
     """``config`` (worker/app.py) with the broker's priorities switched on, where it has them."""

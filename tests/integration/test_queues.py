@@ -6,14 +6,12 @@ import redis
 
 from tasks.turn import run_turn
 from worker.app import CONTROL_QUEUE, TURNS_QUEUE, app
-
-PRIORITY_SEP = "\x06\x16"
-"""kombu's Redis transport keeps one list per priority step: ``<queue>``, ``<queue>\\x06\\x16<n>``."""
+from worker.priorities import redis_lists
 
 
 def messages_in(client: redis.Redis, queue: str) -> int:
     """Messages waiting in ``queue``, over all its priority lists (worker/priorities.py)."""
-    return sum(int(client.llen(f"{queue}{PRIORITY_SEP}{n}" if n else queue)) for n in range(10))
+    return sum(int(client.llen(name)) for name in redis_lists(queue))
 
 
 def test_a_turn_and_a_control_message_each_land_in_exactly_their_own_queue(redis_url: str) -> None:
