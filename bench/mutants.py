@@ -585,8 +585,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T15",
-        "tasks/turn.py",
-        "        if turn is None or not turn.released:\n            ctx.runs.release_lease(run_id, owner)\n",
+        "tasks/lease.py",
+        "        if held.taken and not held.released:\n            ctx.runs.release_lease(run_id, held.owner)\n",
         "        pass\n",
         TURN,
     ),
@@ -617,8 +617,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V1",
         "tasks/recovery.py",
-        "        if record is None or not live:\n",
-        "        if record is None:\n",
+        "    if record is None or not live:\n",
+        "    if record is None:\n",
         RECOVERY,
     ),
     Mutant(
@@ -746,8 +746,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "L6",
         "tasks/turn.py",
-        "    if claim.took_from is not None:\n",
-        "    if False:\n",
+        "        if held.took_from is not None:\n",
+        "        if False:\n",
         LIVENESS,
         k="dead_owners_lease",
     ),
