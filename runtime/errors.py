@@ -250,7 +250,7 @@ class LeaseHeld(RunBusy):
             expires_in_s,
         )
         self.run_id, self.status = run_id, ""
-        self.reason = f"lease held by {holder} for the {waited_s:g}s waited"
+        self.reason = f"{holder} holds its lease" + (f" (waited {waited_s:g}s)" if waited_s else "")
         self.holder, self.waited_s = holder, waited_s
 
 

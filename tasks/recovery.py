@@ -130,7 +130,8 @@ def resume(
     # Patience 0: a holder that is alive is advancing the run, which is then not orphaned.
     with lease.holding(ctx, run_id, owner, must=False, recovers=True) as held:
         if not held.taken:
-            log.info("%s: it is not orphaned; no resume", held.busy)
+            reason = held.busy.reason if held.busy is not None else "lease held"
+            log.info("run %s: %s, so it is not orphaned; no resume", run_id, reason)
             return Advanced("leased", -1, 0)
         took_over = owner is not None or held.took_from is not None
         resumed = _resume_holding(ctx, run_id, by, seen_seq, held.owner, took_over)

@@ -193,7 +193,8 @@ def advance(
             held.released = True  # the recovery lets the lease go itself
             return _recover_takeover(ctx, run_id, held.owner)
         if not held.taken:
-            log.info("%s; this delivery is a duplicate", held.busy)
+            reason = held.busy.reason if held.busy is not None else "lease held"
+            log.info("run %s: %s; this delivery is a duplicate", run_id, reason)
             return Advanced("leased", -1, 0)
         return _advance_holding(ctx, held, expected_seq)
 
