@@ -36,6 +36,7 @@ from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
 from tasks.settings import Settings
 from tasks.start import create_run
+from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from tests.workers import ROOT, redis_context
 
@@ -272,3 +273,22 @@ def test_a_cancel_that_keeps_losing_seq_races_says_so(tmp_path: Path) -> None:
     # and the races were real: five other writes landed, and no cancel
     types = [e.type for e in runs.events(run_id)]
     assert types.count("model.requested") == 5 and "run.cancelled" not in types
+
+
+@pytest.mark.timeout(60)
+def test_a_redelivered_turn_waits_past_its_patience_for_a_holder_whose_liveness_lapses_later(
+    tmp_path: Path,
+) -> None:
+    # Given a run held by a process whose liveness record (2 s) lapses well after a
+    # turn's patience (0.5 s): it died, but nothing can tell yet
+    ctx = memory_context(liveness_s=2.0, heartbeat_interval_s=0.1, lease_s=60.0)
+    run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund my order").run_id
+    ctx.runs.renew_liveness("dying-host:9:0ff", 2.0)
+    assert ctx.runs.claim_lease(run_id, "dying-host:9:0ff/t", 60).taken
+
+    # When a plain turn comes, it gives up after its patience: the holder may be alive
+    assert advance(ctx, run_id, 1).outcome == "leased"
+    # but a redelivered one waits on until the holder's liveness lapses, and takes over
+    done = advance(ctx, run_id, 1, redelivered=True)
+    assert done.outcome == "suspended"
+    assert [e.type for e in ctx.runs.events(run_id)][1] == "run.resumed"
