@@ -292,3 +292,33 @@ def test_a_redelivered_turn_waits_past_its_patience_for_a_holder_whose_liveness_
     done = advance(ctx, run_id, 1, redelivered=True)
     assert done.outcome == "suspended"
     assert [e.type for e in ctx.runs.events(run_id)][1] == "run.resumed"
+
+
+@pytest.mark.timeout(60)
+def test_an_operators_reconciliation_of_a_parked_run_whose_holder_died_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.recovery import reconcile
+    from tests.test_recovery import park_with_refund_in_flight, refund_agent
+
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
+    # Given a parked run whose lease a process that died still holds
+    ctx = memory_context(**SHORT)
+    run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    dead_owner(ctx, run_id)
+
+    # When an operator decides its open call
+    chained: list[tuple[str, int]] = []
+    state = reconcile(
+        ctx,
+        run_id,
+        call_id,
+        "fail",
+        reason="the bank refused it",
+        enqueue=lambda r, s: chained.append((r, s)),
+    )
+
+    # Then it is recorded and the run goes on (it was refused as "leased" before)
+    assert ctx.runs.events(run_id)[-1].type == "tool.reconciled"
+    assert chained == [(run_id, state.seq)]
+    assert ctx.runs.lease(run_id) is None
