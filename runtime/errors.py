@@ -235,13 +235,18 @@ class LeaseHeld(RunBusy):
             whose = "its process is alive, so it is advancing the run"
         else:
             whose = "its process has just stopped renewing its liveness (it may have died)"
+        waited = (
+            f"held its lease through the {waited_s:g}s this waited for it"
+            if waited_s
+            else "holds its lease (this did not wait for it)"
+        )
         expiry = (
             f", and the lease expires in {expires_in_s:.1f}s" if expires_in_s is not None else ""
         )
         RatchetError.__init__(
             self,
-            f"run {run_id} is busy: {holder} held its lease through the {waited_s:g}s this "
-            f"waited for it ({whose}{expiry}); {RETRY_BUSY}, or follow the run with "
+            f"run {run_id} is busy: worker {holder} {waited} ({whose}{expiry}); {RETRY_BUSY}, "
+            "or follow the run with "
             f"`ratchet runs events {run_id} --follow`",
             run_id,
             holder,

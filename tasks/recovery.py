@@ -124,7 +124,7 @@ def resume(
 ) -> Advanced:
     """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain.
 
-    The lease is taken from a holder whose process is dead (:mod:`tasks.liveness`);
+    The lease is taken also from a holder whose process is dead (:mod:`tasks.lease`);
     ``owner``: a turn that already took it so passes its owner id.
     """
     # Patience 0: a holder that is alive is advancing the run, which is then not orphaned.
@@ -135,18 +135,18 @@ def resume(
             return Advanced("leased", -1, 0)
         took_over = owner is not None or held.took_from is not None
         resumed = _resume_holding(ctx, run_id, by, seen_seq, held.owner, took_over)
-        if resumed is None or resumed.outcome != "resumed":
-            return resumed or Advanced("fenced", -1, 0)
+        if isinstance(resumed, Advanced):
+            return resumed
         held.released = True  # the turn below holds it on and lets it go
     # Still holding the lease, take the turn from the state after the last checkpoint.
-    return advance(ctx, run_id, resumed.seq, owner=held.owner)
+    return advance(ctx, run_id, resumed, owner=held.owner)
 
 
 def _resume_holding(
     ctx: Context, run_id: str, by: str, seen_seq: int | None, owner: str, took_over: bool
-) -> Advanced | None:
-    """:func:`resume`'s decision under the lease: ``resumed`` at the seq to take the turn
-    from, or what it did instead (None: fenced, the lease was lost)."""
+) -> Advanced | int:
+    """:func:`resume`'s decision under the lease: the seq of the recorded ``run.resumed``
+    to take the turn from, or what it did instead (refused, stale, dead-lettered, fenced)."""
     try:
         state, events, verdict = examine(ctx, run_id)
         seq = state.seq if state is not None else _last_seq(ctx, run_id)
@@ -178,10 +178,10 @@ def _resume_holding(
             ctx, state, [("run.resumed", {"by": by, "attempt": attempt})], owner
         )
         log.info("run %s: resumed by %s at seq %s (attempt %s)", run_id, by, state.seq, attempt)
-        return Advanced("resumed", resumed.seq, resumed.usage.model_turns)
+        return resumed.seq
     except (LeaseLost, StaleWrite) as exc:
         log.warning("%s", exc)
-        return None
+        return Advanced("fenced", -1, 0)
 
 
 def _resume_taken_over(ctx: Context, run_id: str, owner: str) -> Advanced:

@@ -211,7 +211,7 @@ def test_a_lease_held_by_a_live_worker_is_refused_naming_the_holder_and_the_wait
         beating.join()
     # Then it is refused, saying who holds it, that it is alive, and how long it waited
     message = str(caught.value)
-    assert message.startswith(f"run {run_id} is busy: busy-host:7:cafe/t held its lease")
+    assert message.startswith(f"run {run_id} is busy: worker busy-host:7:cafe/t held its lease")
     assert "through the 0.2s this waited for it" in message
     assert "its process is alive, so it is advancing the run" in message
     assert "the lease expires in" in message
@@ -230,7 +230,7 @@ def test_a_lease_whose_holder_keeps_no_liveness_record_says_only_its_expiry_ends
         with lease.holding(ctx, run_id):
             raise AssertionError("the lease is held")
     message = str(caught.value)
-    assert "an-old-worker held its lease through the 0s this waited" in message
+    assert f"run {run_id} is busy: worker an-old-worker holds its lease (this did not" in message
     assert "keeps no liveness record, so only the lease's expiry ends it" in message
 
 
