@@ -38,6 +38,7 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
+from tests.test_liveness import dead_owner
 from tests.workers import ROOT, redis_context
 
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
@@ -58,26 +59,10 @@ time.sleep(600)
 """A worker process that takes a run's lease (beating its liveness) and is then SIGKILLed."""
 
 
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
-
-
 def suspended_run(ctx: Context, tmp_path: Path, extra: str = "") -> str:
     run_id = create_run(ctx, write_agent(tmp_path, ASK, extra=extra), "refund my order").run_id
     assert drive(ctx, run_id).outcome == "suspended"
     return run_id
-
-
-def dead_owner(ctx: Context, run_id: str, name: str = "gone-host:4242:deadbeef") -> str:
-    """A lease on ``run_id`` held by a process that beat once and then died."""
-    ctx.runs.renew_liveness(name, 0.05)
-    owner = f"{name}/attempt"
-    assert ctx.runs.claim_lease(run_id, owner, 60).taken
-    wait_until("its liveness lapses", lambda: owner in [o.owner for o in ctx.runs.orphaned()])
-    return owner
 
 
 @pytest.fixture
