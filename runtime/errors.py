@@ -17,7 +17,10 @@
     │   ├── SuspensionAlreadyAnswered  a second, different answer to one suspension
     │   ├── SuspensionMismatch    the continuation names another suspension than the current
     │   ├── SuspensionExpired     the run waited longer than its max_suspended_s
-    │   └── RunBusy               another worker holds the run's lease right now
+    │   └── RunBusy               the run is in another worker's hands right now: try again
+    │       ├── LeaseHeld         a live worker held its lease through all this one waited
+    │       ├── RunMoving         every write this tried lost its seq race to other writers
+    │       └── HolderDied        its holder died mid-turn: taken over, a resume is on its way
     ├── InvalidContinuation       a continuation's answer is not acceptable (size, blank, UTF-8)
     ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
@@ -201,17 +204,89 @@ class SuspensionExpired(RunRefused):
         self.reason = f"waited {waited_s:g}s, over max_suspended_s {max_suspended_s:g}"
 
 
+RETRY_BUSY = "try again in a moment (a control message is retried by itself)"
+
+
 class RunBusy(RunRefused):
-    def __init__(self, run_id: str, status: str, waited_s: float) -> None:
+    """Nothing was done: the run is in another worker's hands right now. Try again.
+
+    ``status`` is the run's status as last read (None when it was not read).
+    """
+
+    def __init__(self, run_id: str, cause: str, status: str | None = None) -> None:
+        RatchetError.__init__(
+            self, f"run {run_id} is busy: {cause}; {RETRY_BUSY}", run_id, cause, status
+        )
+        self.run_id, self.status, self.reason = run_id, status or "", cause
+
+
+class LeaseHeld(RunBusy):
+    def __init__(
+        self,
+        run_id: str,
+        holder: str,
+        waited_s: float,
+        holder_alive: bool | None,
+        expires_in_s: float | None,
+    ) -> None:
+        if holder_alive is None:
+            whose = "its process keeps no liveness record, so only the lease's expiry ends it"
+        elif holder_alive:
+            whose = "its process is alive, so it is advancing the run"
+        else:
+            whose = "its process has just stopped renewing its liveness (it may have died)"
+        waited = (
+            f"held its lease through the {waited_s:g}s this waited for it"
+            if waited_s
+            else "holds its lease (this did not wait for it)"
+        )
+        expiry = (
+            f", and the lease expires in {expires_in_s:.1f}s" if expires_in_s is not None else ""
+        )
         RatchetError.__init__(
             self,
-            f"run {run_id} is {status}: another worker held its lease for {waited_s:g}s; "
-            "try again in a moment (a message is retried by itself)",
+            f"run {run_id} is busy: worker {holder} {waited} ({whose}{expiry}); {RETRY_BUSY}, "
+            "or follow the run with "
+            f"`ratchet runs events {run_id} --follow`",
             run_id,
-            status,
+            holder,
             waited_s,
+            holder_alive,
+            expires_in_s,
         )
-        self.run_id, self.status, self.reason = run_id, status, "lease held by another worker"
+        self.run_id, self.status = run_id, ""
+        self.reason = f"{holder} holds its lease" + (f" (waited {waited_s:g}s)" if waited_s else "")
+        self.holder, self.waited_s = holder, waited_s
+
+
+class RunMoving(RunBusy):
+    def __init__(self, run_id: str, races: int) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is busy: this write lost {races} seq races in a row (each time "
+            f"another writer, a turn in progress, appended first); {RETRY_BUSY}",
+            run_id,
+            races,
+        )
+        self.run_id, self.status = run_id, ""
+        self.reason = f"lost {races} seq races"
+        self.races = races
+
+
+class HolderDied(RunBusy):
+    def __init__(self, run_id: str, holder: str, status: str) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is busy: its lease holder {holder} died mid-turn (status {status}); "
+            "the lease was taken from it and a resume enqueued to recover the run first — "
+            f"{RETRY_BUSY} once the run is resumed (`ratchet runs show {run_id}`)",
+            run_id,
+            holder,
+            status,
+        )
+        self.run_id, self.status = run_id, status
+        self.reason = f"lease holder {holder} died mid-turn; a resume is enqueued"
+        self.holder = holder
 
 
 class InvalidContinuation(RatchetError):

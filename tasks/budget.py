@@ -14,8 +14,8 @@ from runtime.budget import plan_raise
 from runtime.errors import RunNotFound
 from runtime.models import RunState, validate_run_id
 from tasks.context import Context
-from tasks.control import holding_lease
 from tasks.journal import append_events, load
+from tasks.lease import holding
 from tasks.queues import chain_turn
 
 
@@ -36,7 +36,8 @@ def raise_budgets(
     record = ctx.runs.get(run_id)
     if record is None:
         raise RunNotFound(run_id)
-    with holding_lease(ctx, record) as owner:
+    with holding(ctx, run_id, patience_s=ctx.settings.lease_s) as held:
+        owner = held.owner
         state = load(ctx, run_id).state
         last = ctx.runs.events(run_id, after_seq=state.seq - 1, limit=1)[0]
         data = plan_raise(state, last, changes, by, reason, ctx.runs.clock())

@@ -9,11 +9,13 @@ bound to Celery's default routing key, and every message would land in both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kombu.entity import Exchange, Queue
 
-from tasks.task_base import sending_app
+from runtime.errors import RunBusy, StoreUnavailable
+from tasks.task_base import ratchet_task, sending_app
 
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
@@ -34,6 +36,27 @@ ROUTES: dict[str, str] = {
     "ratchet.deliver": CONTROL_QUEUE,
 }
 """The queue of each ratchet task (an app's ``task_routes``)."""
+
+CONTROL_TASK_OPTIONS: dict[str, Any] = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "ignore_result": True,
+    # A run busy with a turn, or a store briefly away: ask again, backing off up to 30 s.
+    "autoretry_for": (RunBusy, StoreUnavailable),
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "max_retries": 20,
+}
+"""What every task of the control queue is declared with (:func:`control_task`)."""
+
+
+def control_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """Declare a task of the control queue: :func:`~tasks.task_base.ratchet_task` with
+    :data:`CONTROL_TASK_OPTIONS`, for a name :data:`ROUTES` sends to ``ratchet.control``."""
+    name = options["name"]
+    if ROUTES.get(name) != CONTROL_QUEUE:
+        raise ValueError(f"{name} is not routed to {CONTROL_QUEUE}: add it to ROUTES first")
+    return ratchet_task(**{**CONTROL_TASK_OPTIONS, **options})
 
 
 def chain_turn(run_id: str, seq: int) -> None:

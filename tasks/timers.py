@@ -17,10 +17,9 @@ from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
-from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from tasks.queues import CONTROL_QUEUE, chain_turn
-from tasks.task_base import ratchet_task
+from tasks.lease import holding
+from tasks.queues import CONTROL_QUEUE, chain_turn, control_task
 
 log = logging.getLogger("ratchet.timers")
 
@@ -37,7 +36,7 @@ def wake_at(run_id: str, seq: int, at_ms: int, now_ms: int) -> None:
     wake_run.apply_async((run_id, seq), countdown=countdown_s, queue=CONTROL_QUEUE)
 
 
-@ratchet_task(name="ratchet.wake", ignore_result=True)
+@control_task(name="ratchet.wake")
 def wake_run(run_id: str, seq: int) -> str:
     """Wake ``run_id`` if it is still waiting at ``seq`` and its time has come.
 
@@ -55,7 +54,8 @@ def wake(
     if record is None or record.last_seq != seq or record.status != RunStatus.WAITING:
         return "stale"
     try:
-        with holding_lease(ctx, record, wait_s=1.0) as owner:
+        with holding(ctx, run_id, patience_s=1.0) as held:
+            owner = held.owner
             state = load(ctx, run_id).state
             if state.seq != seq or not is_timer(state):
                 return "stale"

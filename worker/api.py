@@ -29,7 +29,8 @@ from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, vali
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
-from tasks.journal import Loaded, load, new_owner
+from tasks.journal import Loaded, load
+from tasks.lease import holding
 from tasks.start import start
 from tasks.turn import run_turn
 
@@ -249,16 +250,13 @@ class Ratchet:
 
     @contextmanager
     def _lease_if_free(self, run_id: str) -> Iterator[bool]:
-        """Hold the run's lease for a moment if no worker does; whether it is held."""
-        owner = new_owner()
-        held = self.ctx.runs.acquire_lease(
-            validate_run_id(run_id), owner, self.ctx.settings.lease_s
-        )
-        try:
-            yield held
-        finally:
-            if held:
-                self.ctx.runs.release_lease(run_id, owner)
+        """Hold the run's lease for a moment if no live worker does; whether it is held.
+
+        A dead worker's lease is taken over (:mod:`tasks.lease`); one that left its run
+        mid-turn is not held here, and a resume of it is enqueued.
+        """
+        with holding(self.ctx, validate_run_id(run_id), must=False) as held:
+            yield held.taken
 
     def snapshot_document(self, run_id: str) -> bytes | None:
         """The run's snapshot exactly as stored, or None (finished runs have none)."""
