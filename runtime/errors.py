@@ -22,6 +22,7 @@
     ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
     ├── RunStateLost              no usable snapshot, and the events cannot rebuild the state
+    ├── EventsDoNotFold           an event cannot follow the run's state (also a ValueError)
     ├── ToolModuleChanged         a tool module changed on disk after this worker imported it
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
@@ -253,6 +254,29 @@ class RunStateLost(RatchetError):
             problem,
         )
         self.run_id, self.problem = run_id, problem
+
+
+class EventsDoNotFold(RatchetError, ValueError):
+    """A run's events cannot be folded: an impossible sequence, an unknown type, bad data.
+
+    Also a ``ValueError``, as :func:`runtime.fsm.apply` raised before it had a type.
+    ``where`` (``event at seq 5: …``) is the short form a wrapping message quotes.
+    """
+
+    def __init__(self, run_id: str | None, seq: int, problem: str) -> None:
+        run = f"run {run_id}" if run_id else "a run"
+        shown = run_id or "RUN"
+        super().__init__(
+            f"{run}: the event at seq {seq} cannot follow the state before it ({problem}); "
+            "the log was edited or written by a build this one cannot read: read it with "
+            f"`ratchet runs events {shown}`, run a worker of the build that wrote it, "
+            "or start the run again",
+            run_id,
+            seq,
+            problem,
+        )
+        self.run_id, self.seq, self.problem = run_id, seq, problem
+        self.where = f"event at seq {seq}: {problem}"
 
 
 class SnapshotError(RatchetError):
