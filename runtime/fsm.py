@@ -480,25 +480,29 @@ Action = CallModel | RunTool | Unresolved | StartChild | RefuseCall | Suspend | 
 def _check_deadline(state: RunState, now_ms: int) -> None:
     if now_ms > state.deadline_ms:
         running_s = (now_ms - state.created_at_ms - state.suspended_ms) / 1000
-        raise BudgetExhausted("timeout_seconds", round(running_s, 1), state.budgets.timeout_seconds)
+        raise BudgetExhausted(
+            state.run_id, "timeout_seconds", round(running_s, 1), state.budgets.timeout_seconds
+        )
 
 
 def check_model_budgets(state: RunState, now_ms: int) -> None:
     b, u = state.budgets, state.usage
     if u.model_attempts >= b.max_turns:
-        raise BudgetExhausted("max_turns", u.model_attempts, b.max_turns)
+        raise BudgetExhausted(state.run_id, "max_turns", u.model_attempts, b.max_turns)
     if b.max_total_tokens is not None:
         if u.responses_without_usage:
-            raise BudgetUnenforceable("max_total_tokens", u.responses_without_usage)
+            raise BudgetUnenforceable(state.run_id, "max_total_tokens", u.responses_without_usage)
         if u.total_tokens >= b.max_total_tokens:
-            raise BudgetExhausted("max_total_tokens", u.total_tokens, b.max_total_tokens)
+            raise BudgetExhausted(
+                state.run_id, "max_total_tokens", u.total_tokens, b.max_total_tokens
+            )
     _check_deadline(state, now_ms)
 
 
 def check_tool_budgets(state: RunState, now_ms: int) -> None:
     if state.usage.tool_calls >= state.budgets.max_tool_calls:
         raise BudgetExhausted(
-            "max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls
+            state.run_id, "max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls
         )
     _check_deadline(state, now_ms)
 

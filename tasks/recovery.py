@@ -25,6 +25,7 @@ from typing import Any
 
 from runtime.agent import describe_binding_change
 from runtime.errors import (
+    InvalidRequest,
     LeaseLost,
     RatchetError,
     RunRefused,
@@ -367,9 +368,13 @@ def reconcile(
     """
     run_id = validate_run_id(run_id)
     if decision not in DECISIONS:
-        raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
+        raise InvalidRequest(
+            f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}", run_id
+        )
     if decision == "fail" and not (reason or "").strip():
-        raise ValueError("--fail needs a reason: what the model will read as the call's error")
+        raise InvalidRequest(
+            "--fail needs a reason: what the model will read as the call's error", run_id
+        )
     owner = new_owner()
     if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
         raise RunRefused(run_id, "leased", "a worker holds its lease; try again in a moment")

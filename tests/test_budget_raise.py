@@ -44,7 +44,7 @@ def test_a_run_stopped_on_max_turns_completes_after_a_top_up_with_its_audit_reco
     run_id = stopped_on_turns(ctx, tmp_path)
     failed = state_of(ctx, run_id)
     assert failed.error is not None and failed.error.startswith("budget `max_turns` exhausted")
-    assert "ratchet runs budget RUN --max-turns +N" in failed.error
+    assert f"ratchet runs budget {run_id} --max-turns +N" in failed.error
     # When an operator gives it three more turns
     enqueued: list[tuple[str, int]] = []
     state = raise_budgets(
