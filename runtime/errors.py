@@ -30,6 +30,7 @@
     │   ├── SnapshotWrongKind
     │   ├── SnapshotUnsupportedVersion
     │   └── SnapshotTooLarge
+    ├── StoreUrlInvalid           a store URL no backend can open (also a ValueError)
     ├── StoreError                a backend failed; translated at the seam
     │   ├── StoreUnavailable      transient: the backend could not be reached
     │   │   └── StoreBusy         every pooled connection stayed busy: the pool is too small
@@ -378,6 +379,23 @@ class SnapshotTooLarge(SnapshotError):
             size,
             limit,
         )
+
+
+class StoreUrlInvalid(RatchetError, ValueError):
+    """A store URL that no backend can open as written; its password is never shown.
+
+    Also a ``ValueError``, as the store openers raised before it had a type.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        super().__init__(
+            f"store URL {redacted(url)} cannot be opened: {redacted(problem)}; correct the "
+            "setting (RATCHET_SNAPSHOT_STORE, RATCHET_RUN_STORE or RATCHET_REDIS_PREFIX) "
+            "and start again",
+            url,
+            problem,
+        )
+        self.problem = problem
 
 
 class StoreError(RatchetError):

@@ -39,6 +39,7 @@ from runtime.errors import (
     StartConflict,
     StoreBusy,
     StoreUnavailable,
+    StoreUrlInvalid,
     SuspensionAlreadyAnswered,
     SuspensionExpired,
     SuspensionMismatch,
@@ -135,6 +136,11 @@ CASES: dict[str, tuple[RatchetError, str | None, str]] = {
         "upgrade ratchet on this worker",
     ),
     "SnapshotTooLarge": (SnapshotTooLarge(RUN, 9_000_000, 8_000_000), RUN, "lower max_turns"),
+    "StoreUrlInvalid": (
+        StoreUrlInvalid("sqlite://host/runs.db", "use three slashes for a path"),
+        None,
+        "correct the setting (RATCHET_SNAPSHOT_STORE, RATCHET_RUN_STORE",
+    ),
     "StoreUnavailable": (
         StoreUnavailable("run store redis://127.0.0.1:6379/0", "Connection refused", RUN),
         RUN,
@@ -233,8 +239,24 @@ def test_a_password_in_a_store_url_is_never_shown() -> None:
 
 
 def test_domain_refusals_are_ratchet_errors_and_still_value_errors() -> None:
-    for error in (CASES["InvalidRequest"][0], CASES["EventsDoNotFold"][0]):
+    for name in ("InvalidRequest", "EventsDoNotFold", "StoreUrlInvalid"):
+        error = CASES[name][0]
         assert isinstance(error, RatchetError) and isinstance(error, ValueError)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite://host/runs.db",
+        "postgres://ana:hunter2@127.0.0.1/db",
+        "redis://ana:hunter2@127.0.0.1:1/0?max_connections=zero",
+    ],
+)
+def test_a_store_url_no_backend_opens_is_a_ratchet_error_without_its_password(url: str) -> None:
+    # What the CLI prints as a one-line refusal: a ValueError it would not catch
+    with pytest.raises(StoreUrlInvalid) as refused:
+        open_run_store(url)
+    assert "hunter2" not in str(refused.value) and "correct the setting" in str(refused.value)
 
 
 @pytest.mark.parametrize("kind", ["run store", "snapshot store"])
