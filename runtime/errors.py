@@ -388,8 +388,9 @@ class StoreUrlInvalid(RatchetError, ValueError):
     """
 
     def __init__(self, url: str, problem: str) -> None:
+        url, problem = redacted(url), redacted(problem)  # the arguments a pickle carries too
         super().__init__(
-            f"store URL {redacted(url)} cannot be opened: {redacted(problem)}; correct the "
+            f"store URL {url} cannot be opened: {problem}; correct the "
             "setting (RATCHET_SNAPSHOT_STORE, RATCHET_RUN_STORE or RATCHET_REDIS_PREFIX) "
             "and start again",
             url,
@@ -413,6 +414,7 @@ class StoreUnavailable(StoreError):
     """The backend could not be reached; ``run_id`` is the run the call was for, if one."""
 
     def __init__(self, store: str, problem: str, run_id: str | None = None) -> None:
+        store, problem = redacted(store), redacted(problem)  # the arguments a pickle carries too
         super().__init__(
             f"{_of_run(run_id)}{store} is unavailable: {problem}; check that it is running "
             "and reachable"
@@ -437,6 +439,7 @@ class StoreBusy(StoreUnavailable):
     def __init__(
         self, store: str, max_connections: int, waited_s: float, run_id: str | None = None
     ) -> None:
+        store = redacted(store)
         StoreError.__init__(
             self,
             f"{_of_run(run_id)}{store}: all {max_connections} pooled connections stayed busy "

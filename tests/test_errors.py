@@ -236,6 +236,9 @@ def test_a_password_in_a_store_url_is_never_shown() -> None:
     assert "hunter2" not in message
     assert "redis://ratchet:***@127.0.0.1:6379/0" in message and "password=***" in message
     assert "hunter2" not in str(pickle.loads(pickle.dumps(error)))
+    # nor in what pickling carries, nor in the attributes a log formatter may read
+    assert b"hunter2" not in pickle.dumps(error)
+    assert "hunter2" not in error.store + error.problem
 
 
 def test_domain_refusals_are_ratchet_errors_and_still_value_errors() -> None:
@@ -257,6 +260,7 @@ def test_a_store_url_no_backend_opens_is_a_ratchet_error_without_its_password(ur
     with pytest.raises(StoreUrlInvalid) as refused:
         open_run_store(url)
     assert "hunter2" not in str(refused.value) and "correct the setting" in str(refused.value)
+    assert b"hunter2" not in pickle.dumps(refused.value)
 
 
 @pytest.mark.parametrize("kind", ["run store", "snapshot store"])
