@@ -277,7 +277,8 @@ class InvalidContinuation(RatchetError):
 class MalformedContinuation(RatchetError):
     def __init__(self, problem: str) -> None:
         super().__init__(
-            f"continuation message refused: {problem}; expected a JSON object like "
+            f"continuation message refused: {problem}; it is kept in `ratchet rejected list` — "
+            "send the answer again as a JSON object like "
             '{"run_id": "…", "input": "…", "continuation_id": "…"} or '
             '{"run_id": "…", "approve": true} or {"run_id": "…", "deny": "reason"}',
             problem,

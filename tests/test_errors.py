@@ -103,7 +103,7 @@ CASES: dict[str, tuple[RatchetError, str | None, str]] = {
     "MalformedContinuation": (
         MalformedContinuation("`run_id` is missing"),
         None,
-        "expected a JSON object like",
+        "send the answer again as a JSON object like",
     ),
     "BindingChanged": (
         BindingChanged(RUN, "refund-desk", "the model changed"),
