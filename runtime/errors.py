@@ -341,8 +341,8 @@ class SnapshotMalformed(SnapshotError):
     def __init__(self, where: str, problem: str) -> None:
         super().__init__(
             f"{where} is not a ratchet snapshot: {problem}; a worker sets it aside and "
-            "rebuilds the run from its events — if they cannot rebuild it either, "
-            "`ratchet runs events RUN` shows them",
+            "rebuilds the run from its events, so there is nothing to do unless that fails "
+            "too (`ratchet runs events` then shows them)",
             where,
             problem,
         )
