@@ -287,3 +287,18 @@ def test_a_redis_store_that_cannot_be_reached_names_the_run_and_hides_the_passwo
     message = str(refused.value)
     assert message.startswith(f"run {RUN}: ") and f"`ratchet runs resume {RUN}`" in message
     assert "hunter2" not in message and "ratchet:***@" in message
+
+
+def test_a_setting_read_outside_the_settings_model_is_a_config_invalid_naming_it() -> None:
+    from runtime.errors import ConfigInvalid
+    from tasks import failpoints, tracing
+
+    for value in ("bogus", "tool.requested@x"):
+        with pytest.raises(ConfigInvalid) as refused:
+            failpoints._parse(value)
+        assert refused.value.variable == "RATCHET_FAILPOINT" and "or unset it" in str(refused.value)
+    for name in ("no-colon", "no_such_module_here:factory"):
+        with pytest.raises(ConfigInvalid) as refused:
+            tracing._exporter(name)
+        assert refused.value.variable == "RATCHET_OTEL_EXPORTER"
+        assert "give otlp, console or module:callable" in str(refused.value)
