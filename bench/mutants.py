@@ -103,8 +103,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "F5",
         "runtime/fsm.py",
-        "b.max_total_tokens)\n    _check_deadline(state, now_ms)\n",
-        "b.max_total_tokens)\n",
+        "b.max_total_tokens\n            )\n    _check_deadline(state, now_ms)\n",
+        "b.max_total_tokens\n            )\n",
         FSM,
     ),
     Mutant(

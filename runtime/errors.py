@@ -11,6 +11,7 @@
     │   ├── BudgetExhausted       a budget or the deadline does not allow the next step
     │   └── BudgetUnenforceable   a token budget with responses that reported no usage
     ├── InvalidInput              a run's input (or its idempotency key) is refused
+    ├── InvalidRequest            a command, option or call is refused before anything changes
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
@@ -25,12 +26,14 @@
     ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
     ├── RunStateLost              no usable snapshot, and the events cannot rebuild the state
+    ├── EventsDoNotFold           an event cannot follow the run's state (also a ValueError)
     ├── ToolModuleChanged         a tool module changed on disk after this worker imported it
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
     │   ├── SnapshotWrongKind
     │   ├── SnapshotUnsupportedVersion
     │   └── SnapshotTooLarge
+    ├── StoreUrlInvalid           a store URL no backend can open (also a ValueError)
     ├── StoreError                a backend failed; translated at the seam
     │   ├── StoreUnavailable      transient: the backend could not be reached
     │   │   └── StoreBusy         every pooled connection stayed busy: the pool is too small
@@ -48,7 +51,20 @@ Celery's serialisation of task failures.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*):[^@\s/]*@", re.IGNORECASE)
+_QUERY_SECRET = re.compile(r"\b(password|secret|token|key)=[^&\s]*", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """``text`` with every URL's password, and every ``password=…`` query value, masked."""
+    return _QUERY_SECRET.sub(r"\1=***", _URL_PASSWORD.sub(r"\1:***@", text))
+
+
+def _of_run(run_id: str | None) -> str:
+    return f"run {run_id}: " if run_id else ""
 
 
 class RatchetError(Exception):
@@ -64,13 +80,23 @@ class RatchetError(Exception):
 
 class AgentFileError(RatchetError):
     def __init__(self, path: str, key: str, problem: str) -> None:
-        super().__init__(f"{path}: `{key}`: {problem}", path, key, problem)
+        super().__init__(
+            f"{path}: `{key}`: {problem} (fix the agent file, then run the command again)",
+            path,
+            key,
+            problem,
+        )
         self.path, self.key, self.problem = path, key, problem
 
 
 class ToolError(RatchetError):
     def __init__(self, reference: str, problem: str) -> None:
-        super().__init__(f"tool `{reference}`: {problem}", reference, problem)
+        super().__init__(
+            f"tool `{reference}`: {problem} (fix the tool or the agent file's `tools`, then "
+            "run the command again)",
+            reference,
+            problem,
+        )
 
 
 class ProviderError(RatchetError):
@@ -100,37 +126,60 @@ class BudgetError(RatchetError):
 
 
 class BudgetExhausted(BudgetError):
-    def __init__(self, budget: str, used: float, limit: float) -> None:
+    def __init__(self, run_id: str, budget: str, used: float, limit: float) -> None:
         super().__init__(
-            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give the run more "
-            f"with `ratchet runs budget RUN --{budget.replace('_', '-')} +N --reason WHY`, "
+            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give run {run_id} more "
+            f"with `ratchet runs budget {run_id} --{budget.replace('_', '-')} +N --reason WHY`, "
             "or raise it in the agent file for new runs",
+            run_id,
             budget,
             used,
             limit,
         )
-        self.budget, self.used, self.limit = budget, used, limit
+        self.run_id, self.budget, self.used, self.limit = run_id, budget, used, limit
 
 
 class BudgetUnenforceable(BudgetError):
     """A token budget cannot be checked: the provider did not report usage."""
 
-    def __init__(self, budget: str, responses: int) -> None:
+    def __init__(self, run_id: str, budget: str, responses: int) -> None:
         super().__init__(
-            f"budget `{budget}` cannot be enforced: {responses} model response(s) reported "
-            "no token usage, and ratchet does not guess; use a provider that reports usage "
-            "or remove the budget, then start a new run",
+            f"run {run_id}: budget `{budget}` cannot be enforced: {responses} model response(s) "
+            "reported no token usage, and ratchet does not guess; use a provider that reports "
+            "usage or remove the budget, then start a new run",
+            run_id,
             budget,
             responses,
         )
-        self.budget, self.responses = budget, responses
+        self.run_id, self.budget, self.responses = run_id, budget, responses
 
 
 class InvalidInput(RatchetError):
     """A run's input, or the key that starts it once, is refused before anything is recorded."""
 
     def __init__(self, problem: str) -> None:
-        super().__init__(f"run input refused: {problem}", problem)
+        super().__init__(
+            f"run input refused: {problem}; nothing was recorded — correct it and start the run "
+            "again",
+            problem,
+        )
+
+
+class InvalidRequest(RatchetError, ValueError):
+    """An operator's command, option or call is refused before anything changes.
+
+    Also a ``ValueError``, as these refusals were before they had a type. ``problem``
+    says what is wrong and, where it can, what would be accepted.
+    """
+
+    def __init__(self, problem: str, run_id: str | None = None) -> None:
+        super().__init__(
+            f"{_of_run(run_id)}{problem}; nothing was changed — correct it and try again "
+            "(`--help` lists a command's options)",
+            problem,
+            run_id,
+        )
+        self.problem, self.run_id = problem, run_id
 
 
 class InvalidRunId(RatchetError):
@@ -291,14 +340,20 @@ class HolderDied(RunBusy):
 
 class InvalidContinuation(RatchetError):
     def __init__(self, run_id: str, problem: str) -> None:
-        super().__init__(f"continuation for run {run_id} refused: {problem}", run_id, problem)
+        super().__init__(
+            f"continuation for run {run_id} refused: {problem}; correct the answer and send it "
+            f"again (`ratchet runs show {run_id}` shows what the run asks)",
+            run_id,
+            problem,
+        )
         self.run_id, self.problem = run_id, problem
 
 
 class MalformedContinuation(RatchetError):
     def __init__(self, problem: str) -> None:
         super().__init__(
-            f"continuation message refused: {problem}; expected a JSON object like "
+            f"continuation message refused: {problem}; it is kept in `ratchet rejected list` — "
+            "send the answer again as a JSON object like "
             '{"run_id": "…", "input": "…", "continuation_id": "…"} or '
             '{"run_id": "…", "approve": true} or {"run_id": "…", "deny": "reason"}',
             problem,
@@ -330,13 +385,42 @@ class RunStateLost(RatchetError):
         self.run_id, self.problem = run_id, problem
 
 
+class EventsDoNotFold(RatchetError, ValueError):
+    """A run's events cannot be folded: an impossible sequence, an unknown type, bad data.
+
+    Also a ``ValueError``, as :func:`runtime.fsm.apply` raised before it had a type.
+    ``where`` (``event at seq 5: …``) is the short form a wrapping message quotes.
+    """
+
+    def __init__(self, run_id: str | None, seq: int, problem: str) -> None:
+        run = f"run {run_id}" if run_id else "a run"
+        shown = run_id or "RUN"
+        super().__init__(
+            f"{run}: the event at seq {seq} cannot follow the state before it ({problem}); "
+            "the log was edited or written by a build this one cannot read: read it with "
+            f"`ratchet runs events {shown}`, run a worker of the build that wrote it, "
+            "or start the run again",
+            run_id,
+            seq,
+            problem,
+        )
+        self.run_id, self.seq, self.problem = run_id, seq, problem
+        self.where = f"event at seq {seq}: {problem}"
+
+
 class SnapshotError(RatchetError):
     """A snapshot document cannot be used."""
 
 
 class SnapshotMalformed(SnapshotError):
     def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} is not a ratchet snapshot: {problem}", where, problem)
+        super().__init__(
+            f"{where} is not a ratchet snapshot: {problem}; a worker sets it aside and "
+            "rebuilds the run from its events, so there is nothing to do unless that fails "
+            "too (`ratchet runs events` then shows them)",
+            where,
+            problem,
+        )
 
 
 class SnapshotWrongKind(SnapshotError):
@@ -373,17 +457,53 @@ class SnapshotTooLarge(SnapshotError):
         )
 
 
+class StoreUrlInvalid(RatchetError, ValueError):
+    """A store URL that no backend can open as written; its password is never shown.
+
+    Also a ``ValueError``, as the store openers raised before it had a type.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        url, problem = redacted(url), redacted(problem)  # the arguments a pickle carries too
+        super().__init__(
+            f"store URL {url} cannot be opened: {problem}; correct the "
+            "setting (RATCHET_SNAPSHOT_STORE, RATCHET_RUN_STORE or RATCHET_REDIS_PREFIX) "
+            "and start again",
+            url,
+            problem,
+        )
+        self.problem = problem
+
+
 class StoreError(RatchetError):
-    """A store backend failed. Backends translate their own errors into these."""
+    """A store backend failed. Backends translate their own errors into these.
+
+    A message never shows a password: one in a URL, or a ``password=`` query value,
+    is masked (:func:`redacted`) whatever the backend put in it.
+    """
+
+    def __init__(self, message: str, *args: Any) -> None:
+        super().__init__(redacted(message), *args)
 
 
 class StoreUnavailable(StoreError):
-    def __init__(self, store: str, problem: str) -> None:
+    """The backend could not be reached; ``run_id`` is the run the call was for, if one."""
+
+    def __init__(self, store: str, problem: str, run_id: str | None = None) -> None:
+        store, problem = redacted(store), redacted(problem)  # the arguments a pickle carries too
         super().__init__(
-            f"{store} is unavailable: {problem}; check that it is running and reachable",
+            f"{_of_run(run_id)}{store} is unavailable: {problem}; check that it is running "
+            "and reachable"
+            + (f", then `ratchet runs resume {run_id}` if the run stalled" if run_id else ""),
             store,
             problem,
+            run_id,
         )
+        self.store, self.problem, self.run_id = store, problem, run_id
+
+    def for_run(self, run_id: str) -> StoreUnavailable:
+        """The same error, naming the run the failed call was for."""
+        return StoreUnavailable(self.store, self.problem, run_id)
 
 
 class StoreBusy(StoreUnavailable):
@@ -392,25 +512,34 @@ class StoreBusy(StoreUnavailable):
     The server may be fine: more calls use the store at once than the pool allows.
     """
 
-    def __init__(self, store: str, max_connections: int, waited_s: float) -> None:
+    def __init__(
+        self, store: str, max_connections: int, waited_s: float, run_id: str | None = None
+    ) -> None:
+        store = redacted(store)
         StoreError.__init__(
             self,
-            f"{store}: all {max_connections} pooled connections stayed busy for {waited_s:g} s; "
-            "this process makes more store calls at once than its pool allows — add "
-            "`?max_connections=N` to the store URL (N above the worker's concurrency) or "
-            "lower the concurrency",
+            f"{_of_run(run_id)}{store}: all {max_connections} pooled connections stayed busy "
+            f"for {waited_s:g} s; this process makes more store calls at once than its pool "
+            "allows — add `?max_connections=N` to the store URL (N above the worker's "
+            "concurrency) or lower the concurrency",
             store,
             max_connections,
             waited_s,
+            run_id,
         )
         self.store, self.max_connections, self.waited_s = store, max_connections, waited_s
+        self.problem, self.run_id = "every pooled connection stayed busy", run_id
+
+    def for_run(self, run_id: str) -> StoreBusy:
+        return StoreBusy(self.store, self.max_connections, self.waited_s, run_id)
 
 
 class StaleWrite(StoreError):
     def __init__(self, run_id: str, expected_seq: int | None, found_seq: int | None) -> None:
         super().__init__(
             f"run {run_id}: write expected seq {expected_seq} but the store holds "
-            f"{found_seq}; another worker advanced the run — this write is dropped",
+            f"{found_seq}; another worker advanced the run — this write is dropped, and there is "
+            "nothing to do: the newer write stands",
             run_id,
             expected_seq,
             found_seq,
@@ -422,7 +551,8 @@ class LeaseLost(StoreError):
     def __init__(self, run_id: str, owner: str) -> None:
         super().__init__(
             f"run {run_id}: worker {owner} no longer holds the run's lease "
-            "(it expired and another worker may have taken over); stopping without writing",
+            "(it expired and another worker may have taken over); stopping without writing — "
+            "nothing to do: the lease holder, or the sweeper after it, carries the run on",
             run_id,
             owner,
         )

@@ -21,9 +21,12 @@ share one server.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from runtime.errors import StoreUrlInvalid
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
@@ -31,14 +34,25 @@ from store.snapshots import SnapshotStore
 def _path_of(url: str) -> Path:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"{url}: use three slashes for a path (`{parts.scheme}:///abs/path`)")
+        raise StoreUrlInvalid(url, f"use three slashes for a path (`{parts.scheme}:///abs/path`)")
     return Path(unquote(parts.path))
+
+
+@contextmanager
+def _opening(url: str) -> Iterator[None]:
+    """A backend's ValueError about its URL (a database number, a key prefix) as StoreUrlInvalid."""
+    try:
+        yield
+    except StoreUrlInvalid:
+        raise
+    except ValueError as exc:
+        raise StoreUrlInvalid(url, str(exc)) from exc
 
 
 def open_snapshot_store(
     url: str, *, redis_prefix: str = "ratchet", max_connections: int | None = None
 ) -> SnapshotStore:
-    """Open the snapshot store a URL names; ValueError names the URL and what is accepted.
+    """Open the snapshot store a URL names; StoreUrlInvalid names the URL and what is accepted.
 
     ``max_connections``: how many calls this process may make to the store at once
     (a worker passes its slots plus headroom); sizes the connection pool of the
@@ -57,23 +71,26 @@ def open_snapshot_store(
     if scheme in ("redis", "rediss", "unix"):
         from store.snapshots.redis import RedisSnapshotStore
 
-        return RedisSnapshotStore.from_url(
-            url, prefix=redis_prefix, max_connections=max_connections
-        )
+        with _opening(url):
+            return RedisSnapshotStore.from_url(
+                url, prefix=redis_prefix, max_connections=max_connections
+            )
     if scheme == "s3":
         from store.snapshots.s3 import S3SnapshotStore
 
-        return S3SnapshotStore.from_url(url)
-    raise ValueError(
-        f"snapshot store URL `{scheme}://…` is not one of memory://, file:///dir, "
-        "redis://host:port/db, s3://bucket/prefix"
+        with _opening(url):
+            return S3SnapshotStore.from_url(url)
+    raise StoreUrlInvalid(
+        url,
+        f"a snapshot store URL `{scheme}://…` is not one of memory://, file:///dir, "
+        "redis://host:port/db, s3://bucket/prefix",
     )
 
 
 def open_run_store(
     url: str, *, redis_prefix: str = "ratchet", max_connections: int | None = None
 ) -> RunStore:
-    """Open the run store a URL names; ValueError names the URL and what is accepted.
+    """Open the run store a URL names; StoreUrlInvalid names the URL and what is accepted.
 
     ``max_connections`` as for :func:`open_snapshot_store`.
     """
@@ -89,9 +106,12 @@ def open_run_store(
     if scheme in ("redis", "rediss", "unix"):
         from store.runs.redis import RedisRunStore
 
-        return RedisRunStore.from_url(url, prefix=redis_prefix, max_connections=max_connections)
-    raise ValueError(
-        f"run store URL `{scheme}://…` is not one of memory://, sqlite:///path, redis://host:port/db"
+        with _opening(url):
+            return RedisRunStore.from_url(url, prefix=redis_prefix, max_connections=max_connections)
+    raise StoreUrlInvalid(
+        url,
+        f"a run store URL `{scheme}://…` is not one of memory://, sqlite:///path, "
+        "redis://host:port/db",
     )
 
 

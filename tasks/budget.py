@@ -29,7 +29,7 @@ def raise_budgets(
 ) -> RunState:
     """Record ``run.budget_raised`` for ``changes`` (budget → ``+N`` or ``N``); the new state.
 
-    Raises RunNotFound, RunRefused (the run cannot be given more), ValueError (a
+    Raises RunNotFound, RunRefused (the run cannot be given more), InvalidRequest (a
     change that is not a raise), RunBusy (a worker holds the lease past one lease).
     """
     run_id = validate_run_id(run_id)

@@ -25,6 +25,7 @@ from typing import Any
 
 from runtime.agent import describe_binding_change
 from runtime.errors import (
+    InvalidRequest,
     LeaseLost,
     RatchetError,
     RunRefused,
@@ -370,9 +371,13 @@ def reconcile(
     """
     run_id = validate_run_id(run_id)
     if decision not in DECISIONS:
-        raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
+        raise InvalidRequest(
+            f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}", run_id
+        )
     if decision == "fail" and not (reason or "").strip():
-        raise ValueError("--fail needs a reason: what the model will read as the call's error")
+        raise InvalidRequest(
+            "--fail needs a reason: what the model will read as the call's error", run_id
+        )
     with lease.holding(ctx, run_id) as held:
         owner = held.owner
         state = load(ctx, run_id).state

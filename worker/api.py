@@ -24,7 +24,7 @@ from typing import Any
 from kombu.exceptions import OperationalError
 
 from runtime.continuation import check_pinned, make_continuation
-from runtime.errors import RunNotFound, RunNotQueued, RunRefused
+from runtime.errors import InvalidRequest, RunNotFound, RunNotQueued, RunRefused
 from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
@@ -43,7 +43,7 @@ def make_cursor(record: RunRecord) -> str:
 def parse_cursor(cursor: str) -> tuple[int, str]:
     created, _, run_id = cursor.partition(".")
     if not created.isdigit() or not run_id:
-        raise ValueError(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
+        raise InvalidRequest(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
     return int(created), validate_run_id(run_id)
 
 
@@ -162,7 +162,7 @@ class Ratchet:
         ``cursor`` is what the previous page returned.
         """
         if limit < 1:
-            raise ValueError(f"--limit must be at least 1, not {limit}")
+            raise InvalidRequest(f"--limit must be at least 1, not {limit}")
         after = parse_cursor(cursor) if cursor is not None else None
         scan = max(limit * 2, 100)
         while True:
@@ -399,7 +399,7 @@ class Ratchet:
 
         Recorded as ``run.budget_raised`` with ``by`` and ``reason``; a run that had
         stopped on a budget goes on from where it stopped. RunRefused for a run that
-        ended another way; ValueError for a change that is not a raise.
+        ended another way; InvalidRequest for a change that is not a raise.
         """
         from tasks.budget import raise_budgets
 

@@ -40,7 +40,7 @@ def refusals(fn: F) -> F:
                 err=True,
             )
             sys.exit(1)
-        except (RatchetError, ValueError, OSError) as exc:
+        except (RatchetError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
             sys.exit(1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.errors import InvalidRequest
 from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE, route
 
 __all__ = [
@@ -71,7 +72,9 @@ def continue_run(
     naming neither is refused by the workers. Returns the Celery task id.
     """
     if continuation_id is None and suspension_seq is None:
-        raise ValueError("give continuation_id or suspension_seq: which answer is this?")
+        raise InvalidRequest(
+            "give continuation_id or suspension_seq: which answer is this?", run_id
+        )
     kwargs = {
         "run_id": run_id,
         "continuation_id": continuation_id,

@@ -193,7 +193,7 @@ class RunStore(ABC):
         if first.seq != 1 or first.type != "run.created" or record.last_seq != 1:
             raise ValueError("a run is created with its run.created event at seq 1")
         try:
-            with_retries(lambda: self._create(record, first))
+            with_retries(lambda: self._create(record, first), record.run_id)
         except StaleWrite:
             if self._events(record.run_id, 0, 1) != [first]:
                 raise
@@ -206,7 +206,7 @@ class RunStore(ABC):
         """
         mine = _checked_batch(record, events)
         try:
-            with_retries(lambda: self._append(record, mine, owner, self.clock()))
+            with_retries(lambda: self._append(record, mine, owner, self.clock()), record.run_id)
         except StaleWrite as exc:
             if not self._landed(exc, mine):
                 raise
@@ -272,7 +272,8 @@ class RunStore(ABC):
                         parts,
                         expected_seq,
                         release,
-                    )
+                    ),
+                    run_id,
                 )
             except TranscriptMoved:
                 snapshots._forget(run_id)
@@ -320,7 +321,7 @@ class RunStore(ABC):
 
     def get(self, run_id: str) -> RunRecord | None:
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._get(run_id))
+        return with_retries(lambda: self._get(run_id), run_id)
 
     def list(self, status: RunStatus | None = None, limit: int = 100) -> builtins.list[RunRecord]:
         """Runs, newest first, optionally of one status."""
@@ -335,7 +336,7 @@ class RunStore(ABC):
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, not {limit}")
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._events(run_id, after_seq, limit))
+        return with_retries(lambda: self._events(run_id, after_seq, limit), run_id)
 
     def journal(self, run_id: str) -> builtins.list[JournalEntry]:
         """The run's tool calls, in the order they were requested."""
@@ -376,7 +377,9 @@ class RunStore(ABC):
     def acquire_lease(self, run_id: str, owner: str, lease_s: float) -> bool:
         """Take (or renew) the run's lease for ``lease_s``; False if another owner holds it."""
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()))
+        return with_retries(
+            lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()), run_id
+        )
 
     def renew_leases(self, leases: Sequence[tuple[str, str]], lease_s: float) -> builtins.list[str]:
         """Extend many ``(run_id, owner)`` leases to ``lease_s`` from now, at once; the runs
@@ -407,7 +410,9 @@ class RunStore(ABC):
         """
         run_id = validate_run_id(run_id)
         lease_ms = int(lease_s * 1000)
-        return with_retries(lambda: self._acquire_and_get(run_id, owner, lease_ms, self.clock()))
+        return with_retries(
+            lambda: self._acquire_and_get(run_id, owner, lease_ms, self.clock()), run_id
+        )
 
     def _acquire_and_get(
         self, run_id: str, owner: str, lease_ms: int, now_ms: int
@@ -419,12 +424,12 @@ class RunStore(ABC):
     def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease up if ``owner`` holds it, so another worker need not wait."""
         run_id = validate_run_id(run_id)
-        with_retries(lambda: self._release(run_id, owner))
+        with_retries(lambda: self._release(run_id, owner), run_id)
 
     def lease(self, run_id: str) -> Lease | None:
         """The run's unexpired lease, if any."""
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._lease(run_id, self.clock()))
+        return with_retries(lambda: self._lease(run_id, self.clock()), run_id)
 
     def claim_lease(self, run_id: str, owner: str, lease_s: float) -> Claim:
         """Take (or renew) the run's lease as :meth:`acquire_lease` does, and also take it
@@ -440,7 +445,7 @@ class RunStore(ABC):
         run_id = validate_run_id(run_id)
         process = owner_process(owner)
         return with_retries(
-            lambda: self._claim(run_id, owner, process, int(lease_s * 1000), self.clock())
+            lambda: self._claim(run_id, owner, process, int(lease_s * 1000), self.clock()), run_id
         )
 
     def renew_liveness(self, process: str, alive_s: float) -> bool:
@@ -476,7 +481,7 @@ class RunStore(ABC):
         ``seen_seq``, or is not in the due index, is left as it is.
         """
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._postpone(run_id, seen_seq, due_at_ms))
+        return with_retries(lambda: self._postpone(run_id, seen_seq, due_at_ms), run_id)
 
     def overdue(self, limit: int = 1000) -> builtins.list[str]:
         """Live runs past their due time whose lease has expired, most overdue first."""

@@ -123,7 +123,7 @@ ACTIONS: dict[str, Action] = {
 
 
 def perform(api: Ratchet, name: str, run_id: str, form: Form) -> str:
-    """Do the action; its outcome line. Raises what the API raises (RatchetError, ValueError)."""
+    """Do the action; its outcome line. Raises what the API raises (RatchetError; ratchet raises no bare ValueError)."""
     return ACTIONS[name].perform(api, run_id, form)
 
 
