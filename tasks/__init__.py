@@ -13,11 +13,11 @@ from typing import Any
 
 from tasks.children import deliver_run
 from tasks.control import cancel_run, continue_run
+from tasks.messages import send_through
 from tasks.queues import ROUTES, beat_schedule, queues, route
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.settings import Settings, get_settings
 from tasks.start import start_run
-from tasks.task_base import send_through
 from tasks.timers import wake_run
 from tasks.turn import run_turn
 

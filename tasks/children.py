@@ -23,7 +23,7 @@ from tasks import failpoints
 from tasks.context import Context, get_context
 from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from tasks.queues import chain_turn
+from tasks.messages import chain_turn
 from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.children")
@@ -59,7 +59,7 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
 
 
 @ratchet_task(name="ratchet.deliver", ignore_result=True)
-def deliver_run(child_id: str) -> str:
+def deliver_run(*, child_id: str) -> str:
     """Tell an ended child's parent how it ended. Returns told | stale | busy."""
     return deliver(get_context(), validate_run_id(child_id))
 

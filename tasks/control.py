@@ -52,7 +52,7 @@ from store.runs import RunRecord
 from tasks import metrics
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load, new_owner, save_snapshot
-from tasks.queues import chain_turn, tell_parent_soon
+from tasks.messages import chain_turn, tell_parent_soon
 from tasks.task_base import ratchet_task
 
 log = logging.getLogger("ratchet.control")
@@ -199,6 +199,7 @@ CONTROL_TASK_OPTIONS: dict[str, Any] = {
 @ratchet_task(name="ratchet.continue", bind=True, **CONTROL_TASK_OPTIONS)
 def continue_run(
     self: Any,
+    *,
     run_id: str,
     input: str | None = None,
     approve: bool | None = None,
@@ -305,7 +306,7 @@ def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
 
 
 @ratchet_task(name="ratchet.cancel", **CONTROL_TASK_OPTIONS)
-def cancel_run(run_id: str, reason: str | None = None) -> str:
+def cancel_run(*, run_id: str, reason: str | None = None) -> str:
     """Cancel a run. Returns cancelled | refused (the reason is logged)."""
     try:
         cancel(get_context(), run_id, reason)

@@ -47,10 +47,15 @@ from tasks import metrics
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load, new_owner
 from tasks.liveness import claim
-from tasks.queues import CONTROL_QUEUE, tell_parent_soon
+from tasks.messages import (
+    chain_turn,
+    sweeper_resume,
+    tell_parent_soon,
+    urgent_sweeper_resume,
+)
 from tasks.task_base import ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import Advanced, advance, chain, recover_takeovers_with, run_turn
+from tasks.turn import Advanced, advance, chain, recover_takeovers_with
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -109,7 +114,7 @@ def examine(
 
 
 @ratchet_task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
+def resume_run(*, run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
     """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
 
     Idempotent: a duplicate finds the lease taken or the run moved on, and does nothing.
@@ -233,26 +238,7 @@ def _dead_letter(
 Enqueue = Callable[[str, int], None]
 
 
-def enqueue_resume(run_id: str, seen_seq: int) -> None:
-    resume_run.apply_async((run_id, SWEEPER, seen_seq))
-
-
-def enqueue_urgent_resume(run_id: str, seen_seq: int) -> None:
-    """For a run whose lease holder's process is dead: certainly stopped, and it already
-    waited through the crash, so on the control queue rather than behind the turns backlog.
-
-    Only those: a run merely overdue may be a turn waiting in a long queue (every run of
-    a backlog deeper than one lease is), and a resume of each on the control queue would
-    bury the sweeps and continuations behind them.
-    """
-    resume_run.apply_async((run_id, SWEEPER, seen_seq), queue=CONTROL_QUEUE)
-
-
-def enqueue_turn(run_id: str, seq: int) -> None:
-    run_turn.apply_async((run_id, seq))
-
-
-def enqueue_wake(run_id: str, record: RunRecord) -> None:
+def wake_when_due(run_id: str, record: RunRecord) -> None:
     assert record.suspension is not None
     wake_at(run_id, record.last_seq, wake_at_ms(record.suspension), wall_ms())
 
@@ -262,9 +248,9 @@ Wake = Callable[[str, RunRecord], None]
 
 def sweep_orphans(
     ctx: Context,
-    enqueue: Enqueue = enqueue_resume,
+    enqueue: Enqueue = sweeper_resume,
     limit: int = 1000,
-    wake: Wake = enqueue_wake,
+    wake: Wake = wake_when_due,
     tell: Callable[[str], None] = tell_parent_soon,
     enqueue_orphan: Enqueue | None = None,
 ) -> list[str]:
@@ -285,7 +271,7 @@ def sweep_orphans(
     # Live runs whose lease holder's process died first: they need not wait for the lease.
     # (A suspended or finished run such a process held needs no worker: its lease lapses.)
     if enqueue_orphan is None:
-        enqueue_orphan = enqueue_urgent_resume if enqueue is enqueue_resume else enqueue
+        enqueue_orphan = urgent_sweeper_resume if enqueue is sweeper_resume else enqueue
     lease_ms = int(ctx.settings.lease_s * 1000)
     for orphan in ctx.runs.orphaned(limit):
         record = ctx.runs.get(orphan.run_id)
@@ -402,13 +388,13 @@ def reconcile(
         state = append_events(ctx, state, [("tool.reconciled", data)], owner)
     finally:
         ctx.runs.release_lease(run_id, owner)
-    (enqueue or enqueue_turn)(run_id, state.seq)
+    (enqueue or chain_turn)(run_id, state.seq)
     return state
 
 
 @ratchet_task(name="ratchet.reconcile", ignore_result=True)
 def reconcile_run(
-    run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
+    *, run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
 ) -> int:
     """:func:`reconcile` for clients that only speak Celery; returns the run's new seq."""
     return reconcile(get_context(), run_id, call_id, decision, result, reason).seq
