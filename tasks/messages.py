@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from celery import current_app
 from celery._state import get_current_task
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
-from runtime.errors import InvalidRunId
+from runtime.errors import InvalidRunId, MessageRefused
 from runtime.models import validate_run_id
 from runtime.recovery import OPERATOR, SWEEPER
 from tasks.queues import CONTROL_QUEUE, ROUTES
@@ -160,6 +160,8 @@ class Deliver(Message):
     """The child run that ended; its parent is told."""
 
 
+MessageT = TypeVar("MessageT", bound=Message)
+
 MESSAGES: dict[str, type[Message]] = {
     cls.task: cls
     for cls in (Start, Turn, Resume, Continue, Cancel, Reconcile, Sweep, Wake, Deliver)
@@ -168,10 +170,6 @@ MESSAGES: dict[str, type[Message]] = {
 
 
 # --- the worker's side: what a message says, or why it cannot be read --------------
-
-
-class MessageRefused(Exception):  # noqa: N818 - a refusal, not a failure of ratchet's
-    """Why a message cannot be its task's (the worker sets it aside with this reason)."""
 
 
 def _type_text(annotation: Any) -> str:
@@ -200,41 +198,47 @@ def decode(task: str, args: Any, kwargs: Any, version: object = None) -> Message
 
     Raises MessageRefused naming the argument at fault, or the version.
     """
+    problem = _version_problem(version, args)
+    if problem is not None:
+        raise MessageRefused(task, problem)
     cls = MESSAGES[task]
-    args = tuple(args or ())
-    kwargs = dict(kwargs or {})
-    if version is not None:
-        if type(version) is not int or version < 1:
-            raise MessageRefused(
-                f"header `{VERSION_HEADER}` must be a positive int, not {version!r}"
-            )
-        if version > VERSION:
-            raise MessageRefused(
-                f"message format version {version} is newer than this worker reads "
-                f"(0 to {VERSION}): a newer ratchet sent it; upgrade this worker"
-            )
-        if args:
-            raise MessageRefused(
-                f"a version-{version} message carries its arguments by keyword, "
-                f"not {len(args)} by position"
-            )
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
     names = cls.v0_order
     if len(args) > len(names):
         plural = "s" if len(args) != 1 else ""
         raise MessageRefused(
-            f"{len(args)} positional argument{plural}, but it takes at most {len(names)}"
+            task, f"{len(args)} positional argument{plural}, but it takes at most {len(names)}"
         )
     given = dict(zip(names, args, strict=False))
     for name in kwargs:
         if name not in cls.model_fields:
-            raise MessageRefused(f"unexpected argument `{name}`")
+            raise MessageRefused(task, f"unexpected argument `{name}`")
         if name in given:
-            raise MessageRefused(f"argument `{name}` given twice (by position and by name)")
-    given.update(kwargs)
+            raise MessageRefused(task, f"argument `{name}` given twice (by position and by name)")
+    return build(cls, **given, **kwargs)
+
+
+def _version_problem(version: object, args: Any) -> str | None:
+    if version is None:
+        return None  # the previous release's: by position or by keyword
+    if type(version) is not int or version < 1:
+        return f"header `{VERSION_HEADER}` must be a positive int, not {version!r}"
+    if version > VERSION:
+        return (
+            f"message format version {version} is newer than this worker reads "
+            f"(0 to {VERSION}): a newer ratchet sent it; upgrade this worker"
+        )
+    if args:
+        return f"a version-{version} message carries its arguments by keyword, not by position"
+    return None
+
+
+def build(cls: type[MessageT], **fields: Any) -> MessageT:
+    """``cls(**fields)``; MessageRefused naming the field at fault if they are not its."""
     try:
-        return cls.model_validate(given)
+        return cls.model_validate(fields)
     except ValidationError as exc:
-        raise MessageRefused(_problem(cls, exc)) from None
+        raise MessageRefused(cls.task, _problem(cls, exc)) from None
 
 
 def _problem(cls: type[Message], exc: ValidationError) -> str:
@@ -334,7 +338,8 @@ def enqueue_start(
 
     ``priority`` is the run's (0-4), not the message's broker priority.
     """
-    message = Start(
+    message = build(
+        Start,
         agent_file=agent_file,
         text=text,
         run_id=run_id,
@@ -358,7 +363,7 @@ def enqueue_turn(
     ``countdown_s``: after waiting on a limit (a broker-held countdown, no worker slot);
     ``priority``: the broker priority (runs under way go before new ones).
     """
-    message = Turn(run_id=run_id, expected_seq=expected_seq)
+    message = build(Turn, run_id=run_id, expected_seq=expected_seq)
     return send(message, app=app, priority=priority, countdown_s=countdown_s)
 
 
@@ -377,7 +382,7 @@ def enqueue_resume(
     a long queue (every run of a backlog deeper than one lease is), and a resume of each
     on the control queue would bury the sweeps and continuations behind them.
     """
-    message = Resume(run_id=run_id, by=by, seen_seq=seen_seq)
+    message = build(Resume, run_id=run_id, by=by, seen_seq=seen_seq)
     return send(message, app=app, queue=CONTROL_QUEUE if urgent else None)
 
 
@@ -392,7 +397,8 @@ def enqueue_continue(
     app: Any = None,
 ) -> str:
     """Send ``ratchet.continue``: one answer (input, approve or deny) to a suspended run."""
-    message = Continue(
+    message = build(
+        Continue,
         run_id=run_id,
         input=input,
         approve=approve,
@@ -405,7 +411,7 @@ def enqueue_continue(
 
 def enqueue_cancel(*, run_id: str, reason: str | None = None, app: Any = None) -> str:
     """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
-    return send(Cancel(run_id=run_id, reason=reason), app=app)
+    return send(build(Cancel, run_id=run_id, reason=reason), app=app)
 
 
 def enqueue_reconcile(
@@ -418,25 +424,25 @@ def enqueue_reconcile(
     app: Any = None,
 ) -> str:
     """Send ``ratchet.reconcile``: an operator's outcome for a parked run's open call."""
-    message = Reconcile(
-        run_id=run_id, call_id=call_id, decision=decision, result=result, reason=reason
+    message = build(
+        Reconcile, run_id=run_id, call_id=call_id, decision=decision, result=result, reason=reason
     )
     return send(message, app=app)
 
 
 def enqueue_sweep(*, app: Any = None) -> str:
     """Send ``ratchet.sweep``: one crash sweep, then retention."""
-    return send(Sweep(), app=app)
+    return send(build(Sweep), app=app)
 
 
 def enqueue_wake(*, run_id: str, seq: int, countdown_s: float = 0.0, app: Any = None) -> str:
     """Send ``ratchet.wake``, held by the broker ``countdown_s`` (until the wake-up time)."""
-    return send(Wake(run_id=run_id, seq=seq), app=app, countdown_s=countdown_s)
+    return send(build(Wake, run_id=run_id, seq=seq), app=app, countdown_s=countdown_s)
 
 
 def enqueue_deliver(*, child_id: str, app: Any = None) -> str:
     """Send ``ratchet.deliver``: tell an ended child's parent how it ended."""
-    return send(Deliver(child_id=child_id), app=app)
+    return send(build(Deliver, child_id=child_id), app=app)
 
 
 # The (run_id, seq) and (child_id) forms the injectable ``enqueue=`` / ``tell=`` seams take.

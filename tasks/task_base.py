@@ -24,8 +24,8 @@ from celery import Task, shared_task
 from celery.exceptions import Ignore
 from celery.local import Proxy
 
-from runtime.errors import InvalidRunId
-from tasks.messages import MESSAGES, VERSION_HEADER, MessageRefused, call_form, decode, sending_app
+from runtime.errors import InvalidRunId, MessageRefused
+from tasks.messages import MESSAGES, VERSION_HEADER, call_form, decode, sending_app
 from tasks.rejected import set_aside, store_for_app
 
 
@@ -42,7 +42,7 @@ class RatchetTask(Task):  # type: ignore[misc]
         try:
             message = decode(self.name, args, kwargs, version)
         except MessageRefused as exc:
-            problem = str(exc)
+            problem = exc.problem
         else:
             try:
                 return super().__call__(**dict(message))

@@ -37,8 +37,8 @@ from kombu import Consumer, Queue
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
-from runtime.errors import MalformedContinuation
-from tasks.messages import VERSION, MessageRefused, decode, send
+from runtime.errors import MalformedContinuation, MessageRefused
+from tasks.messages import VERSION, decode, send
 from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
