@@ -15,7 +15,9 @@ the release that sent them on a queue. A message of a version this worker does
 not know (a newer release's) is set aside unread, with a reason that names the
 version, rather than guessed at. The version is a header, not an argument, so
 that the previous release's workers, which ignore headers they do not know,
-still run what this release sends during a rolling upgrade.
+still run what this release sends during a rolling upgrade. A change to a
+message's fields is a new version: :data:`VERSION` goes up, and :func:`decode`
+keeps reading the old shapes (into the new model) for as long as they may be queued.
 
 A message that is not a valid message of its task (an argument missing,
 unknown, of the wrong type, a run id that is not an id) is refused with a
