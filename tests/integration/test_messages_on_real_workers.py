@@ -36,9 +36,17 @@ from tasks.messages import (
 from tasks.rejected import RedisRejected, Rejected
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
+from tests.integration.test_broker_faults import alive, ready
 from tests.integration.test_children import parent_agent
-from tests.integration.test_continuations_on_real_workers import ASK, finished, suspended, wait_for
+from tests.integration.test_continuations_on_real_workers import (
+    ASK,
+    client_app,
+    finished,
+    suspended,
+    wait_for,
+)
 from tests.test_recovery import park_with_refund_in_flight, refund_agent
+from tests.workers import WorkerProcesses, redis_context
 from tests.workers import wait_for as wait_until
 from worker.api import Ratchet
 
@@ -182,9 +190,7 @@ def rejected_with(session_app: Celery, task_id: str) -> Rejected | None:
 
 
 def refusals(caplog: pytest.LogCaptureFixture, task_id: str) -> list[logging.LogRecord]:
-    return [
-        r for r in caplog.records if r.levelno >= logging.WARNING and task_id in r.getMessage()
-    ]
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and task_id in r.getMessage()]
 
 
 def test_a_message_of_a_newer_version_is_set_aside_naming_its_version(
@@ -229,3 +235,35 @@ def test_a_malformed_keyword_message_is_set_aside_with_one_warning_line(
     assert len(lines) == 1 and "message refused" in lines[0].getMessage(), lines
     assert "Traceback" not in caplog.text
     assert ratchet.get(state.run_id).last_seq == state.seq
+
+
+@pytest.mark.slow
+def test_a_prefork_pool_process_reads_each_message_s_version(
+    worker_processes: WorkerProcesses, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a `celery -A worker worker` whose tasks run in a pool process, not the consumer
+    worker = worker_processes.start("--pool", "prefork", "--concurrency", "1")
+    ready(worker)
+    client = client_app(redis_url)
+    ctx = redis_context(redis_url)
+    try:
+        # When a newer release's turn and this release's are sent
+        newer = create_run(ctx, write_agent(tmp_path / "a", DONE), "hello", new_id("newer"))
+        kwargs = {"run_id": newer.run_id, "expected_seq": newer.seq}
+        sent = client.send_task(
+            "ratchet.turn", kwargs=kwargs, queue="ratchet.turns", headers={VERSION_HEADER: 2}
+        )
+        state = create_run(ctx, write_agent(tmp_path / "b", DONE), "hello", new_id("current"))
+        enqueue_turn(run_id=state.run_id, expected_seq=state.seq, app=client)
+        # Then this release's completes its run, and the newer one is set aside by its version
+        record = wait_for(ctx, state.run_id, finished, timeout_s=90)
+        assert record.status == RunStatus.COMPLETED, record.error
+        store = RedisRejected(redis.Redis.from_url(redis_url))
+        wait_until("it is set aside", lambda: any(sent.id in e.reason for e in store.list()))
+        (entry,) = [e for e in store.list() if sent.id in e.reason]
+        assert "message format version 2 is newer than this worker reads" in entry.reason
+        assert ctx.runs.get(newer.run_id).last_seq == newer.seq  # type: ignore[union-attr]
+        alive(worker)
+    finally:
+        client.close()
+        ctx.close()
