@@ -38,6 +38,10 @@ class RatchetTask(Task):  # type: ignore[misc]
         return headers.get(VERSION_HEADER, getattr(self.request, VERSION_HEADER, None))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.name not in MESSAGES:
+            # A task of the app's own that is not ratchet's (Celery's built-in
+            # `celery.*` tasks take RatchetTask as base on ratchet's app): no contract.
+            return super().__call__(*args, **kwargs)
         version = self.message_version()
         try:
             message = decode(self.name, args, kwargs, version)

@@ -23,7 +23,7 @@ from tasks.messages import (
     enqueue_turn,
     enqueue_wake,
 )
-from tasks.task_base import ratchet_task
+from tasks.task_base import RatchetTask, ratchet_task
 from worker.app import app
 from worker.transport import envelope_problem
 
@@ -220,3 +220,10 @@ def test_a_task_whose_parameters_drift_from_its_message_is_not_declared() -> Non
 
 def test_every_ratchet_task_takes_its_message() -> None:
     assert {name for name in app.tasks if name.startswith("ratchet.")} == set(MESSAGES)
+
+
+def test_a_task_of_the_app_that_is_not_ratchet_s_runs_without_a_contract() -> None:
+    # Celery's own tasks on ratchet's app have RatchetTask as their base too
+    task = app.tasks["celery.accumulate"]
+    assert isinstance(task, RatchetTask)
+    assert task(1, 2) == (1, 2)
