@@ -271,6 +271,11 @@ def fields_of(task: str, args: Any, kwargs: Any) -> dict[str, Any]:
 
 
 # --- the sender's side --------------------------------------------------------------
+#
+# Each enqueue_* function takes its message's fields by keyword, ``app`` (default:
+# sending_app()) and Celery's other send_task options (``connection=``, …), and
+# returns the Celery task id. MessageRefused before anything is sent if the fields
+# are not the message's.
 
 _sending_app: Any = None
 """The app ratchet's messages are sent through outside a running task (:func:`send_through`)."""
@@ -335,6 +340,7 @@ def enqueue_start(
     priority: int | None = None,
     concurrency_key: str | None = None,
     app: Any = None,
+    **options: Any,
 ) -> str:
     """Send ``ratchet.start``: a worker creates the run and takes its first turn.
 
@@ -349,7 +355,7 @@ def enqueue_start(
         priority=priority,
         concurrency_key=concurrency_key,
     )
-    return send(message, app=app)
+    return send(message, app=app, **options)
 
 
 def enqueue_turn(
@@ -359,6 +365,7 @@ def enqueue_turn(
     priority: int | None = None,
     countdown_s: float = 0.0,
     app: Any = None,
+    **options: Any,
 ) -> str:
     """Send ``ratchet.turn``: the run's next turn, which acts only at ``expected_seq``.
 
@@ -366,7 +373,7 @@ def enqueue_turn(
     ``priority``: the broker priority (runs under way go before new ones).
     """
     message = build(Turn, run_id=run_id, expected_seq=expected_seq)
-    return send(message, app=app, priority=priority, countdown_s=countdown_s)
+    return send(message, app=app, priority=priority, countdown_s=countdown_s, **options)
 
 
 def enqueue_resume(
@@ -376,6 +383,7 @@ def enqueue_resume(
     seen_seq: int | None = None,
     urgent: bool = False,
     app: Any = None,
+    **options: Any,
 ) -> str:
     """Send ``ratchet.resume``; ``urgent`` puts it on the control queue, ahead of the turns.
 
@@ -385,7 +393,7 @@ def enqueue_resume(
     on the control queue would bury the sweeps and continuations behind them.
     """
     message = build(Resume, run_id=run_id, by=by, seen_seq=seen_seq)
-    return send(message, app=app, queue=CONTROL_QUEUE if urgent else None)
+    return send(message, app=app, queue=CONTROL_QUEUE if urgent else None, **options)
 
 
 def enqueue_continue(
@@ -397,6 +405,7 @@ def enqueue_continue(
     continuation_id: str | None = None,
     suspension_seq: int | None = None,
     app: Any = None,
+    **options: Any,
 ) -> str:
     """Send ``ratchet.continue``: one answer (input, approve or deny) to a suspended run."""
     message = build(
@@ -408,12 +417,14 @@ def enqueue_continue(
         continuation_id=continuation_id,
         suspension_seq=suspension_seq,
     )
-    return send(message, app=app)
+    return send(message, app=app, **options)
 
 
-def enqueue_cancel(*, run_id: str, reason: str | None = None, app: Any = None) -> str:
+def enqueue_cancel(
+    *, run_id: str, reason: str | None = None, app: Any = None, **options: Any
+) -> str:
     """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
-    return send(build(Cancel, run_id=run_id, reason=reason), app=app)
+    return send(build(Cancel, run_id=run_id, reason=reason), app=app, **options)
 
 
 def enqueue_reconcile(
@@ -424,27 +435,30 @@ def enqueue_reconcile(
     result: Any = None,
     reason: str | None = None,
     app: Any = None,
+    **options: Any,
 ) -> str:
     """Send ``ratchet.reconcile``: an operator's outcome for a parked run's open call."""
     message = build(
         Reconcile, run_id=run_id, call_id=call_id, decision=decision, result=result, reason=reason
     )
-    return send(message, app=app)
+    return send(message, app=app, **options)
 
 
-def enqueue_sweep(*, app: Any = None) -> str:
+def enqueue_sweep(*, app: Any = None, **options: Any) -> str:
     """Send ``ratchet.sweep``: one crash sweep, then retention."""
-    return send(build(Sweep), app=app)
+    return send(build(Sweep), app=app, **options)
 
 
-def enqueue_wake(*, run_id: str, seq: int, countdown_s: float = 0.0, app: Any = None) -> str:
+def enqueue_wake(
+    *, run_id: str, seq: int, countdown_s: float = 0.0, app: Any = None, **options: Any
+) -> str:
     """Send ``ratchet.wake``, held by the broker ``countdown_s`` (until the wake-up time)."""
-    return send(build(Wake, run_id=run_id, seq=seq), app=app, countdown_s=countdown_s)
+    return send(build(Wake, run_id=run_id, seq=seq), app=app, countdown_s=countdown_s, **options)
 
 
-def enqueue_deliver(*, child_id: str, app: Any = None) -> str:
+def enqueue_deliver(*, child_id: str, app: Any = None, **options: Any) -> str:
     """Send ``ratchet.deliver``: tell an ended child's parent how it ended."""
-    return send(build(Deliver, child_id=child_id), app=app)
+    return send(build(Deliver, child_id=child_id), app=app, **options)
 
 
 # The (run_id, seq) and (child_id) forms the injectable ``enqueue=`` / ``tell=`` seams take.

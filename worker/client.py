@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.messages import Cancel, Continue, Start, build, send
+from tasks.messages import enqueue_cancel, enqueue_continue, enqueue_start
 from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE, route
 
 __all__ = [
@@ -49,7 +49,7 @@ def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: A
     again does not start a second run. ``options`` go to Celery's ``send_task``.
     Returns the Celery task id.
     """
-    return send(build(Start, agent_file=agent_file, text=text, run_id=run_id), app=app, **options)
+    return enqueue_start(agent_file=agent_file, text=text, run_id=run_id, app=app, **options)
 
 
 def continue_run(
@@ -71,18 +71,18 @@ def continue_run(
     """
     if continuation_id is None and suspension_seq is None:
         raise ValueError("give continuation_id or suspension_seq: which answer is this?")
-    message = build(
-        Continue,
+    return enqueue_continue(
         run_id=run_id,
         continuation_id=continuation_id,
         suspension_seq=suspension_seq,
         input=input,
         approve=approve,
         deny=deny,
+        app=app,
+        **options,
     )
-    return send(message, app=app, **options)
 
 
 def cancel_run(app: Any, run_id: str, reason: str | None = None, **options: Any) -> str:
     """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
-    return send(build(Cancel, run_id=run_id, reason=reason), app=app, **options)
+    return enqueue_cancel(run_id=run_id, reason=reason, app=app, **options)

@@ -189,8 +189,23 @@ def rejected_with(session_app: Celery, task_id: str) -> Rejected | None:
     return found[0] if found else None
 
 
-def refusals(caplog: pytest.LogCaptureFixture, task_id: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.levelno >= logging.WARNING and task_id in r.getMessage()]
+def set_aside_once(
+    session_app: Celery, caplog: pytest.LogCaptureFixture, kwargs: dict[str, Any], version: int
+) -> Rejected:
+    """Send a ``ratchet.turn`` of ``version``; its dead-letter entry, once it has one WARNING."""
+    with caplog.at_level(logging.WARNING):
+        sent = session_app.send_task(
+            "ratchet.turn", kwargs=kwargs, queue="ratchet.turns", headers={VERSION_HEADER: version}
+        )
+        wait_until("it is set aside", lambda: rejected_with(session_app, sent.id) is not None)
+    entry = rejected_with(session_app, sent.id)
+    assert entry is not None
+    lines = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and sent.id in r.getMessage()
+    ]
+    assert len(lines) == 1 and "message refused" in lines[0].getMessage(), lines
+    assert "Traceback" not in caplog.text
+    return entry
 
 
 def test_a_message_of_a_newer_version_is_set_aside_naming_its_version(
@@ -198,18 +213,11 @@ def test_a_message_of_a_newer_version_is_set_aside_naming_its_version(
 ) -> None:
     state = create_run(ratchet.ctx, write_agent(tmp_path, DONE), "hello", new_id("newer"))
     # Given a turn message of format version 2, from a newer release
-    kwargs: dict[str, Any] = {"run_id": state.run_id, "expected_seq": 1, "deadline_ms": 5}
-    with caplog.at_level(logging.WARNING):
-        sent = session_app.send_task(
-            "ratchet.turn", kwargs=kwargs, queue="ratchet.turns", headers={VERSION_HEADER: 2}
-        )
-        # Then the worker sets it aside unread, saying why, in one WARNING line
-        wait_until("it is set aside", lambda: rejected_with(session_app, sent.id) is not None)
-    entry = rejected_with(session_app, sent.id)
-    assert entry is not None
+    kwargs = {"run_id": state.run_id, "expected_seq": 1, "deadline_ms": 5}
+    # Then the worker sets it aside unread, saying why, in one WARNING line
+    entry = set_aside_once(session_app, caplog, kwargs, version=2)
     assert "message format version 2 is newer than this worker reads (0 to 1)" in entry.reason
     assert "upgrade this worker" in entry.reason
-    assert len(refusals(caplog, sent.id)) == 1, refusals(caplog, sent.id)
     assert ratchet.get(state.run_id).last_seq == state.seq
     # and the run goes on from the message this release sends
     enqueue_turn(run_id=state.run_id, expected_seq=state.seq)
@@ -221,19 +229,11 @@ def test_a_malformed_keyword_message_is_set_aside_with_one_warning_line(
 ) -> None:
     state = create_run(ratchet.ctx, write_agent(tmp_path, DONE), "hello", new_id("malformed"))
     # Given a version-1 keyword message with the seq as a string
-    kwargs: dict[str, Any] = {"run_id": state.run_id, "expected_seq": "1"}
-    with caplog.at_level(logging.WARNING):
-        sent = session_app.send_task(
-            "ratchet.turn", kwargs=kwargs, queue="ratchet.turns", headers={VERSION_HEADER: 1}
-        )
-        wait_until("it is set aside", lambda: rejected_with(session_app, sent.id) is not None)
-    entry = rejected_with(session_app, sent.id)
-    assert entry is not None
+    entry = set_aside_once(
+        session_app, caplog, {"run_id": state.run_id, "expected_seq": "1"}, version=1
+    )
     assert "argument `expected_seq` must be int | None, not str" in entry.reason
     assert "send ratchet.turn(run_id: str, expected_seq: int | None) by keyword" in entry.reason
-    lines = refusals(caplog, sent.id)
-    assert len(lines) == 1 and "message refused" in lines[0].getMessage(), lines
-    assert "Traceback" not in caplog.text
     assert ratchet.get(state.run_id).last_seq == state.seq
 
 
