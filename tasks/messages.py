@@ -73,6 +73,8 @@ class Message(BaseModel):
 
 
 class Start(Message):
+    """Create a run (once per key) and take its first turn."""
+
     task = "ratchet.start"
     v0_order = ("agent_file", "text", "run_id", "idempotency_key", "priority", "concurrency_key")
     agent_file: str
@@ -90,17 +92,23 @@ class Start(Message):
 
 
 class Turn(Message):
+    """Take the run's next turn, if it is still where the sender saw it."""
+
     task = "ratchet.turn"
     v0_order = ("run_id", "expected_seq")
     run_id: RunId
+    """The run."""
     expected_seq: int | None
     """The seq the run must be at; at another, the message is late or a duplicate (None: any)."""
 
 
 class Resume(Message):
+    """Resume a stopped run from its checkpoint, if it is resume-eligible."""
+
     task = "ratchet.resume"
     v0_order = ("run_id", "by", "seen_seq")
     run_id: RunId
+    """The run."""
     by: str = OPERATOR
     """Who resumes it: ``operator`` or ``sweeper`` (whose resumes count towards dead-lettering)."""
     seen_seq: int | None = None
@@ -108,9 +116,12 @@ class Resume(Message):
 
 
 class Continue(Message):
+    """One answer to a suspended run."""
+
     task = "ratchet.continue"
     v0_order = ("run_id", "input", "approve", "deny", "continuation_id", "suspension_seq")
     run_id: RunId
+    """The run."""
     input: str | None = None
     """The answer to a question or a blocker."""
     approve: bool | None = None
@@ -124,38 +135,54 @@ class Continue(Message):
 
 
 class Cancel(Message):
+    """Stop the run at its next boundary, for good."""
+
     task = "ratchet.cancel"
     v0_order = ("run_id", "reason")
     run_id: RunId
+    """The run."""
     reason: str | None = None
+    """Why, recorded with the cancellation."""
 
 
 class Reconcile(Message):
+    """An operator's outcome for the open call of a run parked as needs_reconciliation."""
+
     task = "ratchet.reconcile"
     v0_order = ("run_id", "call_id", "decision", "result", "reason")
     run_id: RunId
+    """The run."""
     call_id: str
     """The parked run's open call."""
     decision: str
     """``result`` (it ran: here is its result), ``retry`` or ``fail``."""
     result: Any = None
+    """With ``result``: the call's result (JSON), as if the tool had returned it."""
     reason: str | None = None
+    """With ``fail``: why, which the model reads as the call's error."""
 
 
 class Sweep(Message):
+    """One crash sweep, then retention."""
+
     task = "ratchet.sweep"
     v0_order = ()
 
 
 class Wake(Message):
+    """End a run's ``wait``, once its time has come."""
+
     task = "ratchet.wake"
     v0_order = ("run_id", "seq")
     run_id: RunId
+    """The run."""
     seq: int
     """The seq the run waits at; another means it has moved on."""
 
 
 class Deliver(Message):
+    """Tell an ended child run's parent how it ended."""
+
     task = "ratchet.deliver"
     v0_order = ("child_id",)
     child_id: RunId
