@@ -1,6 +1,7 @@
 """Celery tasks, thin: decode the message, call the runtime, persist, enqueue.
 
 Task names are stable (``ratchet.*``): durable messages outlive module paths.
+What each task takes, and the one function that sends it, is in :mod:`tasks.messages`.
 The tasks are shared tasks (:func:`tasks.task_base.ratchet_task`): they belong to
 no app of their own, and :func:`install` adds them, with their queues, routes and
 the sweeper's beat entry, to the Celery app it is given — ratchet's own
