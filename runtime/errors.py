@@ -43,7 +43,8 @@
     ├── RejectedEntryNotFound     no message with this id in the dead-letter store
     ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
     ├── StartConflict             a start's key names a run of another agent or input
-    └── RunNotQueued              a run is recorded but its first turn could not be queued
+    ├── RunNotQueued              a run is recorded but its first turn could not be queued
+    └── MessageRefused            a task message is not its task's (argument, type, version)
 
 Every class with constructor arguments defines ``__reduce__`` so that it survives
 Celery's serialisation of task failures.
@@ -623,3 +624,16 @@ class ToolModuleChanged(RatchetError):
             worker,
         )
         self.module, self.path, self.worker = module, path, worker
+
+
+class MessageRefused(RatchetError):
+    """A task message that is not its task's: an argument missing, unknown or of the wrong
+    type, a run id that is not one, a format version this release does not read.
+
+    A worker sets such a message aside with ``problem`` as its reason; a sender gets it
+    before anything is sent.
+    """
+
+    def __init__(self, task: str, problem: str) -> None:
+        super().__init__(f"{task} message refused: {problem}", task, problem)
+        self.task, self.problem = task, problem

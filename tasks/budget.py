@@ -16,7 +16,7 @@ from runtime.models import RunState, validate_run_id
 from tasks.context import Context
 from tasks.journal import append_events, load
 from tasks.lease import holding
-from tasks.queues import chain_turn
+from tasks.messages import chain_turn
 
 
 def raise_budgets(

@@ -23,7 +23,8 @@ from tasks import failpoints
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load
 from tasks.lease import holding
-from tasks.queues import chain_turn, control_task
+from tasks.messages import chain_turn
+from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.children")
 
@@ -58,7 +59,7 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
 
 
 @control_task(name="ratchet.deliver")
-def deliver_run(child_id: str) -> str:
+def deliver_run(*, child_id: str) -> str:
     """Tell an ended child's parent how it ended. Returns told | stale | busy."""
     return deliver(get_context(), validate_run_id(child_id))
 

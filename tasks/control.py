@@ -52,7 +52,8 @@ from tasks import metrics
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load, save_snapshot
 from tasks.lease import holding
-from tasks.queues import chain_turn, control_task, tell_parent_soon
+from tasks.messages import chain_turn, tell_parent_soon
+from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.control")
 
@@ -166,6 +167,7 @@ def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) ->
 @control_task(name="ratchet.continue", bind=True)
 def continue_run(
     self: Any,
+    *,
     run_id: str,
     input: str | None = None,
     approve: bool | None = None,
@@ -272,7 +274,7 @@ def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
 
 
 @control_task(name="ratchet.cancel")
-def cancel_run(run_id: str, reason: str | None = None) -> str:
+def cancel_run(*, run_id: str, reason: str | None = None) -> str:
     """Cancel a run. Returns cancelled | refused (the reason is logged)."""
     try:
         cancel(get_context(), run_id, reason)

@@ -1,4 +1,4 @@
-"""Where each ratchet task goes: two queues, one route per task name; sends by name.
+"""Where each ratchet task goes: two queues, one route per task name.
 
 ``ratchet.turns`` carries the long work (a turn, a start, a resume);
 ``ratchet.control`` the short messages (continue, cancel, sweep, wake-ups,
@@ -9,13 +9,9 @@ bound to Celery's default routing key, and every message would land in both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kombu.entity import Exchange, Queue
-
-from runtime.errors import RunBusy, StoreUnavailable
-from tasks.task_base import ratchet_task, sending_app
 
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
@@ -36,43 +32,6 @@ ROUTES: dict[str, str] = {
     "ratchet.deliver": CONTROL_QUEUE,
 }
 """The queue of each ratchet task (an app's ``task_routes``)."""
-
-CONTROL_TASK_OPTIONS: dict[str, Any] = {
-    "acks_late": True,
-    "reject_on_worker_lost": True,
-    "ignore_result": True,
-    # A run busy with a turn, or a store briefly away: ask again, backing off up to 30 s.
-    "autoretry_for": (RunBusy, StoreUnavailable),
-    "retry_backoff": 1,
-    "retry_backoff_max": 30,
-    "max_retries": 20,
-}
-"""What every task of the control queue is declared with (:func:`control_task`)."""
-
-
-def control_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """Declare a task of the control queue: :func:`~tasks.task_base.ratchet_task` with
-    :data:`CONTROL_TASK_OPTIONS`, for a name :data:`ROUTES` sends to ``ratchet.control``."""
-    name = options["name"]
-    if ROUTES.get(name) != CONTROL_QUEUE:
-        raise ValueError(f"{name} is not routed to {CONTROL_QUEUE}: add it to ROUTES first")
-    return ratchet_task(**{**CONTROL_TASK_OPTIONS, **options})
-
-
-def chain_turn(run_id: str, seq: int) -> None:
-    """Enqueue the run's next turn; it acts only if the run is still at ``seq``.
-
-    Sent by name (through :func:`tasks.task_base.sending_app`): the modules
-    that chain a turn (a cancel, a wake-up, a child's delivery) sit below the turn
-    task, which starts children and schedules wake-ups.
-    """
-    sending_app().send_task("ratchet.turn", (run_id, seq), queue=ROUTES["ratchet.turn"])
-
-
-def tell_parent_soon(child_id: str) -> None:
-    """Enqueue ``ratchet.deliver``: tell an ended child's parent how it ended."""
-    sending_app().send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
-
 
 def scheme_of(broker_url: str) -> str:
     return broker_url.split("://", 1)[0].split("+", 1)[0]

@@ -47,10 +47,15 @@ from store.runs import RunRecord, wall_ms
 from tasks import lease, metrics
 from tasks.context import Context, get_context
 from tasks.journal import append_ending, append_events, load
-from tasks.queues import CONTROL_QUEUE, control_task, tell_parent_soon
-from tasks.task_base import ratchet_task
+from tasks.messages import (
+    chain_turn,
+    sweeper_resume,
+    tell_parent_soon,
+    urgent_sweeper_resume,
+)
+from tasks.task_base import control_task, ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import Advanced, advance, chain, recover_takeovers_with, run_turn
+from tasks.turn import Advanced, advance, chain, recover_takeovers_with
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -109,7 +114,7 @@ def examine(
 
 
 @ratchet_task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
+def resume_run(*, run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
     """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
 
     Idempotent: a duplicate finds the lease taken or the run moved on, and does nothing.
@@ -234,29 +239,10 @@ def _dead_letter(
 Enqueue = Callable[[str, int], None]
 
 
-def enqueue_resume(run_id: str, seen_seq: int) -> None:
-    resume_run.apply_async((run_id, SWEEPER, seen_seq))
+lease.resume_dead_turns_with(urgent_sweeper_resume)
 
 
-def enqueue_urgent_resume(run_id: str, seen_seq: int) -> None:
-    """For a run whose lease holder's process is dead: certainly stopped, and it already
-    waited through the crash, so on the control queue rather than behind the turns backlog.
-
-    Only those: a run merely overdue may be a turn waiting in a long queue (every run of
-    a backlog deeper than one lease is), and a resume of each on the control queue would
-    bury the sweeps and continuations behind them.
-    """
-    resume_run.apply_async((run_id, SWEEPER, seen_seq), queue=CONTROL_QUEUE)
-
-
-lease.resume_dead_turns_with(enqueue_urgent_resume)
-
-
-def enqueue_turn(run_id: str, seq: int) -> None:
-    run_turn.apply_async((run_id, seq))
-
-
-def enqueue_wake(run_id: str, record: RunRecord) -> None:
+def wake_when_due(run_id: str, record: RunRecord) -> None:
     assert record.suspension is not None
     wake_at(run_id, record.last_seq, wake_at_ms(record.suspension), wall_ms())
 
@@ -266,9 +252,9 @@ Wake = Callable[[str, RunRecord], None]
 
 def sweep_orphans(
     ctx: Context,
-    enqueue: Enqueue = enqueue_resume,
+    enqueue: Enqueue = sweeper_resume,
     limit: int = 1000,
-    wake: Wake = enqueue_wake,
+    wake: Wake = wake_when_due,
     tell: Callable[[str], None] = tell_parent_soon,
     enqueue_orphan: Enqueue | None = None,
 ) -> list[str]:
@@ -289,7 +275,7 @@ def sweep_orphans(
     # Live runs whose lease holder's process died first: they need not wait for the lease.
     # (A suspended or finished run such a process held needs no worker: its lease lapses.)
     if enqueue_orphan is None:
-        enqueue_orphan = enqueue_urgent_resume if enqueue is enqueue_resume else enqueue
+        enqueue_orphan = urgent_sweeper_resume if enqueue is sweeper_resume else enqueue
     lease_ms = int(ctx.settings.lease_s * 1000)
     for orphan in ctx.runs.orphaned(limit):
         record = ctx.runs.get(orphan.run_id)
@@ -406,13 +392,13 @@ def reconcile(
         elif decision == "fail":
             data["reason"] = reason
         state = append_events(ctx, state, [("tool.reconciled", data)], owner)
-    (enqueue or enqueue_turn)(run_id, state.seq)
+    (enqueue or chain_turn)(run_id, state.seq)
     return state
 
 
 @control_task(name="ratchet.reconcile")
 def reconcile_run(
-    run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
+    *, run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
 ) -> int:
     """:func:`reconcile` for clients that only speak Celery; returns the run's new seq."""
     return reconcile(get_context(), run_id, call_id, decision, result, reason).seq

@@ -161,6 +161,7 @@ def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) 
 )
 def start_run(
     self: Any,
+    *,
     agent_file: str,
     text: str,
     run_id: str | None = None,

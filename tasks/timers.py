@@ -19,7 +19,8 @@ from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
 from tasks.journal import append_events, load
 from tasks.lease import holding
-from tasks.queues import CONTROL_QUEUE, chain_turn, control_task
+from tasks.messages import chain_turn, enqueue_wake
+from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.timers")
 
@@ -33,11 +34,11 @@ def schedule_wake(ctx: Context, state: RunState) -> None:
 def wake_at(run_id: str, seq: int, at_ms: int, now_ms: int) -> None:
     """Enqueue ``ratchet.wake`` for ``run_id`` at ``seq``, with an ETA at ``at_ms``."""
     countdown_s = max(0.0, (at_ms - now_ms) / 1000)
-    wake_run.apply_async((run_id, seq), countdown=countdown_s, queue=CONTROL_QUEUE)
+    enqueue_wake(run_id=run_id, seq=seq, countdown_s=countdown_s)
 
 
 @control_task(name="ratchet.wake")
-def wake_run(run_id: str, seq: int) -> str:
+def wake_run(*, run_id: str, seq: int) -> str:
     """Wake ``run_id`` if it is still waiting at ``seq`` and its time has come.
 
     Returns woken | early | busy | stale; for all but the first the sweeper

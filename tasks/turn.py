@@ -94,7 +94,7 @@ from tasks.journal import (
     save_snapshot,
     transition,
 )
-from tasks.queues import tell_parent_soon
+from tasks.messages import enqueue_turn, tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
 from tasks.tools_parallel import TOOL_TIMEOUT_ATTEMPTS as TOOL_TIMEOUT_ATTEMPTS
@@ -119,7 +119,7 @@ def stopping() -> bool:
 
 
 @ratchet_task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def run_turn(run_id: str, expected_seq: int | None) -> str:
+def run_turn(*, run_id: str, expected_seq: int | None) -> str:
     """Advance ``run_id`` by one turn if it is at ``expected_seq``.
 
     Idempotent: a duplicate, late or concurrent delivery does nothing.
@@ -155,12 +155,9 @@ def chain(run_id: str, done: Advanced) -> None:
     One path for every turn that follows another: at once, or after ``countdown_s``
     when the turn waited on a limit (a broker-held countdown, no worker slot).
     """
-    options: dict[str, Any] = {}
-    if done.countdown_s > 0:
-        options["countdown"] = done.countdown_s
-    if done.priority is not None:
-        options["priority"] = done.priority
-    run_turn.apply_async((run_id, done.seq), **options)
+    enqueue_turn(
+        run_id=run_id, expected_seq=done.seq, priority=done.priority, countdown_s=done.countdown_s
+    )
     failpoints.hit("turn.enqueued", done.turns)
 
 

@@ -14,9 +14,10 @@ from celery import Celery
 
 import tasks
 from runtime.errors import HolderDied, LeaseHeld, RunBusy, RunMoving, StoreUnavailable
-from tasks import task_base
-from tasks.queues import CONTROL_QUEUE, ROUTES, control_task
+from tasks import messages
+from tasks.queues import CONTROL_QUEUE, ROUTES
 from tasks.settings import Settings
+from tasks.task_base import control_task
 from worker.app import make_app
 
 SETTINGS = Settings(broker_url="redis://127.0.0.1:1/0", turn_time_limit_s=600)
@@ -49,7 +50,7 @@ def test_the_control_queue_carries_the_short_messages() -> None:
 def test_every_control_task_is_acked_late_retried_when_busy_and_bounded_in_time(
     build: Any, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(task_base, "_sending_app", task_base._sending_app)
+    monkeypatch.setattr(messages, "_sending_app", messages._sending_app)
     app = build()
     task = app.tasks[name]
     # Sent to the control queue

@@ -26,13 +26,14 @@ from kombu.exceptions import OperationalError
 from runtime.continuation import check_pinned, make_continuation
 from runtime.errors import InvalidRequest, RunNotFound, RunNotQueued, RunRefused
 from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
+from runtime.recovery import OPERATOR
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.journal import Loaded, load
 from tasks.lease import holding
+from tasks.messages import enqueue_resume, enqueue_turn
 from tasks.start import start
-from tasks.turn import run_turn
 
 
 def make_cursor(record: RunRecord) -> str:
@@ -85,9 +86,8 @@ class Ratchet:
             from tasks.limits import first_turn_priority
 
             level = first_turn_priority(self.ctx, self.ctx.agent(agent_file), priority)
-            options = {"priority": level} if level is not None else {}
             try:
-                run_turn.apply_async((started.run_id, 1), **options)
+                enqueue_turn(run_id=started.run_id, expected_seq=1, priority=level)
             except (OperationalError, OSError) as exc:
                 problem = " ".join(str(exc).split()) or type(exc).__name__
                 raise RunNotQueued(started.run_id, f"broker: {problem}") from exc
@@ -273,7 +273,7 @@ class Ratchet:
         deadline exhausted, a worker holds it) or BindingChanged, each naming
         the next step. The worker classifies again before it acts.
         """
-        from tasks.recovery import examine, resume_run
+        from tasks.recovery import examine
 
         with self._lease_if_free(run_id) as held:
             state, _, verdict = examine(self.ctx, run_id, set_aside=held)
@@ -288,7 +288,7 @@ class Ratchet:
                 f"worker {lease.owner} holds its lease and is advancing it; nothing to resume "
                 f"(follow it with `ratchet runs events {run_id} --follow`)",
             )
-        resume_run.apply_async((run_id, "operator", None))
+        enqueue_resume(run_id=run_id, by=OPERATOR)
         return state.status.value
 
     def resume_and_wait(self, run_id: str, timeout_s: float = 10.0) -> tuple[str, Event | None]:

@@ -37,7 +37,8 @@ from kombu import Consumer, Queue
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
-from runtime.errors import MalformedContinuation
+from runtime.errors import MalformedContinuation, MessageRefused
+from tasks.messages import VERSION, decode, send
 from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
@@ -97,12 +98,13 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
     def on_message(self, body: Any, message: Any) -> None:
         try:
             fields = parse_message(body)
-        except MalformedContinuation as exc:
+            continuation = decode("ratchet.continue", (), fields, VERSION)
+        except (MalformedContinuation, MessageRefused) as exc:
             set_aside(message_bytes(message), str(exc), self.queue_name, self.rejected_store)
             message.reject(requeue=False)
             return
         try:
-            self.app.send_task("ratchet.continue", kwargs=fields)
+            send(continuation, app=self.app)
         except Exception:
             # The broker refused the hand-over: keep the message for another try.
             log.exception(
