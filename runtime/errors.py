@@ -635,5 +635,10 @@ class MessageRefused(RatchetError):
     """
 
     def __init__(self, task: str, problem: str) -> None:
-        super().__init__(f"{task} message refused: {problem}", task, problem)
+        super().__init__(
+            f"{task} message refused: {problem}; nothing was sent or run: correct the message "
+            "(docs/celery.md lists each task's fields)",
+            task,
+            problem,
+        )
         self.task, self.problem = task, problem
