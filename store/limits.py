@@ -261,30 +261,30 @@ class LocalLimitStore(LimitStore):
             return CapUse(cap_key, tuple(doc.get("holders", ())), order)
 
     def overrides(self) -> dict[str, dict[str, Any]]:
-        with self._documents("config") as docs:
-            return dict(docs["config"].get("limits", {}))
+        return self._run_time("limits")
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
-        with self._documents("config", "known") as docs:
-            limits = docs["config"].setdefault("limits", {})
-            if values is None:
-                limits.pop(key, None)
-            else:
-                limits[key] = values
-                docs["known"].setdefault("limits", {})[key] = 1
+        self._set_run_time("limits", key, values)
 
     def cap_overrides(self) -> dict[str, int]:
-        with self._documents("config") as docs:
-            return dict(docs["config"].get("caps", {}))
+        return self._run_time("caps")
 
     def set_cap_override(self, cap_key: str, cap: int | None) -> None:
+        self._set_run_time("caps", cap_key, cap)
+
+    def _run_time(self, kind: str) -> dict[str, Any]:
+        with self._documents("config") as docs:
+            return dict(docs["config"].get(kind, {}))
+
+    def _set_run_time(self, kind: str, key: str, value: Any) -> None:
+        """Set (``None``: remove) a run-time value of ``kind``; a key once set stays known."""
         with self._documents("config", "known") as docs:
-            caps = docs["config"].setdefault("caps", {})
-            if cap is None:
-                caps.pop(cap_key, None)
+            table = docs["config"].setdefault(kind, {})
+            if value is None:
+                table.pop(key, None)
             else:
-                caps[cap_key] = cap
-                docs["known"].setdefault("caps", {})[cap_key] = 1
+                table[key] = value
+                docs["known"].setdefault(kind, {})[key] = 1
 
     def known(self) -> tuple[list[str], list[str]]:
         with self._documents("known") as docs:
@@ -637,12 +637,8 @@ class RedisLimitStore(LimitStore):
         return {_s(k): json.loads(v) for k, v in raw.items()}
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
-        with self._translated():
-            if values is None:
-                self._client.hdel(self._config, key)
-            else:
-                self._client.hset(self._config, key, json.dumps(values, sort_keys=True))
-                self._client.sadd(self._known, key)
+        encoded = None if values is None else json.dumps(values, sort_keys=True)
+        self._set_run_time(self._config, self._known, key, encoded)
 
     def cap_overrides(self) -> dict[str, int]:
         with self._translated():
@@ -650,12 +646,16 @@ class RedisLimitStore(LimitStore):
         return {_s(k): int(v) for k, v in raw.items()}
 
     def set_cap_override(self, cap_key: str, cap: int | None) -> None:
+        self._set_run_time(self._caps, self._known_caps, cap_key, cap)
+
+    def _set_run_time(self, table: str, known: str, key: str, value: str | int | None) -> None:
+        """Set (``None``: remove) ``key`` in hash ``table``; a key once set stays in ``known``."""
         with self._translated():
-            if cap is None:
-                self._client.hdel(self._caps, cap_key)
+            if value is None:
+                self._client.hdel(table, key)
             else:
-                self._client.hset(self._caps, cap_key, cap)
-                self._client.sadd(self._known_caps, cap_key)
+                self._client.hset(table, key, value)
+                self._client.sadd(known, key)
 
     def known(self) -> tuple[list[str], list[str]]:
         with self._translated():

@@ -261,18 +261,24 @@ class FileSnapshotStore(SnapshotStore):
             )
         return state.seq
 
-    def _move_aside(self, dir_fd: int, name: str, target: str) -> str:
+    @contextmanager
+    def _quarantine_dir(self, dir_fd: int) -> Iterator[int]:
+        """The quarantine directory (made if missing), opened without following a link."""
         try:
             os.mkdir(QUARANTINE, 0o700, dir_fd=dir_fd)
         except FileExistsError:
             pass
         quarantine_fd = os.open(QUARANTINE, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
         try:
+            yield quarantine_fd
+        finally:
+            os.close(quarantine_fd)
+
+    def _move_aside(self, dir_fd: int, name: str, target: str) -> str:
+        with self._quarantine_dir(dir_fd) as quarantine_fd:
             # rename() moves a link itself, never what it points to.
             os.rename(name, target, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
             os.fsync(quarantine_fd)
-        finally:
-            os.close(quarantine_fd)
         os.fsync(dir_fd)
         return str(self.directory / QUARANTINE / target)
 
@@ -629,15 +635,8 @@ class FileSnapshotStore(SnapshotStore):
             raise StoreUnavailable(self._where, exc.strerror or str(exc)) from exc
 
     def _keep_aside(self, dir_fd: int, target: str, data: bytes) -> None:
-        try:
-            os.mkdir(QUARANTINE, 0o700, dir_fd=dir_fd)
-        except FileExistsError:
-            pass
-        quarantine_fd = os.open(QUARANTINE, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
-        try:
+        with self._quarantine_dir(dir_fd) as quarantine_fd:
             self._write_head(quarantine_fd, target.split(".", 1)[0], data, target)
-        finally:
-            os.close(quarantine_fd)
 
     def _list(self) -> list[str]:
         try:
