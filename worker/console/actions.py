@@ -37,33 +37,34 @@ def _seq(form: Form) -> int | None:
     return int(value)
 
 
-def _continued(run_id: str, continuation_id: str, outcome: str) -> str:
-    # The same lines as `ratchet runs continue`.
+def _continue(
+    api: Ratchet,
+    run_id: str,
+    form: Form,
+    input: str | None = None,
+    approve: bool | None = None,
+    deny: str | None = None,
+) -> str:
+    """``ratchet runs continue`` with one answer, and the lines it prints."""
+    cid = form.get("continuation_id") or None
+    outcome = api.continue_run(
+        run_id, input, approve, deny, continuation_id=cid, suspension_seq=_seq(form)
+    )
     if outcome == "duplicate":
-        return f"run {run_id}: continuation {continuation_id} was already applied; nothing to do"
-    return f"run {run_id}: continued ({continuation_id}); its next turn is queued"
+        return f"run {run_id}: continuation {cid or ''} was already applied; nothing to do"
+    return f"run {run_id}: continued ({cid or ''}); its next turn is queued"
 
 
 def answer(api: Ratchet, run_id: str, form: Form) -> str:
-    cid = form.get("continuation_id") or None
-    outcome = api.continue_run(
-        run_id, input=form.get("input", ""), continuation_id=cid, suspension_seq=_seq(form)
-    )
-    return _continued(run_id, cid or "", outcome)
+    return _continue(api, run_id, form, input=form.get("input", ""))
 
 
 def approve(api: Ratchet, run_id: str, form: Form) -> str:
-    cid = form.get("continuation_id") or None
-    outcome = api.continue_run(run_id, approve=True, continuation_id=cid, suspension_seq=_seq(form))
-    return _continued(run_id, cid or "", outcome)
+    return _continue(api, run_id, form, approve=True)
 
 
 def deny(api: Ratchet, run_id: str, form: Form) -> str:
-    cid = form.get("continuation_id") or None
-    outcome = api.continue_run(
-        run_id, deny=form.get("reason", ""), continuation_id=cid, suspension_seq=_seq(form)
-    )
-    return _continued(run_id, cid or "", outcome)
+    return _continue(api, run_id, form, deny=form.get("reason", ""))
 
 
 def cancel(api: Ratchet, run_id: str, form: Form) -> str:
