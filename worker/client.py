@@ -48,9 +48,7 @@ def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: A
     again does not start a second run. Returns the Celery task id.
     """
     kwargs = {"agent_file": agent_file, "text": text, "run_id": run_id}
-    return str(
-        app.send_task("ratchet.start", kwargs=kwargs, queue=QUEUES["ratchet.start"], **options).id
-    )
+    return _send(app, "ratchet.start", kwargs, options)
 
 
 def continue_run(
@@ -81,16 +79,14 @@ def continue_run(
         "deny": deny,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return str(
-        app.send_task(
-            "ratchet.continue", kwargs=kwargs, queue=QUEUES["ratchet.continue"], **options
-        ).id
-    )
+    return _send(app, "ratchet.continue", kwargs, options)
 
 
 def cancel_run(app: Any, run_id: str, reason: str | None = None, **options: Any) -> str:
     """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
-    kwargs = {"run_id": run_id, "reason": reason}
-    return str(
-        app.send_task("ratchet.cancel", kwargs=kwargs, queue=QUEUES["ratchet.cancel"], **options).id
-    )
+    return _send(app, "ratchet.cancel", {"run_id": run_id, "reason": reason}, options)
+
+
+def _send(app: Any, task: str, kwargs: dict[str, Any], options: dict[str, Any]) -> str:
+    """Send ``task`` to its queue (whatever the app routes), by keyword; its task id."""
+    return str(app.send_task(task, kwargs=kwargs, queue=QUEUES[task], **options).id)
