@@ -40,6 +40,8 @@ LINE_KEEP_MS = 3_600_000
 
 @dataclass(frozen=True)
 class Admission:
+    """What :meth:`LimitStore.admit` decided for one model call."""
+
     verdict: Verdict
     place: int
     """Denied: the run's 0-based position in the waiting lines (runs under way first)."""
@@ -49,6 +51,8 @@ class Admission:
 
 @dataclass(frozen=True)
 class Place:
+    """What :meth:`LimitStore.acquire` found: a place under a concurrency key, or a line."""
+
     held: bool
     """The run holds one of the key's places (it may call the model)."""
     place: int
@@ -59,21 +63,30 @@ class Place:
 
 @dataclass(frozen=True)
 class LimitUse:
+    """A limit key's use right now, as ``ratchet limits`` shows it."""
+
     key: str
     requests_this_minute: int
+    """Model calls let through (or given a reserved time) in this wall-clock minute."""
     tokens_this_minute: int
+    """Their estimated tokens, corrected as each call settles (:meth:`LimitStore.settle`)."""
     ahead_s: dict[str, float]
     """Per rate: how far its schedule runs ahead of now (reserved calls, debt)."""
     blocked_s: float
+    """How long a 429's ``Retry-After`` still holds every call back (0: it does not)."""
     waiting: tuple[int, int]
     """Runs waiting: under way, new."""
 
 
 @dataclass(frozen=True)
 class CapUse:
+    """A concurrency key's use right now, as ``ratchet limits`` shows it."""
+
     key: str
     holders: tuple[str, ...]
+    """The runs holding a place."""
     waiting: tuple[str, ...]
+    """The runs waiting for one, first in line first."""
 
 
 def minute_of(wall_ms: float) -> int:
