@@ -180,7 +180,7 @@ def suspended_records(runs: RedisRunStore, count: int, batch: int = 2000) -> Non
                     ),
                 }
             )
-            runs._create_script(
+            runs._scripts["create"](
                 keys=[
                     runs._run_key(run_id, "record"),
                     runs._run_key(run_id, "events"),

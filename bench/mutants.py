@@ -779,8 +779,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- the fast path's lease in the index orphaned() walks (Redis) -------------
     Mutant(
         "L8",
-        "store/runs/lua/acquire.lua",
-        "  redis.call('SADD', KEYS[3], ARGV[5])\n",
+        "store/runs/lua/hold_lease.lua",
+        "    redis.call('SADD', process_set, run_id)\n",
         "",
         ("tests/contract/test_liveness_contract.py",),
         k="one_call and redis",

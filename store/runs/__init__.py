@@ -85,6 +85,11 @@ class RunRecord(Strict):
     suspension: Suspension | None = None
     """Suspended runs only: what the run waits for, and since when."""
 
+    @property
+    def finished(self) -> bool:
+        """The run will not move again: retention (:meth:`RunStore.purge`) may remove it."""
+        return self.status in FINISHED_STATUSES
+
     @classmethod
     def from_state(cls, state: RunState, now_ms: int, due_at_ms: int | None) -> RunRecord:
         return cls(
@@ -165,6 +170,20 @@ class Checkpoint(NamedTuple):
     """The stored snapshot's seq (compare-and-set); None: none is stored."""
 
 
+class Transition(NamedTuple):
+    """One transition as :meth:`RunStore._commit` writes it, atomically: the events
+    and record, the snapshot's parts, and with ``release`` the lease let go."""
+
+    record: RunRecord
+    events: builtins.list[Event]
+    owner: str | None
+    snapshots: SnapshotStore
+    parts: Parts
+    expected_seq: int | None
+    """The stored snapshot's seq (compare-and-set); None: none is stored."""
+    release: bool
+
+
 def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
     validate_run_id(record.run_id)
     if not events:
@@ -182,8 +201,9 @@ class RunStore(ABC):
 
     name: str = "run store"
 
-    def __init__(self, clock: Callable[[], int] = wall_ms) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        """``clock``: milliseconds now, for leases and liveness (default: the wall clock)."""
+        self.clock = clock or wall_ms
 
     # --- records and events -------------------------------------------------
 
@@ -261,20 +281,9 @@ class RunStore(ABC):
             raise ValueError("a transition's checkpoint is the state its last event produced")
         for _ in range(2):
             parts = snapshots._plan(run_id, state, expected_seq)
+            whole = Transition(record, mine, owner, snapshots, parts, expected_seq, release)
             try:
-                with_retries(
-                    functools.partial(
-                        self._commit_now,
-                        record,
-                        mine,
-                        owner,
-                        snapshots,
-                        parts,
-                        expected_seq,
-                        release,
-                    ),
-                    run_id,
-                )
+                with_retries(functools.partial(self._commit_now, whole), run_id)
             except TranscriptMoved:
                 snapshots._forget(run_id)
                 continue
@@ -288,29 +297,10 @@ class RunStore(ABC):
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
 
-    def _commit_now(
-        self,
-        record: RunRecord,
-        events: builtins.list[Event],
-        owner: str | None,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
-        self._commit(record, events, owner, self.clock(), snapshots, parts, expected_seq, release)
+    def _commit_now(self, whole: Transition) -> None:
+        self._commit(whole, self.clock())
 
-    def _commit(
-        self,
-        record: RunRecord,
-        events: builtins.list[Event],
-        owner: str | None,
-        now_ms: int,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
+    def _commit(self, whole: Transition, now_ms: int) -> None:
         """Backends that :meth:`commits_with` a snapshot store: the whole transition, atomically.
 
         Refuse it all with StaleWrite (the events' seq, or the snapshot's seq:
