@@ -485,9 +485,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- tasks/turn.py: a turn's life -----------------------------------------------
     Mutant(
         "T1",
-        "tasks/tools_parallel.py",
-        "attempts = TOOL_TIMEOUT_ATTEMPTS if item.spec.idempotent else 1",
-        "attempts = TOOL_TIMEOUT_ATTEMPTS",
+        "runtime/actions.py",
+        "    return TOOL_TIMEOUT_ATTEMPTS if idempotent else 1\n",
+        "    return TOOL_TIMEOUT_ATTEMPTS\n",
         TURN,
         k="tool or hung or idempotent",
     ),
@@ -528,8 +528,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T7",
-        "tasks/tools_parallel.py",
-        "    if item.spec.idempotent:\n        text = ",
+        "runtime/actions.py",
+        "    if idempotent:\n        text = ",
         "    if True:\n        text = ",
         TURN,
         k="tool or hung or idempotent",
@@ -550,9 +550,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T10",
-        "tasks/tools_parallel.py",
-        '    turn.checkpointed([("run.parked", data)])\n',
-        '    turn.record([("run.parked", data)])\n',
+        "tasks/turn.py",
+        '            self.checkpointed([("run.parked", action.data)])\n',
+        '            self.record([("run.parked", action.data)])\n',
         TURN,
     ),
     Mutant(
@@ -572,15 +572,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T13",
         "tasks/turn.py",
-        '                if self.asked_model:\n                    return "next"\n',
+        "                if self.asked_model:\n                    return TurnOutcome.NEXT\n",
         "",
         TURN,
     ),
     Mutant(
         "T14",
-        "tasks/turn.py",
-        "if self.state.status.is_live and self.agent.binding != self.state.binding:",
-        "if False:",
+        "runtime/fsm.py",
+        "    if agent.binding != state.binding:\n",
+        "    if False:\n",
         TURN,
     ),
     Mutant(
@@ -630,16 +630,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "V3",
-        "tasks/recovery.py",
-        "len(history) >= ctx.settings.max_recovery_attempts",
-        "len(history) > ctx.settings.max_recovery_attempts",
+        "runtime/recovery.py",
+        "(verdict.eligible and len(history) < max_attempts)",
+        "(verdict.eligible and len(history) <= max_attempts)",
         RECOVERY,
     ),
     Mutant(
         "V4",
-        "tasks/recovery.py",
-        "        if by == SWEEPER and (\n",
-        "        if False and (\n",
+        "runtime/recovery.py",
+        "    if by != SWEEPER or (",
+        "    if True or (",
         RECOVERY,
     ),
     Mutant(

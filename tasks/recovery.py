@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from runtime.actions import TurnOutcome
 from runtime.agent import describe_binding_change
 from runtime.errors import (
     LeaseLost,
@@ -36,10 +37,11 @@ from runtime.models import Event, RunState, RunStatus, validate_run_id
 from runtime.recovery import (
     OPERATOR,
     SWEEPER,
+    DeadLetter,
     Verdict,
     classify,
     consecutive_recoveries,
-    dead_letter_data,
+    dead_letter,
 )
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
@@ -115,7 +117,7 @@ def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> 
     Idempotent: a duplicate finds the lease taken or the run moved on, and does nothing.
     """
     done = resume(get_context(), validate_run_id(run_id), by, seen_seq)
-    if done.outcome == "next":
+    if done.outcome == TurnOutcome.NEXT:
         chain(run_id, done)
     return done.outcome
 
@@ -136,7 +138,7 @@ def resume(
         taken = took_over = True  # a turn took it from a dead holder
     if not taken:
         log.info("run %s: a worker holds the lease, so it is not orphaned; no resume", run_id)
-        return Advanced("leased", -1, 0)
+        return Advanced(TurnOutcome.LEASED, -1, 0)
     try:
         state, events, verdict = examine(ctx, run_id)
         seq = state.seq if state is not None else _last_seq(ctx, run_id)
@@ -149,13 +151,13 @@ def resume(
                 "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
             )
             ctx.runs.release_lease(run_id, owner)
-            return Advanced("stale", seq, 0)
+            return Advanced(TurnOutcome.STALE, seq, 0)
         turns = state.usage.model_turns if state is not None else 0
-        history = consecutive_recoveries(events)
-        if by == SWEEPER and (
-            not verdict.eligible or len(history) >= ctx.settings.max_recovery_attempts
-        ):
-            return _dead_letter(ctx, run_id, state, events, verdict, history, owner)
+        ending = dead_letter(
+            run_id, by, verdict, consecutive_recoveries(events), ctx.settings.max_recovery_attempts
+        )
+        if ending is not None:
+            return _dead_letter(ctx, run_id, state, ending, verdict.reason, owner)
         if not verdict.eligible:
             log.warning("%s", verdict.reason)
             if state is not None and not state.status.is_terminal:
@@ -163,7 +165,7 @@ def resume(
                 data = {"by": by, "status": state.status.value, "reason": verdict.reason}
                 seq = append_events(ctx, state, [("run.resume_refused", data)], owner).seq
             ctx.runs.release_lease(run_id, owner)
-            return Advanced("refused", seq, turns)
+            return Advanced(TurnOutcome.REFUSED, seq, turns)
         assert state is not None
         attempt = state.recovery_attempts + 1
         resumed = append_events(
@@ -173,7 +175,7 @@ def resume(
     except (LeaseLost, StaleWrite) as exc:
         log.warning("%s", exc)
         ctx.runs.release_lease(run_id, owner)
-        return Advanced("fenced", -1, 0)
+        return Advanced(TurnOutcome.FENCED, -1, 0)
     except BaseException:
         ctx.runs.release_lease(run_id, owner)
         raise
@@ -199,31 +201,26 @@ def _dead_letter(
     ctx: Context,
     run_id: str,
     state: RunState | None,
-    events: list[Event],
-    verdict: Verdict,
-    history: list[Event],
+    ending: DeadLetter,
+    verdict_reason: str,
     owner: str,
 ) -> Advanced:
-    """The sweeper gives up on a run: leaving it live would find it again every sweep."""
+    """Carry out ``ending`` on a run still live; a run that is not is only refused."""
+    data = ending.data
     try:
         record = ctx.runs.get(run_id)
         live = state.status.is_live if state is not None else bool(record and record.status.is_live)
         if record is None or not live:
-            log.warning("run %s: not resumed: %s", run_id, verdict.reason)
-            return Advanced("refused", state.seq if state else -1, 0)
-        data = dead_letter_data(run_id, history, ctx.settings.max_recovery_attempts)
-        if not verdict.eligible:
-            data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
+            log.warning("run %s: not resumed: %s", run_id, verdict_reason)
+            return Advanced(TurnOutcome.REFUSED, state.seq if state else -1, 0)
         if state is None:
             # Nothing to fold onto, but left live the run would be found every sweep.
-            ended = append_ending(
-                ctx, record, "run.dead_lettered", RunStatus.DEAD_LETTERED, data, owner
-            )
+            ended = append_ending(ctx, record, "run.dead_lettered", data, owner)
             log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-            return Advanced("dead_lettered", ended.last_seq, ended.usage.model_turns)
+            return Advanced(TurnOutcome.DEAD_LETTERED, ended.last_seq, ended.usage.model_turns)
         state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
         log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-        return Advanced("dead_lettered", state.seq, state.usage.model_turns)
+        return Advanced(TurnOutcome.DEAD_LETTERED, state.seq, state.usage.model_turns)
     finally:
         ctx.runs.release_lease(run_id, owner)
 

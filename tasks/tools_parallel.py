@@ -17,7 +17,8 @@ parks; any other call parks the run, naming the call.
 
 Every wait is bounded: a tool by ``tool_timeout_s`` (an idempotent one is tried
 ``TOOL_TIMEOUT_ATTEMPTS`` times; any other is left unknown, for its probe), a
-probe by ``probe_timeout_s``.
+probe by ``probe_timeout_s``. What follows a timeout, a probe's answer or a call
+that stays unknown is runtime/actions.py's to say; this module carries it out.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from runtime.actions import (
+    OutcomeUnknown,
+    Park,
+    RetryTool,
+    after_probe,
+    after_tool_timeout,
+    park,
+    probes_left,
+    tool_attempts,
+)
 from runtime.fsm import RunTool, Unresolved, tool_events, unknown_tool_outcome
 from runtime.models import ToolCall
-from runtime.probes import (
-    Answer,
-    Probed,
-    Rule,
-    ToolContext,
-    idempotency_key,
-    park_cause,
-    probed_event,
-)
+from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, ask_probe, invoke
 from tasks import failpoints
 from tasks.calls import CallTimedOut, Started, bounded, start
@@ -67,12 +70,6 @@ class Turn(Protocol):
 
 
 log = logging.getLogger("ratchet.turn")
-
-TOOL_TIMEOUT_ATTEMPTS = 3
-"""Tries in all for an idempotent tool that times out, before its call fails.
-
-A tool that is not idempotent gets one try per turn; when its probe says it did
-not run, it is tried again, as many times in all."""
 
 
 def tool_context(turn: Turn, call: ToolCall) -> ToolContext:
@@ -171,23 +168,22 @@ def _timed_out(turn: Turn, batch: _Batch, item: _Call) -> bool:
         item.started.result(0)  # abandons it: its thread is written off
     except CallTimedOut:
         pass
-    attempts = TOOL_TIMEOUT_ATTEMPTS if item.spec.idempotent else 1
     log.warning(
         "run %s: %s (attempt %s of %s)",
         turn.state.run_id,
         CallTimedOut(item.started.what, timeout_s),
         item.attempt,
-        attempts,
+        tool_attempts(item.spec.idempotent),
     )
-    if item.attempt < attempts:
+    then = after_tool_timeout(item.call, item.spec.idempotent, item.attempt, timeout_s)
+    if isinstance(then, RetryTool):
         batch.launch(item)
         return True
-    if item.spec.idempotent:
-        text = f"`{item.call.name}` did not return within {timeout_s:g} s, {item.attempt} times"
-        _record(turn, item.call, ToolOutcome(False, text))
-    else:
-        # Its outcome is unknown: the next decision asks its probe, or parks.
+    if isinstance(then, OutcomeUnknown):
+        # The next decision asks its probe, or parks.
         turn.timed_out[item.call.id] = turn.timed_out.get(item.call.id, 0) + 1
+    else:
+        _record(turn, item.call, then)
     return False
 
 
@@ -212,8 +208,8 @@ def _record(turn: Turn, call: ToolCall, outcome: ToolOutcome) -> None:
         turn.checkpointed(tool_events(call, outcome))
 
 
-def resolve(turn: Turn, action: Unresolved) -> bool:
-    """Probe, run again or park the calls cut short; False if the run was parked."""
+def resolve(turn: Turn, action: Unresolved) -> Park | None:
+    """Probe or run again the calls cut short; the Park to carry out if one stays unknown."""
     again: list[ToolCall] = []
     stuck: list[tuple[ToolCall, Probed | None]] = []
     asked = False
@@ -225,7 +221,7 @@ def resolve(turn: Turn, action: Unresolved) -> bool:
         if rule == Rule.PARK or spec is None:
             stuck.append((call, None))
             continue
-        if turn.timed_out.get(call.id, 0) >= TOOL_TIMEOUT_ATTEMPTS:
+        if not probes_left(turn.timed_out.get(call.id, 0)):
             stuck.append((call, turn.last_probed.get(call.id)))
             continue
         probed = _probe(turn, spec, call)
@@ -239,18 +235,20 @@ def resolve(turn: Turn, action: Unresolved) -> bool:
             call.id,
             probed.answer.value,
         )
-        if probed.answer == Answer.NOT_RUN:
+        then = after_probe(probed.answer)
+        if then == Rule.RERUN:
             again.append(call)
-        elif probed.answer != Answer.RAN:
+        elif then == Rule.PARK:
             stuck.append((call, probed))
     if asked:
         turn.checkpoint()
     if stuck:
-        park(turn, stuck)
-        return False
+        first = stuck[0][0]
+        timed_out_s = turn.agent.spec.tool_timeout_s if first.id in turn.timed_out else None
+        return park(turn.state.run_id, stuck, timed_out_s)
     if again:
         run_tools(turn, RunTool(again[0], tuple(again[1:])))
-    return True
+    return None
 
 
 def _probe(turn: Turn, spec: ToolSpec, call: ToolCall) -> Probed:
@@ -264,28 +262,3 @@ def _probe(turn: Turn, spec: ToolSpec, call: ToolCall) -> Probed:
         return Probed(Answer.TIMED_OUT, detail=f"no answer within {timeout_s:g} s")
     except Exception as exc:  # ask_probe catches the probe's own; this is the runtime's
         return Probed(Answer.FAILED, detail=type(exc).__name__)
-
-
-def park(turn: Turn, stuck: list[tuple[ToolCall, Probed | None]]) -> None:
-    """Park the run on the first call whose outcome stays unknown, naming it (and the rest)."""
-    call, probed = stuck[0]
-    timed_out_s = turn.agent.spec.tool_timeout_s if call.id in turn.timed_out else None
-    run_id = turn.state.run_id
-    reason = (
-        f"tool `{call.name}` (call {call.id}) {park_cause(probed, timed_out_s)}; check its "
-        f"effect, then `ratchet runs reconcile {run_id} {call.id}` with --result, --retry or --fail"
-    )
-    others = [c.id for c, _ in stuck[1:]]
-    if others:
-        reason += f"; calls {', '.join(others)} are unknown too: reconcile each"
-    data: dict[str, Any] = {
-        "reason": reason,
-        "call_id": call.id,
-        "tool": call.name,
-        "arguments": call.arguments,
-    }
-    if probed is not None:
-        data["probe"] = probed.answer.value
-    if others:
-        data["also_unknown"] = others
-    turn.checkpointed([("run.parked", data)])

@@ -52,9 +52,9 @@ from typing import Any, NamedTuple
 
 from celery.signals import worker_shutting_down
 
-from runtime.agent import Agent, describe_binding_change
+from runtime.actions import CheckBinding, Park, Stall, TurnOutcome, binding_stall, model_failed
+from runtime.agent import Agent
 from runtime.errors import (
-    BindingChanged,
     LeaseLost,
     ProviderError,
     ProviderRateLimited,
@@ -98,7 +98,6 @@ from tasks.journal import (
 from tasks.queues import tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
-from tasks.tools_parallel import TOOL_TIMEOUT_ATTEMPTS as TOOL_TIMEOUT_ATTEMPTS
 from tasks.tools_parallel import resolve, run_tools
 
 log = logging.getLogger("ratchet.turn")
@@ -132,14 +131,13 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     done = advance(ctx, validate_run_id(run_id), expected_seq, redelivered=redelivered)
     metrics.turn_timed(time.perf_counter() - started, throttled=done.countdown_s > 0)
     metrics.turn_done(done.outcome)
-    if done.outcome == "next":
+    if done.outcome == TurnOutcome.NEXT:
         chain(run_id, done)
     return done.outcome
 
 
 class Advanced(NamedTuple):
-    outcome: str
-    """next | suspended | completed | failed | parked | stalled | idle | leased | stale | …"""
+    outcome: TurnOutcome
     seq: int
     """The run's seq afterwards (-1 when the run was not read)."""
     turns: int
@@ -187,13 +185,13 @@ def advance(
         return _recover_takeover(ctx, run_id, owner)
     if not claim.taken:
         log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
-        return Advanced("leased", -1, 0)
+        return Advanced(TurnOutcome.LEASED, -1, 0)
     turn: Turn | None = None
     try:
         turn = Turn.open(ctx, run_id, owner, record) if record is not None else None
         if turn is None:
             log.warning("run %s: no such run; dropping the message", run_id)
-            return Advanced("missing", -1, 0)
+            return Advanced(TurnOutcome.MISSING, -1, 0)
         if expected_seq is not None and turn.state.seq != expected_seq:
             log.info(
                 "run %s: message expects seq %s but the run is at %s; a late or duplicate "
@@ -202,7 +200,7 @@ def advance(
                 expected_seq,
                 turn.state.seq,
             )
-            return Advanced("stale", turn.state.seq, turn.state.usage.model_turns)
+            return Advanced(TurnOutcome.STALE, turn.state.seq, turn.state.usage.model_turns)
         with turn.heartbeat():
             turn.adopt()
             outcome = turn.take()
@@ -211,13 +209,15 @@ def advance(
             outcome,
             turn.state.seq,
             turn.state.usage.model_turns,
-            turn.waited.countdown_s if turn.waited is not None and outcome == "next" else 0.0,
+            turn.waited.countdown_s
+            if turn.waited is not None and outcome == TurnOutcome.NEXT
+            else 0.0,
             limits.turn_priority(ctx, turn.agent, turn.state),
         )
     except (LeaseLost, StaleWrite) as exc:
         # A zombie: our lease expired and another worker moved the run on.
         log.warning("%s", exc)
-        return Advanced("fenced", -1, 0)
+        return Advanced(TurnOutcome.FENCED, -1, 0)
     finally:
         if turn is None or not turn.released:
             ctx.runs.release_lease(run_id, owner)
@@ -342,48 +342,54 @@ class Turn:
         if self.snapshot_seq != self.state.seq and self.state.status.is_live:
             self.checkpoint()
 
-    def take(self) -> str:
-        """Run decisions until the turn ends. Returns next | suspended | completed | failed | …"""
-        if self.state.status.is_live and self.agent.binding != self.state.binding:
-            return self._stall_on_binding()
-        while True:
-            if self.released:
-                return "next"  # the last checkpoint let the lease go: the next turn decides
-            if stopping() and self.state.status.is_live:
+    def take(self) -> TurnOutcome:
+        """Carry out decisions until the turn ends; how it ended."""
+        while not self.released:  # the last checkpoint let the lease go: the next turn decides
+            action = decide(self.state, self.agent, self.ctx.runs.clock())
+            if stopping() and not isinstance(action, (CheckBinding, Idle)):
                 log.info(
                     "run %s: worker shutting down; stopping at seq %s and chaining the rest",
                     self.state.run_id,
                     self.state.seq,
                 )
-                return "next"
-            action = decide(self.state, self.agent, self.ctx.runs.clock())
+                return TurnOutcome.NEXT
             if isinstance(action, CallModel):
                 if self.asked_model:
-                    return "next"
+                    return TurnOutcome.NEXT
                 self.asked_model = True
-                self.call_model(action.request)
-                if self.waited is not None:
-                    return "stalled" if self.waited.stalls else "next"
-                if self.state.status.is_terminal:
-                    return self.finish()
-                continue
-            ended = self.perform(action)
+                ended = self.call_model(action.request)
+            else:
+                ended = self.perform(action)
             if ended is not None:
                 return ended
+        return TurnOutcome.NEXT
 
-    def perform(self, action: Action) -> str | None:
+    def perform(self, action: Action) -> TurnOutcome | None:
         """Carry out one action other than a model call; the turn's outcome if it ends it."""
         if isinstance(action, Idle):
-            return "idle"
+            return TurnOutcome.IDLE
         if isinstance(action, Fail):
             budget = {"budget": action.budget} if action.budget else {}
-            self.record([("run.failed", {"reason": action.reason, **budget})])
+            self.record([*action.preceded_by, ("run.failed", {"reason": action.reason, **budget})])
             return self.finish()
+        if isinstance(action, CheckBinding):
+            first = self.ctx.runs.events(self.state.run_id, after_seq=0, limit=1)
+            created = first[0].data.get("binding_document") if first else None
+            stall = binding_stall(self.state, self.agent, created)
+            log.warning("%s", stall.reason)
+            return self.perform(stall)
+        if isinstance(action, Stall):
+            self.record([*action.preceded_by, ("run.stalled", {"reason": action.reason})])
+            self.checkpoint()
+            return TurnOutcome.STALLED
+        if isinstance(action, Park):
+            self.checkpointed([("run.parked", action.data)])
+            return TurnOutcome.PARKED
         if isinstance(action, Suspend):
             self.checkpointed([suspension_event(action)])
             if action.reason == RunStatus.WAITING:
                 schedule_wake(self.ctx, self.state)
-            return "suspended"
+            return TurnOutcome.SUSPENDED
         if isinstance(action, StartChild):
             start_child(self.ctx, self.state, action.call, action.child_id)
             wait = Suspend(
@@ -391,22 +397,23 @@ class Turn:
             )
             self.record([suspension_event(wait)])
             self.checkpoint()
-            return "suspended"
+            return TurnOutcome.SUSPENDED
         if isinstance(action, RefuseCall):
             self.checkpointed(tool_events(action.call, ToolOutcome(False, action.error)))
             return None
         if isinstance(action, RunTool):
             run_tools(self, action)
-        if isinstance(action, Unresolved) and not resolve(self, action):
-            return "parked"
+        if isinstance(action, Unresolved):
+            parked = resolve(self, action)
+            return self.perform(parked) if parked is not None else None
         return None
 
-    def call_model(self, request: ModelRequest) -> None:
+    def call_model(self, request: ModelRequest) -> TurnOutcome | None:
+        """Call the model and checkpoint its response; the turn's outcome if that ends it."""
         turn = request.turn + 1
         gate = limits.admit(self.ctx, self.agent, self.state, request)
         if isinstance(gate, limits.Wait):
-            self.wait_on_limit(gate)
-            return
+            return self.wait_on_limit(gate)
         self.record([("model.requested", {"turn": turn})])
         abandoned = threading.Event()
 
@@ -427,61 +434,37 @@ class Turn:
                 abandoned.set()
             # A counted attempt: the next turn asks again, as a new model.requested.
             self.record([("model.failed", {"turn": turn, "error": str(exc), "timeout": True})])
-            return
+            return None
         except ProviderRateLimited as exc:
-            self.wait_on_limit(limits.refused(self.ctx, self.agent, self.state, gate, turn, exc))
-            return
+            return self.wait_on_limit(
+                limits.refused(self.ctx, self.agent, self.state, gate, turn, exc)
+            )
         except ProviderError as exc:
-            if exc.retryable:
-                # The provider is down for longer than its retries cover: nothing about
-                # the run is wrong, so park it for an operator rather than end it.
-                reason = (
-                    f"model call for turn {turn} failed: {exc}; once the provider is back, "
-                    f"`ratchet runs resume {self.state.run_id}`"
-                )
-                ending = ("run.stalled", {"reason": reason})
-            else:
-                ending = ("run.failed", {"reason": f"model call for turn {turn} failed: {exc}"})
-            self.record([("model.failed", {"turn": turn, "error": str(exc)}), ending])
-            if exc.retryable:
-                self.checkpoint()
-            return
+            return self.perform(model_failed(self.state.run_id, turn, str(exc), exc.retryable))
         failpoints.hit("model.response.received", turn)
         limits.settle(self.ctx, gate, response)
         self.checkpointed(response_events(response))
         failpoints.hit("model.response.checkpointed", turn)
+        return self.finish() if self.state.status.is_terminal else None
 
-    def wait_on_limit(self, wait: limits.Wait) -> None:
+    def wait_on_limit(self, wait: limits.Wait) -> TurnOutcome:
         """Record the wait (no attempt counted); the turn ends and is chained after it."""
         self.waited = wait
         if wait.events:
             self.record(wait.events)
         if wait.stalls:
             self.checkpoint()
+            return TurnOutcome.STALLED
+        return TurnOutcome.NEXT
 
-    def finish(self) -> str:
+    def finish(self) -> TurnOutcome:
         """A terminal run keeps its events; its snapshot has served its purpose."""
         self.ctx.forget_checkpoint(self.state.run_id)
         self.ctx.snapshots.delete(self.state.run_id)
         if self.state.parent is not None:
             # The fast path; the sweeper tells the parent if this process dies first.
             tell_parent_soon(self.state.run_id)
-        return self.state.status.value
-
-    def _stall_on_binding(self) -> str:
-        before = self._created_binding_document()
-        changed = (
-            describe_binding_change(before, self.agent.binding_document) if before else "binding"
-        )
-        error = BindingChanged(self.state.run_id, self.agent.name, changed)
-        log.warning("%s", error)
-        self.record([("run.stalled", {"reason": str(error)})])
-        self.checkpoint()
-        return "stalled"
-
-    def _created_binding_document(self) -> dict[str, Any] | None:
-        first = self.ctx.runs.events(self.state.run_id, after_seq=0, limit=1)
-        return first[0].data.get("binding_document") if first else None
+        return TurnOutcome.of(self.state.status)
 
     # --- persistence ----------------------------------------------------------
 
