@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.agent import Agent, describe_binding_change
 from runtime.errors import BindingChanged
@@ -179,6 +179,20 @@ class TurnOutcome(StrEnum):
         if status == RunStatus.NEEDS_RECONCILIATION:
             return cls.PARKED
         return cls(status.value)
+
+
+class Advanced(NamedTuple):
+    """How one turn left the run (``tasks.turn.advance``): what the task does next."""
+
+    outcome: TurnOutcome
+    seq: int
+    """The run's seq afterwards (-1 when the run was not read)."""
+    turns: int
+    """Model turns the run has had."""
+    countdown_s: float = 0.0
+    """``next`` after waiting on a limit (tasks/limits.py): chain the turn this much later."""
+    priority: int | None = None
+    """The broker priority of the next turn (runs under way before new ones)."""
 
 
 # --- rules for steps that went wrong -------------------------------------------

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from runtime.actions import TurnOutcome
+from runtime.actions import Advanced, TurnOutcome
 from runtime.agent import describe_binding_change
 from runtime.errors import (
     LeaseLost,
@@ -52,7 +52,8 @@ from tasks.liveness import claim
 from tasks.queues import CONTROL_QUEUE, tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import Advanced, advance, chain, recover_takeovers_with, run_turn
+from tasks.turn import advance, chain, run_turn
+from tasks.turn_lease import recover_takeovers_with
 
 log = logging.getLogger("ratchet.recovery")
 

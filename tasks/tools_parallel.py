@@ -27,7 +27,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from runtime.actions import (
     OutcomeUnknown,
@@ -47,26 +47,7 @@ from tasks import failpoints
 from tasks.calls import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
-    import threading
-
-    from runtime.agent import Agent
-    from runtime.models import RunState
-
-
-class Turn(Protocol):
-    """What the parallel calls use of the turn running them (tasks.turn.Turn)."""
-
-    agent: Agent
-    state: RunState
-    recording: threading.RLock
-    timed_out: dict[str, int]
-    last_probed: dict[str, Probed]
-
-    def record(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
-
-    def checkpoint(self) -> None: ...
-
-    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
+    from tasks.held_run import HeldRun as Turn
 
 
 log = logging.getLogger("ratchet.turn")
