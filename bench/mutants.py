@@ -613,6 +613,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "            release = True\n",
         ("tests/test_transition_snapshots.py",),
     ),
+    Mutant(
+        "T19",
+        "tasks/held_run.py",
+        '{"reason": action.reason})])\n            self.checkpoint()\n            return TurnOutcome.STALLED\n',
+        '{"reason": action.reason})])\n            self.checkpoint()\n            return TurnOutcome.IDLE\n',
+        ("tests/test_openai_runs.py",),
+        k="outage",
+    ),
     # --- tasks/recovery.py: resume, dead letters, the sweep, reconcile ---------------
     Mutant(
         "V1",
