@@ -508,8 +508,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T4",
         "tasks/tools_parallel.py",
-        "        turn.checkpointed(tool_events(call, outcome))\n",
-        "        turn.record(tool_events(call, outcome))\n",
+        "        held.checkpointed(tool_events(call, outcome))\n",
+        "        held.record(tool_events(call, outcome))\n",
         TURN,
     ),
     Mutant(
@@ -600,7 +600,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T17",
-        "tasks/journal.py",
+        "tasks/persistence.py",
         "        ctx.snapshots.save(state, late)\n",
         "        raise\n",
         TURN,

@@ -198,12 +198,12 @@ class Advanced(NamedTuple):
 # --- rules for steps that went wrong -------------------------------------------
 
 
-def model_failed(run_id: str, model_call: int, error: str, retryable: bool) -> Stall | Fail:
+def model_failed(run_id: str, model_calls: int, error: str, retryable: bool) -> Stall | Fail:
     """A provider error after its own retries: a retryable one (the provider is down for
     longer than they cover) stalls the run for a resume, since nothing about the run is
-    wrong; any other fails it. ``model_call`` is 1-based."""
-    what = f"model call for turn {model_call} failed: {error}"
-    failed: Items = (("model.failed", {"turn": model_call, "error": error}),)
+    wrong; any other fails it. ``model_calls``: the run's model calls, this one included."""
+    what = f"model call for turn {model_calls} failed: {error}"
+    failed: Items = (("model.failed", {"turn": model_calls, "error": error}),)
     if retryable:
         reason = f"{what}; once the provider is back, `ratchet runs resume {run_id}`"
         return Stall(reason, failed)

@@ -459,7 +459,7 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
     request = ModelRequest(
         messages=in_request_order(state.transcript),
         tools=agent.declarations(),
-        turn=state.usage.model_turns,
+        model_call=state.usage.model_turns,
     )
     return CallModel(request)
 

@@ -15,7 +15,7 @@ from runtime.errors import RunNotFound
 from runtime.models import RunState, validate_run_id
 from tasks.context import Context
 from tasks.control import holding_lease
-from tasks.journal import append_events, load
+from tasks.persistence import append_events, load
 from tasks.queues import chain_turn
 
 

@@ -50,7 +50,7 @@ from runtime.errors import (
 from runtime.models import SUSPENDED_STATUSES, Event, RunState, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
-from tasks.journal import append_ending, append_events, load, new_owner, save_snapshot
+from tasks.persistence import append_ending, append_events, load, new_owner, save_snapshot
 from tasks.queues import chain_turn, tell_parent_soon
 from tasks.task_base import ratchet_task
 

@@ -4,7 +4,7 @@ Every write is fenced: events need the lease and the next seq, snapshots a
 compare-and-set on seq. A worker that lost its lease cannot write; the turn logs
 why and stops. :meth:`HeldRun.checkpointed` is the turn's usual write: the events,
 the snapshot and, on the turn's last checkpoint, the lease's release, in one store
-call when both stores are one Redis (:func:`tasks.journal.commit_checkpointed`).
+call when both stores are one Redis (:func:`tasks.persistence.commit_checkpointed`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from store.runs import RunRecord
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context
-from tasks.journal import append_events, commit_checkpointed, load, save_snapshot, transition
+from tasks.persistence import append_events, commit_checkpointed, load, save_snapshot, transition
 from tasks.queues import tell_parent_soon
 
 log = logging.getLogger("ratchet.turn")
@@ -98,7 +98,7 @@ class HeldRun:
     def open(
         cls, ctx: Context, run_id: str, owner: str, record: RunRecord | None = None
     ) -> HeldRun | None:
-        """The run as :func:`tasks.journal.load` finds it; None if there is no such run."""
+        """The run as :func:`tasks.persistence.load` finds it; None if there is no such run."""
         try:
             loaded = load(ctx, run_id, record=record)
         except RunNotFound:
@@ -127,41 +127,43 @@ class HeldRun:
         call that outlives ``model_timeout_s`` is abandoned (Python cannot kill a thread;
         whatever it reports afterwards is dropped) and counts as a failed attempt: the
         next turn asks again, within ``max_turns``."""
-        turn = request.turn + 1
+        model_calls = request.model_call + 1
         gate = limits.admit(self.ctx, self.agent, self.state, request)
         if isinstance(gate, limits.Wait):
             return self.wait_on_limit(gate)
-        self.record([("model.requested", {"turn": turn})])
+        self.record([("model.requested", {"turn": model_calls})])
         abandoned = threading.Event()
 
         def observe(kind: str, data: dict[str, Any]) -> None:
             with self._recording:
                 if not abandoned.is_set():
-                    self.record([(kind, {"turn": turn, **data})])
+                    self.record([(kind, {"turn": model_calls, **data})])
 
         timeout_s = self.agent.spec.model_timeout_s
         try:
             response = bounded(
                 lambda: self.agent.provider.complete(request, observer=observe),
                 timeout_s,
-                f"model call for turn {turn}",
+                f"model call for turn {model_calls}",
             )
         except CallTimedOut as exc:
             with self._recording:
                 abandoned.set()
             # A counted attempt: the next turn asks again, as a new model.requested.
-            self.record([("model.failed", {"turn": turn, "error": str(exc), "timeout": True})])
+            self.record(
+                [("model.failed", {"turn": model_calls, "error": str(exc), "timeout": True})]
+            )
             return None
         except ProviderRateLimited as exc:
             return self.wait_on_limit(
-                limits.refused(self.ctx, self.agent, self.state, gate, turn, exc)
+                limits.refused(self.ctx, self.agent, self.state, gate, model_calls, exc)
             )
         except ProviderError as exc:
-            return self.end(model_failed(self.state.run_id, turn, str(exc), exc.retryable))
-        failpoints.hit("model.response.received", turn)
+            return self.end(model_failed(self.state.run_id, model_calls, str(exc), exc.retryable))
+        failpoints.hit("model.response.received", model_calls)
         limits.settle(self.ctx, gate, response)
         self.checkpointed(response_events(response))
-        failpoints.hit("model.response.checkpointed", turn)
+        failpoints.hit("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
 
     def wait_on_limit(self, wait: limits.Wait) -> TurnOutcome:
@@ -223,8 +225,8 @@ class HeldRun:
             return
         with self._recording:
             change = transition(self.ctx, self.state, items)
-            turn = change.state.usage.model_turns
-            failpoints.hit("snapshot.before_save", turn)
+            model_calls = change.state.usage.model_turns
+            failpoints.hit("snapshot.before_save", model_calls)
             release = self._ends_turn(change.state)
             try:
                 started = time.perf_counter()
@@ -246,7 +248,7 @@ class HeldRun:
                 if self._beat is not None:
                     heartbeats().remove(self._beat)
             self.ctx.remember_checkpoint(self.state)
-            failpoints.hit("snapshot.after_save", turn)
+            failpoints.hit("snapshot.after_save", model_calls)
 
     def _ends_turn(self, state: RunState) -> bool:
         """Whether the turn ends right after checkpointing ``state``, with the next model call
@@ -260,8 +262,8 @@ class HeldRun:
 
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
-        turn = self.state.usage.model_turns
-        failpoints.hit("snapshot.before_save", turn)
+        model_calls = self.state.usage.model_turns
+        failpoints.hit("snapshot.before_save", model_calls)
         try:
             started = time.perf_counter()
             save_snapshot(self.ctx, self.state, self.snapshot_seq, self.owner)
@@ -272,7 +274,7 @@ class HeldRun:
             raise error from exc
         self.snapshot_seq = self.state.seq
         self.ctx.remember_checkpoint(self.state)
-        failpoints.hit("snapshot.after_save", turn)
+        failpoints.hit("snapshot.after_save", model_calls)
 
     def _record_stall(self, reason: str) -> None:
         try:

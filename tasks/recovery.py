@@ -47,12 +47,12 @@ from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks import metrics
 from tasks.context import Context, get_context
-from tasks.journal import append_ending, append_events, load, new_owner
 from tasks.liveness import claim
+from tasks.persistence import append_ending, append_events, load, new_owner
 from tasks.queues import CONTROL_QUEUE, tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import advance, chain, run_turn
+from tasks.turn import advance, enqueue_next, run_turn
 from tasks.turn_lease import recover_takeovers_with
 
 log = logging.getLogger("ratchet.recovery")
@@ -66,7 +66,7 @@ DECISIONS = ("result", "retry", "fail")
 def examine(
     ctx: Context, run_id: str, set_aside: bool = True
 ) -> tuple[RunState | None, list[Event], Verdict]:
-    """Load the run (:func:`tasks.journal.load`) and classify it for resume.
+    """Load the run (:func:`tasks.persistence.load`) and classify it for resume.
 
     ``set_aside``: move an unusable snapshot aside (callers that hold the lease).
     RunNotFound if there is no such run; a run whose events cannot give a state
@@ -119,8 +119,8 @@ def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> 
     """
     done = resume(get_context(), validate_run_id(run_id), by, seen_seq)
     if done.outcome == TurnOutcome.NEXT:
-        chain(run_id, done)
-    return done.outcome
+        enqueue_next(run_id, done)
+    return done.outcome.value
 
 
 def resume(

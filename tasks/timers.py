@@ -18,7 +18,7 @@ from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
 from tasks.control import holding_lease
-from tasks.journal import append_events, load
+from tasks.persistence import append_events, load
 from tasks.queues import CONTROL_QUEUE, chain_turn
 from tasks.task_base import ratchet_task
 

@@ -47,16 +47,16 @@ from tasks import failpoints
 from tasks.calls import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
-    from tasks.held_run import HeldRun as Turn
+    from tasks.held_run import HeldRun
 
 
 log = logging.getLogger("ratchet.turn")
 
 
-def tool_context(turn: Turn, call: ToolCall) -> ToolContext:
+def tool_context(held: HeldRun, call: ToolCall) -> ToolContext:
     """The call's context: its key is the same on every attempt and every worker."""
-    run_id = turn.state.run_id
-    key = idempotency_key(run_id, turn.state.usage.model_turns, call.id)
+    run_id = held.state.run_id
+    key = idempotency_key(run_id, held.state.usage.model_turns, call.id)
     return ToolContext(run_id=run_id, call_id=call.id, idempotency_key=key)
 
 
@@ -72,12 +72,12 @@ class _Call:
 
 @dataclass
 class _Batch:
-    turn: Turn
+    held: HeldRun
     finished: queue.SimpleQueue[tuple[int, int]] = field(default_factory=queue.SimpleQueue)
 
     def launch(self, item: _Call) -> None:
         item.attempt += 1
-        spec, call, context = item.spec, item.call, tool_context(self.turn, item.call)
+        spec, call, context = item.spec, item.call, tool_context(self.held, item.call)
         index, attempt, finished = item.index, item.attempt, self.finished
 
         def job() -> ToolOutcome:
@@ -87,18 +87,18 @@ class _Batch:
                 finished.put((index, attempt))
 
         item.started = start(job, f"tool {call.name}")
-        item.deadline = time.monotonic() + self.turn.agent.spec.tool_timeout_s
+        item.deadline = time.monotonic() + self.held.agent.spec.tool_timeout_s
 
 
-def run_tools(turn: Turn, action: RunTool) -> None:
+def run_tools(held: HeldRun, action: RunTool) -> None:
     """Run the action's calls side by side; journal and checkpoint each outcome as it comes.
 
     A call that is not idempotent and outlives ``tool_timeout_s`` is left requested
-    with no outcome (recorded in ``turn.timed_out``): the next decision is then
+    with no outcome (recorded in ``held.timed_out``): the next decision is then
     :class:`Unresolved`, which asks its probe or parks the run.
     """
-    state = turn.state
-    turn_number = state.usage.model_turns
+    state = held.state
+    model_calls = state.usage.model_turns
     fresh = [c for c in action.calls if c.id not in state.running]
     for call in action.calls:
         if call.id in state.running:
@@ -110,14 +110,14 @@ def run_tools(turn: Turn, action: RunTool) -> None:
                 call.id,
             )
     if fresh:
-        turn.record([_requested(call) for call in fresh])
-    failpoints.hit("tool.requested", turn_number)
-    batch = _Batch(turn)
+        held.record([_requested(call) for call in fresh])
+    failpoints.hit("tool.requested", model_calls)
+    batch = _Batch(held)
     waiting: dict[int, _Call] = {}
     for index, call in enumerate(action.calls):
-        spec = turn.agent.tools.get(call.name)
+        spec = held.agent.tools.get(call.name)
         if spec is None:
-            _record(turn, call, unknown_tool_outcome(call, turn.agent))
+            _record(held, call, unknown_tool_outcome(call, held.agent))
             continue
         item = waiting[index] = _Call(index, call, spec)
         batch.launch(item)
@@ -132,26 +132,26 @@ def run_tools(turn: Turn, action: RunTool) -> None:
             item = waiting.pop(index)
             assert item.started is not None
             outcome = _outcome(item.started, item.call)
-            failpoints.hit("tool.completed", turn_number)
-            _record(turn, item.call, outcome)
+            failpoints.hit("tool.completed", model_calls)
+            _record(held, item.call, outcome)
             continue
         now = time.monotonic()
         for item in [i for i in waiting.values() if i.deadline <= now and not _done(i)]:
-            if not _timed_out(turn, batch, item):
+            if not _timed_out(held, batch, item):
                 del waiting[item.index]
 
 
-def _timed_out(turn: Turn, batch: _Batch, item: _Call) -> bool:
+def _timed_out(held: HeldRun, batch: _Batch, item: _Call) -> bool:
     """``item`` outlived ``tool_timeout_s``: abandon it; True if it was started again."""
     assert item.started is not None
-    timeout_s = turn.agent.spec.tool_timeout_s
+    timeout_s = held.agent.spec.tool_timeout_s
     try:
         item.started.result(0)  # abandons it: its thread is written off
     except CallTimedOut:
         pass
     log.warning(
         "run %s: %s (attempt %s of %s)",
-        turn.state.run_id,
+        held.state.run_id,
         CallTimedOut(item.started.what, timeout_s),
         item.attempt,
         tool_attempts(item.spec.idempotent),
@@ -162,9 +162,9 @@ def _timed_out(turn: Turn, batch: _Batch, item: _Call) -> bool:
         return True
     if isinstance(then, OutcomeUnknown):
         # The next decision asks its probe, or parks.
-        turn.timed_out[item.call.id] = turn.timed_out.get(item.call.id, 0) + 1
+        held.timed_out[item.call.id] = held.timed_out.get(item.call.id, 0) + 1
     else:
-        _record(turn, item.call, then)
+        _record(held, item.call, then)
     return False
 
 
@@ -183,35 +183,35 @@ def _requested(call: ToolCall) -> tuple[str, dict[str, Any]]:
     return ("tool.requested", {"call_id": call.id, "name": call.name, "arguments": call.arguments})
 
 
-def _record(turn: Turn, call: ToolCall, outcome: ToolOutcome) -> None:
+def _record(held: HeldRun, call: ToolCall, outcome: ToolOutcome) -> None:
     """Journal one call's outcome and checkpoint it: from here on it never runs again."""
-    with turn.recording:
-        turn.checkpointed(tool_events(call, outcome))
+    with held.recording:
+        held.checkpointed(tool_events(call, outcome))
 
 
-def resolve(turn: Turn, action: Unresolved) -> Park | None:
+def resolve(held: HeldRun, action: Unresolved) -> Park | None:
     """Probe or run again the calls cut short; the Park to carry out if one stays unknown."""
     again: list[ToolCall] = []
     stuck: list[tuple[ToolCall, Probed | None]] = []
     asked = False
     for call, rule in action.calls:
-        spec = turn.agent.tools.get(call.name)
+        spec = held.agent.tools.get(call.name)
         if rule == Rule.RERUN:
             again.append(call)
             continue
         if rule == Rule.PARK or spec is None:
             stuck.append((call, None))
             continue
-        if not probes_left(turn.timed_out.get(call.id, 0)):
-            stuck.append((call, turn.last_probed.get(call.id)))
+        if not probes_left(held.timed_out.get(call.id, 0)):
+            stuck.append((call, held.last_probed.get(call.id)))
             continue
-        probed = _probe(turn, spec, call)
-        turn.record([probed_event(call.id, call.name, probed)])
+        probed = _probe(held, spec, call)
+        held.record([probed_event(call.id, call.name, probed)])
         asked = True
-        turn.last_probed[call.id] = probed
+        held.last_probed[call.id] = probed
         log.info(
             "run %s: the probe of tool %s (call %s) answered %s",
-            turn.state.run_id,
+            held.state.run_id,
             call.name,
             call.id,
             probed.answer.value,
@@ -222,19 +222,19 @@ def resolve(turn: Turn, action: Unresolved) -> Park | None:
         elif then == Rule.PARK:
             stuck.append((call, probed))
     if asked:
-        turn.checkpoint()
+        held.checkpoint()
     if stuck:
         first = stuck[0][0]
-        timed_out_s = turn.agent.spec.tool_timeout_s if first.id in turn.timed_out else None
-        return park(turn.state.run_id, stuck, timed_out_s)
+        timed_out_s = held.agent.spec.tool_timeout_s if first.id in held.timed_out else None
+        return park(held.state.run_id, stuck, timed_out_s)
     if again:
-        run_tools(turn, RunTool(again[0], tuple(again[1:])))
+        run_tools(held, RunTool(again[0], tuple(again[1:])))
     return None
 
 
-def _probe(turn: Turn, spec: ToolSpec, call: ToolCall) -> Probed:
-    timeout_s = turn.agent.spec.probe_timeout_s
-    context = tool_context(turn, call)
+def _probe(held: HeldRun, spec: ToolSpec, call: ToolCall) -> Probed:
+    timeout_s = held.agent.spec.probe_timeout_s
+    context = tool_context(held, call)
     try:
         return bounded(
             lambda: ask_probe(spec, call.arguments, context), timeout_s, f"probe of {call.name}"

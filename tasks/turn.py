@@ -4,7 +4,7 @@
 2. **Lease** (:func:`advance`, tasks/turn_lease.py): taken, or taken from a holder
    whose process died (the run is then recovered as the sweeper would); held by
    another worker, this message is a duplicate: do nothing.
-3. **Load** (tasks/held_run.py, :func:`tasks.journal.load`): the snapshot with the
+3. **Load** (tasks/held_run.py, :func:`tasks.persistence.load`): the snapshot with the
    events it lacks folded on. Not at the seq the message expects: a late or
    duplicate message, do nothing.
 4. **Decide, carry out** (:func:`take`): :func:`runtime.fsm.decide` returns one
@@ -13,11 +13,11 @@
    records it. A step that goes wrong asks runtime/actions.py what follows.
 5. **Checkpoint** (``HeldRun.checkpointed``): events and snapshot, fenced by lease
    and seq; the turn's last checkpoint takes the lease's release along.
-6. **Chain** (:func:`chain`) the next turn, carrying the seq it must find.
+6. **Enqueue the next turn** (:func:`enqueue_next`), carrying the seq it must find.
 
 To follow one message to the next and the saved snapshot, read (docs/architecture.md):
 this file, tasks/turn_lease.py, tasks/held_run.py, tasks/tools_parallel.py,
-tasks/journal.py, runtime/fsm.py, runtime/actions.py, store/runs/__init__.py.
+tasks/persistence.py, runtime/fsm.py, runtime/actions.py, store/runs/__init__.py.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from tasks import failpoints, limits, metrics
 from tasks.children import start_child
 from tasks.context import Context, get_context
 from tasks.held_run import HeldRun, stopping
-from tasks.journal import new_owner
+from tasks.persistence import new_owner
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
 from tasks.tools_parallel import resolve, run_tools
@@ -70,11 +70,11 @@ def run_turn(run_id: str, expected_seq: int | None) -> str:
     metrics.turn_timed(time.perf_counter() - started, throttled=done.countdown_s > 0)
     metrics.turn_done(done.outcome)
     if done.outcome == TurnOutcome.NEXT:
-        chain(run_id, done)
-    return done.outcome
+        enqueue_next(run_id, done)
+    return done.outcome.value
 
 
-def chain(run_id: str, done: Advanced) -> None:
+def enqueue_next(run_id: str, done: Advanced) -> None:
     """Enqueue the next turn; it will act only if the run is still at ``done.seq``.
 
     One path for every turn that follows another: at once, or after ``countdown_s``

@@ -20,7 +20,7 @@ from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
 from tasks.context import Context
 from tasks.held_run import HeldRun
-from tasks.journal import append_events, load, new_owner
+from tasks.persistence import append_events, load, new_owner
 from tasks.recovery import reconcile, resume, sweep_orphans
 from tasks.settings import Settings
 from tasks.start import create_run

@@ -32,7 +32,7 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
-from tasks.journal import append_events, load
+from tasks.persistence import append_events, load
 from tasks.recovery import resume
 from tasks.settings import Settings
 from tasks.start import create_run

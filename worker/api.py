@@ -29,7 +29,7 @@ from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, vali
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
-from tasks.journal import Loaded, load, new_owner
+from tasks.persistence import Loaded, load, new_owner
 from tasks.start import start
 from tasks.turn import run_turn
 
