@@ -229,31 +229,18 @@ def tool_attempts(idempotent: bool) -> int:
     return TOOL_TIMEOUT_ATTEMPTS if idempotent else 1
 
 
-@dataclass(frozen=True)
-class RetryTool:
-    """Start a call that timed out again."""
-
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class OutcomeUnknown:
-    """A call that timed out and may have had its effect: its probe is asked, or the run parks."""
-
-    call: ToolCall
-
-
 def after_tool_timeout(
     call: ToolCall, idempotent: bool, attempt: int, timeout_s: float
-) -> RetryTool | ToolOutcome | OutcomeUnknown:
-    """What follows the ``attempt``-th try of ``call`` outliving ``timeout_s``: another try,
-    the call's failure (an idempotent tool out of tries), or an unknown outcome."""
+) -> Rule | ToolOutcome | None:
+    """What follows the ``attempt``-th try of ``call`` outliving ``timeout_s``: RERUN (try
+    again now), the call's failure (an idempotent tool out of tries), or None: its outcome
+    is unknown, and the next decision asks its probe or parks the run."""
     if attempt < tool_attempts(idempotent):
-        return RetryTool(call)
+        return Rule.RERUN
     if idempotent:
         text = f"`{call.name}` did not return within {timeout_s:g} s, {attempt} times"
         return ToolOutcome(False, text)
-    return OutcomeUnknown(call)
+    return None
 
 
 def after_probe(answer: Answer) -> Rule | None:

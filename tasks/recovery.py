@@ -126,7 +126,7 @@ def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> 
 def resume(
     ctx: Context, run_id: str, by: str, seen_seq: int | None = None, owner: str | None = None
 ) -> Advanced:
-    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain.
+    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not enqueue.
 
     The lease is taken from a holder whose process is dead (:mod:`tasks.liveness`);
     ``owner``: a turn that already took it so passes its owner id.

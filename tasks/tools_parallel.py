@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runtime.actions import (
-    OutcomeUnknown,
     Park,
-    RetryTool,
     after_probe,
     after_tool_timeout,
     park,
@@ -157,14 +155,13 @@ def _timed_out(held: HeldRun, batch: _Batch, item: _Call) -> bool:
         tool_attempts(item.spec.idempotent),
     )
     then = after_tool_timeout(item.call, item.spec.idempotent, item.attempt, timeout_s)
-    if isinstance(then, RetryTool):
+    if then == Rule.RERUN:
         batch.launch(item)
         return True
-    if isinstance(then, OutcomeUnknown):
-        # The next decision asks its probe, or parks.
-        held.timed_out[item.call.id] = held.timed_out.get(item.call.id, 0) + 1
-    else:
+    if isinstance(then, ToolOutcome):
         _record(held, item.call, then)
+    else:  # unknown: the next decision asks its probe, or parks
+        held.timed_out[item.call.id] = held.timed_out.get(item.call.id, 0) + 1
     return False
 
 

@@ -96,9 +96,9 @@ def advance(
     owner: str | None = None,
     redelivered: bool = False,
 ) -> Advanced:
-    """Take the lease, take one turn, release the lease. Does not chain.
+    """Take the lease, take one turn, release the lease. Does not enqueue the next turn.
 
-    ``next`` means the turn ended with the next model call due: the caller chains it.
+    ``next`` means the turn ended with the next model call due: the caller enqueues it.
     ``owner``: a caller that already holds the lease (a resume) passes its owner id.
     ``redelivered``: the broker delivers this message again (its consumer died), so
     a holder of the lease is waited for until its process is known dead or alive.
