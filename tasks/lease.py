@@ -33,11 +33,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from runtime.actions import Advanced
 from runtime.errors import HolderDied, LeaseHeld, RunBusy
 from store.runs import Claim, RunRecord
 from tasks import liveness
 from tasks.context import Context
-from tasks.journal import new_owner
+from tasks.persistence import new_owner
 
 log = logging.getLogger("ratchet.lease")
 
@@ -157,3 +158,27 @@ def _busy(ctx: Context, run_id: str, claim: Claim, waited_s: float) -> LeaseHeld
         None if alive_until is None else alive_until > now_ms,
         None if lease is None else (lease.expires_at_ms - now_ms) / 1000,
     )
+
+
+Takeover = Callable[[Context, str, str], Advanced]
+"""Recovers a run whose lease a turn took from a dead holder: ``(ctx, run_id, owner)``."""
+
+_takeover: Takeover | None = None
+
+
+def recover_takeovers_with(recover: Takeover) -> None:
+    """Set how a turn recovers a run it took from a dead holder (tasks.recovery's resume).
+
+    Handed in rather than imported: tasks.recovery imports the turn, and importing
+    ``tasks`` imports tasks.recovery, so it is set before any turn runs.
+    """
+    global _takeover
+    _takeover = recover
+
+
+def recover_takeover(ctx: Context, run_id: str, owner: str) -> Advanced:
+    """Recover ``run_id``, whose lease a turn took (as ``owner``) from a dead holder."""
+    if _takeover is None:
+        ctx.runs.release_lease(run_id, owner)
+        raise RuntimeError("tasks.recovery is not imported: a taken-over run cannot recover")
+    return _takeover(ctx, run_id, owner)

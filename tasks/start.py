@@ -29,7 +29,7 @@ from runtime.models import Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.task_base import ratchet_task
-from tasks.turn import advance, chain
+from tasks.turn import advance, enqueue_next
 
 MAX_INPUT_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
@@ -187,5 +187,5 @@ def start_run(
         return "conflict"
     done = advance(ctx, run_id, expected_seq=1)
     if done.outcome == "next":
-        chain(run_id, done)
-    return done.outcome
+        enqueue_next(run_id, done)
+    return done.outcome.value
