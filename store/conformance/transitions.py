@@ -78,6 +78,14 @@ class TransitionContract:
     ) -> Iterator[tuple[RunStore, SnapshotStore]]:
         yield run_store, snapshot_store
 
+    def test_a_run_store_commits_only_with_a_snapshot_store_that_appends_transcripts(
+        self, stores: tuple[RunStore, SnapshotStore]
+    ) -> None:
+        # The combined path writes the snapshot as an appending store's parts (its head and
+        # new messages); a store that keeps whole documents has none to offer it.
+        runs, snapshots = stores
+        assert not runs.commits_with(snapshots) or snapshots.appends_transcript
+
     def test_a_transition_writes_its_events_record_and_snapshot(
         self,
         stores: tuple[RunStore, SnapshotStore],

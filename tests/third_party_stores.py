@@ -1,0 +1,77 @@
+"""Backends as a third party might write them, for tests/test_conformance.py to run the
+conformance suites (store/conformance/) on: one that offers nothing optional, and
+three that are broken in ways the suites must catch."""
+
+from __future__ import annotations
+
+import builtins
+
+from runtime.errors import LeaseLost, StaleWrite
+from runtime.models import Event
+from store.runs import RunRecord
+from store.runs.memory import MemoryRunStore
+from store.snapshots import Parts, SnapshotStore
+from store.snapshots.file import FileSnapshotStore
+from store.snapshots.memory import MemorySnapshotStore
+
+
+class PlainRunStore(MemoryRunStore):
+    """The contract's required primitives only: no combined commit, no batch renewal."""
+
+    name = "plain run store"
+
+
+class PlainSnapshotStore(MemorySnapshotStore):
+    """Whole documents only: no appended transcripts."""
+
+    name = "plain snapshot store"
+
+
+class LateFenceRunStore(PlainRunStore):
+    """Broken: lets the holder of a lease write at the very millisecond it expires."""
+
+    def _append(
+        self, record: RunRecord, events: builtins.list[Event], owner: str | None, now_ms: int
+    ) -> None:
+        with self._lock:
+            current = self._records.get(record.run_id)
+            found = current.last_seq if current else None
+            if found != events[0].seq - 1:
+                raise StaleWrite(record.run_id, events[0].seq - 1, found)
+            if owner is not None:
+                lease = self._leases.get(record.run_id)
+                if lease is None or lease.owner != owner or lease.expires_at_ms < now_ms:
+                    raise LeaseLost(record.run_id, owner)
+            self._records[record.run_id] = record
+            self._logs[record.run_id].extend(events)
+
+
+class TornCommitRunStore(PlainRunStore):
+    """Broken: claims the combined commit, but writes the events before the snapshot's
+    compare-and-set can refuse the transition."""
+
+    def commits_with(self, snapshots: SnapshotStore) -> bool:
+        return isinstance(snapshots, FileSnapshotStore)
+
+    def _commit(
+        self,
+        record: RunRecord,
+        events: builtins.list[Event],
+        owner: str | None,
+        now_ms: int,
+        snapshots: SnapshotStore,
+        parts: Parts,
+        expected_seq: int | None,
+        release: bool,
+    ) -> None:
+        self._append(record, events, owner, now_ms)
+        snapshots._put_parts(record.run_id, parts, expected_seq)
+        if release and owner is not None:
+            self._release(record.run_id, owner)
+
+
+class HalfClaimRunStore(PlainRunStore):
+    """Broken: says it commits with any snapshot store, and never implemented how."""
+
+    def commits_with(self, snapshots: SnapshotStore) -> bool:
+        return True
