@@ -15,7 +15,7 @@ import store.runs.redis
 import store.snapshots.redis
 from runtime.models import Event, RunStatus
 from store.conformance import FakeClock
-from store.conformance.runs import new_run, record
+from store.conformance.records import new_run, record
 from store.conformance.snapshots import grown, make_state
 from store.limits import RedisLimitStore
 from store.runs import Checkpoint

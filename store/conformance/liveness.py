@@ -13,7 +13,7 @@ import pytest
 
 from runtime.errors import LeaseLost
 from runtime.models import RunStatus
-from store.conformance.runs import event, new_run, record
+from store.conformance.records import event, new_run, record
 from store.conformance.support import T0_MS, FakeClock, race
 from store.runs import Claim, Lease, Orphan, RunStore
 

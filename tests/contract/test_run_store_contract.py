@@ -21,7 +21,7 @@ import redis
 from runtime.errors import StoreUnavailable
 from runtime.models import RunStatus
 from store.conformance import RunStoreContract
-from store.conformance.runs import LEASE_MS, LEASE_S, created, event, new_run, record
+from store.conformance.records import LEASE_MS, LEASE_S, created, event, new_run, record
 from store.runs.redis import LEASE_TTL_GRACE_MS, RedisRunStore
 from tests.contract.conftest import T0_MS, FakeClock
 from tests.redis_server import RedisServer
