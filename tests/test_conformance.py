@@ -75,7 +75,10 @@ class TestMyLimitStore(LimitStoreContract):
 
 
 def run_suite(
-    tmp_path: Path, run_store: str, snapshot_store: str = "PlainSnapshotStore()"
+    tmp_path: Path,
+    run_store: str,
+    snapshot_store: str = "PlainSnapshotStore()",
+    options: tuple[str, ...] = ("-rfEs",),
 ) -> subprocess.CompletedProcess[str]:
     """pytest on a third party's test file: its own directory and configuration, none of ours."""
     project = tmp_path / "their-project"
@@ -91,11 +94,11 @@ def run_suite(
             "-m",
             "pytest",
             "-q",
-            "-rfEs",
             "-p",
             "no:cacheprovider",
             "-p",
             "no:celery",
+            *options,
         ],
         cwd=project,
         env=env,
@@ -122,6 +125,21 @@ def test_a_backend_offering_nothing_optional_passes_with_each_missing_capability
     ) in done.stdout
     assert "PlainSnapshotStore does not offer `appends_transcript`" in done.stdout
     assert "the harness offers no `quarantined`" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_plugin_sums_up_what_was_not_offered_after_the_run(tmp_path: Path) -> None:
+    done = run_suite(tmp_path, "PlainRunStore", options=("-p", "store.conformance.plugin"))
+
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    section = done.stdout.split("ratchet store conformance: not offered, so not tested", 1)[1]
+    # (after the rest of the title's line, up to pytest's own last line)
+    lines = [line.split() for line in section.splitlines()[1:-1]]
+    assert [(words[0], words[1], words[2]) for words in lines] == [
+        ("1", "skipped", "PlainRunStore"),
+        ("1", "skipped", "PlainSnapshotStore"),
+        ("1", "skipped", "the"),
+    ], section
 
 
 BROKEN = {

@@ -27,7 +27,8 @@ class                      fixture(s)              contract
 
 What a backend offers beyond the required primitives (:mod:`.capabilities`) is read
 from what it overrides; a test of a capability it does not offer is skipped saying so
-(``pytest -rs`` lists the reasons), and one it offers and breaks fails.
+(``pytest -rs`` lists the reasons, and ``-p store.conformance.plugin`` sums them up after
+the run), and one it offers and breaks fails.
 
 Needs pytest (``pip install 'ratchet[conformance]'``); nothing here runs in a worker.
 """
