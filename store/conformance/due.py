@@ -150,8 +150,7 @@ class DueRunsAndRetention:
         assert run_store.purge(before_ms=T0_MS + 5_000) == 0
 
     def test_purge_takes_the_oldest_first_up_to_its_limit_and_tells_forget(
-        self,
-        run_store: RunStore,
+        self, run_store: RunStore
     ) -> None:
         for i in range(5):
             new_run(run_store, f"done-{i}")

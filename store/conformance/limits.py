@@ -20,8 +20,7 @@ class LimitStoreContract:
     store; pytest runs every test below on it."""
 
     def test_a_store_admits_a_burst_then_reserves_in_order_and_then_denies(
-        self,
-        limit_store: LimitStore,
+        self, limit_store: LimitStore
     ) -> None:
         rate = Rate("requests", 60, burst_s=1.0)  # one a second, one ahead
         answers = []
@@ -35,8 +34,7 @@ class LimitStoreContract:
         assert [a.place for a in again] == [1, 0]
 
     def test_a_reservation_is_taken_by_the_turn_it_was_made_for_and_only_once(
-        self,
-        limit_store: LimitStore,
+        self, limit_store: LimitStore
     ) -> None:
         rate = Rate("requests", 60, burst_s=0.001)  # one a second
         limit_store.admit("k", "other", 1, 2, [rate], [1], 2000, True)
@@ -85,8 +83,7 @@ class LimitStoreContract:
         assert before.ahead_s["tokens"] - after.ahead_s["tokens"] == pytest.approx(4, abs=0.2)
 
     def test_a_cap_admits_n_runs_queues_the_rest_in_order_and_hands_places_on(
-        self,
-        limit_store: LimitStore,
+        self, limit_store: LimitStore
     ) -> None:
         held = [limit_store.acquire("agent:a", f"r{i}", 2).held for i in range(5)]
         assert held == [True, True, False, False, False]

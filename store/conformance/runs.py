@@ -8,6 +8,7 @@ part of the contract is :class:`~store.conformance.LivenessContract`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +52,14 @@ def _taken_over_lease(store: RunStore, clock: FakeClock) -> None:
     assert store.acquire_lease("run-1", "worker-a", LEASE_S)
     clock.advance(LEASE_MS + 1)
     assert store.acquire_lease("run-1", "worker-b", LEASE_S)
+
+
+def new_runs(store: RunStore, n: int) -> Iterator[str]:
+    """``n`` runs created one after the other, each as the caller gets to it."""
+    for i in range(n):
+        run_id = f"race-{i}"
+        new_run(store, run_id)
+        yield run_id
 
 
 class RunStoreContract(DueRunsAndRetention):
@@ -140,8 +149,7 @@ class RunStoreContract(DueRunsAndRetention):
         assert run_store.list(RunStatus.FAILED) == []
 
     def test_a_batch_with_a_gap_in_its_seqs_is_refused_and_writes_nothing(
-        self,
-        run_store: RunStore,
+        self, run_store: RunStore
     ) -> None:
         new_run(run_store, "run-1")
         before = unchanged(run_store, "run-1")
@@ -174,8 +182,7 @@ class RunStoreContract(DueRunsAndRetention):
         assert run_store.get("run-1") == record("run-1", last_seq=3)
 
     def test_an_append_retried_after_its_reply_was_lost_finds_its_own_events_and_succeeds(
-        self,
-        run_store: RunStore,
+        self, run_store: RunStore
     ) -> None:
         # Given a batch that landed, whose reply the worker never saw
         new_run(run_store, "run-1")
@@ -210,8 +217,7 @@ class RunStoreContract(DueRunsAndRetention):
         assert run_store.events("run-1") == [created("run-1"), *mine]
 
     def test_a_batch_that_landed_before_the_log_moved_on_is_a_stale_write(
-        self,
-        run_store: RunStore,
+        self, run_store: RunStore
     ) -> None:
         # Our seqs 2-3 landed, then another worker appended 4: we are behind, not done.
         new_run(run_store, "run-1")
@@ -500,9 +506,7 @@ class RunStoreContract(DueRunsAndRetention):
     def test_two_workers_appending_the_same_seq_let_exactly_one_win(
         self, run_store: RunStore
     ) -> None:
-        for round_ in range(10):
-            run_id = f"race-{round_}"
-            new_run(run_store, run_id)
+        for run_id in new_runs(run_store, 10):
 
             def append(worker: str, run_id: str = run_id) -> str:
                 latest = record(run_id, last_seq=2, status=RunStatus.MODEL)
@@ -519,9 +523,7 @@ class RunStoreContract(DueRunsAndRetention):
     def test_two_workers_taking_the_same_lease_let_exactly_one_hold_it(
         self, run_store: RunStore
     ) -> None:
-        for round_ in range(10):
-            run_id = f"race-{round_}"
-            new_run(run_store, run_id)
+        for run_id in new_runs(run_store, 10):
 
             def acquire(worker: str, run_id: str = run_id) -> bool:
                 return run_store.acquire_lease(run_id, worker, LEASE_S)

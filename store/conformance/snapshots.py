@@ -24,15 +24,7 @@ from runtime.errors import (
     SnapshotWrongKind,
     StaleWrite,
 )
-from runtime.models import (
-    Budgets,
-    Message,
-    RunState,
-    RunStatus,
-    Suspension,
-    ToolCall,
-    Usage,
-)
+from runtime.models import Budgets, Message, RunState, RunStatus, Suspension, ToolCall, Usage
 from store.conformance.capabilities import APPENDS_TRANSCRIPT, require
 from store.conformance.support import T0_MS, race
 from store.snapshots import Parts, SnapshotStore
@@ -45,21 +37,11 @@ Quarantined = Callable[[SnapshotStore, str], list[bytes]]
 
 
 def make_state(run_id: str = "run-1", seq: int = 1, content: str = "say hello") -> RunState:
-    return RunState(
-        run_id=run_id,
-        seq=seq,
-        agent="echo",
-        agent_file="agents/echo.toml",
-        binding="0" * 64,
-        input="say hello",
-        status=RunStatus.MODEL,
-        budgets=Budgets(),
-        created_at_ms=T0_MS,
-        transcript=(
-            Message(role="system", content="be brief"),
-            Message(role="user", content=content),
-        ),
-    )
+    """A run about to call the model, the user having said ``content``."""
+    said = (Message(role="system", content="be brief"), Message(role="user", content=content))
+    return RunState(run_id=run_id, seq=seq, agent="echo", agent_file="agents/echo.toml",
+                    binding="0" * 64, input="say hello", status=RunStatus.MODEL,
+                    budgets=Budgets(), created_at_ms=T0_MS, transcript=said)  # fmt: skip
 
 
 def rich_state(run_id: str = "run-1", seq: int = 9) -> RunState:
@@ -247,8 +229,7 @@ class SnapshotStoreContract:
         assert snapshot_store.load("run-1") == make_state(seq=5, content="five")
 
     def test_a_save_expecting_no_snapshot_is_stale_when_one_exists(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         snapshot_store.save(make_state(seq=1, content="first"), expected_seq=None)
 
@@ -259,8 +240,7 @@ class SnapshotStoreContract:
         assert snapshot_store.load("run-1") == make_state(seq=1, content="first")
 
     def test_a_save_with_a_stale_expected_seq_is_refused_and_leaves_the_snapshot_unchanged(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         # Given a run checkpointed at seq 1 and then advanced to seq 2 by a second worker
         snapshot_store.save(make_state(seq=1), expected_seq=None)
@@ -295,8 +275,7 @@ class SnapshotStoreContract:
         assert [snapshot_store.load(r).seq for r in ("run-a", "run-b")] == [4, 1]  # type: ignore[union-attr]
 
     def test_concurrent_saves_expecting_the_same_seq_let_exactly_one_win(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         for round_ in range(10):
             run_id = f"race-{round_}"
@@ -385,8 +364,7 @@ class SnapshotStoreContract:
     # --- delete and list ----------------------------------------------------------
 
     def test_a_deleted_snapshot_is_gone_and_the_run_may_start_afresh(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         snapshot_store.save(make_state("run-1", seq=7), expected_seq=None)
         snapshot_store.save(make_state("run-2", seq=1), expected_seq=None)
@@ -456,8 +434,7 @@ class SnapshotStoreContract:
     # --- size ---------------------------------------------------------------------
 
     def test_a_snapshot_over_16_mib_is_refused_naming_run_size_and_limit(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         snapshot_store.save(make_state(seq=1), expected_seq=None)
         big = make_state(seq=2, content="x" * (16 * 1024 * 1024))
@@ -482,8 +459,7 @@ class SnapshotStoreContract:
         assert snapshot_store.load("run-1") == state
 
     def test_a_document_of_exactly_the_limit_is_saved_and_one_byte_more_is_not(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         state = make_state(seq=1, content="x" * 1000)
         size = len(snapshot_format.encode(state))
@@ -517,8 +493,7 @@ class SnapshotStoreContract:
         assert snapshot_store.load_document("run-1") == document
 
     def test_the_refusal_survives_pickling_as_celery_would_carry_it(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         import pickle
 
@@ -560,8 +535,7 @@ class SnapshotStoreContract:
         assert snapshot_store.load("run-1") is None
 
     def test_moving_aside_a_run_without_a_snapshot_returns_none(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         assert snapshot_store.quarantine("run-1") is None
 
@@ -582,8 +556,7 @@ class SnapshotStoreContract:
         assert quarantined(snapshot_store, "run-2") == []
 
     def test_a_snapshot_holding_another_runs_state_is_refused_naming_that_run(
-        self,
-        snapshot_store: SnapshotStore,
+        self, snapshot_store: SnapshotStore
     ) -> None:
         put_raw(snapshot_store, "run-1", snapshot_format.encode(make_state("run-2")))
 

@@ -24,6 +24,9 @@ from store.snapshots import format as snapshot_format
 
 LEASE_S = 30
 
+Pair = tuple[RunStore, SnapshotStore]
+"""A run store and the snapshot store its transitions checkpoint to."""
+
 
 def said(state: RunState, text: str) -> RunState:
     """``state`` one seq on, the assistant having said ``text``."""
@@ -50,6 +53,26 @@ def started(runs: RunStore, snapshots: SnapshotStore, owner: str = "worker-a") -
     snapshots.save(state, None)
     assert runs.acquire_lease("run-1", owner, LEASE_S)
     return state
+
+
+def transition(
+    runs: RunStore,
+    snapshots: SnapshotStore,
+    after: RunState,
+    text: str,
+    expected_seq: int | None,
+    release: bool = False,
+) -> None:
+    """Worker A commits the one event that led to ``after`` (the assistant said ``text``)."""
+    checkpoint = Checkpoint(snapshots, after, expected_seq)
+    runs.commit(record_of(after), [event(after.seq, text)], "worker-a", checkpoint, release)
+
+
+def written(
+    runs: RunStore, snapshots: SnapshotStore
+) -> tuple[RunRecord | None, list[Event], bytes | None]:
+    """All a transition of run-1 writes: the record, the events, the snapshot's bytes."""
+    return runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")
 
 
 def combined(runs: RunStore, snapshots: SnapshotStore) -> bool:
@@ -79,17 +102,14 @@ class TransitionContract:
         yield run_store, snapshot_store
 
     def test_a_run_store_commits_only_with_a_snapshot_store_that_appends_transcripts(
-        self, stores: tuple[RunStore, SnapshotStore]
+        self, stores: Pair
     ) -> None:
         # The combined path writes the snapshot as an appending store's parts (its head and
         # new messages); a store that keeps whole documents has none to offer it.
         runs, snapshots = stores
         assert not runs.commits_with(snapshots) or snapshots.appends_transcript
 
-    def test_a_transition_writes_its_events_record_and_snapshot(
-        self,
-        stores: tuple[RunStore, SnapshotStore],
-    ) -> None:
+    def test_a_transition_writes_its_events_record_and_snapshot(self, stores: Pair) -> None:
         runs, snapshots = stores
         state = started(runs, snapshots)
         after = said(said(state, "one"), "two")
@@ -105,25 +125,17 @@ class TransitionContract:
         lease = runs.lease("run-1")
         assert lease is not None and lease.owner == "worker-a"
 
-    def test_a_transition_that_releases_lets_the_lease_go_with_it(
-        self,
-        stores: tuple[RunStore, SnapshotStore],
-    ) -> None:
+    def test_a_transition_that_releases_lets_the_lease_go_with_it(self, stores: Pair) -> None:
         runs, snapshots = stores
         state = started(runs, snapshots)
         after = said(state, "one")
 
-        runs.commit(
-            record_of(after), [event(2, "one")], "worker-a", Checkpoint(snapshots, after, 1), True
-        )
+        transition(runs, snapshots, after, "one", 1, release=True)
 
         assert runs.lease("run-1") is None
         assert runs.acquire_lease("run-1", "worker-b", LEASE_S)
 
-    def test_transitions_chain_and_the_snapshot_grows_by_appends(
-        self,
-        stores: tuple[RunStore, SnapshotStore],
-    ) -> None:
+    def test_transitions_chain_and_the_snapshot_grows_by_appends(self, stores: Pair) -> None:
         runs, snapshots = stores
         state = started(runs, snapshots)
         for i in range(2, 12):
@@ -135,54 +147,37 @@ class TransitionContract:
         assert [e.seq for e in runs.events("run-1")] == list(range(1, 12))
 
     def test_a_zombies_transition_after_a_takeover_writes_nothing(
-        self, stores: tuple[RunStore, SnapshotStore], clock: FakeClock
+        self, stores: Pair, clock: FakeClock
     ) -> None:
         runs, snapshots = stores
         state = started(runs, snapshots)
         # Given worker A's lease expired and worker B took the run
         clock.advance(LEASE_S * 1000 + 1)
         assert runs.acquire_lease("run-1", "worker-b", LEASE_S)
-        before = runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")
-        after = said(state, "zombie")
+        before = written(runs, snapshots)
 
         # When A commits its transition, it is refused
         with pytest.raises(LeaseLost):
-            runs.commit(
-                record_of(after),
-                [event(2, "zombie")],
-                "worker-a",
-                Checkpoint(snapshots, after, 1),
-                True,
-            )
+            transition(runs, snapshots, said(state, "zombie"), "zombie", 1, release=True)
 
         # Then nothing changed: events, record, snapshot, and B's lease
-        assert (runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")) == before
+        assert written(runs, snapshots) == before
         lease = runs.lease("run-1")
         assert lease is not None and lease.owner == "worker-b"
 
-    def test_a_transition_behind_the_log_is_stale_and_writes_nothing(
-        self,
-        stores: tuple[RunStore, SnapshotStore],
-    ) -> None:
+    def test_a_transition_behind_the_log_is_stale_and_writes_nothing(self, stores: Pair) -> None:
         runs, snapshots = stores
         state = started(runs, snapshots)
-        ahead = said(state, "theirs")
-        runs.commit(
-            record_of(ahead), [event(2, "theirs")], "worker-a", Checkpoint(snapshots, ahead, 1)
-        )
-        before = runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")
-        late = said(state, "mine")
+        transition(runs, snapshots, said(state, "theirs"), "theirs", 1)
+        before = written(runs, snapshots)
 
         with pytest.raises(StaleWrite):
-            runs.commit(
-                record_of(late), [event(2, "mine")], "worker-a", Checkpoint(snapshots, late, 1)
-            )
+            transition(runs, snapshots, said(state, "mine"), "mine", 1)
 
-        assert (runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")) == before
+        assert written(runs, snapshots) == before
 
     def test_a_transition_retried_after_its_reply_was_lost_succeeds_once(
-        self,
-        stores: tuple[RunStore, SnapshotStore],
+        self, stores: Pair
     ) -> None:
         runs, snapshots = stores
         state = started(runs, snapshots)
@@ -204,18 +199,15 @@ class TransitionContract:
     # --- the combined path only ---------------------------------------------------
 
     def test_a_snapshot_behind_its_compare_and_set_refuses_the_whole_transition(
-        self, stores: tuple[RunStore, SnapshotStore]
+        self, stores: Pair
     ) -> None:
         runs, snapshots = stores
         combined(runs, snapshots)
         state = started(runs, snapshots)
-        after = said(state, "one")
-        before = runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")
+        before = written(runs, snapshots)
 
         # A checkpoint that expects no snapshot, where one is stored: refused, and so are the events
         with pytest.raises(StaleWrite):
-            runs.commit(
-                record_of(after), [event(2, "one")], "worker-a", Checkpoint(snapshots, after, None)
-            )
+            transition(runs, snapshots, said(state, "one"), "one", None)
 
-        assert (runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")) == before
+        assert written(runs, snapshots) == before
