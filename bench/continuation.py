@@ -136,6 +136,7 @@ def main() -> None:  # noqa: C901 - a script, read top to bottom
     try:
         from kombu import Connection, Queue
 
+        from tasks.messages import enqueue_continue
         from worker.api import Ratchet
         from worker.app import app
 
@@ -147,10 +148,7 @@ def main() -> None:  # noqa: C901 - a script, read top to bottom
             queue = Queue("ratchet.continuations")
 
             def send_celery(run_id: str, cid: str) -> None:
-                app.send_task(
-                    "ratchet.continue",
-                    kwargs={"run_id": run_id, "input": "B2", "continuation_id": cid},
-                )
+                enqueue_continue(run_id=run_id, input="B2", continuation_id=cid, app=app)
 
             def send_json(run_id: str, cid: str) -> None:
                 producer.publish(

@@ -59,8 +59,8 @@ def bench_fleet(url: str, env: dict[str, str], args: argparse.Namespace, workdir
         warm_up(env, workers=args.workers)
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
+        from tasks.messages import send_through
         from tasks.settings import Settings
-        from tasks.task_base import send_through
         from worker.api import Ratchet
         from worker.app import make_app
 
@@ -180,7 +180,7 @@ def suspended_records(runs: RedisRunStore, count: int, batch: int = 2000) -> Non
                     ),
                 }
             )
-            runs._create_script(
+            runs._scripts["create"](
                 keys=[
                     runs._run_key(run_id, "record"),
                     runs._run_key(run_id, "events"),

@@ -197,6 +197,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
     from runtime.models import RunStatus
     from store import open_run_store, open_snapshot_store
     from tasks.context import Context
+    from tasks.messages import enqueue_turn
     from tasks.settings import Settings
     from tasks.start import create_run
     from worker.app import make_app
@@ -221,7 +222,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
     try:
         # A probe run proves the worker consumes (and warms it up) before anything is timed.
         probe = create_run(ctx, agent, "probe")
-        client.send_task("ratchet.turn", (probe.run_id, probe.seq))
+        enqueue_turn(run_id=probe.run_id, expected_seq=probe.seq, app=client)
         deadline = time.monotonic() + 120
         while finished_count(raw, "ratchet")[1] < 1:
             if worker.poll() is not None or time.monotonic() > deadline:
@@ -244,7 +245,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
             due_s = spread_s * i / len(states)
             while time.time() - started_ms / 1000 < due_s:
                 time.sleep(0.001)
-            client.send_task("ratchet.turn", (state.run_id, state.seq))
+            enqueue_turn(run_id=state.run_id, expected_seq=state.seq, app=client)
         want = args.runs + 1
         deadline = time.monotonic() + args.timeout
         while finished_count(raw, "ratchet")[1] < want and time.monotonic() < deadline:

@@ -178,6 +178,7 @@ def run_phase(label: str, limited: bool, args: argparse.Namespace, server: Redis
     from runtime.models import RunStatus
     from store import open_run_store, open_snapshot_store
     from tasks.context import Context
+    from tasks.messages import enqueue_turn
     from tasks.settings import Settings
     from tasks.start import create_run
     from worker.app import make_app
@@ -219,7 +220,7 @@ def run_phase(label: str, limited: bool, args: argparse.Namespace, server: Redis
         states = [create_run(ctx, agent, f"look up order A1 ({i})") for i in range(args.runs)]
         started = time.time()
         for state in states:
-            client.send_task("ratchet.turn", (state.run_id, state.seq))
+            enqueue_turn(run_id=state.run_id, expected_seq=state.seq, app=client)
         deadline = time.monotonic() + args.timeout
         while finished() < args.runs and time.monotonic() < deadline:
             if any(w.poll() is not None for w in workers):

@@ -103,8 +103,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "F5",
         "runtime/fsm.py",
-        "b.max_total_tokens)\n    _check_deadline(state, now_ms)\n",
-        "b.max_total_tokens)\n",
+        "b.max_total_tokens\n            )\n    _check_deadline(state, now_ms)\n",
+        "b.max_total_tokens\n            )\n",
         FSM,
     ),
     Mutant(
@@ -585,8 +585,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "T15",
-        "tasks/turn.py",
-        "        if turn is None or not turn.released:\n            ctx.runs.release_lease(run_id, owner)\n",
+        "tasks/lease.py",
+        "        if held.taken and not held.released:\n            ctx.runs.release_lease(run_id, held.owner)\n",
         "        pass\n",
         TURN,
     ),
@@ -617,8 +617,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V1",
         "tasks/recovery.py",
-        "        if record is None or not live:\n",
-        "        if record is None:\n",
+        "    if record is None or not live:\n",
+        "    if record is None:\n",
         RECOVERY,
     ),
     Mutant(
@@ -746,16 +746,41 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "L6",
         "tasks/turn.py",
-        "    if claim.took_from is not None:\n",
-        "    if False:\n",
+        "        if held.took_from is not None:\n",
+        "        if False:\n",
         LIVENESS,
         k="dead_owners_lease",
+    ),
+    # --- one way to hold a lease (tasks/lease.py): every path takes a dead holder's --
+    Mutant(
+        "H1",
+        "tasks/lease.py",
+        "        claim = liveness.claim(ctx, run_id, owner)\n",
+        "        claim = Claim(ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s))\n",
+        ("tests/test_lease.py",),
+        k="sigkilled or expiry",
+    ),
+    Mutant(
+        "H2",
+        "tasks/lease.py",
+        "    if held.taken and held.took_from is not None and not recovers:\n",
+        "    if False:\n",
+        ("tests/test_lease.py",),
+        k="mid_turn",
+    ),
+    Mutant(
+        "H3",
+        "tasks/lease.py",
+        "        limit_s = patience_s + (until_dead_s if claim.holder_alive_until_ms is not None else 0.0)\n",
+        "        limit_s = patience_s\n",
+        ("tests/test_lease.py",),
+        k="redelivered",
     ),
     # --- the fast path's lease in the index orphaned() walks (Redis) -------------
     Mutant(
         "L8",
-        "store/runs/lua/acquire.lua",
-        "  redis.call('SADD', KEYS[3], ARGV[5])\n",
+        "store/runs/lua/hold_lease.lua",
+        "    redis.call('SADD', process_set, run_id)\n",
         "",
         ("tests/contract/test_liveness_contract.py",),
         k="one_call and redis",

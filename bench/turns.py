@@ -198,8 +198,8 @@ def bench_ratchet(
         from runtime.models import RunStatus
         from store import open_run_store, open_snapshot_store
         from tasks.context import Context
+        from tasks.messages import send_through
         from tasks.settings import Settings
-        from tasks.task_base import send_through
         from worker.api import Ratchet
         from worker.app import make_app
 

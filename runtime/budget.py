@@ -19,22 +19,25 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from runtime.errors import RunRefused
+from runtime.errors import InvalidRequest, RunRefused
 from runtime.models import Event, RunState, RunStatus
 
 RAISABLE = ("max_turns", "max_total_tokens", "max_tool_calls", "timeout_seconds")
 _CHANGE = re.compile(r"^(\+)?([0-9]{1,12})$")
 
 
-def parse_change(budget: str, text: str) -> tuple[bool, int]:
-    """``"+5"`` → (relative, 5); ``"30"`` → (absolute, 30). ValueError naming the budget."""
+def parse_change(budget: str, text: str, run_id: str | None = None) -> tuple[bool, int]:
+    """``"+5"`` → (relative, 5); ``"30"`` → (absolute, 30). InvalidRequest naming the budget."""
     found = _CHANGE.fullmatch(text.strip())
     if budget not in RAISABLE:
-        raise ValueError(f"`{budget}` is not a budget; budgets are {', '.join(RAISABLE)}")
+        raise InvalidRequest(
+            f"`{budget}` is not a budget; budgets are {', '.join(RAISABLE)}", run_id
+        )
     if found is None or int(found.group(2)) == 0:
-        raise ValueError(
+        raise InvalidRequest(
             f"`{budget}`: {text!r} is not a raise: give `+N` (N more) or `N` (the new limit), "
-            "N a positive whole number"
+            "N a positive whole number",
+            run_id,
         )
     return found.group(1) == "+", int(found.group(2))
 
@@ -69,8 +72,9 @@ def plan_raise(
     """The data of ``run.budget_raised`` for ``changes`` (budget → ``+N`` or ``N``).
 
     Raises RunRefused when the run cannot be given more (it ended another way,
-    or is parked) and ValueError for a change that is not a raise.
+    or is parked) and InvalidRequest (a ValueError) for a change that is not a raise.
     """
+    run_id = state.run_id
     stopped_on = budget_stop(last)
     if not (state.status.is_live or state.status.is_suspended or stopped_on is not None):
         raise RunRefused(
@@ -79,28 +83,33 @@ def plan_raise(
             "only a run that is live, suspended, or stopped on a budget can be given more",
         )
     if not changes:
-        raise ValueError("name at least one budget to raise, e.g. --max-turns +5")
+        raise InvalidRequest("name at least one budget to raise, e.g. --max-turns +5", run_id)
     if not reason.strip():
-        raise ValueError("say why the budget is raised (--reason): it is kept in the run's events")
+        raise InvalidRequest(
+            "say why the budget is raised (--reason): it is kept in the run's events", run_id
+        )
     current = state.budgets.model_dump()
     raised: dict[str, int] = {}
     for budget, text in changes.items():
-        relative, amount = parse_change(budget, text)
+        relative, amount = parse_change(budget, text, run_id)
         before = current[budget]
         if before is None:
-            raise ValueError(f"`{budget}` has no limit on this run; there is nothing to raise")
+            raise InvalidRequest(
+                f"`{budget}` has no limit on this run; there is nothing to raise", run_id
+            )
         after = before + amount if relative else amount
         used = _used(state, budget, now_ms)
         if after <= before:
-            raise ValueError(f"`{budget}` is {before}: {after} would not raise it")
+            raise InvalidRequest(f"`{budget}` is {before}: {after} would not raise it", run_id)
         if after <= used:
-            raise ValueError(
-                f"`{budget}`: the run has used {used:g}; a limit of {after} leaves it nothing"
+            raise InvalidRequest(
+                f"`{budget}`: the run has used {used:g}; a limit of {after} leaves it nothing",
+                run_id,
             )
         raised[budget] = after
     if stopped_on is not None and stopped_on not in raised:
-        raise ValueError(
-            f"run {state.run_id} stopped on `{stopped_on}`: raise that one for it to go on"
+        raise InvalidRequest(
+            f"it stopped on `{stopped_on}`: raise that one for it to go on", run_id
         )
     was = {budget: current[budget] for budget in raised}
     return {"by": by, "reason": reason.strip(), "budgets": raised, "was": was}

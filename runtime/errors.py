@@ -11,23 +11,29 @@
     │   ├── BudgetExhausted       a budget or the deadline does not allow the next step
     │   └── BudgetUnenforceable   a token budget with responses that reported no usage
     ├── InvalidInput              a run's input (or its idempotency key) is refused
+    ├── InvalidRequest            a command, option or call is refused before anything changes
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
     │   ├── SuspensionAlreadyAnswered  a second, different answer to one suspension
     │   ├── SuspensionMismatch    the continuation names another suspension than the current
     │   ├── SuspensionExpired     the run waited longer than its max_suspended_s
-    │   └── RunBusy               another worker holds the run's lease right now
+    │   └── RunBusy               the run is in another worker's hands right now: try again
+    │       ├── LeaseHeld         a live worker held its lease through all this one waited
+    │       ├── RunMoving         every write this tried lost its seq race to other writers
+    │       └── HolderDied        its holder died mid-turn: taken over, a resume is on its way
     ├── InvalidContinuation       a continuation's answer is not acceptable (size, blank, UTF-8)
     ├── MalformedContinuation     a plain-JSON continuation message has the wrong shape
     ├── BindingChanged            the agent changed since the run started
     ├── RunStateLost              no usable snapshot, and the events cannot rebuild the state
+    ├── EventsDoNotFold           an event cannot follow the run's state (also a ValueError)
     ├── ToolModuleChanged         a tool module changed on disk after this worker imported it
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
     │   ├── SnapshotWrongKind
     │   ├── SnapshotUnsupportedVersion
     │   └── SnapshotTooLarge
+    ├── StoreUrlInvalid           a store URL no backend can open (also a ValueError)
     ├── StoreError                a backend failed; translated at the seam
     │   ├── StoreUnavailable      transient: the backend could not be reached
     │   │   └── StoreBusy         every pooled connection stayed busy: the pool is too small
@@ -37,7 +43,8 @@
     ├── RejectedEntryNotFound     no message with this id in the dead-letter store
     ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
     ├── StartConflict             a start's key names a run of another agent or input
-    └── RunNotQueued              a run is recorded but its first turn could not be queued
+    ├── RunNotQueued              a run is recorded but its first turn could not be queued
+    └── MessageRefused            a task message is not its task's (argument, type, version)
 
 Every class with constructor arguments defines ``__reduce__`` so that it survives
 Celery's serialisation of task failures.
@@ -45,7 +52,20 @@ Celery's serialisation of task failures.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*):[^@\s/]*@", re.IGNORECASE)
+_QUERY_SECRET = re.compile(r"\b(password|secret|token|key)=[^&\s]*", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """``text`` with every URL's password, and every ``password=…`` query value, masked."""
+    return _QUERY_SECRET.sub(r"\1=***", _URL_PASSWORD.sub(r"\1:***@", text))
+
+
+def _of_run(run_id: str | None) -> str:
+    return f"run {run_id}: " if run_id else ""
 
 
 class RatchetError(Exception):
@@ -61,13 +81,23 @@ class RatchetError(Exception):
 
 class AgentFileError(RatchetError):
     def __init__(self, path: str, key: str, problem: str) -> None:
-        super().__init__(f"{path}: `{key}`: {problem}", path, key, problem)
+        super().__init__(
+            f"{path}: `{key}`: {problem} (fix the agent file, then run the command again)",
+            path,
+            key,
+            problem,
+        )
         self.path, self.key, self.problem = path, key, problem
 
 
 class ToolError(RatchetError):
     def __init__(self, reference: str, problem: str) -> None:
-        super().__init__(f"tool `{reference}`: {problem}", reference, problem)
+        super().__init__(
+            f"tool `{reference}`: {problem} (fix the tool or the agent file's `tools`, then "
+            "run the command again)",
+            reference,
+            problem,
+        )
 
 
 class ProviderError(RatchetError):
@@ -97,37 +127,60 @@ class BudgetError(RatchetError):
 
 
 class BudgetExhausted(BudgetError):
-    def __init__(self, budget: str, used: float, limit: float) -> None:
+    def __init__(self, run_id: str, budget: str, used: float, limit: float) -> None:
         super().__init__(
-            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give the run more "
-            f"with `ratchet runs budget RUN --{budget.replace('_', '-')} +N --reason WHY`, "
+            f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give run {run_id} more "
+            f"with `ratchet runs budget {run_id} --{budget.replace('_', '-')} +N --reason WHY`, "
             "or raise it in the agent file for new runs",
+            run_id,
             budget,
             used,
             limit,
         )
-        self.budget, self.used, self.limit = budget, used, limit
+        self.run_id, self.budget, self.used, self.limit = run_id, budget, used, limit
 
 
 class BudgetUnenforceable(BudgetError):
     """A token budget cannot be checked: the provider did not report usage."""
 
-    def __init__(self, budget: str, responses: int) -> None:
+    def __init__(self, run_id: str, budget: str, responses: int) -> None:
         super().__init__(
-            f"budget `{budget}` cannot be enforced: {responses} model response(s) reported "
-            "no token usage, and ratchet does not guess; use a provider that reports usage "
-            "or remove the budget, then start a new run",
+            f"run {run_id}: budget `{budget}` cannot be enforced: {responses} model response(s) "
+            "reported no token usage, and ratchet does not guess; use a provider that reports "
+            "usage or remove the budget, then start a new run",
+            run_id,
             budget,
             responses,
         )
-        self.budget, self.responses = budget, responses
+        self.run_id, self.budget, self.responses = run_id, budget, responses
 
 
 class InvalidInput(RatchetError):
     """A run's input, or the key that starts it once, is refused before anything is recorded."""
 
     def __init__(self, problem: str) -> None:
-        super().__init__(f"run input refused: {problem}", problem)
+        super().__init__(
+            f"run input refused: {problem}; nothing was recorded — correct it and start the run "
+            "again",
+            problem,
+        )
+
+
+class InvalidRequest(RatchetError, ValueError):
+    """An operator's command, option or call is refused before anything changes.
+
+    Also a ``ValueError``, as these refusals were before they had a type. ``problem``
+    says what is wrong and, where it can, what would be accepted.
+    """
+
+    def __init__(self, problem: str, run_id: str | None = None) -> None:
+        super().__init__(
+            f"{_of_run(run_id)}{problem}; nothing was changed — correct it and try again "
+            "(`--help` lists a command's options)",
+            problem,
+            run_id,
+        )
+        self.problem, self.run_id = problem, run_id
 
 
 class InvalidRunId(RatchetError):
@@ -201,29 +254,107 @@ class SuspensionExpired(RunRefused):
         self.reason = f"waited {waited_s:g}s, over max_suspended_s {max_suspended_s:g}"
 
 
+RETRY_BUSY = "try again in a moment (a control message is retried by itself)"
+
+
 class RunBusy(RunRefused):
-    def __init__(self, run_id: str, status: str, waited_s: float) -> None:
+    """Nothing was done: the run is in another worker's hands right now. Try again.
+
+    ``status`` is the run's status as last read (None when it was not read).
+    """
+
+    def __init__(self, run_id: str, cause: str, status: str | None = None) -> None:
+        RatchetError.__init__(
+            self, f"run {run_id} is busy: {cause}; {RETRY_BUSY}", run_id, cause, status
+        )
+        self.run_id, self.status, self.reason = run_id, status or "", cause
+
+
+class LeaseHeld(RunBusy):
+    def __init__(
+        self,
+        run_id: str,
+        holder: str,
+        waited_s: float,
+        holder_alive: bool | None,
+        expires_in_s: float | None,
+    ) -> None:
+        if holder_alive is None:
+            whose = "its process keeps no liveness record, so only the lease's expiry ends it"
+        elif holder_alive:
+            whose = "its process is alive, so it is advancing the run"
+        else:
+            whose = "its process has just stopped renewing its liveness (it may have died)"
+        waited = (
+            f"held its lease through the {waited_s:g}s this waited for it"
+            if waited_s
+            else "holds its lease (this did not wait for it)"
+        )
+        expiry = (
+            f", and the lease expires in {expires_in_s:.1f}s" if expires_in_s is not None else ""
+        )
         RatchetError.__init__(
             self,
-            f"run {run_id} is {status}: another worker held its lease for {waited_s:g}s; "
-            "try again in a moment (a message is retried by itself)",
+            f"run {run_id} is busy: worker {holder} {waited} ({whose}{expiry}); {RETRY_BUSY}, "
+            "or follow the run with "
+            f"`ratchet runs events {run_id} --follow`",
             run_id,
-            status,
+            holder,
             waited_s,
+            holder_alive,
+            expires_in_s,
         )
-        self.run_id, self.status, self.reason = run_id, status, "lease held by another worker"
+        self.run_id, self.status = run_id, ""
+        self.reason = f"{holder} holds its lease" + (f" (waited {waited_s:g}s)" if waited_s else "")
+        self.holder, self.waited_s = holder, waited_s
+
+
+class RunMoving(RunBusy):
+    def __init__(self, run_id: str, races: int) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is busy: this write lost {races} seq races in a row (each time "
+            f"another writer, a turn in progress, appended first); {RETRY_BUSY}",
+            run_id,
+            races,
+        )
+        self.run_id, self.status = run_id, ""
+        self.reason = f"lost {races} seq races"
+        self.races = races
+
+
+class HolderDied(RunBusy):
+    def __init__(self, run_id: str, holder: str, status: str) -> None:
+        RatchetError.__init__(
+            self,
+            f"run {run_id} is busy: its lease holder {holder} died mid-turn (status {status}); "
+            "the lease was taken from it and a resume enqueued to recover the run first — "
+            f"{RETRY_BUSY} once the run is resumed (`ratchet runs show {run_id}`)",
+            run_id,
+            holder,
+            status,
+        )
+        self.run_id, self.status = run_id, status
+        self.reason = f"lease holder {holder} died mid-turn; a resume is enqueued"
+        self.holder = holder
 
 
 class InvalidContinuation(RatchetError):
     def __init__(self, run_id: str, problem: str) -> None:
-        super().__init__(f"continuation for run {run_id} refused: {problem}", run_id, problem)
+        super().__init__(
+            f"continuation for run {run_id} refused: {problem}; correct the answer and send it "
+            f"again (`ratchet runs show {run_id}` shows what the run asks)",
+            run_id,
+            problem,
+        )
         self.run_id, self.problem = run_id, problem
 
 
 class MalformedContinuation(RatchetError):
     def __init__(self, problem: str) -> None:
         super().__init__(
-            f"continuation message refused: {problem}; expected a JSON object like "
+            f"continuation message refused: {problem}; it is kept in `ratchet rejected list` — "
+            "send the answer again as a JSON object like "
             '{"run_id": "…", "input": "…", "continuation_id": "…"} or '
             '{"run_id": "…", "approve": true} or {"run_id": "…", "deny": "reason"}',
             problem,
@@ -255,13 +386,42 @@ class RunStateLost(RatchetError):
         self.run_id, self.problem = run_id, problem
 
 
+class EventsDoNotFold(RatchetError, ValueError):
+    """A run's events cannot be folded: an impossible sequence, an unknown type, bad data.
+
+    Also a ``ValueError``, as :func:`runtime.fsm.apply` raised before it had a type.
+    ``where`` (``event at seq 5: …``) is the short form a wrapping message quotes.
+    """
+
+    def __init__(self, run_id: str | None, seq: int, problem: str) -> None:
+        run = f"run {run_id}" if run_id else "a run"
+        shown = run_id or "RUN"
+        super().__init__(
+            f"{run}: the event at seq {seq} cannot follow the state before it ({problem}); "
+            "the log was edited or written by a build this one cannot read: read it with "
+            f"`ratchet runs events {shown}`, run a worker of the build that wrote it, "
+            "or start the run again",
+            run_id,
+            seq,
+            problem,
+        )
+        self.run_id, self.seq, self.problem = run_id, seq, problem
+        self.where = f"event at seq {seq}: {problem}"
+
+
 class SnapshotError(RatchetError):
     """A snapshot document cannot be used."""
 
 
 class SnapshotMalformed(SnapshotError):
     def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} is not a ratchet snapshot: {problem}", where, problem)
+        super().__init__(
+            f"{where} is not a ratchet snapshot: {problem}; a worker sets it aside and "
+            "rebuilds the run from its events, so there is nothing to do unless that fails "
+            "too (`ratchet runs events` then shows them)",
+            where,
+            problem,
+        )
 
 
 class SnapshotWrongKind(SnapshotError):
@@ -298,17 +458,53 @@ class SnapshotTooLarge(SnapshotError):
         )
 
 
+class StoreUrlInvalid(RatchetError, ValueError):
+    """A store URL that no backend can open as written; its password is never shown.
+
+    Also a ``ValueError``, as the store openers raised before it had a type.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        url, problem = redacted(url), redacted(problem)  # the arguments a pickle carries too
+        super().__init__(
+            f"store URL {url} cannot be opened: {problem}; correct the "
+            "setting (RATCHET_SNAPSHOT_STORE, RATCHET_RUN_STORE or RATCHET_REDIS_PREFIX) "
+            "and start again",
+            url,
+            problem,
+        )
+        self.problem = problem
+
+
 class StoreError(RatchetError):
-    """A store backend failed. Backends translate their own errors into these."""
+    """A store backend failed. Backends translate their own errors into these.
+
+    A message never shows a password: one in a URL, or a ``password=`` query value,
+    is masked (:func:`redacted`) whatever the backend put in it.
+    """
+
+    def __init__(self, message: str, *args: Any) -> None:
+        super().__init__(redacted(message), *args)
 
 
 class StoreUnavailable(StoreError):
-    def __init__(self, store: str, problem: str) -> None:
+    """The backend could not be reached; ``run_id`` is the run the call was for, if one."""
+
+    def __init__(self, store: str, problem: str, run_id: str | None = None) -> None:
+        store, problem = redacted(store), redacted(problem)  # the arguments a pickle carries too
         super().__init__(
-            f"{store} is unavailable: {problem}; check that it is running and reachable",
+            f"{_of_run(run_id)}{store} is unavailable: {problem}; check that it is running "
+            "and reachable"
+            + (f", then `ratchet runs resume {run_id}` if the run stalled" if run_id else ""),
             store,
             problem,
+            run_id,
         )
+        self.store, self.problem, self.run_id = store, problem, run_id
+
+    def for_run(self, run_id: str) -> StoreUnavailable:
+        """The same error, naming the run the failed call was for."""
+        return StoreUnavailable(self.store, self.problem, run_id)
 
 
 class StoreBusy(StoreUnavailable):
@@ -317,25 +513,34 @@ class StoreBusy(StoreUnavailable):
     The server may be fine: more calls use the store at once than the pool allows.
     """
 
-    def __init__(self, store: str, max_connections: int, waited_s: float) -> None:
+    def __init__(
+        self, store: str, max_connections: int, waited_s: float, run_id: str | None = None
+    ) -> None:
+        store = redacted(store)
         StoreError.__init__(
             self,
-            f"{store}: all {max_connections} pooled connections stayed busy for {waited_s:g} s; "
-            "this process makes more store calls at once than its pool allows — add "
-            "`?max_connections=N` to the store URL (N above the worker's concurrency) or "
-            "lower the concurrency",
+            f"{_of_run(run_id)}{store}: all {max_connections} pooled connections stayed busy "
+            f"for {waited_s:g} s; this process makes more store calls at once than its pool "
+            "allows — add `?max_connections=N` to the store URL (N above the worker's "
+            "concurrency) or lower the concurrency",
             store,
             max_connections,
             waited_s,
+            run_id,
         )
         self.store, self.max_connections, self.waited_s = store, max_connections, waited_s
+        self.problem, self.run_id = "every pooled connection stayed busy", run_id
+
+    def for_run(self, run_id: str) -> StoreBusy:
+        return StoreBusy(self.store, self.max_connections, self.waited_s, run_id)
 
 
 class StaleWrite(StoreError):
     def __init__(self, run_id: str, expected_seq: int | None, found_seq: int | None) -> None:
         super().__init__(
             f"run {run_id}: write expected seq {expected_seq} but the store holds "
-            f"{found_seq}; another worker advanced the run — this write is dropped",
+            f"{found_seq}; another worker advanced the run — this write is dropped, and there is "
+            "nothing to do: the newer write stands",
             run_id,
             expected_seq,
             found_seq,
@@ -347,7 +552,8 @@ class LeaseLost(StoreError):
     def __init__(self, run_id: str, owner: str) -> None:
         super().__init__(
             f"run {run_id}: worker {owner} no longer holds the run's lease "
-            "(it expired and another worker may have taken over); stopping without writing",
+            "(it expired and another worker may have taken over); stopping without writing — "
+            "nothing to do: the lease holder, or the sweeper after it, carries the run on",
             run_id,
             owner,
         )
@@ -418,3 +624,21 @@ class ToolModuleChanged(RatchetError):
             worker,
         )
         self.module, self.path, self.worker = module, path, worker
+
+
+class MessageRefused(RatchetError):
+    """A task message that is not its task's: an argument missing, unknown or of the wrong
+    type, a run id that is not one, a format version this release does not read.
+
+    A worker sets such a message aside with ``problem`` as its reason; a sender gets it
+    before anything is sent.
+    """
+
+    def __init__(self, task: str, problem: str) -> None:
+        super().__init__(
+            f"{task} message refused: {problem}; nothing was sent or run: correct the message "
+            "(docs/celery.md lists each task's fields)",
+            task,
+            problem,
+        )
+        self.task, self.problem = task, problem

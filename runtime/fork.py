@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.agent import Agent, describe_binding_change
-from runtime.errors import BindingChanged, RunRefused
+from runtime.errors import BindingChanged, EventsDoNotFold, RunRefused
 from runtime.models import Budgets, Event, RunState
 
 Fold = Callable[[list[Event]], RunState | None]
@@ -50,7 +50,7 @@ def fold_fork(created: Event, fold: Fold) -> RunState:
     lineage = data[FORK_KEY]
     base = fold([Event.model_validate(e) for e in lineage["events"]])
     if base is None:
-        raise ValueError(f"run {data['run_id']}: a fork's run.created holds no events")
+        raise EventsDoNotFold(data["run_id"], created.seq, "a fork's run.created holds no events")
     suspension = base.suspension
     if suspension is not None:
         suspension = suspension.model_copy(update={"seq": created.seq, "since_ms": created.at_ms})

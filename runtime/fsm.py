@@ -28,7 +28,7 @@ from runtime.children import (
     child_run_id,
     with_child_usage,
 )
-from runtime.errors import BudgetExhausted, BudgetUnenforceable
+from runtime.errors import BudgetExhausted, BudgetUnenforceable, EventsDoNotFold
 from runtime.fork import FORK_KEY, fold_fork
 from runtime.models import (
     Event,
@@ -238,7 +238,9 @@ def _continued(state: RunState, event: Event) -> RunState:
     """A person answered the suspension: `input` for a question or blocker, `approved` for a tool."""
     d, suspension = event.data, state.suspension
     if suspension is None:
-        raise ValueError(f"run {state.run_id}: run.continued at seq {event.seq} but not suspended")
+        raise EventsDoNotFold(
+            state.run_id, event.seq, "run.continued, but the run is not suspended"
+        )
     state = state.model_copy(
         update={
             "suspension": None,
@@ -260,7 +262,7 @@ def _woken(state: RunState, event: Event) -> RunState:
     """A wait is over: its call is answered with how long it waited."""
     suspension = state.suspension
     if suspension is None:
-        raise ValueError(f"run {state.run_id}: run.woken at seq {event.seq} but not waiting")
+        raise EventsDoNotFold(state.run_id, event.seq, "run.woken, but the run is not waiting")
     waited = max(0, event.at_ms - suspension.since_ms)
     state = state.model_copy(
         update={"suspension": None, "suspended_ms": state.suspended_ms + waited}
@@ -286,7 +288,9 @@ def _reconciled(state: RunState, event: Event) -> RunState:
             update={"running": tuple(c for c in state.running if c != d["call_id"])}
         )
     else:
-        raise ValueError(f"run {state.run_id}: unknown reconciliation decision {decision!r}")
+        raise EventsDoNotFold(
+            state.run_id, event.seq, f"unknown reconciliation decision {decision!r}"
+        )
     state = state.model_copy(update={"error": None})
     return state.model_copy(update={"status": _live_status(state)})
 
@@ -362,21 +366,38 @@ FOLDS: dict[str, Fold] = {
 
 
 def apply(state: RunState | None, event: Event) -> RunState:
-    """Fold one event into the state. Pure; raises ValueError on an impossible sequence."""
+    """Fold one event into the state. Pure; raises EventsDoNotFold on an impossible sequence.
+
+    EventsDoNotFold is a ValueError too; a ValueError a fold raises on malformed data
+    (a pydantic ValidationError) is raised as one, naming the run and the seq.
+    """
     if state is None:
+        run_id = event.data.get("run_id") if isinstance(event.data, dict) else None
         if event.type != "run.created":
-            raise ValueError(f"a run's first event must be run.created, not {event.type}")
-        return _initial(event)
+            raise EventsDoNotFold(
+                run_id, event.seq, f"a run's first event must be run.created, not {event.type}"
+            )
+        return _folded(run_id, event, lambda: _initial(event))
     if event.seq != state.seq + 1:
-        raise ValueError(f"run {state.run_id}: event seq {event.seq} follows {state.seq}")
+        raise EventsDoNotFold(state.run_id, event.seq, f"event seq {event.seq} follows {state.seq}")
     if event.type not in INFORMATIONAL_EVENTS:
         fold = FOLDS.get(event.type)
         if fold is None:
-            raise ValueError(
-                f"run {state.run_id}: unknown event type {event.type!r} at seq {event.seq}"
+            raise EventsDoNotFold(
+                state.run_id, event.seq, f"unknown event type {event.type!r} at seq {event.seq}"
             )
-        state = fold(state, event)
+        before = state
+        state = _folded(state.run_id, event, lambda: fold(before, event))
     return state.model_copy(update={"seq": event.seq})
+
+
+def _folded(run_id: str | None, event: Event, fold: Callable[[], RunState]) -> RunState:
+    try:
+        return fold()
+    except EventsDoNotFold:
+        raise
+    except ValueError as exc:
+        raise EventsDoNotFold(run_id, event.seq, f"{event.type}: {exc}") from exc
 
 
 def rebuild(events: list[Event]) -> RunState | None:
@@ -459,25 +480,29 @@ Action = CallModel | RunTool | Unresolved | StartChild | RefuseCall | Suspend | 
 def _check_deadline(state: RunState, now_ms: int) -> None:
     if now_ms > state.deadline_ms:
         running_s = (now_ms - state.created_at_ms - state.suspended_ms) / 1000
-        raise BudgetExhausted("timeout_seconds", round(running_s, 1), state.budgets.timeout_seconds)
+        raise BudgetExhausted(
+            state.run_id, "timeout_seconds", round(running_s, 1), state.budgets.timeout_seconds
+        )
 
 
 def check_model_budgets(state: RunState, now_ms: int) -> None:
     b, u = state.budgets, state.usage
     if u.model_attempts >= b.max_turns:
-        raise BudgetExhausted("max_turns", u.model_attempts, b.max_turns)
+        raise BudgetExhausted(state.run_id, "max_turns", u.model_attempts, b.max_turns)
     if b.max_total_tokens is not None:
         if u.responses_without_usage:
-            raise BudgetUnenforceable("max_total_tokens", u.responses_without_usage)
+            raise BudgetUnenforceable(state.run_id, "max_total_tokens", u.responses_without_usage)
         if u.total_tokens >= b.max_total_tokens:
-            raise BudgetExhausted("max_total_tokens", u.total_tokens, b.max_total_tokens)
+            raise BudgetExhausted(
+                state.run_id, "max_total_tokens", u.total_tokens, b.max_total_tokens
+            )
     _check_deadline(state, now_ms)
 
 
 def check_tool_budgets(state: RunState, now_ms: int) -> None:
     if state.usage.tool_calls >= state.budgets.max_tool_calls:
         raise BudgetExhausted(
-            "max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls
+            state.run_id, "max_tool_calls", state.usage.tool_calls, state.budgets.max_tool_calls
         )
     _check_deadline(state, now_ms)
 

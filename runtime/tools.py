@@ -34,7 +34,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -211,6 +211,34 @@ def spec_from_function(fn: Callable[..., Any], reference: str) -> ToolSpec:
     fields, context = _parameters(reference, fn)
     model = _arguments_model(reference, fields)
     probe, probe_parameters, probe_context = _probe(reference, marks.get("probe"), fields)
+    spec = _spec(
+        reference,
+        name,
+        inspect.cleandoc(fn.__doc__ if isinstance(fn.__doc__, str) else "").strip(),
+        model,
+        idempotent=bool(marks.get("idempotent", False)),
+        fn=fn,
+    )
+    return replace(
+        spec,
+        context_parameter=context,
+        probe=probe,
+        probe_parameters=probe_parameters,
+        probe_context_parameter=probe_context,
+    )
+
+
+def _spec(
+    reference: str,
+    name: str,
+    description: str,
+    model: type[BaseModel],
+    *,
+    idempotent: bool,
+    fn: Callable[..., Any] | None,
+) -> ToolSpec:
+    """The tool declaring ``model``'s JSON schema as its parameters; without ``fn``, a
+    control tool (the worker carries it out). ToolError if there is no such schema."""
     try:
         schema = model.model_json_schema()
     except Exception as exc:  # e.g. PydanticInvalidForJsonSchema for a TypeVar or a callable
@@ -225,16 +253,12 @@ def spec_from_function(fn: Callable[..., Any], reference: str) -> ToolSpec:
     return ToolSpec(
         name=name,
         reference=reference,
-        description=inspect.cleandoc(fn.__doc__ if isinstance(fn.__doc__, str) else "").strip(),
+        description=description,
         parameters=schema,
-        idempotent=bool(marks.get("idempotent", False)),
-        control=False,
+        idempotent=idempotent,
+        control=fn is None,
         arguments_model=model,
         fn=fn,
-        context_parameter=context,
-        probe=probe,
-        probe_parameters=probe_parameters,
-        probe_context_parameter=probe_context,
     )
 
 
@@ -249,20 +273,7 @@ class _ReasonArguments(BaseModel):
 
 
 def _control(name: str, description: str, model: type[BaseModel]) -> ToolSpec:
-    schema = model.model_json_schema()
-    schema.pop("title", None)
-    for prop in schema.get("properties", {}).values():
-        prop.pop("title", None)
-    return ToolSpec(
-        name=name,
-        reference=name,
-        description=description,
-        parameters=schema,
-        idempotent=True,
-        control=True,
-        arguments_model=model,
-        fn=None,
-    )
+    return _spec(name, name, description, model, idempotent=True, fn=None)
 
 
 CONTROL_TOOLS: dict[str, ToolSpec] = {

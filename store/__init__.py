@@ -21,9 +21,14 @@ share one server.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from runtime.errors import StoreUrlInvalid
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
@@ -31,68 +36,90 @@ from store.snapshots import SnapshotStore
 def _path_of(url: str) -> Path:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"{url}: use three slashes for a path (`{parts.scheme}:///abs/path`)")
+        raise StoreUrlInvalid(url, f"use three slashes for a path (`{parts.scheme}:///abs/path`)")
     return Path(unquote(parts.path))
+
+
+@contextmanager
+def _opening(url: str) -> Iterator[None]:
+    """A backend's ValueError about its URL (a database number, a key prefix) as StoreUrlInvalid."""
+    try:
+        yield
+    except StoreUrlInvalid:
+        raise
+    except ValueError as exc:
+        raise StoreUrlInvalid(url, str(exc)) from exc
+
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_FORMS = {
+    "memory": "memory://",
+    "file": "file:///dir",
+    "sqlite": "sqlite:///path",
+    "redis": "redis://host:port/db",
+    "s3": "s3://bucket/prefix",
+}
+"""How a store URL of each scheme is written (the redis form stands for all three)."""
+_SNAPSHOT_STORES = {
+    "memory": "store.snapshots.memory:MemorySnapshotStore",
+    "file": "store.snapshots.file:FileSnapshotStore",
+    "redis": "store.snapshots.redis:RedisSnapshotStore",
+    "s3": "store.snapshots.s3:S3SnapshotStore",
+}
+_RUN_STORES = {
+    "memory": "store.runs.memory:MemoryRunStore",
+    "sqlite": "store.runs.sqlite:SqliteRunStore",
+    "redis": "store.runs.redis:RedisRunStore",
+}
+
+
+def _open(
+    kind: str, backends: dict[str, str], url: str, redis_prefix: str, max_connections: int | None
+) -> Any:
+    """The backend of ``backends`` for ``url``'s scheme, imported only now (a backend's
+    client library costs only the processes that use it), opened on ``url``."""
+    scheme = urlsplit(url).scheme
+    family = "redis" if scheme in _REDIS_SCHEMES else scheme
+    if family not in backends:
+        accepted = ", ".join(_FORMS[name] for name in backends)
+        raise StoreUrlInvalid(url, f"a {kind} URL `{scheme}://…` is not one of {accepted}")
+    module, _, name = backends[family].partition(":")
+    backend = getattr(importlib.import_module(module), name)
+    if family == "memory":
+        return backend()
+    if family in ("file", "sqlite"):
+        return backend(_path_of(url))
+    with _opening(url):
+        if family == "s3":
+            return backend.from_url(url)
+        return backend.from_url(url, prefix=redis_prefix, max_connections=max_connections)
 
 
 def open_snapshot_store(
     url: str, *, redis_prefix: str = "ratchet", max_connections: int | None = None
 ) -> SnapshotStore:
-    """Open the snapshot store a URL names; ValueError names the URL and what is accepted.
+    """Open the snapshot store a URL names; StoreUrlInvalid names the URL and what is accepted.
 
     ``max_connections``: how many calls this process may make to the store at once
     (a worker passes its slots plus headroom); sizes the connection pool of the
     backends that have one. ImportError for ``s3://`` without the ``s3`` extra says
     what to install.
     """
-    scheme = urlsplit(url).scheme
-    if scheme == "memory":
-        from store.snapshots.memory import MemorySnapshotStore
-
-        return MemorySnapshotStore()
-    if scheme == "file":
-        from store.snapshots.file import FileSnapshotStore
-
-        return FileSnapshotStore(_path_of(url))
-    if scheme in ("redis", "rediss", "unix"):
-        from store.snapshots.redis import RedisSnapshotStore
-
-        return RedisSnapshotStore.from_url(
-            url, prefix=redis_prefix, max_connections=max_connections
-        )
-    if scheme == "s3":
-        from store.snapshots.s3 import S3SnapshotStore
-
-        return S3SnapshotStore.from_url(url)
-    raise ValueError(
-        f"snapshot store URL `{scheme}://…` is not one of memory://, file:///dir, "
-        "redis://host:port/db, s3://bucket/prefix"
+    store: SnapshotStore = _open(
+        "snapshot store", _SNAPSHOT_STORES, url, redis_prefix, max_connections
     )
+    return store
 
 
 def open_run_store(
     url: str, *, redis_prefix: str = "ratchet", max_connections: int | None = None
 ) -> RunStore:
-    """Open the run store a URL names; ValueError names the URL and what is accepted.
+    """Open the run store a URL names; StoreUrlInvalid names the URL and what is accepted.
 
     ``max_connections`` as for :func:`open_snapshot_store`.
     """
-    scheme = urlsplit(url).scheme
-    if scheme == "memory":
-        from store.runs.memory import MemoryRunStore
-
-        return MemoryRunStore()
-    if scheme == "sqlite":
-        from store.runs.sqlite import SqliteRunStore
-
-        return SqliteRunStore(_path_of(url))
-    if scheme in ("redis", "rediss", "unix"):
-        from store.runs.redis import RedisRunStore
-
-        return RedisRunStore.from_url(url, prefix=redis_prefix, max_connections=max_connections)
-    raise ValueError(
-        f"run store URL `{scheme}://…` is not one of memory://, sqlite:///path, redis://host:port/db"
-    )
+    store: RunStore = _open("run store", _RUN_STORES, url, redis_prefix, max_connections)
+    return store
 
 
 __all__ = ["RunStore", "SnapshotStore", "open_run_store", "open_snapshot_store"]

@@ -41,6 +41,8 @@ LINE_KEEP_MS = 3_600_000
 
 @dataclass(frozen=True)
 class Admission:
+    """What :meth:`LimitStore.admit` decided for one model call."""
+
     verdict: Verdict
     place: int
     """Denied: the run's 0-based position in the waiting lines (runs under way first)."""
@@ -50,6 +52,8 @@ class Admission:
 
 @dataclass(frozen=True)
 class Place:
+    """What :meth:`LimitStore.acquire` found: a place under a concurrency key, or a line."""
+
     held: bool
     """The run holds one of the key's places (it may call the model)."""
     place: int
@@ -60,21 +64,30 @@ class Place:
 
 @dataclass(frozen=True)
 class LimitUse:
+    """A limit key's use right now, as ``ratchet limits`` shows it."""
+
     key: str
     requests_this_minute: int
+    """Model calls let through (or given a reserved time) in this wall-clock minute."""
     tokens_this_minute: int
+    """Their estimated tokens, corrected as each call settles (:meth:`LimitStore.settle`)."""
     ahead_s: dict[str, float]
     """Per rate: how far its schedule runs ahead of now (reserved calls, debt)."""
     blocked_s: float
+    """How long a 429's ``Retry-After`` still holds every call back (0: it does not)."""
     waiting: tuple[int, int]
     """Runs waiting: under way, new."""
 
 
 @dataclass(frozen=True)
 class CapUse:
+    """A concurrency key's use right now, as ``ratchet limits`` shows it."""
+
     key: str
     holders: tuple[str, ...]
+    """The runs holding a place."""
     waiting: tuple[str, ...]
+    """The runs waiting for one, first in line first."""
 
 
 def minute_of(wall_ms: float) -> int:
@@ -262,30 +275,30 @@ class LocalLimitStore(LimitStore):
             return CapUse(cap_key, tuple(doc.get("holders", ())), order)
 
     def overrides(self) -> dict[str, dict[str, Any]]:
-        with self._documents("config") as docs:
-            return dict(docs["config"].get("limits", {}))
+        return self._run_time("limits")
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
-        with self._documents("config", "known") as docs:
-            limits = docs["config"].setdefault("limits", {})
-            if values is None:
-                limits.pop(key, None)
-            else:
-                limits[key] = values
-                docs["known"].setdefault("limits", {})[key] = 1
+        self._set_run_time("limits", key, values)
 
     def cap_overrides(self) -> dict[str, int]:
-        with self._documents("config") as docs:
-            return dict(docs["config"].get("caps", {}))
+        return self._run_time("caps")
 
     def set_cap_override(self, cap_key: str, cap: int | None) -> None:
+        self._set_run_time("caps", cap_key, cap)
+
+    def _run_time(self, kind: str) -> dict[str, Any]:
+        with self._documents("config") as docs:
+            return dict(docs["config"].get(kind, {}))
+
+    def _set_run_time(self, kind: str, key: str, value: Any) -> None:
+        """Set (``None``: remove) a run-time value of ``kind``; a key once set stays known."""
         with self._documents("config", "known") as docs:
-            caps = docs["config"].setdefault("caps", {})
-            if cap is None:
-                caps.pop(cap_key, None)
+            table = docs["config"].setdefault(kind, {})
+            if value is None:
+                table.pop(key, None)
             else:
-                caps[cap_key] = cap
-                docs["known"].setdefault("caps", {})[cap_key] = 1
+                table[key] = value
+                docs["known"].setdefault(kind, {})[key] = 1
 
     def known(self) -> tuple[list[str], list[str]]:
         with self._documents("known") as docs:
@@ -510,12 +523,8 @@ class RedisLimitStore(LimitStore):
         return {_s(k): json.loads(v) for k, v in raw.items()}
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
-        with self._translated():
-            if values is None:
-                self._client.hdel(self._config, key)
-            else:
-                self._client.hset(self._config, key, json.dumps(values, sort_keys=True))
-                self._client.sadd(self._known, key)
+        encoded = None if values is None else json.dumps(values, sort_keys=True)
+        self._set_run_time(self._config, self._known, key, encoded)
 
     def cap_overrides(self) -> dict[str, int]:
         with self._translated():
@@ -523,12 +532,16 @@ class RedisLimitStore(LimitStore):
         return {_s(k): int(v) for k, v in raw.items()}
 
     def set_cap_override(self, cap_key: str, cap: int | None) -> None:
+        self._set_run_time(self._caps, self._known_caps, cap_key, cap)
+
+    def _set_run_time(self, table: str, known: str, key: str, value: str | int | None) -> None:
+        """Set (``None``: remove) ``key`` in hash ``table``; a key once set stays in ``known``."""
         with self._translated():
-            if cap is None:
-                self._client.hdel(self._caps, cap_key)
+            if value is None:
+                self._client.hdel(table, key)
             else:
-                self._client.hset(self._caps, cap_key, cap)
-                self._client.sadd(self._known_caps, cap_key)
+                self._client.hset(table, key, value)
+                self._client.sadd(known, key)
 
     def known(self) -> tuple[list[str], list[str]]:
         with self._translated():

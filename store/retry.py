@@ -22,8 +22,20 @@ ATTEMPTS = 4
 MAX_DELAY_S = 2.0
 
 
-def with_retries(call: Callable[[], T]) -> T:
-    """Run ``call``; retry it on StoreUnavailable a few times within ~2 s, then re-raise."""
+def with_retries(call: Callable[[], T], run_id: str | None = None) -> T:
+    """Run ``call``; retry it on StoreUnavailable a few times within ~2 s, then re-raise.
+
+    ``run_id``: the run the call is for; the error that reaches the caller names it.
+    """
+    try:
+        return _retried(call)
+    except StoreUnavailable as exc:
+        if run_id is None or exc.run_id is not None:
+            raise
+        raise exc.for_run(run_id) from exc
+
+
+def _retried(call: Callable[[], T]) -> T:
     try:
         return call()
     except StoreUnavailable as exc:

@@ -1,6 +1,7 @@
 """Celery tasks, thin: decode the message, call the runtime, persist, enqueue.
 
 Task names are stable (``ratchet.*``): durable messages outlive module paths.
+What each task takes, and the one function that sends it, is in :mod:`tasks.messages`.
 The tasks are shared tasks (:func:`tasks.task_base.ratchet_task`): they belong to
 no app of their own, and :func:`install` adds them, with their queues, routes and
 the sweeper's beat entry, to the Celery app it is given — ratchet's own
@@ -13,11 +14,11 @@ from typing import Any
 
 from tasks.children import deliver_run
 from tasks.control import cancel_run, continue_run
+from tasks.messages import send_through
 from tasks.queues import ROUTES, beat_schedule, queues, route
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.settings import Settings, get_settings
 from tasks.start import start_run
-from tasks.task_base import send_through
 from tasks.timers import wake_run
 from tasks.turn import run_turn
 

@@ -14,9 +14,9 @@ from runtime.budget import plan_raise
 from runtime.errors import RunNotFound
 from runtime.models import RunState, validate_run_id
 from tasks.context import Context
-from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from tasks.queues import chain_turn
+from tasks.lease import holding
+from tasks.messages import chain_turn
 
 
 def raise_budgets(
@@ -29,14 +29,15 @@ def raise_budgets(
 ) -> RunState:
     """Record ``run.budget_raised`` for ``changes`` (budget → ``+N`` or ``N``); the new state.
 
-    Raises RunNotFound, RunRefused (the run cannot be given more), ValueError (a
+    Raises RunNotFound, RunRefused (the run cannot be given more), InvalidRequest (a
     change that is not a raise), RunBusy (a worker holds the lease past one lease).
     """
     run_id = validate_run_id(run_id)
     record = ctx.runs.get(run_id)
     if record is None:
         raise RunNotFound(run_id)
-    with holding_lease(ctx, record) as owner:
+    with holding(ctx, run_id, patience_s=ctx.settings.lease_s) as held:
+        owner = held.owner
         state = load(ctx, run_id).state
         last = ctx.runs.events(run_id, after_seq=state.seq - 1, limit=1)[0]
         data = plan_raise(state, last, changes, by, reason, ctx.runs.clock())

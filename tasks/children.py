@@ -21,10 +21,10 @@ from runtime.models import Event, RunState, ToolCall, validate_run_id
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
-from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from tasks.queues import chain_turn
-from tasks.task_base import ratchet_task
+from tasks.lease import holding
+from tasks.messages import chain_turn
+from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.children")
 
@@ -58,8 +58,8 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
     failpoints.hit("child.enqueued", turn)
 
 
-@ratchet_task(name="ratchet.deliver", ignore_result=True)
-def deliver_run(child_id: str) -> str:
+@control_task(name="ratchet.deliver")
+def deliver_run(*, child_id: str) -> str:
     """Tell an ended child's parent how it ended. Returns told | stale | busy."""
     return deliver(get_context(), validate_run_id(child_id))
 
@@ -79,7 +79,8 @@ def deliver(
     parent_record = ctx.runs.get(child.parent)
     if parent_record is not None and parent_record.status.is_suspended:
         try:
-            with holding_lease(ctx, parent_record, wait_s=1.0) as owner:
+            with holding(ctx, parent_record.run_id, patience_s=1.0) as held:
+                owner = held.owner
                 parent = load(ctx, child.parent).state
                 if waits_for(parent, child_id):
                     parent = append_events(

@@ -20,10 +20,8 @@ a long turn's lease. The turn in progress then loses its next append
 from __future__ import annotations
 
 import logging
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from runtime.children import RUN_CHILD, child_run_id
@@ -40,6 +38,7 @@ from runtime.continuation import (
 from runtime.errors import (
     RatchetError,
     RunBusy,
+    RunMoving,
     RunNotFound,
     RunRefused,
     SnapshotError,
@@ -51,40 +50,19 @@ from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, valid
 from store.runs import RunRecord
 from tasks import metrics
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load, new_owner, save_snapshot
-from tasks.queues import chain_turn, tell_parent_soon
-from tasks.task_base import ratchet_task
+from tasks.journal import append_events, load, save_snapshot
+from tasks.lease import holding
+from tasks.messages import chain_turn, tell_parent_soon
+from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.control")
 
 STALE_ATTEMPTS = 5
 """How often a control write re-reads the run after losing a seq race before giving up."""
-LEASE_POLL_S = 0.002
 
 
 def new_continuation_id() -> str:
     return uuid.uuid4().hex
-
-
-@contextmanager
-def holding_lease(ctx: Context, record: RunRecord, wait_s: float | None = None) -> Iterator[str]:
-    """Hold the run's lease; wait up to ``wait_s`` (one lease period) for a turn to let it go.
-
-    A suspending turn releases its lease just after its checkpoint, so an answer
-    sent at once may find it still held for a moment. Raises RunBusy after that.
-    """
-    owner = new_owner()
-    lease_s = ctx.settings.lease_s
-    wait_s = lease_s if wait_s is None else wait_s
-    deadline = time.monotonic() + wait_s
-    while not ctx.runs.acquire_lease(record.run_id, owner, lease_s):
-        if time.monotonic() >= deadline:
-            raise RunBusy(record.run_id, record.status.value, wait_s)
-        time.sleep(LEASE_POLL_S)
-    try:
-        yield owner
-    finally:
-        ctx.runs.release_lease(record.run_id, owner)
 
 
 def _max_suspended_s(events: list[Event]) -> int | None:
@@ -117,15 +95,17 @@ def apply_continuation(
         if record is None:
             raise RunNotFound(run_id)
         try:
-            with holding_lease(ctx, record) as owner:
-                outcome, seq = _continue_holding_lease(ctx, continuation, owner)
+            # A suspending turn lets its lease go just after its checkpoint, so an answer
+            # sent at once may find it held for a moment: wait up to one lease period.
+            with holding(ctx, run_id, patience_s=ctx.settings.lease_s) as held:
+                outcome, seq = _continue_holding_lease(ctx, continuation, held.owner)
         except StaleWrite as exc:
             log.info("run %s: %s; reading the run again", run_id, exc)
             continue
         if seq is not None:
             enqueue(run_id, seq)
         return outcome
-    raise RunBusy(run_id, "moving", 0)
+    raise RunMoving(run_id, STALE_ATTEMPTS)
 
 
 def _continue_holding_lease(
@@ -184,21 +164,10 @@ def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) ->
     log.warning("run %s: expired: %s", state.run_id, reason)
 
 
-CONTROL_TASK_OPTIONS: dict[str, Any] = {
-    "acks_late": True,
-    "reject_on_worker_lost": True,
-    "ignore_result": True,
-    # A run busy with a turn, or a store briefly away: ask again, backing off up to 30 s.
-    "autoretry_for": (RunBusy, StoreUnavailable),
-    "retry_backoff": 1,
-    "retry_backoff_max": 30,
-    "max_retries": 20,
-}
-
-
-@ratchet_task(name="ratchet.continue", bind=True, **CONTROL_TASK_OPTIONS)
+@control_task(name="ratchet.continue", bind=True)
 def continue_run(
     self: Any,
+    *,
     run_id: str,
     input: str | None = None,
     approve: bool | None = None,
@@ -289,7 +258,7 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
         if is_child:
             tell_parent_soon(run_id)
         return cancelled
-    raise RunBusy(run_id, "moving", 0)
+    raise RunMoving(run_id, STALE_ATTEMPTS)
 
 
 def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
@@ -304,8 +273,8 @@ def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
         log.info("run %s: child %s not cancelled: %s", run_id, child, exc)
 
 
-@ratchet_task(name="ratchet.cancel", **CONTROL_TASK_OPTIONS)
-def cancel_run(run_id: str, reason: str | None = None) -> str:
+@control_task(name="ratchet.cancel")
+def cancel_run(*, run_id: str, reason: str | None = None) -> str:
     """Cancel a run. Returns cancelled | refused (the reason is logged)."""
     try:
         cancel(get_context(), run_id, reason)
@@ -344,7 +313,8 @@ def expire_suspended(ctx: Context, now_ms: int | None = None, limit: int = 1000)
 
 
 def _expire_if_overdue(ctx: Context, record: RunRecord, now: int) -> bool:
-    with holding_lease(ctx, record, wait_s=0) as owner:
+    with holding(ctx, record.run_id) as held:
+        owner = held.owner
         loaded = load(ctx, record.run_id, whole_log=True)
         suspension = loaded.state.suspension
         if suspension is None or not loaded.state.status.is_suspended:

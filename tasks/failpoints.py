@@ -29,6 +29,8 @@ import os
 import sys
 import time
 
+from runtime.errors import ConfigInvalid
+
 POINTS = (
     "model.response.received",
     "model.response.checkpointed",
@@ -46,8 +48,12 @@ def _parse(value: str | None) -> tuple[str, int | None] | None:
     if not value:
         return None
     name, _, turn = value.partition("@")
-    if name not in POINTS:
-        raise ValueError(f"RATCHET_FAILPOINT={value!r}: unknown point; known: {', '.join(POINTS)}")
+    if name not in POINTS or (turn and not turn.isdigit()):
+        raise ConfigInvalid(
+            "RATCHET_FAILPOINT",
+            f"RATCHET_FAILPOINT={value[:80]!r} is not POINT or POINT@N; give one of "
+            f"{', '.join(POINTS)}, or unset it",
+        )
     return name, int(turn) if turn else None
 
 

@@ -18,7 +18,7 @@ from runtime.fsm import apply, rebuild
 from runtime.models import RunState, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context
-from tasks.queues import chain_turn
+from tasks.messages import chain_turn
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import uuid
 from typing import Any, NamedTuple
 
 from runtime.errors import (
+    EventsDoNotFold,
     RunNotFound,
     RunStateLost,
     SnapshotError,
@@ -107,8 +108,8 @@ def load(
         events = ctx.runs.events(run_id)
     try:
         rebuilt = rebuild(events)
-    except ValueError as exc:
-        raise RunStateLost(run_id, str(exc)) from exc
+    except EventsDoNotFold as exc:
+        raise RunStateLost(run_id, exc.where) from exc
     if rebuilt is None:
         raise RunStateLost(run_id, "its event log is empty")
     return Loaded(record, rebuilt, None, events)
@@ -126,10 +127,10 @@ def _healed(
     try:
         for event in tail:
             state = apply(state, event)
-    except ValueError as exc:
+    except EventsDoNotFold as exc:
         return (
             f"{ctx.snapshots.where(record.run_id)} is at seq {snapshot.seq}, and the run's "
-            f"events after it do not fold onto it ({exc})"
+            f"events after it do not fold onto it ({exc.where})"
         )
     if tail:
         log.info(

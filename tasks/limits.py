@@ -51,7 +51,8 @@ from runtime.providers import ModelRequest, ModelResponse
 from store.limits import LimitStore, open_limit_store
 from tasks import metrics
 from tasks.context import Context
-from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, chain_turn, scheme_of
+from tasks.messages import chain_turn
+from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
 log = logging.getLogger("ratchet.limits")
 

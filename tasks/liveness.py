@@ -30,11 +30,14 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from store.runs import Claim, RunStore
 from tasks.settings import Settings
+
+T = TypeVar("T")
 
 log = logging.getLogger("ratchet.liveness")
 
@@ -50,19 +53,36 @@ class Context(Protocol):
     def settings(self) -> Settings: ...
 
 
+class PerProcess(Generic[T]):
+    """One ``T`` per process, made on first use: a forked pool child makes its own (what
+    the parent made, its threads above all, does not carry over a fork)."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._by_pid: dict[int, T] = {}
+
+    def __call__(self) -> T:
+        pid = os.getpid()
+        with self._lock:
+            found = self._by_pid.get(pid)
+            if found is None:
+                found = self._by_pid[pid] = self._make()
+        return found
+
+    def made(self) -> T | None:
+        """This process's ``T`` if it was made, without making it."""
+        with self._lock:
+            return self._by_pid.get(os.getpid())
+
+
 _HOST = socket.gethostname().replace("/", "_") or "localhost"
-_lock = threading.Lock()
-_ids: dict[int, str] = {}
+_process_ids = PerProcess(lambda: f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
 
 
 def process_id() -> str:
     """This process's id in liveness records and lease owners (a forked child gets its own)."""
-    pid = os.getpid()
-    with _lock:
-        found = _ids.get(pid)
-        if found is None:
-            found = _ids[pid] = f"{_HOST}:{pid}:{uuid.uuid4().hex[:8]}"
-    return found
+    return _process_ids()
 
 
 @dataclass
@@ -202,23 +222,17 @@ class Beats:
             log.info("liveness: this process's record was gone from the run store; renewed")
 
 
-_beats_by_pid: dict[int, Beats] = {}
+_beats = PerProcess(Beats)
 
 
 def beats() -> Beats:
     """This process's liveness thread (a forked pool child starts its own)."""
-    pid = os.getpid()
-    with _lock:
-        found = _beats_by_pid.get(pid)
-        if found is None:
-            found = _beats_by_pid[pid] = Beats()
-    return found
+    return _beats()
 
 
 def forget(runs: RunStore) -> None:
     """``runs`` is being closed: this process stops beating in it (if it ever did)."""
-    with _lock:
-        found = _beats_by_pid.get(os.getpid())
+    found = _beats.made()
     if found is not None:
         found.forget(runs)
 

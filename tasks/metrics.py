@@ -70,20 +70,17 @@ class _Metrics:
         def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
             return Counter(name, doc, labels, registry=None)
 
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, buckets=buckets, registry=None)
+
         self.events = counter("ratchet_events", "Events appended, by type.", ["type"])
         self.transitions = counter("ratchet_run_transitions", "Runs entering a status.", ["status"])
         self.turns = counter("ratchet_turns", "Turn tasks, by outcome.", ["outcome"])
-        self.checkpoint_s = Histogram(
-            "ratchet_checkpoint_seconds",
-            "Snapshot save latency.",
-            buckets=LATENCY_BUCKETS_S,
-            registry=None,
+        self.checkpoint_s = histogram(
+            "ratchet_checkpoint_seconds", "Snapshot save latency.", LATENCY_BUCKETS_S
         )
-        self.checkpoint_bytes = Histogram(
-            "ratchet_checkpoint_bytes",
-            "Bytes written per snapshot save.",
-            buckets=SIZE_BUCKETS,
-            registry=None,
+        self.checkpoint_bytes = histogram(
+            "ratchet_checkpoint_bytes", "Bytes written per snapshot save.", SIZE_BUCKETS
         )
         self.resumes = counter("ratchet_resumes", "Runs resumed, by who resumed them.", ["by"])
         self.suspensions = counter("ratchet_suspensions", "Runs suspended, by reason.", ["reason"])
@@ -91,11 +88,10 @@ class _Metrics:
         self.parked = counter("ratchet_parked", "Runs parked for reconciliation.")
         self.dead_lettered = counter("ratchet_dead_lettered", "Runs dead-lettered by the sweeper.")
         self.purged = counter("ratchet_purged_runs", "Finished runs purged by retention.")
-        self.heartbeat_late_s = Histogram(
+        self.heartbeat_late_s = histogram(
             "ratchet_heartbeat_lateness_seconds",
             "How long after its planned time a heartbeat round started.",
-            buckets=HEARTBEAT_BUCKETS_S,
-            registry=None,
+            HEARTBEAT_BUCKETS_S,
         )
         self.heartbeat_max_late_s = Gauge(
             "ratchet_heartbeat_max_lateness_seconds",

@@ -1,4 +1,4 @@
-"""Where each ratchet task goes: two queues, one route per task name; sends by name.
+"""Where each ratchet task goes: two queues, one route per task name.
 
 ``ratchet.turns`` carries the long work (a turn, a start, a resume);
 ``ratchet.control`` the short messages (continue, cancel, sweep, wake-ups,
@@ -12,8 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from kombu.entity import Exchange, Queue
-
-from tasks.task_base import sending_app
 
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
@@ -34,22 +32,6 @@ ROUTES: dict[str, str] = {
     "ratchet.deliver": CONTROL_QUEUE,
 }
 """The queue of each ratchet task (an app's ``task_routes``)."""
-
-
-def chain_turn(run_id: str, seq: int) -> None:
-    """Enqueue the run's next turn; it acts only if the run is still at ``seq``.
-
-    Sent by name (through :func:`tasks.task_base.sending_app`): the modules
-    that chain a turn (a cancel, a wake-up, a child's delivery) sit below the turn
-    task, which starts children and schedules wake-ups.
-    """
-    sending_app().send_task("ratchet.turn", (run_id, seq), queue=ROUTES["ratchet.turn"])
-
-
-def tell_parent_soon(child_id: str) -> None:
-    """Enqueue ``ratchet.deliver``: tell an ended child's parent how it ended."""
-    sending_app().send_task("ratchet.deliver", (child_id,), queue=ROUTES["ratchet.deliver"])
-
 
 def scheme_of(broker_url: str) -> str:
     return broker_url.split("://", 1)[0].split("+", 1)[0]

@@ -25,6 +25,7 @@ from typing import Any
 
 from runtime.agent import describe_binding_change
 from runtime.errors import (
+    InvalidRequest,
     LeaseLost,
     RatchetError,
     RunRefused,
@@ -43,14 +44,18 @@ from runtime.recovery import (
 )
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
-from tasks import metrics
+from tasks import lease, metrics
 from tasks.context import Context, get_context
-from tasks.journal import append_ending, append_events, load, new_owner
-from tasks.liveness import claim
-from tasks.queues import CONTROL_QUEUE, tell_parent_soon
-from tasks.task_base import ratchet_task
+from tasks.journal import append_ending, append_events, load
+from tasks.messages import (
+    chain_turn,
+    sweeper_resume,
+    tell_parent_soon,
+    urgent_sweeper_resume,
+)
+from tasks.task_base import control_task, ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import Advanced, advance, chain, recover_takeovers_with, run_turn
+from tasks.turn import Advanced, advance, chain, recover_takeovers_with
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -109,7 +114,7 @@ def examine(
 
 
 @ratchet_task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def resume_run(run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
+def resume_run(*, run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
     """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
 
     Idempotent: a duplicate finds the lease taken or the run moved on, and does nothing.
@@ -125,18 +130,29 @@ def resume(
 ) -> Advanced:
     """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain.
 
-    The lease is taken from a holder whose process is dead (:mod:`tasks.liveness`);
+    The lease is taken also from a holder whose process is dead (:mod:`tasks.lease`);
     ``owner``: a turn that already took it so passes its owner id.
     """
-    if owner is None:
-        owner = new_owner()
-        claimed = claim(ctx, run_id, owner)
-        taken, took_over = claimed.taken, claimed.took_from is not None
-    else:
-        taken = took_over = True  # a turn took it from a dead holder
-    if not taken:
-        log.info("run %s: a worker holds the lease, so it is not orphaned; no resume", run_id)
-        return Advanced("leased", -1, 0)
+    # Patience 0: a holder that is alive is advancing the run, which is then not orphaned.
+    with lease.holding(ctx, run_id, owner, must=False, recovers=True) as held:
+        if not held.taken:
+            reason = held.busy.reason if held.busy is not None else "lease held"
+            log.info("run %s: %s, so it is not orphaned; no resume", run_id, reason)
+            return Advanced("leased", -1, 0)
+        took_over = owner is not None or held.took_from is not None
+        resumed = _resume_holding(ctx, run_id, by, seen_seq, held.owner, took_over)
+        if isinstance(resumed, Advanced):
+            return resumed
+        held.released = True  # the turn below holds it on and lets it go
+    # Still holding the lease, take the turn from the state after the last checkpoint.
+    return advance(ctx, run_id, resumed, owner=held.owner)
+
+
+def _resume_holding(
+    ctx: Context, run_id: str, by: str, seen_seq: int | None, owner: str, took_over: bool
+) -> Advanced | int:
+    """:func:`resume`'s decision under the lease: the seq of the recorded ``run.resumed``
+    to take the turn from, or what it did instead (refused, stale, dead-lettered, fenced)."""
     try:
         state, events, verdict = examine(ctx, run_id)
         seq = state.seq if state is not None else _last_seq(ctx, run_id)
@@ -148,7 +164,6 @@ def resume(
             log.info(
                 "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
             )
-            ctx.runs.release_lease(run_id, owner)
             return Advanced("stale", seq, 0)
         turns = state.usage.model_turns if state is not None else 0
         history = consecutive_recoveries(events)
@@ -162,7 +177,6 @@ def resume(
                 # Recorded, so the operator who asked (`ratchet runs resume`) is told.
                 data = {"by": by, "status": state.status.value, "reason": verdict.reason}
                 seq = append_events(ctx, state, [("run.resume_refused", data)], owner).seq
-            ctx.runs.release_lease(run_id, owner)
             return Advanced("refused", seq, turns)
         assert state is not None
         attempt = state.recovery_attempts + 1
@@ -170,15 +184,10 @@ def resume(
             ctx, state, [("run.resumed", {"by": by, "attempt": attempt})], owner
         )
         log.info("run %s: resumed by %s at seq %s (attempt %s)", run_id, by, state.seq, attempt)
+        return resumed.seq
     except (LeaseLost, StaleWrite) as exc:
         log.warning("%s", exc)
-        ctx.runs.release_lease(run_id, owner)
         return Advanced("fenced", -1, 0)
-    except BaseException:
-        ctx.runs.release_lease(run_id, owner)
-        raise
-    # Still holding the lease, take the turn from the state after the last checkpoint.
-    return advance(ctx, run_id, resumed.seq, owner=owner)
 
 
 def _resume_taken_over(ctx: Context, run_id: str, owner: str) -> Advanced:
@@ -205,27 +214,24 @@ def _dead_letter(
     owner: str,
 ) -> Advanced:
     """The sweeper gives up on a run: leaving it live would find it again every sweep."""
-    try:
-        record = ctx.runs.get(run_id)
-        live = state.status.is_live if state is not None else bool(record and record.status.is_live)
-        if record is None or not live:
-            log.warning("run %s: not resumed: %s", run_id, verdict.reason)
-            return Advanced("refused", state.seq if state else -1, 0)
-        data = dead_letter_data(run_id, history, ctx.settings.max_recovery_attempts)
-        if not verdict.eligible:
-            data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
-        if state is None:
-            # Nothing to fold onto, but left live the run would be found every sweep.
-            ended = append_ending(
-                ctx, record, "run.dead_lettered", RunStatus.DEAD_LETTERED, data, owner
-            )
-            log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-            return Advanced("dead_lettered", ended.last_seq, ended.usage.model_turns)
-        state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
+    record = ctx.runs.get(run_id)
+    live = state.status.is_live if state is not None else bool(record and record.status.is_live)
+    if record is None or not live:
+        log.warning("run %s: not resumed: %s", run_id, verdict.reason)
+        return Advanced("refused", state.seq if state else -1, 0)
+    data = dead_letter_data(run_id, history, ctx.settings.max_recovery_attempts)
+    if not verdict.eligible:
+        data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
+    if state is None:
+        # Nothing to fold onto, but left live the run would be found every sweep.
+        ended = append_ending(
+            ctx, record, "run.dead_lettered", RunStatus.DEAD_LETTERED, data, owner
+        )
         log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-        return Advanced("dead_lettered", state.seq, state.usage.model_turns)
-    finally:
-        ctx.runs.release_lease(run_id, owner)
+        return Advanced("dead_lettered", ended.last_seq, ended.usage.model_turns)
+    state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
+    log.error("run %s: dead-lettered: %s", run_id, data["reason"])
+    return Advanced("dead_lettered", state.seq, state.usage.model_turns)
 
 
 # --- sweep ------------------------------------------------------------------
@@ -233,26 +239,10 @@ def _dead_letter(
 Enqueue = Callable[[str, int], None]
 
 
-def enqueue_resume(run_id: str, seen_seq: int) -> None:
-    resume_run.apply_async((run_id, SWEEPER, seen_seq))
+lease.resume_dead_turns_with(urgent_sweeper_resume)
 
 
-def enqueue_urgent_resume(run_id: str, seen_seq: int) -> None:
-    """For a run whose lease holder's process is dead: certainly stopped, and it already
-    waited through the crash, so on the control queue rather than behind the turns backlog.
-
-    Only those: a run merely overdue may be a turn waiting in a long queue (every run of
-    a backlog deeper than one lease is), and a resume of each on the control queue would
-    bury the sweeps and continuations behind them.
-    """
-    resume_run.apply_async((run_id, SWEEPER, seen_seq), queue=CONTROL_QUEUE)
-
-
-def enqueue_turn(run_id: str, seq: int) -> None:
-    run_turn.apply_async((run_id, seq))
-
-
-def enqueue_wake(run_id: str, record: RunRecord) -> None:
+def wake_when_due(run_id: str, record: RunRecord) -> None:
     assert record.suspension is not None
     wake_at(run_id, record.last_seq, wake_at_ms(record.suspension), wall_ms())
 
@@ -262,9 +252,9 @@ Wake = Callable[[str, RunRecord], None]
 
 def sweep_orphans(
     ctx: Context,
-    enqueue: Enqueue = enqueue_resume,
+    enqueue: Enqueue = sweeper_resume,
     limit: int = 1000,
-    wake: Wake = enqueue_wake,
+    wake: Wake = wake_when_due,
     tell: Callable[[str], None] = tell_parent_soon,
     enqueue_orphan: Enqueue | None = None,
 ) -> list[str]:
@@ -285,7 +275,7 @@ def sweep_orphans(
     # Live runs whose lease holder's process died first: they need not wait for the lease.
     # (A suspended or finished run such a process held needs no worker: its lease lapses.)
     if enqueue_orphan is None:
-        enqueue_orphan = enqueue_urgent_resume if enqueue is enqueue_resume else enqueue
+        enqueue_orphan = urgent_sweeper_resume if enqueue is sweeper_resume else enqueue
     lease_ms = int(ctx.settings.lease_s * 1000)
     for orphan in ctx.runs.orphaned(limit):
         record = ctx.runs.get(orphan.run_id)
@@ -340,7 +330,7 @@ def purge_finished(ctx: Context, before_ms: int | None = None, limit: int = PURG
     return purged
 
 
-@ratchet_task(name="ratchet.sweep", ignore_result=True)
+@control_task(name="ratchet.sweep")
 def sweep() -> int:
     """One sweep (``celery -A worker beat`` sends it every ``sweep_interval_s``), then retention."""
     ctx = get_context()
@@ -367,13 +357,15 @@ def reconcile(
     """
     run_id = validate_run_id(run_id)
     if decision not in DECISIONS:
-        raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
+        raise InvalidRequest(
+            f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}", run_id
+        )
     if decision == "fail" and not (reason or "").strip():
-        raise ValueError("--fail needs a reason: what the model will read as the call's error")
-    owner = new_owner()
-    if not ctx.runs.acquire_lease(run_id, owner, ctx.settings.lease_s):
-        raise RunRefused(run_id, "leased", "a worker holds its lease; try again in a moment")
-    try:
+        raise InvalidRequest(
+            "--fail needs a reason: what the model will read as the call's error", run_id
+        )
+    with lease.holding(ctx, run_id) as held:
+        owner = held.owner
         state = load(ctx, run_id).state
         if state.status != RunStatus.NEEDS_RECONCILIATION:
             raise RunRefused(
@@ -400,15 +392,13 @@ def reconcile(
         elif decision == "fail":
             data["reason"] = reason
         state = append_events(ctx, state, [("tool.reconciled", data)], owner)
-    finally:
-        ctx.runs.release_lease(run_id, owner)
-    (enqueue or enqueue_turn)(run_id, state.seq)
+    (enqueue or chain_turn)(run_id, state.seq)
     return state
 
 
-@ratchet_task(name="ratchet.reconcile", ignore_result=True)
+@control_task(name="ratchet.reconcile")
 def reconcile_run(
-    run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
+    *, run_id: str, call_id: str, decision: str, result: Any = None, reason: str | None = None
 ) -> int:
     """:func:`reconcile` for clients that only speak Celery; returns the run's new seq."""
     return reconcile(get_context(), run_id, call_id, decision, result, reason).seq

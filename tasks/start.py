@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from runtime.errors import InvalidInput, StaleWrite, StartConflict
+from runtime.errors import InvalidInput, InvalidRequest, StaleWrite, StartConflict
 from runtime.fsm import apply, created_event
 from runtime.limits import check_key
 from runtime.models import Event, RunState, RunStatus, validate_run_id
@@ -89,8 +89,8 @@ def check_limits(priority: object, concurrency_key: object) -> None:
     if concurrency_key is not None:
         try:
             check_key(concurrency_key, "the concurrency key")
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from None
+        except InvalidRequest as exc:
+            raise InvalidInput(exc.problem) from None
 
 
 def run_id_for(run_id: str | None, idempotency_key: str | None) -> str:
@@ -161,6 +161,7 @@ def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) 
 )
 def start_run(
     self: Any,
+    *,
     agent_file: str,
     text: str,
     run_id: str | None = None,

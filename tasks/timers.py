@@ -17,10 +17,10 @@ from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
-from tasks.control import holding_lease
 from tasks.journal import append_events, load
-from tasks.queues import CONTROL_QUEUE, chain_turn
-from tasks.task_base import ratchet_task
+from tasks.lease import holding
+from tasks.messages import chain_turn, enqueue_wake
+from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.timers")
 
@@ -34,11 +34,11 @@ def schedule_wake(ctx: Context, state: RunState) -> None:
 def wake_at(run_id: str, seq: int, at_ms: int, now_ms: int) -> None:
     """Enqueue ``ratchet.wake`` for ``run_id`` at ``seq``, with an ETA at ``at_ms``."""
     countdown_s = max(0.0, (at_ms - now_ms) / 1000)
-    wake_run.apply_async((run_id, seq), countdown=countdown_s, queue=CONTROL_QUEUE)
+    enqueue_wake(run_id=run_id, seq=seq, countdown_s=countdown_s)
 
 
-@ratchet_task(name="ratchet.wake", ignore_result=True)
-def wake_run(run_id: str, seq: int) -> str:
+@control_task(name="ratchet.wake")
+def wake_run(*, run_id: str, seq: int) -> str:
     """Wake ``run_id`` if it is still waiting at ``seq`` and its time has come.
 
     Returns woken | early | busy | stale; for all but the first the sweeper
@@ -55,7 +55,8 @@ def wake(
     if record is None or record.last_seq != seq or record.status != RunStatus.WAITING:
         return "stale"
     try:
-        with holding_lease(ctx, record, wait_s=1.0) as owner:
+        with holding(ctx, run_id, patience_s=1.0) as held:
+            owner = held.owner
             state = load(ctx, run_id).state
             if state.seq != seq or not is_timer(state):
                 return "stale"

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from celery.signals import worker_init, worker_process_shutdown
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime.errors import ConfigInvalid
 from runtime.models import Event, RunState
 
 if TYPE_CHECKING:
@@ -439,15 +440,17 @@ def _exporter(name: str) -> Any:
         return ConsoleSpanExporter()
     module_name, _, attribute = name.partition(":")
     if not module_name or not attribute:
-        raise ValueError(
+        raise ConfigInvalid(
+            "RATCHET_OTEL_EXPORTER",
             f"RATCHET_OTEL_EXPORTER={name!r}: give otlp, console or module:callable "
-            "(a callable returning a SpanExporter)"
+            "(a callable returning a SpanExporter)",
         )
     try:
         factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"RATCHET_OTEL_EXPORTER={name!r}: {exc}; give otlp, console or module:callable"
+        raise ConfigInvalid(
+            "RATCHET_OTEL_EXPORTER",
+            f"RATCHET_OTEL_EXPORTER={name!r}: {exc}; give otlp, console or module:callable",
         ) from exc
     return factory()
 

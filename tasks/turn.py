@@ -82,8 +82,8 @@ from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.probes import Probed
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome
-from store.runs import Claim, RunRecord
-from tasks import failpoints, limits, liveness, metrics
+from store.runs import RunRecord
+from tasks import failpoints, lease, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.children import start_child
 from tasks.context import Context, get_context
@@ -91,11 +91,10 @@ from tasks.journal import (
     append_events,
     commit_checkpointed,
     load,
-    new_owner,
     save_snapshot,
     transition,
 )
-from tasks.queues import tell_parent_soon
+from tasks.messages import enqueue_turn, tell_parent_soon
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
 from tasks.tools_parallel import TOOL_TIMEOUT_ATTEMPTS as TOOL_TIMEOUT_ATTEMPTS
@@ -120,7 +119,7 @@ def stopping() -> bool:
 
 
 @ratchet_task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def run_turn(run_id: str, expected_seq: int | None) -> str:
+def run_turn(*, run_id: str, expected_seq: int | None) -> str:
     """Advance ``run_id`` by one turn if it is at ``expected_seq``.
 
     Idempotent: a duplicate, late or concurrent delivery does nothing.
@@ -156,12 +155,9 @@ def chain(run_id: str, done: Advanced) -> None:
     One path for every turn that follows another: at once, or after ``countdown_s``
     when the turn waited on a limit (a broker-held countdown, no worker slot).
     """
-    options: dict[str, Any] = {}
-    if done.countdown_s > 0:
-        options["countdown"] = done.countdown_s
-    if done.priority is not None:
-        options["priority"] = done.priority
-    run_turn.apply_async((run_id, done.seq), **options)
+    enqueue_turn(
+        run_id=run_id, expected_seq=done.seq, priority=done.priority, countdown_s=done.countdown_s
+    )
     failpoints.hit("turn.enqueued", done.turns)
 
 
@@ -179,15 +175,29 @@ def advance(
     ``redelivered``: the broker delivers this message again (its consumer died), so
     a holder of the lease is waited for until its process is known dead or alive.
     """
-    owner = owner or new_owner()
-    claim, record = _take_lease(ctx, run_id, owner, redelivered)
-    if claim.took_from is not None:
-        # The holder's process died mid-turn: recover the run here and now, as the
-        # sweeper would (counted towards dead-lettering), instead of waiting for it.
-        return _recover_takeover(ctx, run_id, owner)
-    if not claim.taken:
-        log.info("run %s: another worker holds the lease; this delivery is a duplicate", run_id)
-        return Advanced("leased", -1, 0)
+    with lease.holding(
+        ctx,
+        run_id,
+        owner,
+        patience_s=LEASE_PATIENCE_S,
+        until_dead_s=ctx.settings.liveness_s if redelivered else 0.0,
+        must=False,
+        recovers=True,
+    ) as held:
+        if held.took_from is not None:
+            # The holder's process died mid-turn: recover the run here and now, as the
+            # sweeper would (counted towards dead-lettering), instead of waiting for it.
+            held.released = True  # the recovery lets the lease go itself
+            return _recover_takeover(ctx, run_id, held.owner)
+        if not held.taken:
+            reason = held.busy.reason if held.busy is not None else "lease held"
+            log.info("run %s: %s; this delivery is a duplicate", run_id, reason)
+            return Advanced("leased", -1, 0)
+        return _advance_holding(ctx, held, expected_seq)
+
+
+def _advance_holding(ctx: Context, held: lease.Held, expected_seq: int | None) -> Advanced:
+    run_id, owner, record = held.run_id, held.owner, held.record
     turn: Turn | None = None
     try:
         turn = Turn.open(ctx, run_id, owner, record) if record is not None else None
@@ -219,8 +229,7 @@ def advance(
         log.warning("%s", exc)
         return Advanced("fenced", -1, 0)
     finally:
-        if turn is None or not turn.released:
-            ctx.runs.release_lease(run_id, owner)
+        held.released = turn is not None and turn.released
 
 
 LEASE_PATIENCE_S = 0.5
@@ -228,46 +237,11 @@ LEASE_PATIENCE_S = 0.5
 
 The holder may be a late duplicate of the *previous* turn's message, which only
 reads the run, finds it moved on, and lets go within milliseconds; a chained
-turn that gave up at once would leave the run to the sweeper."""
-
-
-def _take_lease(
-    ctx: Context, run_id: str, owner: str, redelivered: bool = False
-) -> tuple[Claim, RunRecord | None]:
-    """The lease — taken or renewed, or taken from a holder whose process is dead — and,
-    unless taken from a dead holder (its recovery reads the run itself), the run's record.
-
-    The fast path is one store call: the lease and the record together
-    (``acquire_and_get``). Refused, the turn claims (``liveness.claim``), which also
-    takes a dead holder's lease, and keeps claiming for ``LEASE_PATIENCE_S``. A
-    redelivered message waits longer: RabbitMQ redelivers a dead consumer's message
-    within a fraction of a second, before its liveness lapses, so the turn waits (at
-    most one ``liveness_s``) for the holder to be known dead rather than leave the run
-    to the sweeper; a holder that keeps beating is alive, and the delivery a duplicate.
-    """
-    # A lease is never taken by a process that does not look alive, or another worker
-    # could take it straight back.
-    liveness.beats().keep_alive(ctx)
-    taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)
-    if taken:
-        return Claim(True), record
-    started = time.monotonic()
-    patience_s = LEASE_PATIENCE_S + (ctx.settings.liveness_s if redelivered else 0.0)
-    while True:
-        claim = liveness.claim(ctx, run_id, owner)
-        if claim.taken:
-            # From a dead holder, or the lease came free since the fast path refused it.
-            return claim, None if claim.took_from is not None else ctx.runs.get(run_id)
-        waited_s = time.monotonic() - started
-        if waited_s >= patience_s:
-            return claim, None
-        pause_s = 0.01
-        if waited_s >= LEASE_PATIENCE_S:
-            if claim.holder_alive_until_ms is None:
-                return claim, None  # nothing will say the holder died: only its lease ends it
-            lapse_s = (claim.holder_alive_until_ms - ctx.runs.clock()) / 1000
-            pause_s = min(max(lapse_s, 0.01), patience_s - waited_s, 0.5)
-        time.sleep(pause_s)
+turn that gave up at once would leave the run to the sweeper. A redelivered
+message waits longer: RabbitMQ redelivers a dead consumer's message within a
+fraction of a second, before its liveness lapses, so the turn waits (at most one
+``liveness_s``) for the holder to be known dead rather than leave the run to the
+sweeper; a holder that keeps beating is alive, and the delivery a duplicate."""
 
 
 Takeover = Callable[[Context, str, str], Advanced]

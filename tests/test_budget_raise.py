@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import RunRefused
+from runtime.errors import InvalidRequest, RunRefused
 from runtime.fsm import rebuild
 from runtime.models import RunState, RunStatus
 from store.runs.memory import MemoryRunStore
@@ -44,7 +44,7 @@ def test_a_run_stopped_on_max_turns_completes_after_a_top_up_with_its_audit_reco
     run_id = stopped_on_turns(ctx, tmp_path)
     failed = state_of(ctx, run_id)
     assert failed.error is not None and failed.error.startswith("budget `max_turns` exhausted")
-    assert "ratchet runs budget RUN --max-turns +N" in failed.error
+    assert f"ratchet runs budget {run_id} --max-turns +N" in failed.error
     # When an operator gives it three more turns
     enqueued: list[tuple[str, int]] = []
     state = raise_budgets(
@@ -78,17 +78,17 @@ def test_a_raise_names_the_budget_the_run_stopped_on(tmp_path: Path) -> None:
     ctx = memory_context()
     run_id = stopped_on_turns(ctx, tmp_path)
     before = list(ctx.runs.events(run_id, after_seq=0))
-    with pytest.raises(ValueError, match="stopped on `max_turns`: raise that one"):
+    with pytest.raises(InvalidRequest, match="stopped on `max_turns`: raise that one"):
         raise_budgets(ctx, run_id, {"max_tool_calls": "+5"}, "ana", "x", no_enqueue)
-    with pytest.raises(ValueError, match="`max_turns` is 2: 1 would not raise it"):
+    with pytest.raises(InvalidRequest, match="`max_turns` is 2: 1 would not raise it"):
         raise_budgets(ctx, run_id, {"max_turns": "1"}, "ana", "x", no_enqueue)
-    with pytest.raises(ValueError, match="'\\+0' is not a raise"):
+    with pytest.raises(InvalidRequest, match="'\\+0' is not a raise"):
         raise_budgets(ctx, run_id, {"max_turns": "+0"}, "ana", "x", no_enqueue)
-    with pytest.raises(ValueError, match="'-3' is not a raise"):
+    with pytest.raises(InvalidRequest, match="'-3' is not a raise"):
         raise_budgets(ctx, run_id, {"max_turns": "-3"}, "ana", "x", no_enqueue)
-    with pytest.raises(ValueError, match="say why"):
+    with pytest.raises(InvalidRequest, match="say why"):
         raise_budgets(ctx, run_id, {"max_turns": "+3"}, "ana", "  ", no_enqueue)
-    with pytest.raises(ValueError, match="`max_total_tokens` has no limit"):
+    with pytest.raises(InvalidRequest, match="`max_total_tokens` has no limit"):
         raise_budgets(
             ctx, run_id, {"max_turns": "+1", "max_total_tokens": "+9"}, "ana", "x", no_enqueue
         )
@@ -140,7 +140,9 @@ def test_a_run_past_its_deadline_needs_a_limit_beyond_the_time_it_has_run(tmp_pa
     assert drive(ctx, run_id).outcome == "failed"
     assert "budget `timeout_seconds` exhausted: 500 used of 60" in str(state_of(ctx, run_id).error)
     # Then 100 s more is not enough, and 600 s more is
-    with pytest.raises(ValueError, match="the run has used 500; a limit of 160 leaves it nothing"):
+    with pytest.raises(
+        InvalidRequest, match="the run has used 500; a limit of 160 leaves it nothing"
+    ):
         raise_budgets(ctx, run_id, {"timeout_seconds": "+100"}, "ana", "x", no_enqueue)
     state = raise_budgets(ctx, run_id, {"timeout_seconds": "+600"}, "ana", "x", no_enqueue)
     assert state.status.is_live

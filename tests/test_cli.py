@@ -358,3 +358,19 @@ def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
     assert "sk-x" not in refused.output
     for package in ("runtime", "store", "tasks", "worker"):
         assert (ROOT / package / "py.typed").is_file()
+
+
+def test_a_refused_request_is_one_line_naming_the_run_and_what_to_do(
+    ctx: Context, tmp_path: Path
+) -> None:
+    # Given a run waiting for an answer, with a max_turns of 5
+    agent = write_agent(tmp_path, ASK, budgets={"max_turns": 5})
+    run_id = create_run(ctx, agent, "refund it").run_id
+    drive(ctx, run_id)
+    # When an operator "raises" its max_turns to less than it is
+    refused = cli("runs", "budget", run_id, "--max-turns", "1", "--reason", "more")
+    # Then one line on stderr names the run, what is wrong and what to do, and exit 1
+    assert refused.exit_code == 1
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.output
+    assert refused.stderr.startswith(f"ratchet: run {run_id}: `max_turns` is 5: 1 would not")
+    assert "nothing was changed — correct it and try again" in refused.stderr

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from runtime.agent import Agent, load_agent
+from runtime.errors import EventsDoNotFold
 from runtime.fsm import CallModel, Fail, Idle, RunTool, Suspend, apply, created_event, decide
 from runtime.models import Event, RunState, RunStatus
 from tests.helpers import write_agent
@@ -287,3 +288,18 @@ def test_a_log_that_does_not_start_with_run_created_or_holds_an_unknown_type_is_
     state = started(agent(tmp_path))
     with pytest.raises(ValueError, match="unknown event type 'run.teleported'"):
         step(state, "run.teleported")
+
+
+def test_an_event_whose_data_does_not_fold_is_refused_naming_the_run_the_seq_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    state = step(started(agent(tmp_path)), "model.requested", turn=1)
+    # A response whose tool call has no name: pydantic refuses it inside the fold
+    with pytest.raises(EventsDoNotFold) as refused:
+        step(state, "model.responded", content="", tool_calls=[{"id": "c1"}])
+    assert refused.value.run_id == "run-1" and refused.value.seq == state.seq + 1
+    assert "model.responded" in refused.value.where
+    assert "`ratchet runs events run-1`" in str(refused.value)
+    # and the impossible sequences are the same typed error, still a ValueError
+    with pytest.raises(EventsDoNotFold):
+        step(state, "run.woken")

@@ -32,8 +32,8 @@ from celery.contrib.testing.worker import start_worker
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
+from tasks.messages import send_through, sending_app
 from tasks.settings import Settings
-from tasks.task_base import send_through, sending_app
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
 from worker.app import make_app

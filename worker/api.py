@@ -24,14 +24,16 @@ from typing import Any
 from kombu.exceptions import OperationalError
 
 from runtime.continuation import check_pinned, make_continuation
-from runtime.errors import RunNotFound, RunNotQueued, RunRefused
+from runtime.errors import InvalidRequest, RunNotFound, RunNotQueued, RunRefused
 from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
+from runtime.recovery import OPERATOR
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
-from tasks.journal import Loaded, load, new_owner
+from tasks.journal import Loaded, load
+from tasks.lease import holding
+from tasks.messages import enqueue_resume, enqueue_turn
 from tasks.start import start
-from tasks.turn import run_turn
 
 
 def make_cursor(record: RunRecord) -> str:
@@ -42,7 +44,7 @@ def make_cursor(record: RunRecord) -> str:
 def parse_cursor(cursor: str) -> tuple[int, str]:
     created, _, run_id = cursor.partition(".")
     if not created.isdigit() or not run_id:
-        raise ValueError(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
+        raise InvalidRequest(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
     return int(created), validate_run_id(run_id)
 
 
@@ -84,9 +86,8 @@ class Ratchet:
             from tasks.limits import first_turn_priority
 
             level = first_turn_priority(self.ctx, self.ctx.agent(agent_file), priority)
-            options = {"priority": level} if level is not None else {}
             try:
-                run_turn.apply_async((started.run_id, 1), **options)
+                enqueue_turn(run_id=started.run_id, expected_seq=1, priority=level)
             except (OperationalError, OSError) as exc:
                 problem = " ".join(str(exc).split()) or type(exc).__name__
                 raise RunNotQueued(started.run_id, f"broker: {problem}") from exc
@@ -161,7 +162,7 @@ class Ratchet:
         ``cursor`` is what the previous page returned.
         """
         if limit < 1:
-            raise ValueError(f"--limit must be at least 1, not {limit}")
+            raise InvalidRequest(f"--limit must be at least 1, not {limit}")
         after = parse_cursor(cursor) if cursor is not None else None
         scan = max(limit * 2, 100)
         while True:
@@ -249,16 +250,13 @@ class Ratchet:
 
     @contextmanager
     def _lease_if_free(self, run_id: str) -> Iterator[bool]:
-        """Hold the run's lease for a moment if no worker does; whether it is held."""
-        owner = new_owner()
-        held = self.ctx.runs.acquire_lease(
-            validate_run_id(run_id), owner, self.ctx.settings.lease_s
-        )
-        try:
-            yield held
-        finally:
-            if held:
-                self.ctx.runs.release_lease(run_id, owner)
+        """Hold the run's lease for a moment if no live worker does; whether it is held.
+
+        A dead worker's lease is taken over (:mod:`tasks.lease`); one that left its run
+        mid-turn is not held here, and a resume of it is enqueued.
+        """
+        with holding(self.ctx, validate_run_id(run_id), must=False) as held:
+            yield held.taken
 
     def snapshot_document(self, run_id: str) -> bytes | None:
         """The run's snapshot exactly as stored, or None (finished runs have none)."""
@@ -275,7 +273,7 @@ class Ratchet:
         deadline exhausted, a worker holds it) or BindingChanged, each naming
         the next step. The worker classifies again before it acts.
         """
-        from tasks.recovery import examine, resume_run
+        from tasks.recovery import examine
 
         with self._lease_if_free(run_id) as held:
             state, _, verdict = examine(self.ctx, run_id, set_aside=held)
@@ -290,7 +288,7 @@ class Ratchet:
                 f"worker {lease.owner} holds its lease and is advancing it; nothing to resume "
                 f"(follow it with `ratchet runs events {run_id} --follow`)",
             )
-        resume_run.apply_async((run_id, "operator", None))
+        enqueue_resume(run_id=run_id, by=OPERATOR)
         return state.status.value
 
     def resume_and_wait(self, run_id: str, timeout_s: float = 10.0) -> tuple[str, Event | None]:
@@ -401,7 +399,7 @@ class Ratchet:
 
         Recorded as ``run.budget_raised`` with ``by`` and ``reason``; a run that had
         stopped on a budget goes on from where it stopped. RunRefused for a run that
-        ended another way; ValueError for a change that is not a raise.
+        ended another way; InvalidRequest for a change that is not a raise.
         """
         from tasks.budget import raise_budgets
 

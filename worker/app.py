@@ -18,10 +18,10 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 
 from runtime.errors import ConfigInvalid
+from tasks.messages import send_through
 from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, queues, task_routes
 from tasks.rejected import rejected_folder
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
-from tasks.task_base import send_through
 from worker.startup import on_a_command_line
 
 __all__ = ["CONTROL_QUEUE", "TURNS_QUEUE", "app", "celery_config", "make_app"]

@@ -13,7 +13,7 @@ import click
 
 from runtime.errors import RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus, validate_run_id
-from worker.cli_base import _api, _dump, _record_json, main, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, flag, json_flag, main, refusals, runs
 from worker.exits import Exit, wait_exit
 from worker.render import (
     event_line,
@@ -62,16 +62,15 @@ EXIT_NOT_QUEUED = Exit.NOT_ENQUEUED
     default=None,
     help="Start at most once per key: the same key, agent and input give the same run.",
 )
-@click.option(
+@flag(
     "--wait",
-    is_flag=True,
-    help="Wait until the run completes, fails, suspends or parks; the exit status says which "
+    "Wait until the run completes, fails, suspends or parks; the exit status says which "
     "(0 completed, 3 failed, 4 waits for a person, 5 needs an operator, 6 timed out).",
 )
 @click.option(
     "--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds --wait waits."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@json_flag("Print the run record as JSON.")
 @refusals
 def runs_start(
     agent_file: str,
@@ -142,7 +141,7 @@ def _since_ms(since: str, now_ms: int) -> int:
 @click.option("--since", default=None, help="Only runs created since: an age (2h, 7d) or a date.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--cursor", default=None, help="Start after this cursor (printed by the last page).")
-@click.option("--json", "as_json", is_flag=True, help="A JSON array of run records.")
+@json_flag("A JSON array of run records.")
 @refusals
 def runs_list(
     status: str | None,
@@ -187,7 +186,7 @@ def runs_list(
 
 @runs.command("show")
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True)
+@json_flag()
 @refusals
 def runs_show(run_id: str, as_json: bool) -> None:
     """Status, agent, usage against budgets, output, last error and any open tool call."""
@@ -236,15 +235,12 @@ def runs_show(run_id: str, as_json: bool) -> None:
 
 @runs.command("events")
 @click.argument("run_id")
-@click.option(
-    "--follow", is_flag=True, help="Keep printing events as they are appended, until it finishes."
-)
-@click.option(
+@flag("--follow", "Keep printing events as they are appended, until it finishes.")
+@flag(
     "--until-suspended",
-    is_flag=True,
-    help="With --follow: stop once the run suspends or parks instead of when it finishes.",
+    "With --follow: stop once the run suspends or parks instead of when it finishes.",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@json_flag("One JSON object per line.")
 @refusals
 def runs_events(run_id: str, follow: bool, until_suspended: bool, as_json: bool) -> None:
     """The run's events, one line each, seq first."""

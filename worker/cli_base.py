@@ -22,6 +22,16 @@ from store.runs import RunRecord
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def flag(name: str, help: str) -> Callable[[F], F]:
+    """A boolean ``--name`` option: the command's parameter is True when it is given."""
+    return click.option(name, is_flag=True, help=help)
+
+
+def json_flag(help: str | None = None) -> Callable[[F], F]:
+    """``--json``: the command prints JSON instead of lines (its parameter ``as_json``)."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
 def refusals(fn: F) -> F:
     """Turn ratchet's errors into one line on stderr and exit status 1."""
 
@@ -40,7 +50,7 @@ def refusals(fn: F) -> F:
                 err=True,
             )
             sys.exit(1)
-        except (RatchetError, ValueError, OSError) as exc:
+        except (RatchetError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
             sys.exit(1)

@@ -6,14 +6,14 @@ import click
 
 from runtime.models import Suspension
 from tasks.control import new_continuation_id
-from worker.cli_base import _api, _dump, _record_json, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, flag, json_flag, refusals, runs
 from worker.render import record_lines
 
 
 @runs.command("continue")
 @click.argument("run_id")
 @click.option("--input", "text", default=None, help="The answer to the run's question or blocker.")
-@click.option("--approve", is_flag=True, help="Let the tool awaiting approval run.")
+@flag("--approve", "Let the tool awaiting approval run.")
 @click.option("--deny", default=None, metavar="REASON", help="Refuse the tool; the model is told.")
 @click.option(
     "--continuation-id",
@@ -26,7 +26,7 @@ from worker.render import record_lines
     default=None,
     help="Only answer the suspension recorded at this seq (see `runs show`).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@json_flag("Print the outcome as JSON.")
 @refusals
 def runs_continue(
     run_id: str,
@@ -86,7 +86,7 @@ def _asked(suspension: Suspension) -> str:
 @runs.command("cancel")
 @click.argument("run_id")
 @click.option("--reason", default=None, help="Why; recorded in the run.cancelled event.")
-@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@json_flag("Print the run record as JSON.")
 @refusals
 def runs_cancel(run_id: str, reason: str | None, as_json: bool) -> None:
     """Cancel RUN_ID: it stops at its next step, for good."""

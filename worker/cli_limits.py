@@ -9,12 +9,14 @@ running workers read the change within a few seconds (tasks/limits.py) — no re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from runtime.limits import check_key
-from worker.cli_base import _dump, main, refusals
+from store.limits import LimitStore
+from worker.cli_base import _dump, json_flag, main, refusals
 
 
 def _store() -> Any:
@@ -25,7 +27,7 @@ def _store() -> Any:
 
 
 @main.group(invoke_without_command=True)
-@click.option("--json", "as_json", is_flag=True, help="One JSON object: limits and caps.")
+@json_flag("One JSON object: limits and caps.")
 @click.pass_context
 @refusals
 def limits(context: click.Context, as_json: bool) -> None:
@@ -112,15 +114,6 @@ def limits_set(key: str, rpm: int | None, tpm: int | None, burst_s: float | None
     click.echo(f"{key}: " + ", ".join(f"{k}={v}" for k, v in sorted(values.items())))
 
 
-@limits.command("unset")
-@click.argument("key")
-@refusals
-def limits_unset(key: str) -> None:
-    """Drop KEY's run-time limits: the agent files' apply again."""
-    _store().set_override(check_key(key, "a limit key"), None)
-    click.echo(f"{key}: the agent files' limits apply")
-
-
 @limits.command("cap")
 @click.argument("key")
 @click.argument("places", type=click.IntRange(min=1))
@@ -132,10 +125,19 @@ def limits_cap(key: str, places: int) -> None:
     click.echo(f"{key}: at most {places} runs in progress")
 
 
-@limits.command("uncap")
-@click.argument("key")
-@refusals
-def limits_uncap(key: str) -> None:
-    """Drop KEY's run-time cap: the agent files' apply again."""
-    _store().set_cap_override(check_key(key, "a concurrency key"), None)
-    click.echo(f"{key}: the agent files' cap applies")
+def _dropping(name: str, what: str, drop: Callable[[LimitStore, str], None],
+              applies: str, help: str) -> None:  # fmt: skip
+    """Register ``ratchet limits NAME KEY``: drop KEY's run-time value, say what applies."""
+
+    @limits.command(name, help=help)
+    @click.argument("key")
+    @refusals
+    def dropped(key: str) -> None:
+        drop(_store(), check_key(key, what))
+        click.echo(f"{key}: {applies}")
+
+
+_dropping("unset", "a limit key", lambda store, key: store.set_override(key, None),
+          "the agent files' limits apply", "Drop KEY's run-time limits: the agent files' apply again.")  # fmt: skip
+_dropping("uncap", "a concurrency key", lambda store, key: store.set_cap_override(key, None),
+          "the agent files' cap applies", "Drop KEY's run-time cap: the agent files' apply again.")  # fmt: skip

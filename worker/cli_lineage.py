@@ -9,7 +9,7 @@ import getpass
 
 import click
 
-from worker.cli_base import _api, _dump, refusals, runs
+from worker.cli_base import _api, _dump, flag, json_flag, refusals, runs
 
 
 @runs.command("fork")
@@ -22,12 +22,8 @@ from worker.cli_base import _api, _dump, refusals, runs
     help="The seq to fork at (`ratchet runs events RUN` lists them); default: the last.",
 )
 @click.option("--run-id", "new_run_id", default=None, help="The fork's id; default: a new one.")
-@click.option(
-    "--rebind",
-    is_flag=True,
-    help="Run the fork under the agent file as it is now, although it changed.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the fork's id and notes as JSON.")
+@flag("--rebind", "Run the fork under the agent file as it is now, although it changed.")
+@json_flag("Print the fork's id and notes as JSON.")
 @refusals
 def runs_fork(
     run_id: str, at_seq: int | None, new_run_id: str | None, rebind: bool, as_json: bool
@@ -51,7 +47,7 @@ def runs_fork(
 @click.option("--timeout-seconds", default=None, metavar="+N|N", help="More running time.")
 @click.option("--reason", required=True, help="Why: kept in the run's events with who.")
 @click.option("--by", default=None, help="Who raises it (default: operator:$USER).")
-@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@json_flag("Print the run record as JSON.")
 @refusals
 def runs_budget(
     run_id: str,

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from runtime.errors import RatchetError
-from worker.cli_base import _api, _dump, _record_json, main, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, flag, json_flag, main, refusals, runs
 from worker.exits import Exit
 from worker.render import record_lines, when_utc
 
@@ -29,7 +29,7 @@ from worker.render import record_lines, when_utc
     show_default=True,
     help="Seconds to wait for a worker to take the resume (0: do not wait).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@json_flag("Print the outcome as JSON.")
 @refusals
 def runs_resume(run_id: str, wait_s: float, as_json: bool) -> None:
     """Resume a stopped run from its last checkpoint (refused, with the reason, if it cannot).
@@ -67,9 +67,9 @@ def runs_resume(run_id: str, wait_s: float, as_json: bool) -> None:
 @click.argument("run_id")
 @click.argument("call_id")
 @click.option("--result", "result_json", default=None, help="The call's outcome, as JSON.")
-@click.option("--retry", is_flag=True, help="The call did not happen: run it again.")
+@flag("--retry", "The call did not happen: run it again.")
 @click.option("--fail", "fail_reason", default=None, help="The call failed: tell the model why.")
-@click.option("--json", "as_json", is_flag=True, help="Print the run record as JSON.")
+@json_flag("Print the run record as JSON.")
 @refusals
 def runs_reconcile(
     run_id: str,
@@ -101,8 +101,8 @@ def runs_reconcile(
 
 
 @main.command("sweep")
-@click.option("--once", is_flag=True, help="Sweep once and exit (default: every interval).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per sweep.")
+@flag("--once", "Sweep once and exit (default: every interval).")
+@json_flag("One JSON object per sweep.")
 @refusals
 def sweep(once: bool, as_json: bool) -> None:
     """Find orphaned runs (lease expired, next step overdue) and enqueue a resume for each."""
@@ -166,9 +166,9 @@ def cutoff_ms(
 @runs.command("purge")
 @click.option("--before", default=None, help="Purge runs finished before this ISO date/datetime.")
 @click.option("--older-than", default=None, help="Purge runs finished longer ago than this (7d).")
-@click.option("--dry-run", is_flag=True, help="List what would be purged; delete nothing.")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation on a terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@flag("--dry-run", "List what would be purged; delete nothing.")
+@flag("--yes", "Do not ask for confirmation on a terminal.")
+@json_flag("Print the outcome as JSON.")
 @refusals
 def runs_purge(
     before: str | None, older_than: str | None, dry_run: bool, yes: bool, as_json: bool

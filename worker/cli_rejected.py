@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+from contextlib import closing
 
 import click
 
 from tasks.rejected import Rejected, RejectedStore, open_rejected
-from worker.cli_base import _dump, main, refusals
+from worker.cli_base import _dump, flag, json_flag, main, refusals
 
 
 def _store() -> RejectedStore:
@@ -29,15 +30,12 @@ def rejected() -> None:
 
 @rejected.command("list")
 @click.option("--limit", default=50, show_default=True, help="Newest first, at most this many.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON array of entries.")
+@json_flag("One JSON array of entries.")
 @refusals
 def rejected_list(limit: int, as_json: bool) -> None:
     """The refused messages, newest first: id, time, queue, size and reason."""
-    store = _store()
-    try:
+    with closing(_store()) as store:
         entries = store.list(limit)
-    finally:
-        store.close()
     if as_json:
         _dump([e.to_json() for e in entries])
         return
@@ -51,16 +49,13 @@ def rejected_list(limit: int, as_json: bool) -> None:
 
 @rejected.command("show")
 @click.argument("entry_id")
-@click.option("--json", "as_json", is_flag=True, help="The entry as JSON (raw bytes in base64).")
-@click.option("--raw", is_flag=True, help="Write only the message's raw bytes to stdout.")
+@json_flag("The entry as JSON (raw bytes in base64).")
+@flag("--raw", "Write only the message's raw bytes to stdout.")
 @refusals
 def rejected_show(entry_id: str, as_json: bool, raw: bool) -> None:
     """One refused message: why, when, from where, and its bytes."""
-    store = _store()
-    try:
+    with closing(_store()) as store:
         entry = store.get(entry_id)
-    finally:
-        store.close()
     if raw:
         sys.stdout.buffer.write(entry.raw_bytes())
         sys.stdout.buffer.flush()
@@ -79,15 +74,12 @@ def rejected_show(entry_id: str, as_json: bool, raw: bool) -> None:
 
 
 @rejected.command("purge")
-@click.option("--yes", is_flag=True, help="Do not ask.")
+@flag("--yes", "Do not ask.")
 @refusals
 def rejected_purge(yes: bool) -> None:
     """Delete every refused message from the dead-letter store."""
-    store = _store()
-    try:
+    with closing(_store()) as store:
         if not yes:
             click.confirm(f"delete every rejected message in {store.where}?", abort=True)
         count = store.purge()
-    finally:
-        store.close()
     click.echo(f"purged {count} rejected message(s) from {store.where}")

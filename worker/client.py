@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.errors import InvalidRequest
+from tasks.messages import enqueue_cancel, enqueue_continue, enqueue_start
 from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE, route
 
 __all__ = [
@@ -45,12 +47,10 @@ def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: A
     """Send ``ratchet.start``: the worker creates ``run_id`` and takes its first turn.
 
     ``agent_file`` is a path the workers can read. Sending the same ``run_id``
-    again does not start a second run. Returns the Celery task id.
+    again does not start a second run. ``options`` go to Celery's ``send_task``.
+    Returns the Celery task id.
     """
-    kwargs = {"agent_file": agent_file, "text": text, "run_id": run_id}
-    return str(
-        app.send_task("ratchet.start", kwargs=kwargs, queue=QUEUES["ratchet.start"], **options).id
-    )
+    return enqueue_start(agent_file=agent_file, text=text, run_id=run_id, app=app, **options)
 
 
 def continue_run(
@@ -71,26 +71,21 @@ def continue_run(
     naming neither is refused by the workers. Returns the Celery task id.
     """
     if continuation_id is None and suspension_seq is None:
-        raise ValueError("give continuation_id or suspension_seq: which answer is this?")
-    kwargs = {
-        "run_id": run_id,
-        "continuation_id": continuation_id,
-        "suspension_seq": suspension_seq,
-        "input": input,
-        "approve": approve,
-        "deny": deny,
-    }
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return str(
-        app.send_task(
-            "ratchet.continue", kwargs=kwargs, queue=QUEUES["ratchet.continue"], **options
-        ).id
+        raise InvalidRequest(
+            "give continuation_id or suspension_seq: which answer is this?", run_id
+        )
+    return enqueue_continue(
+        run_id=run_id,
+        continuation_id=continuation_id,
+        suspension_seq=suspension_seq,
+        input=input,
+        approve=approve,
+        deny=deny,
+        app=app,
+        **options,
     )
 
 
 def cancel_run(app: Any, run_id: str, reason: str | None = None, **options: Any) -> str:
     """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
-    kwargs = {"run_id": run_id, "reason": reason}
-    return str(
-        app.send_task("ratchet.cancel", kwargs=kwargs, queue=QUEUES["ratchet.cancel"], **options).id
-    )
+    return enqueue_cancel(run_id=run_id, reason=reason, app=app, **options)

@@ -37,7 +37,8 @@ from kombu import Consumer, Queue
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
-from runtime.errors import MalformedContinuation
+from runtime.errors import MalformedContinuation, MessageRefused
+from tasks.messages import VERSION, decode, send
 from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
@@ -97,12 +98,13 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
     def on_message(self, body: Any, message: Any) -> None:
         try:
             fields = parse_message(body)
-        except MalformedContinuation as exc:
+            continuation = decode("ratchet.continue", (), fields, VERSION)
+        except (MalformedContinuation, MessageRefused) as exc:
             set_aside(message_bytes(message), str(exc), self.queue_name, self.rejected_store)
             message.reject(requeue=False)
             return
         try:
-            self.app.send_task("ratchet.continue", kwargs=fields)
+            send(continuation, app=self.app)
         except Exception:
             # The broker refused the hand-over: keep the message for another try.
             log.exception(
@@ -120,6 +122,11 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
             self.rejected_store,
         )
         message.reject(requeue=False)
+
+
+def _why(exc: Exception) -> str:
+    """The exception on one line, cut short for the rejected store."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def _queue_of(message: Any) -> str:
@@ -191,46 +198,39 @@ class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
                     return handle(message)
                 except (ValueError, TypeError, KeyError, AttributeError) as exc:
                     problem = f"Celery cannot read it ({type(exc).__name__}: {exc})"
-            set_aside(
-                message_bytes(message),
-                f"not a valid Celery task message: {problem}",
-                _queue_of(message),
-                self.rejected_store,
-            )
-            message.reject_log_error(log, self.connection_errors)
-            signals.task_rejected.send(sender=self, message=message, exc=None)
+            self._reject(message, f"not a valid Celery task message: {problem}")
             return None
 
         return on_task_received
 
+    def _set_aside(self, message: Any, reason: str) -> None:
+        """Keep the message's bytes and why in the rejected store (``ratchet rejected``)."""
+        set_aside(message_bytes(message), reason, _queue_of(message), self.rejected_store)
+
+    def _reject(self, message: Any, reason: str, exc: Exception | None = None) -> None:
+        """Set the message aside and reject it (never redelivered), as Celery's own
+        refusals do: logged, with the ``task_rejected`` signal."""
+        self._set_aside(message, reason)
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=exc)
+
     def on_decode_error(self, message: Any, exc: Exception) -> None:
-        set_aside(
-            message_bytes(message),
-            f"the body cannot be decoded as {message.content_type!r} "
-            f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
-            _queue_of(message),
-            self.rejected_store,
+        self._set_aside(
+            message, f"the body cannot be decoded as {message.content_type!r} ({_why(exc)})"
         )
         message.ack()
 
     def on_unknown_message(self, body: Any, message: Any) -> None:
-        set_aside(
-            message_bytes(message),
+        self._reject(
+            message,
             "not a Celery task message (no `task` header); send tasks with Celery's protocol 2",
-            _queue_of(message),
-            self.rejected_store,
         )
-        message.reject_log_error(log, self.connection_errors)
-        signals.task_rejected.send(sender=self, message=message, exc=None)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         headers = message.headers or {}
         name = headers.get("task")
-        set_aside(
-            message_bytes(message),
-            f"unknown task {name!r}: this worker runs the ratchet.* tasks only",
-            _queue_of(message),
-            self.rejected_store,
+        self._set_aside(
+            message, f"unknown task {name!r}: this worker runs the ratchet.* tasks only"
         )
         message.reject_log_error(log, self.connection_errors)
         signals.task_unknown.send(
@@ -238,11 +238,4 @@ class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
         )
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
-        set_aside(
-            message_bytes(message),
-            f"invalid task message ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
-            _queue_of(message),
-            self.rejected_store,
-        )
-        message.reject_log_error(log, self.connection_errors)
-        signals.task_rejected.send(sender=self, message=message, exc=exc)
+        self._reject(message, f"invalid task message ({_why(exc)})", exc)

@@ -37,18 +37,12 @@ from celery.signals import (
     task_prerun,
 )
 
+from tasks.messages import fields_of
+
 log = logging.getLogger("ratchet.observe")
 
-RUN_ID_POSITION = {
-    "ratchet.turn": 0,
-    "ratchet.resume": 0,
-    "ratchet.start": 2,
-    "ratchet.continue": 0,
-    "ratchet.cancel": 0,
-    "ratchet.reconcile": 0,
-}
-"""Where each task's run id is among its positional arguments (else kwarg ``run_id``)."""
-SEQ_POSITION = {"ratchet.turn": 1, "ratchet.resume": 2}
+SEQ_FIELD = {"ratchet.turn": "expected_seq", "ratchet.resume": "seen_seq", "ratchet.wake": "seq"}
+"""The message field (tasks/messages.py) a task's label shows as ``seq``."""
 
 STOPPED_OUTCOMES = frozenset(
     {"completed", "failed", "cancelled", "suspended", "parked", "stalled", "dead_lettered"}
@@ -61,18 +55,10 @@ _AGENTS_MAX = 10_000
 _ARGS_RUN_ID = re.compile(r"run_id='([A-Za-z0-9_-]{1,64})'")
 
 
-def _argument(args: Any, kwargs: Any, name: str, position: int | None) -> Any:
-    if isinstance(kwargs, dict) and kwargs.get(name) is not None:
-        return kwargs[name]
-    if position is not None and isinstance(args, list | tuple) and len(args) > position:
-        return args[position]
-    return None
-
-
-def _agent_of(task: str, run_id: str, args: Any, kwargs: Any) -> str | None:
+def _agent_of(task: str, run_id: str, fields: dict[str, Any]) -> str | None:
     """The run's agent name: from ``ratchet.start``'s agent file, else the run store (cached)."""
     if task == "ratchet.start":
-        agent_file = _argument(args, kwargs, "agent_file", 0)
+        agent_file = fields.get("agent_file")
         return Path(str(agent_file)).stem if agent_file else None
     if run_id in _agents:
         return _agents[run_id]
@@ -95,18 +81,17 @@ def _agent_of(task: str, run_id: str, args: Any, kwargs: Any) -> str | None:
 
 def describe(task: str, args: Any, kwargs: Any) -> str | None:
     """``agent='…', run_id='…', seq=N`` for a ratchet task's arguments; None for others."""
-    if task not in RUN_ID_POSITION:
-        return None
-    run_id = _argument(args, kwargs, "run_id", RUN_ID_POSITION[task])
+    fields = fields_of(task, args, kwargs)
+    run_id = fields.get("run_id")
     if not isinstance(run_id, str):
         return None
     parts = []
-    agent = _agent_of(task, run_id, args, kwargs)
+    agent = _agent_of(task, run_id, fields)
     if agent:
         parts.append(f"agent={agent!r}")
     parts.append(f"run_id={run_id!r}")
-    seq = _argument(args, kwargs, "seq", SEQ_POSITION.get(task))
-    if isinstance(seq, int):
+    seq = fields.get(SEQ_FIELD.get(task, ""))
+    if isinstance(seq, int) and not isinstance(seq, bool):
         parts.append(f"seq={seq}")
     return ", ".join(parts)
 
@@ -220,10 +205,7 @@ def _on_logging_setup(logger: logging.Logger | None = None, **_: Any) -> None:
 
 
 def _task_run_id(task: Any, args: Any, kwargs: Any) -> str | None:
-    name = getattr(task, "name", "")
-    if name not in RUN_ID_POSITION:
-        return None
-    run_id = _argument(args, kwargs, "run_id", RUN_ID_POSITION[name])
+    run_id = fields_of(str(getattr(task, "name", "")), args, kwargs).get("run_id")
     return run_id if isinstance(run_id, str) else None
 
 

@@ -85,6 +85,11 @@ class RunRecord(Strict):
     suspension: Suspension | None = None
     """Suspended runs only: what the run waits for, and since when."""
 
+    @property
+    def finished(self) -> bool:
+        """The run will not move again: retention (:meth:`RunStore.purge`) may remove it."""
+        return self.status in FINISHED_STATUSES
+
     @classmethod
     def from_state(cls, state: RunState, now_ms: int, due_at_ms: int | None) -> RunRecord:
         return cls(
@@ -165,6 +170,20 @@ class Checkpoint(NamedTuple):
     """The stored snapshot's seq (compare-and-set); None: none is stored."""
 
 
+class Transition(NamedTuple):
+    """One transition as :meth:`RunStore._commit` writes it, atomically: the events
+    and record, the snapshot's parts, and with ``release`` the lease let go."""
+
+    record: RunRecord
+    events: builtins.list[Event]
+    owner: str | None
+    snapshots: SnapshotStore
+    parts: Parts
+    expected_seq: int | None
+    """The stored snapshot's seq (compare-and-set); None: none is stored."""
+    release: bool
+
+
 def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
     validate_run_id(record.run_id)
     if not events:
@@ -182,8 +201,9 @@ class RunStore(ABC):
 
     name: str = "run store"
 
-    def __init__(self, clock: Callable[[], int] = wall_ms) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        """``clock``: milliseconds now, for leases and liveness (default: the wall clock)."""
+        self.clock = clock or wall_ms
 
     # --- records and events -------------------------------------------------
 
@@ -193,7 +213,7 @@ class RunStore(ABC):
         if first.seq != 1 or first.type != "run.created" or record.last_seq != 1:
             raise ValueError("a run is created with its run.created event at seq 1")
         try:
-            with_retries(lambda: self._create(record, first))
+            with_retries(lambda: self._create(record, first), record.run_id)
         except StaleWrite:
             if self._events(record.run_id, 0, 1) != [first]:
                 raise
@@ -206,7 +226,7 @@ class RunStore(ABC):
         """
         mine = _checked_batch(record, events)
         try:
-            with_retries(lambda: self._append(record, mine, owner, self.clock()))
+            with_retries(lambda: self._append(record, mine, owner, self.clock()), record.run_id)
         except StaleWrite as exc:
             if not self._landed(exc, mine):
                 raise
@@ -261,19 +281,9 @@ class RunStore(ABC):
             raise ValueError("a transition's checkpoint is the state its last event produced")
         for _ in range(2):
             parts = snapshots._plan(run_id, state, expected_seq)
+            whole = Transition(record, mine, owner, snapshots, parts, expected_seq, release)
             try:
-                with_retries(
-                    functools.partial(
-                        self._commit_now,
-                        record,
-                        mine,
-                        owner,
-                        snapshots,
-                        parts,
-                        expected_seq,
-                        release,
-                    )
-                )
+                with_retries(functools.partial(self._commit_now, whole), run_id)
             except TranscriptMoved:
                 snapshots._forget(run_id)
                 continue
@@ -287,29 +297,10 @@ class RunStore(ABC):
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
 
-    def _commit_now(
-        self,
-        record: RunRecord,
-        events: builtins.list[Event],
-        owner: str | None,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
-        self._commit(record, events, owner, self.clock(), snapshots, parts, expected_seq, release)
+    def _commit_now(self, whole: Transition) -> None:
+        self._commit(whole, self.clock())
 
-    def _commit(
-        self,
-        record: RunRecord,
-        events: builtins.list[Event],
-        owner: str | None,
-        now_ms: int,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
+    def _commit(self, whole: Transition, now_ms: int) -> None:
         """Backends that :meth:`commits_with` a snapshot store: the whole transition, atomically.
 
         Refuse it all with StaleWrite (the events' seq, or the snapshot's seq:
@@ -320,7 +311,7 @@ class RunStore(ABC):
 
     def get(self, run_id: str) -> RunRecord | None:
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._get(run_id))
+        return with_retries(lambda: self._get(run_id), run_id)
 
     def list(self, status: RunStatus | None = None, limit: int = 100) -> builtins.list[RunRecord]:
         """Runs, newest first, optionally of one status."""
@@ -335,7 +326,7 @@ class RunStore(ABC):
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, not {limit}")
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._events(run_id, after_seq, limit))
+        return with_retries(lambda: self._events(run_id, after_seq, limit), run_id)
 
     def journal(self, run_id: str) -> builtins.list[JournalEntry]:
         """The run's tool calls, in the order they were requested."""
@@ -376,7 +367,9 @@ class RunStore(ABC):
     def acquire_lease(self, run_id: str, owner: str, lease_s: float) -> bool:
         """Take (or renew) the run's lease for ``lease_s``; False if another owner holds it."""
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()))
+        return with_retries(
+            lambda: self._acquire(run_id, owner, int(lease_s * 1000), self.clock()), run_id
+        )
 
     def renew_leases(self, leases: Sequence[tuple[str, str]], lease_s: float) -> builtins.list[str]:
         """Extend many ``(run_id, owner)`` leases to ``lease_s`` from now, at once; the runs
@@ -407,7 +400,9 @@ class RunStore(ABC):
         """
         run_id = validate_run_id(run_id)
         lease_ms = int(lease_s * 1000)
-        return with_retries(lambda: self._acquire_and_get(run_id, owner, lease_ms, self.clock()))
+        return with_retries(
+            lambda: self._acquire_and_get(run_id, owner, lease_ms, self.clock()), run_id
+        )
 
     def _acquire_and_get(
         self, run_id: str, owner: str, lease_ms: int, now_ms: int
@@ -419,12 +414,12 @@ class RunStore(ABC):
     def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease up if ``owner`` holds it, so another worker need not wait."""
         run_id = validate_run_id(run_id)
-        with_retries(lambda: self._release(run_id, owner))
+        with_retries(lambda: self._release(run_id, owner), run_id)
 
     def lease(self, run_id: str) -> Lease | None:
         """The run's unexpired lease, if any."""
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._lease(run_id, self.clock()))
+        return with_retries(lambda: self._lease(run_id, self.clock()), run_id)
 
     def claim_lease(self, run_id: str, owner: str, lease_s: float) -> Claim:
         """Take (or renew) the run's lease as :meth:`acquire_lease` does, and also take it
@@ -440,7 +435,7 @@ class RunStore(ABC):
         run_id = validate_run_id(run_id)
         process = owner_process(owner)
         return with_retries(
-            lambda: self._claim(run_id, owner, process, int(lease_s * 1000), self.clock())
+            lambda: self._claim(run_id, owner, process, int(lease_s * 1000), self.clock()), run_id
         )
 
     def renew_liveness(self, process: str, alive_s: float) -> bool:
@@ -476,7 +471,7 @@ class RunStore(ABC):
         ``seen_seq``, or is not in the due index, is left as it is.
         """
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._postpone(run_id, seen_seq, due_at_ms))
+        return with_retries(lambda: self._postpone(run_id, seen_seq, due_at_ms), run_id)
 
     def overdue(self, limit: int = 1000) -> builtins.list[str]:
         """Live runs past their due time whose lease has expired, most overdue first."""

@@ -8,21 +8,19 @@ from collections.abc import Callable
 from runtime.errors import LeaseLost, StaleWrite
 from runtime.models import Event, RunStatus
 from store.runs import (
-    FINISHED_STATUSES,
     Claim,
     Lease,
     Orphan,
     RunRecord,
     RunStore,
     owner_process,
-    wall_ms,
 )
 
 
 class MemoryRunStore(RunStore):
     name = "memory run store"
 
-    def __init__(self, clock: Callable[[], int] = wall_ms) -> None:
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
         super().__init__(clock)
         self._lock = threading.Lock()
         self._records: dict[str, RunRecord] = {}
@@ -160,7 +158,7 @@ class MemoryRunStore(RunStore):
             old = sorted(
                 (r.updated_at_ms, r.run_id)
                 for r in self._records.values()
-                if r.status in FINISHED_STATUSES and r.updated_at_ms < before_ms
+                if r.finished and r.updated_at_ms < before_ms
             )[:limit]
             for _, run_id in old:
                 del self._records[run_id]

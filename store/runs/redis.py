@@ -42,16 +42,15 @@ from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
 from store.packing import pack, unpack
 from store.runs import (
-    FINISHED_STATUSES,
     Claim,
     Lease,
     Orphan,
     RunRecord,
     RunStore,
+    Transition,
     owner_process,
-    wall_ms,
 )
-from store.snapshots import Parts, SnapshotStore, TranscriptMoved
+from store.snapshots import SnapshotStore, TranscriptMoved
 from store.snapshots.redis import (
     DEFAULT_PREFIX,
     RedisSnapshotStore,
@@ -73,21 +72,30 @@ OVERDUE_BATCH = 200
 RENEW_BATCH = 1000
 """Leases renewed per pipeline: a heartbeat round of up to this many is one round trip."""
 
-_CREATE = lua(__package__ or "store.runs", "create.lua")
-_APPEND = lua(__package__ or "store.runs", "append.lua")
-"""One transition: events, record and indexes, and optionally the snapshot and the release."""
-_PURGE = lua(__package__ or "store.runs", "purge.lua")
-_ACQUIRE = lua(__package__ or "store.runs", "acquire.lua")
-"""Takes the lease and reads the record in one call; indexes it under the owner's process."""
-_EXTEND = lua(__package__ or "store.runs", "extend.lua")
-_RELEASE = lua(__package__ or "store.runs", "release.lua")
-_POSTPONE = lua(__package__ or "store.runs", "postpone.lua")
-_OWNER_PROCESS = lua(__package__ or "store.runs", "owner_process.lua")
-"""A Lua function prepended to the scripts that read an owner id's process."""
-_CLAIM = _OWNER_PROCESS + lua(__package__ or "store.runs", "claim.lua")
-"""Takes the lease, also from a holder whose process is dead; indexes it under the taker's."""
-_BEAT = lua(__package__ or "store.runs", "beat.lua")
-_ORPHANED = _OWNER_PROCESS + lua(__package__ or "store.runs", "orphaned.lua")
+_USES = {
+    "acquire": ("hold_lease",),
+    "claim": ("owner_process", "hold_lease"),
+    "orphaned": ("owner_process",),
+}
+"""The Lua functions, each a file of its own, prepended to the scripts that call them."""
+_SCRIPTS = {
+    name: "".join(
+        lua(__package__ or "store.runs", f"{part}.lua") for part in (*_USES.get(name, ()), name)
+    )
+    for name in (
+        "create",
+        "append",  # one transition: events, record, indexes; optionally snapshot and release
+        "acquire",  # takes the lease and reads the record in one call
+        "extend",
+        "release",
+        "purge",
+        "claim",  # takes the lease, also from a holder whose process is dead
+        "postpone",
+        "beat",
+        "orphaned",
+    )
+}
+"""Each script's source (its contract in the file's header), read once at import."""
 
 
 def _packed(event: Event) -> bytes:
@@ -112,7 +120,7 @@ class RedisRunStore(RunStore):
         self,
         client: redis.Redis,
         prefix: str = DEFAULT_PREFIX,
-        clock: Callable[[], int] = wall_ms,
+        clock: Callable[[], int] | None = None,
         url: str = "redis",
     ) -> None:
         super().__init__(clock)
@@ -123,25 +131,16 @@ class RedisRunStore(RunStore):
         self._status_prefix = f"{prefix}:runs:status:"
         self._due = f"{prefix}:runs:due"
         self._finished = f"{prefix}:runs:finished"
-        self._create_script = client.register_script(_CREATE)
-        self._append_script = client.register_script(_APPEND)
-        self._acquire_script = client.register_script(_ACQUIRE)
-        self._extend_script = client.register_script(_EXTEND)
-        self._release_script = client.register_script(_RELEASE)
-        self._purge_script = client.register_script(_PURGE)
+        self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
         self._procs = f"{prefix}:procs"
         self._proc_prefix = f"{prefix}:proc:"
-        self._claim_script = client.register_script(_CLAIM)
-        self._postpone_script = client.register_script(_POSTPONE)
-        self._beat_script = client.register_script(_BEAT)
-        self._orphaned_script = client.register_script(_ORPHANED)
 
     @classmethod
     def from_url(
         cls,
         url: str,
         prefix: str = DEFAULT_PREFIX,
-        clock: Callable[[], int] = wall_ms,
+        clock: Callable[[], int] | None = None,
         max_connections: int | None = None,
     ) -> RedisRunStore:
         """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily.
@@ -170,7 +169,7 @@ class RedisRunStore(RunStore):
 
     @staticmethod
     def _finished_at(record: RunRecord) -> str:
-        return str(record.updated_at_ms) if record.status in FINISHED_STATUSES else ""
+        return str(record.updated_at_ms) if record.finished else ""
 
     # --- records and events -------------------------------------------------
 
@@ -191,7 +190,7 @@ class RedisRunStore(RunStore):
             self._finished_at(record),
         ]
         with translated(self._where):
-            found = cast("bytes | None", self._create_script(keys=keys, args=args))
+            found = cast("bytes | None", self._scripts["create"](keys=keys, args=args))
         if found is not None:
             raise StaleWrite(run_id, 0, int(found))
 
@@ -207,19 +206,9 @@ class RedisRunStore(RunStore):
             self._prefix,
         )
 
-    def _commit(
-        self,
-        record: RunRecord,
-        events: list[Event],
-        owner: str | None,
-        now_ms: int,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
-        assert isinstance(snapshots, RedisSnapshotStore)
-        self._transition(record, events, owner, now_ms, snapshots, parts, expected_seq, release)
+    def _commit(self, whole: Transition, now_ms: int) -> None:
+        assert isinstance(whole.snapshots, RedisSnapshotStore)
+        self._transition(whole.record, whole.events, whole.owner, now_ms, whole)
 
     def _transition(
         self,
@@ -227,14 +216,12 @@ class RedisRunStore(RunStore):
         events: list[Event],
         owner: str | None,
         now_ms: int,
-        snapshots: RedisSnapshotStore | None = None,
-        parts: Parts | None = None,
-        expected_seq: int | None = None,
-        release: bool = False,
+        whole: Transition | None = None,
     ) -> None:
         """The append script: the events and record, and the snapshot and release if given."""
         run_id = record.run_id
         expected = events[0].seq - 1
+        release = whole is not None and whole.release
         keys = [
             self._run_key(run_id, "record"),
             self._run_key(run_id, "events"),
@@ -258,15 +245,16 @@ class RedisRunStore(RunStore):
             "1" if release else "0",
         ]
         fragments: list[bytes] = []
-        if parts is None:
+        if whole is None:
             args += ["", "", "", "", "", "", "", ""]
         else:
+            parts = whole.parts
             base = parts.base
             head = pack(parts.head)
             fragments = [pack(f) for f in parts.fragments]
             args += [
                 "replace" if base is None else "append",
-                "" if expected_seq is None else str(expected_seq),
+                "" if whole.expected_seq is None else str(whole.expected_seq),
                 head,
                 "" if base is None else str(base.length),
                 "" if base is None else base.chain,
@@ -278,9 +266,10 @@ class RedisRunStore(RunStore):
         args += [_packed(event) for event in events]
         args += fragments
         with translated(self._where):
-            refused = cast("list[bytes] | None", self._append_script(keys=keys, args=args))
-        if snapshots is not None and refused is None:
-            snapshots.bytes_written += len(args[15]) + sum(len(f) for f in fragments)
+            refused = cast("list[bytes] | None", self._scripts["append"](keys=keys, args=args))
+        if whole is not None and refused is None:
+            assert isinstance(whole.snapshots, RedisSnapshotStore)
+            whole.snapshots.bytes_written += len(args[15]) + sum(len(f) for f in fragments)
         if refused is None:
             return
         if refused[0] == b"stale":
@@ -288,7 +277,8 @@ class RedisRunStore(RunStore):
             raise StaleWrite(run_id, expected, int(found) if found else None)
         if refused[0] == b"snapshot":
             found = refused[1].decode()
-            raise StaleWrite(run_id, expected_seq, int(found) if found else None)
+            seen = whole.expected_seq if whole is not None else None
+            raise StaleWrite(run_id, seen, int(found) if found else None)
         if refused[0] == b"moved":
             raise TranscriptMoved(run_id)
         raise LeaseLost(run_id, str(owner))
@@ -335,7 +325,7 @@ class RedisRunStore(RunStore):
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id]
         keys = [lease, self._run_key(run_id, "record"), self._held_key(owner, lease)]
         with translated(self._where):
-            found = cast("list[Any]", self._acquire_script(keys=keys, args=args))
+            found = cast("list[Any]", self._scripts["acquire"](keys=keys, args=args))
         if not found[0]:
             return False, None
         data = found[1] if len(found) > 1 else None
@@ -354,7 +344,7 @@ class RedisRunStore(RunStore):
             for start in range(0, len(leases), RENEW_BATCH):
                 pipe = self._client.pipeline(transaction=False)
                 for run_id, owner in leases[start : start + RENEW_BATCH]:
-                    self._extend_script(
+                    self._scripts["extend"](
                         keys=[self._run_key(run_id, "lease")],
                         args=[owner, expires, ttl_ms],
                         client=pipe,
@@ -365,7 +355,9 @@ class RedisRunStore(RunStore):
     def _release(self, run_id: str, owner: str) -> None:
         lease = self._run_key(run_id, "lease")
         with translated(self._where):
-            self._release_script(keys=[lease, self._held_key(owner, lease)], args=[owner, run_id])
+            self._scripts["release"](
+                keys=[lease, self._held_key(owner, lease)], args=[owner, run_id]
+            )
 
     def _held_key(self, owner: str, otherwise: str) -> str:
         """The set of runs ``owner``'s process claimed; ``otherwise`` if it names none."""
@@ -375,7 +367,9 @@ class RedisRunStore(RunStore):
     def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
         keys = [self._run_key(run_id, "record"), self._due]
         with translated(self._where):
-            moved = self._postpone_script(keys=keys, args=[run_id, str(seen_seq), str(due_at_ms)])
+            moved = self._scripts["postpone"](
+                keys=keys, args=[run_id, str(seen_seq), str(due_at_ms)]
+            )
         return bool(moved)
 
     def _claim(
@@ -386,7 +380,7 @@ class RedisRunStore(RunStore):
         keys = [lease, self._procs, self._held_key(owner, lease)]
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, self._proc_prefix]
         with translated(self._where):
-            found = cast("list[int | bytes]", self._claim_script(keys=keys, args=args))
+            found = cast("list[int | bytes]", self._scripts["claim"](keys=keys, args=args))
         if found[0] == 1:
             took = cast("bytes", found[1]).decode()
             return Claim(True, took_from=took or None)
@@ -395,7 +389,7 @@ class RedisRunStore(RunStore):
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
         with translated(self._where):
-            was = self._beat_script(
+            was = self._scripts["beat"](
                 keys=[self._procs], args=[process, str(expires_at_ms), str(now_ms)]
             )
         return bool(was)
@@ -408,7 +402,7 @@ class RedisRunStore(RunStore):
     def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
         args = [str(now_ms), str(limit), self._proc_prefix, f"{self._prefix}:run:{{"]
         with translated(self._where):
-            found = cast("list[bytes]", self._orphaned_script(keys=[self._procs], args=args))
+            found = cast("list[bytes]", self._scripts["orphaned"](keys=[self._procs], args=args))
         pairs = zip(found[::2], found[1::2], strict=True)
         return [Orphan(run_id.decode(), owner.decode()) for run_id, owner in pairs]
 
@@ -459,7 +453,7 @@ class RedisRunStore(RunStore):
         keys = [self._finished, self._by_created, self._due]
         args = [str(before_ms), str(limit), f"{self._prefix}:run:{{", self._status_prefix]
         with translated(self._where):
-            purged = cast("list[bytes]", self._purge_script(keys=keys, args=args))
+            purged = cast("list[bytes]", self._scripts["purge"](keys=keys, args=args))
         return [run_id.decode() for run_id in purged]
 
     def close(self) -> None:

@@ -27,7 +27,6 @@ from store.runs import (
     RunRecord,
     RunStore,
     owner_process,
-    wall_ms,
 )
 
 SCHEMA = """
@@ -77,7 +76,7 @@ _ROW = (
 class SqliteRunStore(RunStore):
     name = "sqlite run store"
 
-    def __init__(self, path: str | Path, clock: Callable[[], int] = wall_ms) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], int] | None = None) -> None:
         super().__init__(clock)
         self.path = Path(path).resolve()
         self._local = threading.local()
@@ -161,7 +160,7 @@ class SqliteRunStore(RunStore):
 
     @staticmethod
     def _record_row(record: RunRecord) -> tuple[str, str, int, int, int | None, str, int | None]:
-        finished = record.status in FINISHED_STATUSES
+        finished = record.finished
         return (
             record.run_id,
             record.status.value,

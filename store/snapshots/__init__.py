@@ -143,7 +143,7 @@ class SnapshotStore(ABC):
             return
         data = snapshot_format.encode(state, self.max_bytes)
         try:
-            with_retries(lambda: self._put(run_id, state, data, expected_seq))
+            with_retries(lambda: self._put(run_id, state, data, expected_seq), run_id)
         except StaleWrite as exc:
             # A retried write whose first attempt landed but whose reply was lost finds
             # its own document: that is success, not a conflict.
@@ -163,12 +163,12 @@ class SnapshotStore(ABC):
                     return grown
         try:
             if self.appends_transcript:
-                found = with_retries(lambda: self._read(run_id))
+                found = with_retries(lambda: self._read(run_id), run_id)
                 if found is None:
                     return None
                 data, tip = found
             else:
-                stored = with_retries(lambda: self._get(run_id))
+                stored = with_retries(lambda: self._get(run_id), run_id)
                 if stored is None:
                     return None
                 data = stored
@@ -192,7 +192,7 @@ class SnapshotStore(ABC):
         last loaded or saved (None: read it whole). What a turn on the other process of a
         pool costs then stays flat; the stored hash chain proves the prefix is unchanged."""
         try:
-            found = with_retries(lambda: self._read_after(run_id, known.tip))
+            found = with_retries(lambda: self._read_after(run_id, known.tip), run_id)
         except (ValueError, TypeError, RecursionError):
             return None  # the whole read says exactly what does not parse
         if found is None:
@@ -240,7 +240,7 @@ class SnapshotStore(ABC):
         if self.appends_transcript:
             self._forget(run_id)
         stamp = self.stamp()
-        return with_retries(lambda: self._quarantine(run_id, stamp))
+        return with_retries(lambda: self._quarantine(run_id, stamp), run_id)
 
     @staticmethod
     def stamp() -> str:
@@ -250,14 +250,14 @@ class SnapshotStore(ABC):
     def load_document(self, run_id: str) -> bytes | None:
         """The snapshot exactly as a person reads it (``ratchet snapshots show``)."""
         run_id = validate_run_id(run_id)
-        return with_retries(lambda: self._get(run_id))
+        return with_retries(lambda: self._get(run_id), run_id)
 
     def delete(self, run_id: str) -> None:
         """Remove the run's snapshot; deleting a missing one is not an error."""
         run_id = validate_run_id(run_id)
         if self.appends_transcript:
             self._forget(run_id)
-        with_retries(lambda: self._delete(run_id))
+        with_retries(lambda: self._delete(run_id), run_id)
 
     def list(self) -> builtins.list[str]:
         """Ids of the runs that have a snapshot, sorted."""
@@ -273,7 +273,7 @@ class SnapshotStore(ABC):
             parts = self._plan(run_id, state, expected_seq)
             put = functools.partial(self._put_parts, run_id, parts, expected_seq)
             try:
-                with_retries(put)
+                with_retries(put, run_id)
             except TranscriptMoved:
                 self._forget(run_id)
                 continue
@@ -305,7 +305,7 @@ class SnapshotStore(ABC):
                 diverged = base is None
             else:
                 try:
-                    stored = with_retries(lambda: self._read_tip(run_id))
+                    stored = with_retries(lambda: self._read_tip(run_id), run_id)
                 except (ValueError, TypeError) as exc:
                     raise SnapshotMalformed(
                         self.where(run_id), f"its stored seq or tip does not parse ({exc!r:.80})"

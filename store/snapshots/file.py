@@ -188,35 +188,50 @@ class FileSnapshotStore(SnapshotStore):
     def _read_file(self, dir_fd: int, run_id: str) -> bytes | None:
         """The run's file, read without following a link and at most one byte over the limit."""
         try:
-            fd = os.open(run_id + SUFFIX, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
+            fd, found = self._open_regular(dir_fd, run_id + SUFFIX, os.O_RDONLY, run_id, "it")
         except FileNotFoundError:
             return None
+        try:
+            self._check_size(run_id, found.st_size, self.max_bytes)
+            return _read_upto(fd, self.max_bytes + 1)
+        finally:
+            os.close(fd)
+
+    def _open_regular(
+        self, dir_fd: int, name: str, flags: int, run_id: str, what: str
+    ) -> tuple[int, os.stat_result]:
+        """``name`` opened without following a link, and its stat; a link or anything but a
+        regular file is SnapshotMalformed (``what`` names it), FileNotFoundError passes through."""
+        try:
+            fd = os.open(name, flags | os.O_NONBLOCK | _NOFOLLOW, 0o666, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise SnapshotMalformed(
-                    self.where(run_id),
-                    "it is a symbolic link, which this store never follows",
+                    self.where(run_id), f"{what} is a symbolic link, which this store never follows"
                 ) from exc
             raise
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
-                raise SnapshotMalformed(self.where(run_id), "it is not a regular file")
-            if found.st_size > self.max_bytes:
-                raise SnapshotMalformed(
-                    self.where(run_id),
-                    f"{found.st_size} bytes is over the {self.max_bytes}-byte limit",
-                )
-            chunks, left = [], self.max_bytes + 1
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 20))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
-        finally:
+                raise SnapshotMalformed(self.where(run_id), f"{what} is not a regular file")
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, found
+
+    def _check_size(self, run_id: str, size: int, limit: int) -> None:
+        """SnapshotMalformed if ``size`` is over ``limit`` (the limit plus what framing may add)."""
+        if size > limit:
+            raise SnapshotMalformed(
+                self.where(run_id), f"{size} bytes is over the {self.max_bytes}-byte limit"
+            )
+
+    def _check_holds(self, run_id: str, name: str, size: int, needed: int) -> None:
+        if size < needed:
+            raise SnapshotMalformed(
+                self.where(run_id),
+                f"{name} holds {size} bytes, fewer than the {needed} its head names",
+            )
 
     def _stored_seq(self, dir_fd: int, run_id: str) -> int | None:
         data = self._read_file(dir_fd, run_id)
@@ -246,18 +261,24 @@ class FileSnapshotStore(SnapshotStore):
             )
         return state.seq
 
-    def _move_aside(self, dir_fd: int, name: str, target: str) -> str:
+    @contextmanager
+    def _quarantine_dir(self, dir_fd: int) -> Iterator[int]:
+        """The quarantine directory (made if missing), opened without following a link."""
         try:
             os.mkdir(QUARANTINE, 0o700, dir_fd=dir_fd)
         except FileExistsError:
             pass
         quarantine_fd = os.open(QUARANTINE, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
         try:
+            yield quarantine_fd
+        finally:
+            os.close(quarantine_fd)
+
+    def _move_aside(self, dir_fd: int, name: str, target: str) -> str:
+        with self._quarantine_dir(dir_fd) as quarantine_fd:
             # rename() moves a link itself, never what it points to.
             os.rename(name, target, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
             os.fsync(quarantine_fd)
-        finally:
-            os.close(quarantine_fd)
         os.fsync(dir_fd)
         return str(self.directory / QUARANTINE / target)
 
@@ -366,37 +387,15 @@ class FileSnapshotStore(SnapshotStore):
     ) -> bytes | None:
         """``name`` read without following a link: at most ``limit`` bytes (exactly, if ``exact``)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
+            fd, found = self._open_regular(dir_fd, name, os.O_RDONLY, run_id, name)
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise SnapshotMalformed(
-                    self.where(run_id), f"{name} is a symbolic link, which this store never follows"
-                ) from exc
-            raise
         try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
-                raise SnapshotMalformed(self.where(run_id), f"{name} is not a regular file")
-            if not exact and found.st_size > limit:
-                raise SnapshotMalformed(
-                    self.where(run_id),
-                    f"{found.st_size} bytes is over the {self.max_bytes}-byte limit",
-                )
-            if exact and found.st_size < limit:
-                raise SnapshotMalformed(
-                    self.where(run_id),
-                    f"{name} holds {found.st_size} bytes, fewer than the {limit} its head names",
-                )
-            chunks, left = [], limit
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 20))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
+            if exact:
+                self._check_holds(run_id, name, found.st_size, limit)
+            else:
+                self._check_size(run_id, found.st_size, limit)
+            return _read_upto(fd, limit)
         finally:
             os.close(fd)
 
@@ -496,32 +495,16 @@ class FileSnapshotStore(SnapshotStore):
         renamed into place: no head names them, and they are cut off first.
         """
         name = f"{run_id}.{generation}{TRANSCRIPT}"
-        if offset is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
-        else:
-            flags = os.O_WRONLY | _NOFOLLOW
+        flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if offset is None else 0)
         try:
-            fd = os.open(name, flags, 0o666, dir_fd=dir_fd)
+            fd, found = self._open_regular(dir_fd, name, flags, run_id, name)
         except FileNotFoundError as exc:
             raise SnapshotMalformed(
                 self.where(run_id), f"its transcript file {name} is gone"
             ) from exc
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise SnapshotMalformed(
-                    self.where(run_id), f"{name} is a symbolic link, which this store never follows"
-                ) from exc
-            raise
         try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
-                raise SnapshotMalformed(self.where(run_id), f"{name} is not a regular file")
             start = 0 if offset is None else offset
-            if found.st_size < start:
-                raise SnapshotMalformed(
-                    self.where(run_id),
-                    f"{name} holds {found.st_size} bytes, fewer than the {start} its head names",
-                )
+            self._check_holds(run_id, name, found.st_size, start)
             if found.st_size > start:
                 os.ftruncate(fd, start)
             _write_all(fd, frames, start)
@@ -652,15 +635,8 @@ class FileSnapshotStore(SnapshotStore):
             raise StoreUnavailable(self._where, exc.strerror or str(exc)) from exc
 
     def _keep_aside(self, dir_fd: int, target: str, data: bytes) -> None:
-        try:
-            os.mkdir(QUARANTINE, 0o700, dir_fd=dir_fd)
-        except FileExistsError:
-            pass
-        quarantine_fd = os.open(QUARANTINE, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
-        try:
+        with self._quarantine_dir(dir_fd) as quarantine_fd:
             self._write_head(quarantine_fd, target.split(".", 1)[0], data, target)
-        finally:
-            os.close(quarantine_fd)
 
     def _list(self) -> list[str]:
         try:
@@ -688,6 +664,18 @@ def _unframe(data: bytes) -> list[bytes]:
         fragments.append(data[newline + 1 : end])
         at = end
     return fragments
+
+
+def _read_upto(fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes from ``fd``'s position, fewer at its end."""
+    chunks, left = [], limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _write_all(fd: int, data: bytes, at: int) -> None:

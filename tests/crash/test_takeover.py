@@ -26,6 +26,7 @@ from tasks.recovery import resume
 from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
+from tests.drain import join
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import running_redis_server
 from tests.workers import ROOT, WorkerProcesses, redis_context
@@ -156,8 +157,12 @@ def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
         ),
         timeout_s=15,
     )
-    # Then its writes were refused and the finished run is untouched
-    time.sleep(0.5)
+    # Then its writes were refused and, once A has given up its turn, the finished run is untouched
+    client = make_app(Settings(broker_url=redis_url))
+    try:
+        join(client)
+    finally:
+        client.close()
     assert ctx.runs.events(run_id) == finished
     assert ctx.runs.get(run_id) == record
     assert [e.data["by"] for e in finished if e.type == "run.resumed"] == ["sweeper"]
@@ -234,7 +239,11 @@ def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
         record = ctx.runs.get(run_id)
         assert record is not None and record.error is not None
         assert f"ratchet runs resume {run_id}" in record.error
-        time.sleep(0.5)
+        client = make_app(Settings(broker_url=redis_url))
+        try:
+            join(client)  # the stalled turn ended and chained nothing
+        finally:
+            client.close()
         assert ctx.runs.events(run_id)[-1].type == "run.stalled"
         assert "SnapshotFailed" in worker.log()
         # When the server is back (empty: it kept nothing) and an operator resumes

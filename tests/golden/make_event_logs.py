@@ -451,8 +451,8 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
 
 
 def main() -> None:
+    from tasks.messages import send_through
     from tasks.settings import Settings
-    from tasks.task_base import send_through
     from worker.app import make_app
 
     send_through(make_app(Settings(broker_url="memory://")))  # the scenarios' enqueues go nowhere

@@ -11,8 +11,8 @@ import pytest
 from runtime.children import child_run_id
 from runtime.fsm import rebuild
 from runtime.models import RunState, RunStatus
+from tasks.messages import enqueue_turn
 from tasks.start import create_run
-from tasks.turn import run_turn
 from tests.helpers import call, turn, write_agent
 from worker.api import Ratchet
 from worker.render import lineage_lines
@@ -99,7 +99,7 @@ def test_cancelling_a_parent_cancels_the_child_it_waits_for(
         tmp_path, [turn("Asking.", call("run_child", agent="asker", input="Ask which"))]
     )
     state = create_run(ratchet.ctx, agent, "go")
-    run_turn.apply_async((state.run_id, state.seq))
+    enqueue_turn(run_id=state.run_id, expected_seq=state.seq)
     child = child_run_id(state.run_id, "call_1_1")
     wait_for(
         "the child asks its question",

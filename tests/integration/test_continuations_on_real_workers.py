@@ -24,9 +24,11 @@ from store.runs import RunRecord
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
+from tests.drain import join, queued
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer
 from tests.workers import WorkerProcesses, redis_context
+from tests.workers import wait_for as worker_wait_for
 from worker.api import Ratchet
 from worker.app import make_app
 from worker.cli import main
@@ -111,7 +113,7 @@ def test_a_continuation_sent_by_a_celery_client_is_applied_once_even_when_sent_t
     session_app.send_task("ratchet.continue", kwargs=answer)
     record = wait_for(ratchet.ctx, run_id, finished)
     session_app.send_task("ratchet.continue", kwargs={**answer, "continuation_id": "celery-2"})
-    time.sleep(0.3)
+    join(session_app)  # the worker took the late answer and finished with it
     # Then the run completed with exactly one answer
     assert record.status == RunStatus.COMPLETED
     events = ratchet.events(run_id)
@@ -136,7 +138,7 @@ def publish_with_kombu(broker_url: str, body: Any, queue: str = QUEUE, **options
 
 
 def test_plain_json_continuations_published_with_kombu_on_redis_are_applied_and_bad_ones_dropped(
-    ratchet: Ratchet, tmp_path: Path, session_broker: str
+    ratchet: Ratchet, session_app: Celery, tmp_path: Path, session_broker: str
 ) -> None:
     run_id = start_suspended(ratchet, tmp_path)
     before = ratchet.events(run_id)
@@ -148,7 +150,7 @@ def test_plain_json_continuations_published_with_kombu_on_redis_are_applied_and_
     publish_with_kombu(
         session_broker, b"\x80 not json", content_type="application/json", content_encoding="binary"
     )
-    time.sleep(0.3)
+    join(session_app)  # the consumer took every one of them
     assert ratchet.events(run_id) == before
     # When a well-formed one follows, the consumer is still there to apply it
     publish_with_kombu(
@@ -211,7 +213,7 @@ def test_an_approved_tool_runs_once_and_a_denied_tool_never_runs_on_a_real_worke
 
 
 def test_cancelling_a_run_during_a_slow_model_call_stops_it_at_its_next_write(
-    ratchet: Ratchet, tmp_path: Path, ledger: Path
+    ratchet: Ratchet, session_app: Celery, tmp_path: Path, ledger: Path
 ) -> None:
     slow = [
         {**turn("refund", call("issue_refund", order_id="B2", amount_cents=1)), "sleep_s": 1.5},
@@ -222,7 +224,7 @@ def test_cancelling_a_run_during_a_slow_model_call_stops_it_at_its_next_write(
     # When an operator cancels while the model call is in progress
     result = CliRunner().invoke(main, ["runs", "cancel", run_id, "--reason", "wrong customer"])
     assert result.exit_code == 0, result.output
-    time.sleep(2.0)  # the model call returns and the turn tries to record it
+    join(session_app)  # the model call returned and the turn tried to record it
     # Then the run is cancelled for good, the response was never recorded, no tool ran
     events = ratchet.events(run_id)
     assert types(events)[-1] == "run.cancelled", types(events)
@@ -265,7 +267,11 @@ def test_plain_json_continuations_on_rabbitmq_are_applied_by_a_worker_process(
         before = ctx.runs.events(run_id)
         publish_with_kombu(rabbitmq_vhost, ["not", "an", "object"])
         publish_with_kombu(rabbitmq_vhost, {"run_id": run_id, "approve": "yes"})
-        time.sleep(0.3)
+        worker_wait_for(
+            "the worker refused both malformed continuations",
+            lambda: "the body is a JSON array" in worker.log()
+            and "`approve` must be bool" in worker.log(),
+        )
         assert ctx.runs.events(run_id) == before
         answer = {"run_id": run_id, "input": "Order B2", "continuation_id": "amqp-1"}
         publish_with_kombu(rabbitmq_vhost, answer)
@@ -298,7 +304,9 @@ def test_a_continuation_sent_while_no_worker_runs_is_applied_once_a_worker_start
         client.send_task("ratchet.continue", kwargs=answer)
         client.close()
         publish_with_kombu(redis_url, answer)
-        time.sleep(0.3)
+        # the answers wait on the broker, one in each queue, and the run waits for them
+        assert queued(redis_url, ("ratchet.control",), unacked=False) == 1
+        assert queued(redis_url, (QUEUE,), unacked=False) == 1
         assert ctx.runs.get(run_id).status == RunStatus.NEEDS_USER_INPUT  # type: ignore[union-attr]
         # Then a worker that starts later applies it, once, and the run completes
         worker_processes.start("--pool", "threads")

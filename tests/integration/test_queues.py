@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from tasks.turn import run_turn
+from tasks.messages import enqueue_continue, enqueue_turn
 from worker.app import CONTROL_QUEUE, TURNS_QUEUE, app
 from worker.priorities import redis_lists
 
@@ -20,10 +20,8 @@ def test_a_turn_and_a_control_message_each_land_in_exactly_their_own_queue(redis
         for queue in app.conf.task_queues:
             queue(connection.default_channel).declare()
         # When one turn and one continuation are sent
-        run_turn.apply_async(("run-1", 1), connection=connection)
-        app.send_task(
-            "ratchet.continue", kwargs={"run_id": "run-1", "input": "x"}, connection=connection
-        )
+        enqueue_turn(run_id="run-1", expected_seq=1, app=app, connection=connection)
+        enqueue_continue(run_id="run-1", input="x", app=app, connection=connection)
     # Then each queue holds exactly one message: nothing is delivered twice
     client = redis.Redis.from_url(redis_url)
     assert messages_in(client, TURNS_QUEUE) == 1

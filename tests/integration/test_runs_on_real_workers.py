@@ -14,9 +14,9 @@ import pytest
 from celery import Celery
 
 from runtime.models import RunStatus
+from tasks.messages import enqueue_turn
 from tasks.settings import Settings
 from tasks.start import create_run
-from tasks.turn import run_turn
 from tests.helpers import call, refunds, turn, write_agent
 from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses, redis_context
 from worker.api import Ratchet
@@ -56,8 +56,8 @@ def test_the_same_turn_message_delivered_twice_runs_its_tool_once(
 
     state = create_run(ratchet.ctx, agent, "refund D1")
     # When the broker delivers the first turn's message twice, at once
-    run_turn.apply_async((state.run_id, state.seq))
-    run_turn.apply_async((state.run_id, state.seq))
+    enqueue_turn(run_id=state.run_id, expected_seq=state.seq)
+    enqueue_turn(run_id=state.run_id, expected_seq=state.seq)
     record = ratchet.wait(state.run_id, timeout_s=30)
     # Then the run completes and the refund happened exactly once
     assert record.status == RunStatus.COMPLETED

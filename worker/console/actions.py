@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from runtime.errors import RatchetError
@@ -37,33 +38,26 @@ def _seq(form: Form) -> int | None:
     return int(value)
 
 
-def _continued(run_id: str, continuation_id: str, outcome: str) -> str:
-    # The same lines as `ratchet runs continue`.
+def _continue(run_id: str, form: Form, answer: Callable[..., str]) -> str:
+    """``ratchet runs continue``, and the lines it prints: ``answer`` is the API's
+    ``continue_run`` given the run and the answer; the form names the suspension."""
+    cid = form.get("continuation_id") or None
+    outcome = answer(continuation_id=cid, suspension_seq=_seq(form))
     if outcome == "duplicate":
-        return f"run {run_id}: continuation {continuation_id} was already applied; nothing to do"
-    return f"run {run_id}: continued ({continuation_id}); its next turn is queued"
+        return f"run {run_id}: continuation {cid or ''} was already applied; nothing to do"
+    return f"run {run_id}: continued ({cid or ''}); its next turn is queued"
 
 
 def answer(api: Ratchet, run_id: str, form: Form) -> str:
-    cid = form.get("continuation_id") or None
-    outcome = api.continue_run(
-        run_id, input=form.get("input", ""), continuation_id=cid, suspension_seq=_seq(form)
-    )
-    return _continued(run_id, cid or "", outcome)
+    return _continue(run_id, form, partial(api.continue_run, run_id, input=form.get("input", "")))
 
 
 def approve(api: Ratchet, run_id: str, form: Form) -> str:
-    cid = form.get("continuation_id") or None
-    outcome = api.continue_run(run_id, approve=True, continuation_id=cid, suspension_seq=_seq(form))
-    return _continued(run_id, cid or "", outcome)
+    return _continue(run_id, form, partial(api.continue_run, run_id, approve=True))
 
 
 def deny(api: Ratchet, run_id: str, form: Form) -> str:
-    cid = form.get("continuation_id") or None
-    outcome = api.continue_run(
-        run_id, deny=form.get("reason", ""), continuation_id=cid, suspension_seq=_seq(form)
-    )
-    return _continued(run_id, cid or "", outcome)
+    return _continue(run_id, form, partial(api.continue_run, run_id, deny=form.get("reason", "")))
 
 
 def cancel(api: Ratchet, run_id: str, form: Form) -> str:
@@ -123,7 +117,7 @@ ACTIONS: dict[str, Action] = {
 
 
 def perform(api: Ratchet, name: str, run_id: str, form: Form) -> str:
-    """Do the action; its outcome line. Raises what the API raises (RatchetError, ValueError)."""
+    """Do the action; its outcome line. Raises what the API raises (RatchetError; ratchet raises no bare ValueError)."""
     return ACTIONS[name].perform(api, run_id, form)
 
 

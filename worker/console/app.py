@@ -228,7 +228,7 @@ class Console:
             )
         try:
             outcome = await run_in_threadpool(actions.perform, self.api, name, run_id, form)
-        except (RatchetError, ValueError, OSError) as exc:
+        except (RatchetError, OSError) as exc:
             return await self._run_page(
                 request, session, error=actions.refusal_line(exc), status_code=409
             )

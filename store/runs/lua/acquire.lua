@@ -7,9 +7,5 @@ local lease = redis.call('HMGET', KEYS[1], 'owner', 'expires_at_ms')
 if lease[1] and lease[1] ~= ARGV[1] and tonumber(lease[2]) > tonumber(ARGV[2]) then
   return {0}
 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires_at_ms', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if KEYS[3] ~= KEYS[1] then
-  redis.call('SADD', KEYS[3], ARGV[5])
-end
+hold_lease(KEYS[1], ARGV[1], ARGV[3], ARGV[4], KEYS[3], ARGV[5])
 return {1, redis.call('HGET', KEYS[2], 'record')}

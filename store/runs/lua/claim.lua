@@ -14,9 +14,5 @@ if lease[1] and lease[1] ~= ARGV[1] and tonumber(lease[2]) > tonumber(ARGV[2]) t
   took = lease[1]
   redis.call('SREM', ARGV[6] .. holder .. ':leases', ARGV[5])
 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires_at_ms', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if KEYS[3] ~= KEYS[1] then
-  redis.call('SADD', KEYS[3], ARGV[5])
-end
+hold_lease(KEYS[1], ARGV[1], ARGV[3], ARGV[4], KEYS[3], ARGV[5])
 return {1, took}
