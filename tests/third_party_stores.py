@@ -7,9 +7,9 @@ from __future__ import annotations
 import builtins
 
 from runtime.models import Event
-from store.runs import RunRecord
+from store.runs import RunRecord, Transition
 from store.runs.memory import MemoryRunStore
-from store.snapshots import Parts, SnapshotStore
+from store.snapshots import SnapshotStore
 from store.snapshots.file import FileSnapshotStore
 from store.snapshots.memory import MemorySnapshotStore
 
@@ -43,21 +43,11 @@ class TornCommitRunStore(PlainRunStore):
     def commits_with(self, snapshots: SnapshotStore) -> bool:
         return isinstance(snapshots, FileSnapshotStore)
 
-    def _commit(
-        self,
-        record: RunRecord,
-        events: builtins.list[Event],
-        owner: str | None,
-        now_ms: int,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
-        self._append(record, events, owner, now_ms)
-        snapshots._put_parts(record.run_id, parts, expected_seq)
-        if release and owner is not None:
-            self._release(record.run_id, owner)
+    def _commit(self, whole: Transition, now_ms: int) -> None:
+        self._append(whole.record, whole.events, whole.owner, now_ms)
+        whole.snapshots._put_parts(whole.record.run_id, whole.parts, whole.expected_seq)
+        if whole.release and whole.owner is not None:
+            self._release(whole.record.run_id, whole.owner)
 
 
 class HalfClaimRunStore(PlainRunStore):
