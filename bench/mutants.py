@@ -754,7 +754,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "L6",
         "tasks/turn.py",
-        "        if held.took_from is not None:\n",
+        "        if claim.took_from is not None:\n",
         "        if False:\n",
         LIVENESS,
         k="dead_owners_lease",
