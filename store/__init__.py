@@ -7,7 +7,7 @@ scheme                 snapshot store              run store
 =====================  ==========================  ==========================
 ``memory://``          MemorySnapshotStore         MemoryRunStore
 ``file:///dir``        FileSnapshotStore           —
-``sqlite:///path``     —                           SqliteRunStore
+``sqlite:///path``     SqliteSnapshotStore         SqliteRunStore
 ``redis://`` …         RedisSnapshotStore          RedisRunStore
 ``s3://bucket/prefix``  S3SnapshotStore (extra s3)   —
 =====================  ==========================  ==========================
@@ -54,6 +54,10 @@ def open_snapshot_store(
         from store.snapshots.file import FileSnapshotStore
 
         return FileSnapshotStore(_path_of(url))
+    if scheme == "sqlite":
+        from store.snapshots.sqlite import SqliteSnapshotStore
+
+        return SqliteSnapshotStore(_path_of(url))
     if scheme in ("redis", "rediss", "unix"):
         from store.snapshots.redis import RedisSnapshotStore
 
@@ -66,7 +70,7 @@ def open_snapshot_store(
         return S3SnapshotStore.from_url(url)
     raise ValueError(
         f"snapshot store URL `{scheme}://…` is not one of memory://, file:///dir, "
-        "redis://host:port/db, s3://bucket/prefix"
+        "sqlite:///path, redis://host:port/db, s3://bucket/prefix"
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
-SNAPSHOT_BACKENDS = ("memory", "file", "redis", "s3")
+SNAPSHOT_BACKENDS = ("memory", "file", "sqlite", "redis", "s3")
 RUN_BACKENDS = ("memory", "sqlite", "redis")
 T0_MS = 1_700_000_000_000
 """Where the injected clock starts: a fixed instant, far from the real one."""
@@ -75,6 +75,11 @@ def open_snapshot_store(
 
         # Nested, so that a `../` escape would still land inside tmp_path where a test can see it.
         return FileSnapshotStore(tmp_path / "a" / "b" / "snapshots")
+    if backend == "sqlite":
+        from store.snapshots.sqlite import SqliteSnapshotStore
+
+        # The run store's database (open_run_store): the embedded default keeps both in one.
+        return SqliteSnapshotStore(tmp_path / "runs.sqlite3")
     if backend == "redis":
         from store.snapshots.redis import RedisSnapshotStore
 

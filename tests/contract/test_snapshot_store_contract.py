@@ -542,11 +542,19 @@ def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
     """What the backend keeps in its quarantine for ``run_id`` (each backend's own place)."""
     from store.snapshots.memory import MemorySnapshotStore
     from store.snapshots.s3 import S3SnapshotStore
+    from store.snapshots.sqlite import SqliteSnapshotStore
 
     if isinstance(store, MemorySnapshotStore):
         return [d for name, d in store.quarantined.items() if name.startswith(f"{run_id}.")]
     if isinstance(store, FileSnapshotStore):
         return [p.read_bytes() for p in (store.directory / "quarantine").glob(f"{run_id}.*.json")]
+    if isinstance(store, SqliteSnapshotStore):
+        return [
+            row[0]
+            for row in store._connection().execute(
+                "SELECT document FROM snapshots_quarantined WHERE run_id = ?", (run_id,)
+            )
+        ]
     if isinstance(store, RedisSnapshotStore):
         keys = store._client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
         return [b"".join(cast(list[bytes], store._client.hvals(k))) for k in keys]

@@ -1,9 +1,10 @@
 """``RunStore.commit``: a transition's events, snapshot and lease release, on every store pair.
 
-The pairs a deployment runs: memory + memory, SQLite + file (the embedded
-default), Redis + S3 (separate calls), and Redis + Redis on one server and
-prefix, where the run store ``commits_with`` the snapshot store and the whole
-transition is one atomic script. Every fence holds on both paths: a zombie's
+The pairs a deployment runs: memory + memory, SQLite + file, Redis + S3
+(separate calls), and the two where the run store ``commits_with`` the
+snapshot store: SQLite + SQLite in one database file (the embedded default),
+the whole transition one transaction, and Redis + Redis on one server and
+prefix, the whole transition one atomic script. Every fence holds on both paths: a zombie's
 transition (lease lost, seq moved on) writes nothing anywhere.
 """
 
@@ -30,6 +31,7 @@ LEASE_S = 30
 PAIRS = {
     "memory+memory": ("memory", "memory", False),
     "sqlite+file": ("sqlite", "file", False),
+    "sqlite+sqlite": ("sqlite", "sqlite", True),
     "redis+s3": ("redis", "s3", False),
     "redis+redis": ("redis", "redis", True),
 }
