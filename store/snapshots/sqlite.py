@@ -101,11 +101,20 @@ def write_parts(
             [(run_id, start + i, f) for i, f in enumerate(parts.fragments)],
         )
     tip = parts.tip
-    conn.execute(
-        "REPLACE INTO snapshots (run_id, seq, head, length, size, chain, document) "
-        "VALUES (?, ?, ?, ?, ?, ?, NULL)",
-        (run_id, parts.seq, parts.head, tip.length, tip.size, tip.chain),
-    )
+    values = (parts.seq, parts.head, tip.length, tip.size, tip.chain, run_id)
+    if row is None:
+        conn.execute(
+            "INSERT INTO snapshots (seq, head, length, size, chain, run_id, document) "
+            "VALUES (?, ?, ?, ?, ?, ?, NULL)",
+            values,
+        )
+    else:
+        # (An UPDATE leaves the run_id index's page alone; a REPLACE would rewrite it.)
+        conn.execute(
+            "UPDATE snapshots SET seq = ?, head = ?, length = ?, size = ?, chain = ?, "
+            "document = NULL WHERE run_id = ?",
+            values,
+        )
     return len(parts.head) + sum(len(f) for f in parts.fragments)
 
 
