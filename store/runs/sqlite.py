@@ -26,9 +26,10 @@ from store.runs import (
     Orphan,
     RunRecord,
     RunStore,
+    Transition,
     owner_process,
 )
-from store.snapshots import Parts, SnapshotStore
+from store.snapshots import SnapshotStore
 from store.snapshots.sqlite import SqliteSnapshotStore, write_parts
 
 SCHEMA = """
@@ -233,24 +234,15 @@ class SqliteRunStore(RunStore):
         """True for a SQLite snapshot store in this store's own database file."""
         return isinstance(snapshots, SqliteSnapshotStore) and snapshots.path == self.path
 
-    def _commit(
-        self,
-        record: RunRecord,
-        events: list[Event],
-        owner: str | None,
-        now_ms: int,
-        snapshots: SnapshotStore,
-        parts: Parts,
-        expected_seq: int | None,
-        release: bool,
-    ) -> None:
+    def _commit(self, whole: Transition, now_ms: int) -> None:
         # One transaction, one WAL commit: the fences, the events and record, the snapshot's
         # head and new transcript rows, and the release.
+        snapshots, record, owner = whole.snapshots, whole.record, whole.owner
         assert isinstance(snapshots, SqliteSnapshotStore)
         with self._tx() as conn:
-            self._fenced_append(conn, record, events, owner, now_ms)
-            written = write_parts(conn, record.run_id, parts, expected_seq)
-            if release and owner is not None:
+            self._fenced_append(conn, record, whole.events, owner, now_ms)
+            written = write_parts(conn, record.run_id, whole.parts, whole.expected_seq)
+            if whole.release and owner is not None:
                 conn.execute(
                     "DELETE FROM leases WHERE run_id = ? AND owner = ?", (record.run_id, owner)
                 )
