@@ -25,7 +25,6 @@ PAIRS = {
     "memory+memory": ("memory", "memory", False),
     "sqlite+file": ("sqlite", "file", False),
     "sqlite+sqlite": ("sqlite", "sqlite", True),
-    "sqlite+sqlite": ("sqlite", "sqlite", True),
     "redis+s3": ("redis", "s3", False),
     "redis+redis": ("redis", "redis", True),
 }
