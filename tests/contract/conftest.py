@@ -18,7 +18,7 @@ from store.snapshots import SnapshotStore
 
 __all__ = ["T0_MS", "FakeClock", "open_run_store", "open_snapshot_store", "race"]
 
-SNAPSHOT_BACKENDS = ("memory", "file", "redis", "s3")
+SNAPSHOT_BACKENDS = ("memory", "file", "sqlite", "redis", "s3")
 RUN_BACKENDS = ("memory", "sqlite", "redis")
 
 
@@ -39,6 +39,11 @@ def open_snapshot_store(
 
         # Nested, so that a `../` escape would still land inside tmp_path where a test can see it.
         return FileSnapshotStore(tmp_path / "a" / "b" / "snapshots")
+    if backend == "sqlite":
+        from store.snapshots.sqlite import SqliteSnapshotStore
+
+        # The run store's database (open_run_store): the embedded default keeps both in one.
+        return SqliteSnapshotStore(tmp_path / "runs.sqlite3")
     if backend == "redis":
         from store.snapshots.redis import RedisSnapshotStore
 

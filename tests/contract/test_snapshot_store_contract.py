@@ -1,5 +1,5 @@
 """The SnapshotStore contract (:mod:`store.conformance.snapshots`) on every backend:
-memory, file, redis, s3 (the ``snapshot_store`` fixture, tests/contract/conftest.py).
+memory, file, sqlite, redis, s3 (the ``snapshot_store`` fixture, tests/contract/conftest.py).
 
 Below the suite: what only one medium can show: a file write killed midway, and a
 Redis server that dies under the store.
@@ -29,6 +29,7 @@ from store.snapshots.file import FileSnapshotStore
 from store.snapshots.memory import MemorySnapshotStore
 from store.snapshots.redis import RedisSnapshotStore
 from store.snapshots.s3 import S3SnapshotStore
+from store.snapshots.sqlite import SqliteSnapshotStore
 from tests.contract.conftest import open_snapshot_store
 from tests.redis_server import running_redis_server
 
@@ -44,6 +45,13 @@ def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
         return [d for name, d in store.quarantined.items() if name.startswith(f"{run_id}.")]
     if isinstance(store, FileSnapshotStore):
         return [p.read_bytes() for p in (store.directory / "quarantine").glob(f"{run_id}.*.json")]
+    if isinstance(store, SqliteSnapshotStore):
+        return [
+            row[0]
+            for row in store._connection().execute(
+                "SELECT document FROM snapshots_quarantined WHERE run_id = ?", (run_id,)
+            )
+        ]
     if isinstance(store, RedisSnapshotStore):
         keys = store._client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
         return [b"".join(cast(list[bytes], store._client.hvals(k))) for k in keys]

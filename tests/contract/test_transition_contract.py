@@ -1,7 +1,8 @@
 """``RunStore.commit`` (:mod:`store.conformance.transitions`) on the pairs a deployment
-runs: memory + memory, SQLite + file (the embedded default), Redis + S3 (separate
-calls), and Redis + Redis on one server and prefix, where the run store
-``commits_with`` the snapshot store and the whole transition is one atomic script.
+runs: memory + memory, SQLite + file, Redis + S3 (separate calls), and the two where
+the run store ``commits_with`` the snapshot store: SQLite + SQLite in one database
+file (the embedded default), the whole transition one transaction, and Redis + Redis
+on one server and prefix, the whole transition one atomic script.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.contract.conftest import FakeClock, open_run_store, open_snapshot_sto
 PAIRS = {
     "memory+memory": ("memory", "memory", False),
     "sqlite+file": ("sqlite", "file", False),
+    "sqlite+sqlite": ("sqlite", "sqlite", True),
     "redis+s3": ("redis", "s3", False),
     "redis+redis": ("redis", "redis", True),
 }
@@ -43,7 +45,7 @@ class TestTransitions(TransitionContract):
         snapshots.close()
         runs.close()
 
-    def test_the_combined_path_is_taken_exactly_for_one_redis_behind_both_stores(
+    def test_the_combined_path_is_taken_exactly_for_one_database_behind_both_stores(
         self, stores: tuple[RunStore, SnapshotStore], request: pytest.FixtureRequest
     ) -> None:
         runs, snapshots = stores
