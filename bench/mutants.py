@@ -359,7 +359,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "Q6",
         "store/runs/sqlite.py",
-        "            if release and owner is not None:\n                conn.execute(",
+        "            if whole.release and owner is not None:\n                conn.execute(",
         "            if False:\n                conn.execute(",
         ("tests/contract/test_transition_contract.py",),
         k="sqlite",
