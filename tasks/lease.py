@@ -47,6 +47,18 @@ LAST_POLL_S = 0.05
 """A refused claim is tried again after 2 ms, then twice as long each time, up to 50 ms."""
 
 
+TURN_PATIENCE_S = 0.5
+"""How long a turn waits for a lease another worker holds before calling itself a duplicate.
+
+The holder may be a late duplicate of the *previous* turn's message, which only
+reads the run, finds it moved on, and lets go within milliseconds; a turn that
+gave up at once would leave the run to the sweeper. A redelivered message waits
+longer: RabbitMQ redelivers a dead consumer's message within a fraction of a
+second, before its liveness lapses, so the turn waits (at most one
+``liveness_s``) for the holder to be known dead; a holder that keeps beating is
+alive, and the delivery a duplicate."""
+
+
 @dataclass
 class Held:
     """What :func:`holding` got."""

@@ -104,7 +104,7 @@ def advance(
         ctx,
         run_id,
         owner,
-        patience_s=LEASE_PATIENCE_S,
+        patience_s=lease.TURN_PATIENCE_S,
         until_dead_s=ctx.settings.liveness_s if redelivered else 0.0,
         must=False,
         recovers=True,
@@ -149,18 +149,6 @@ def advance(
             return Advanced(TurnOutcome.FENCED, -1, 0)
         finally:
             claim.released = held is not None and held.released
-
-
-LEASE_PATIENCE_S = 0.5
-"""How long a turn waits for a lease another worker holds before calling itself a duplicate.
-
-The holder may be a late duplicate of the *previous* turn's message, which only
-reads the run, finds it moved on, and lets go within milliseconds; a turn that
-gave up at once would leave the run to the sweeper. A redelivered message waits
-longer: RabbitMQ redelivers a dead consumer's message within a fraction of a
-second, before its liveness lapses, so the turn waits (at most one
-``liveness_s``) for the holder to be known dead; a holder that keeps beating is
-alive, and the delivery a duplicate."""
 
 
 def take(held: HeldRun) -> TurnOutcome:
