@@ -606,6 +606,31 @@ def test_a_run_leaves_the_overdue_list_when_it_suspends_finishes_or_moves_on(
     assert run_store.overdue() == ["stays"]
 
 
+def test_a_run_that_moved_on_a_little_is_overdue_at_its_new_due_time_not_before(
+    run_store: RunStore, clock: FakeClock
+) -> None:
+    new_run(run_store, "run-1", due_at_ms=T0_MS + 1000)
+    new_run(run_store, "other", due_at_ms=T0_MS + 1000)
+    # Four quick transitions, each one due 100 ms later than the one before.
+    for seq in range(2, 6):
+        due = T0_MS + 1000 + 100 * (seq - 1)
+        run_store.append(
+            record("run-1", last_seq=seq, status=RunStatus.MODEL, due_at_ms=due),
+            [event(seq)],
+            owner=None,
+        )
+    clock.advance(1000)
+    assert run_store.overdue() == ["other"]
+    clock.advance(399)
+    assert run_store.overdue() == ["other"]
+    clock.advance(1)
+    assert sorted(run_store.overdue()) == ["other", "run-1"]
+    if isinstance(run_store, RedisRunStore):
+        # Redis kept its due index where the first due time put it (the later ones were
+        # within append.lua's DUE_SLACK of it): one ZADD, not one for every transition.
+        assert run_store._client.zscore(run_store._due, "run-1") == T0_MS + 1000
+
+
 # --- retention ----------------------------------------------------------------
 
 
