@@ -123,8 +123,11 @@ def test_the_size_limit_counts_the_whole_document_not_the_bytes_sent(
 
 
 def test_a_tampered_transcript_is_refused_on_load_not_returned(
-    store: RedisSnapshotStore | S3SnapshotStore,
+    store: RedisSnapshotStore | S3SnapshotStore, request: pytest.FixtureRequest
 ) -> None:
+    url = request.getfixturevalue(
+        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
+    )
     state = grown(make_state(seq=1), 1)
     store.save(state, expected_seq=None)
     if isinstance(store, RedisSnapshotStore):
@@ -134,10 +137,47 @@ def test_a_tampered_transcript_is_refused_on_load_not_returned(
         (key,) = list(store._keys(prefix))
         store._client.put_object(Bucket=store._bucket, Key=key, Body=b"3\nabc")
 
+    # (a process that remembers nothing of the run: this one may trust what it saved)
+    fresh = type(store).from_url(url)
     with pytest.raises(SnapshotMalformed) as refused:
-        store.load("run-1")
+        fresh.load("run-1")
+    fresh.close()
 
     assert "ratchet runs resume run-1" in str(refused.value)
+
+
+def test_a_store_that_loaded_the_run_before_reads_only_the_new_messages_and_agrees(
+    store: RedisSnapshotStore | S3SnapshotStore, request: pytest.FixtureRequest
+) -> None:
+    # Given two workers taking a run's turns in alternation
+    url = request.getfixturevalue(
+        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
+    )
+    other = type(store).from_url(url)
+    state = grown(make_state(seq=1), 1)
+    store.save(state, expected_seq=None)
+    for turn_no in range(2, 22):
+        saver = store if turn_no % 2 else other
+        loaded = saver.load("run-1")
+        assert loaded == state
+        state = grown(state, turn_no)
+        saver.save(state, expected_seq=loaded.seq)
+
+    # Then each one's load is the whole read's state and document
+    fresh = type(store).from_url(url)
+    assert store.load("run-1") == other.load("run-1") == fresh.load("run-1") == state
+    assert store.load_document("run-1") == snapshot_format.encode(state)
+    if isinstance(store, RedisSnapshotStore):
+        # On Redis a worker that loaded the run reads only the messages after its tip:
+        # the first message, spoiled now, is not read again (a fresh store refuses it).
+        store._client.lset(store._transcript_key("run-1"), 0, "spoiled")
+        state = grown(state, 22)
+        other.save(state, expected_seq=state.seq - 2)
+        assert store.load("run-1") == state
+        with pytest.raises(SnapshotMalformed):
+            type(store).from_url(url).load("run-1")
+    fresh.close()
+    other.close()
 
 
 @settings(max_examples=60, deadline=None)
