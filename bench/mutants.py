@@ -441,6 +441,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "  push(KEYS[9], events_end + 2, #ARGV)",
         ("tests/test_transition_snapshots.py",),
     ),
+    Mutant(
+        "X6",
+        "store/runs/lua/append.lua",
+        "  if old == nil or new < old or new > old + slack then",
+        "  if old == nil or new > old + slack then",
+        ("tests/contract/test_run_store_contract.py",),
+        k="redis and (overdue or due)",
+    ),
+    Mutant(
+        "X7",
+        "store/runs/redis.py",
+        'if due is not None and (due == b"" or int(due) > now_ms):',
+        "if False:",
+        ("tests/contract/test_run_store_contract.py",),
+        k="redis and (overdue or due)",
+    ),
     # --- store/snapshots/__init__.py: the compare-and-set save --------------------
     Mutant(
         "S1",

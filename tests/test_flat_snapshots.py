@@ -164,6 +164,39 @@ def test_a_tampered_transcript_is_refused_on_load_not_returned(
     reader.close()
 
 
+def test_a_store_that_loaded_the_run_before_reads_only_the_new_messages_and_agrees(
+    store: Appending, request: pytest.FixtureRequest
+) -> None:
+    # Given two workers taking a run's turns in alternation
+    other = another(store, request)
+    state = grown(make_state(seq=1), 1)
+    store.save(state, expected_seq=None)
+    for turn_no in range(2, 22):
+        saver = store if turn_no % 2 else other
+        loaded = saver.load("run-1")
+        assert loaded == state
+        state = grown(state, turn_no)
+        saver.save(state, expected_seq=loaded.seq)
+
+    # Then each one's load is the whole read's state and document
+    fresh = another(store, request)
+    assert store.load("run-1") == other.load("run-1") == fresh.load("run-1") == state
+    assert store.load_document("run-1") == snapshot_format.encode(state)
+    if isinstance(store, RedisSnapshotStore):
+        # On Redis a worker that loaded the run reads only the messages after its tip:
+        # the first message, spoiled now, is not read again (a fresh store refuses it).
+        store._client.lset(store._transcript_key("run-1"), 0, "spoiled")
+        state = grown(state, 22)
+        other.save(state, expected_seq=state.seq - 2)
+        assert store.load("run-1") == state
+        unknowing = another(store, request)
+        with pytest.raises(SnapshotMalformed):
+            unknowing.load("run-1")
+        unknowing.close()
+    fresh.close()
+    other.close()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     contents=st.lists(st.text(max_size=40), max_size=6),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from typing import Any
 
 from celery import bootsteps, signals
@@ -42,6 +43,17 @@ from tasks.messages import VERSION, decode, send
 from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
+
+EVENTS_FLUSH_S = 0.05
+"""How long the worker holds its task events before publishing them in one message.
+
+Celery buffers task events (received, started, succeeded…) and publishes the buffer
+on the next turn of the event loop: about three ``PUBLISH`` round trips for every
+task (measured: 3.1 a turn, the largest share of the broker's commands). Waiting this
+long gathers the events of several tasks into one ``task.multi`` message, which
+Flower and ``celery events`` read like single events; they see a task at most this
+much later. A full buffer (Celery's ``buffer_limit``) is still published at once,
+and a stopping worker publishes what it holds first."""
 
 PREFETCH = 16
 """Messages fetched ahead: handing one on takes a publish, so a small batch suffices."""
@@ -182,8 +194,41 @@ def _body_problem(body: Any) -> str | None:
 class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's worker consumer; what it refuses goes to the dead-letter store, in one line."""
 
+    _events_flush_due: float | None = None
+    """When the pending delayed flush of task events runs (monotonic); None: none pending."""
+
     def rejected_store(self) -> RejectedStore:
         return store_for_app(self.app)
+
+    def on_send_event_buffered(self) -> None:
+        # Celery's: flush on the loop's next turn (one PUBLISH per task event, nearly).
+        # Here: one flush EVENTS_FLUSH_S after the first event buffered since the last.
+        if not self.hub:
+            return
+        now = time.monotonic()
+        due = self._events_flush_due
+        # A timer lost with the hub (a consumer restart) is never waited for long.
+        if due is not None and now < due + EVENTS_FLUSH_S:
+            return
+        self._events_flush_due = now + EVENTS_FLUSH_S
+        self.hub.call_later(EVENTS_FLUSH_S, self._flush_events_later)
+
+    def _flush_events_later(self) -> None:
+        self._events_flush_due = None
+        self._flush_events()
+
+    def _flush_events_now(self) -> None:
+        self._events_flush_due = None
+        if self.event_dispatcher:
+            ignore_errors(self, self.event_dispatcher.flush)  # type: ignore[no-untyped-call]
+
+    def stop(self) -> None:
+        self._flush_events_now()  # before the worker-offline event, not lost with the buffer
+        super().stop()
+
+    def shutdown(self) -> None:
+        self._flush_events_now()
+        super().shutdown()
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().create_task_handler(*args, **kwargs)

@@ -497,7 +497,29 @@ class RatchetConnection(Connection):
         super().__init__(hostname, *args, **kwargs)
 
 
+_SENT_EVENT_AT = 14
+"""Where ``create_sent_event`` is among ``as_task_v2``'s arguments after ``task_id, name``
+(Celery 5's ``send_task`` passes it by position)."""
+
+
 class RatchetAMQP(AMQP):
-    """Celery's ``app.amqp`` (its ``Celery(amqp=…)`` seam), making RatchetConnections."""
+    """Celery's ``app.amqp`` (its ``Celery(amqp=…)`` seam), making RatchetConnections.
+
+    And it does not send ``task-sent`` for a ratchet task that a running task sends
+    (the next turn a turn chains, a sweep's resume): the worker that receives it
+    sends ``task-received``, ``task-started`` and ``task-succeeded``, which is
+    what Flower and ``celery events`` list a task by, so the event only cost a
+    ``PUBLISH`` and its encoding in the pool process on every turn. What a client
+    sends (the CLI, the API, beat) still has its ``task-sent``, and so does any
+    task that is not ratchet's (an application's notification task).
+    """
 
     Connection = RatchetConnection
+
+    def as_task_v2(self, task_id: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("ratchet.") and self.app.current_worker_task is not None:
+            if len(args) > _SENT_EVENT_AT:
+                args = (*args[:_SENT_EVENT_AT], False, *args[_SENT_EVENT_AT + 1 :])
+            else:
+                kwargs["create_sent_event"] = False
+        return super().as_task_v2(task_id, name, *args, **kwargs)

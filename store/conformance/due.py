@@ -115,6 +115,32 @@ class DueRunsAndRetention:
 
         assert run_store.overdue() == ["stays"]
 
+    def test_a_run_that_moved_on_a_little_is_overdue_at_its_new_due_time_not_before(
+        self, run_store: RunStore, clock: FakeClock
+    ) -> None:
+        new_run(run_store, "run-1", due_at_ms=T0_MS + 1000)
+        new_run(run_store, "other", due_at_ms=T0_MS + 5000)
+        # A due time that moves earlier counts at once.
+        run_store.append(
+            record("other", last_seq=2, status=RunStatus.MODEL, due_at_ms=T0_MS + 900),
+            [event(2)],
+            owner=None,
+        )
+        # Four quick transitions, each one due 100 ms later than the one before.
+        for seq in range(2, 6):
+            due = T0_MS + 1000 + 100 * (seq - 1)
+            run_store.append(
+                record("run-1", last_seq=seq, status=RunStatus.MODEL, due_at_ms=due),
+                [event(seq)],
+                owner=None,
+            )
+        clock.advance(1000)
+        assert run_store.overdue() == ["other"]
+        clock.advance(399)
+        assert run_store.overdue() == ["other"]
+        clock.advance(1)
+        assert sorted(run_store.overdue()) == ["other", "run-1"]
+
     def test_purge_deletes_only_finished_runs_older_than_the_cutoff_and_counts_them(
         self, run_store: RunStore, clock: FakeClock
     ) -> None:

@@ -3,7 +3,8 @@
 Key layout (``prefix`` defaults to ``ratchet``; ``{<id>}`` is the run's hash tag,
 so every key of one run lives in one Cluster slot, next to its snapshot)::
 
-    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status, due
+    {prefix}:run:{<id>}:record        hash  record -> RunRecord JSON, last_seq, status,
+                                            due (as indexed), next (exact), fin (finished at)
     {prefix}:run:{<id>}:events        list  Event JSON at index seq - 1 (zlib-packed when that
                                             makes it shorter: see store.packing)
     {prefix}:run:{<id>}:lease         hash  owner, expires_at_ms (PX TTL: lease + grace)
@@ -17,8 +18,12 @@ so every key of one run lives in one Cluster slot, next to its snapshot)::
 Every write is one Lua script (``lua/*.lua``, read once at import), so the fences
 (last seq, lease owner and expiry) are checked and the events, record and indexes
 written atomically. An append writes an index only when what it indexes changed: the
-status sets and the finished set when the status does, the due set when the due time
-does (the record keeps the status and due time it indexed). With a
+status sets when the status does, the finished set when the run finishes or leaves a
+finished status, the due set when the due time moves earlier, to none, or later by more
+than a second (``DUE_SLACK`` in append.lua, at most half the time left): a run taking
+quick turns is re-indexed about once a second, not at every append. The index may so
+hold a due time a little early, never late; the sweeper skips a run whose exact due
+time (the record's ``next``) has not come. With a
 :class:`~store.snapshots.redis.RedisSnapshotStore` on the same server, database and
 prefix, the same script also saves the snapshot and may release the lease: one round
 trip per transition (:meth:`RunStore.commit`).
@@ -436,9 +441,14 @@ class RedisRunStore(RunStore):
                 pipe = self._client.pipeline(transaction=False)
                 for member in batch:
                     pipe.hget(self._run_key(member.decode(), "lease"), "expires_at_ms")
-                expiries = cast("list[bytes | None]", pipe.execute()) if batch else []
-                for member, expires in zip(batch, expiries, strict=True):
+                    # The exact due time: the index may hold one up to DUE_SLACK early
+                    # (append.lua); a record written before 'next' existed has none.
+                    pipe.hget(self._run_key(member.decode(), "record"), "next")
+                found = cast("list[bytes | None]", pipe.execute()) if batch else []
+                for member, expires, due in zip(batch, found[::2], found[1::2], strict=True):
                     run_id = member.decode()
+                    if due is not None and (due == b"" or int(due) > now_ms):
+                        continue  # it moved on since the index was written: not overdue yet
                     # Paging by offset while sweepers and workers move runs may show
                     # one twice; a sweep enqueues each run once.
                     if run_id not in seen and (expires is None or int(expires) <= now_ms):

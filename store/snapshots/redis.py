@@ -310,6 +310,26 @@ class RedisSnapshotStore(SnapshotStore):
             )
         return snapshot_format.assemble(unpack(head, self.max_bytes), fragments), tip
 
+    def _read_after(
+        self, run_id: str, base: TranscriptTip
+    ) -> tuple[bytes, list[bytes], TranscriptTip] | None:
+        # The head and only the fragments past ``base``: a turn on the other process of a
+        # pool reads and unpacks two new messages, not the whole transcript. The base
+        # class checks that they chain onto ``base`` (else it reads the whole).
+        with translated(self._where):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hmget(self._key(run_id), ["doc", "head", "n", "size", "chain"])
+            pipe.lrange(self._transcript_key(run_id), base.length, -1)
+            fields, stored = cast("tuple[list[bytes | None], list[bytes]]", tuple(pipe.execute()))
+        doc, head, n, size, chain = fields
+        if doc is not None or head is None or n is None or size is None or chain is None:
+            return None
+        tip = TranscriptTip(int(n), int(size), chain.decode())
+        if tip.length < base.length:
+            return None
+        fragments = [unpack(f, self.max_bytes) for f in stored]
+        return unpack(head, self.max_bytes), fragments, tip
+
     def _get(self, run_id: str) -> bytes | None:
         found = self._read(run_id)
         return found[0] if found is not None else None

@@ -46,6 +46,28 @@ def redis_run_store(redis_url: str, clock: FakeClock) -> Any:
     store.close()
 
 
+def test_redis_keeps_a_runs_due_index_entry_while_its_due_time_moves_within_the_slack(
+    redis_run_store: tuple[RedisRunStore, redis.Redis], clock: FakeClock
+) -> None:
+    store, client = redis_run_store
+    new_run(store, "run-1", due_at_ms=T0_MS + 1000)
+    for seq in range(2, 6):  # four quick transitions, each one due 100 ms later
+        due = T0_MS + 1000 + 100 * (seq - 1)
+        store.append(
+            record("run-1", last_seq=seq, status=RunStatus.MODEL, due_at_ms=due),
+            [event(seq)],
+            owner=None,
+        )
+    # Kept where the first due time put it (the later ones were within append.lua's
+    # DUE_SLACK of it): one ZADD, not one for every transition; overdue() still answers
+    # by the record's exact due time (the contract's test of it).
+    assert client.zscore(store._due, "run-1") == T0_MS + 1000
+    clock.advance(1399)
+    assert store.overdue() == []
+    clock.advance(1)
+    assert store.overdue() == ["run-1"]
+
+
 def test_every_key_of_a_run_shares_one_cluster_slot_with_its_snapshot(
     redis_run_store: tuple[RedisRunStore, redis.Redis],
 ) -> None:

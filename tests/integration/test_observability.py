@@ -4,6 +4,7 @@ a real event receiver on the real broker, the worker's own log file."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -109,6 +110,11 @@ def succeeded(task_id: str) -> Callable[[dict[str, Any]], bool]:
     return lambda e: e.get("type") == "task-succeeded" and e.get("uuid") == task_id
 
 
+def started(task_id: str) -> Callable[[dict[str, Any]], bool]:
+    """An event matcher: the task ``task_id`` started."""
+    return lambda e: e.get("type") == "task-started" and e.get("uuid") == task_id
+
+
 def log_lines(worker: WorkerProcess, needle: str) -> list[str]:
     return [line for line in worker.log().splitlines() if needle in line]
 
@@ -120,7 +126,7 @@ def test_a_worker_sends_task_events_by_default_with_readable_arguments_and_logs_
         worker = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="0.5")
         online(events)
         run_id = create_run(ctx, write_agent(tmp_path, LOOKUP, name="desk"), "refund").run_id
-        send(redis_url, "ratchet.turn", (run_id, 1))
+        first = send(redis_url, "ratchet.turn", (run_id, 1))
         assert wait_run(ctx, run_id) == RunStatus.COMPLETED, worker.log()
         # Flower's view: every turn received and succeeded, named, with run, agent and seq.
         received = events.wait_for(
@@ -135,16 +141,9 @@ def test_a_worker_sends_task_events_by_default_with_readable_arguments_and_logs_
         events.wait_for(
             lambda e: e.get("type") == "task-succeeded" and e.get("uuid") == received["uuid"]
         )
-        # A chained turn is published by the worker: its task-sent event is there too.
-        chained = events.wait_for(
-            lambda e: (
-                e.get("type") == "task-received"
-                and e.get("name") == "ratchet.turn"
-                and f"run_id='{run_id}'" in str(e.get("args"))
-                and "seq=1" not in str(e.get("args"))
-            )
-        )
-        events.wait_for(lambda e: e.get("type") == "task-sent" and e.get("uuid") == chained["uuid"])
+        # The turn the client sent has its task-sent event too (a turn that a turn
+        # chains does not: see the next test).
+        events.wait_for(lambda e: e.get("type") == "task-sent" and e.get("uuid") == first)
         # Celery's own task lines name the run.
         assert any(f"(run {run_id})" in line for line in log_lines(worker, "ratchet.turn["))
 
@@ -165,6 +164,47 @@ def test_a_worker_sends_task_events_by_default_with_readable_arguments_and_logs_
         assert len(sweep_lines) == 1 and found in sweep_lines[0], sweep_lines
         assert "INFO" in sweep_lines[0] and sweep_lines[0].endswith(": 1")
         assert log_lines(worker, "sweep: 1 overdue run(s)")
+
+
+def test_task_events_held_for_one_publish_all_arrive_even_from_a_stopping_worker(
+    worker_processes: WorkerProcesses, redis_url: str, ctx: Context, tmp_path: Path
+) -> None:
+    # The worker gathers task events into one message per EVENTS_FLUSH_S (worker.consumer):
+    # every turn's received and succeeded still reach a receiver, and a worker stopped
+    # (SIGTERM) straight after the run ends publishes what it still holds.
+    script = [turn(f"look {i}", call("lookup_order", order_id="B2")) for i in range(5)]
+    with Events(redis_url) as events:
+        worker = worker_processes.start("--concurrency", "2", RATCHET_LEASE_S="0.5")
+        online(events)
+        run_id = create_run(ctx, write_agent(tmp_path, [*script, turn("Done.")]), "x").run_id
+        send(redis_url, "ratchet.turn", (run_id, 1))
+        assert wait_run(ctx, run_id) == RunStatus.COMPLETED, worker.log()
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.log()
+        events.wait_for(lambda e: e.get("type") == "worker-offline")
+
+        with events.lock:
+            received = {
+                str(e["uuid"])
+                for e in events.seen
+                if e.get("type") == "task-received"
+                and e.get("name") == "ratchet.turn"
+                and f"run_id='{run_id}'" in str(e.get("args"))
+            }
+        # One task for each of the 6 model turns (the last one completes the run).
+        assert len(received) == 6, sorted(received)
+        for task_id in received:
+            events.wait_for(succeeded(task_id), timeout_s=10)
+            events.wait_for(started(task_id), timeout_s=10)
+        # A turn a turn chains has no task-sent (worker.transport.RatchetAMQP): the pool
+        # process would have published it before its task's task-succeeded, all seen now.
+        # The first turn, sent by a client, has one.
+        first = events.wait_for(
+            lambda e: e.get("type") == "task-sent" and e.get("uuid") in received
+        )
+        with events.lock:
+            sent = {str(e["uuid"]) for e in events.seen if e.get("type") == "task-sent"}
+        assert sent & received == {first["uuid"]}, (sent & received, first)
 
 
 def test_task_events_can_be_turned_off_with_a_setting() -> None:

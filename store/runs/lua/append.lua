@@ -16,10 +16,14 @@
 -- {'snapshot', found snapshot seq or ''} or {'moved'} (the snapshot's seq matches but its
 -- transcript is not the base this save was planned on).
 --
--- The indexes change only with what they index: the status sets and the finished set when
--- the status changes, the due set when the due time does. The old status's set is named
--- from ARGV[11]: it is only known once the record is read (single node; see redis.py).
-local rec = redis.call('HMGET', KEYS[1], 'last_seq', 'status', 'due')
+-- The indexes change only with what they index: the status sets when the status changes,
+-- the finished set when the run finishes or leaves a finished status ('fin', written
+-- since; a record without it may be in the set), the due set when the due time moves
+-- earlier, to none, or later by more than DUE_SLACK. The record keeps the exact due time
+-- in 'next' and the index's in 'due': the index may say a run is due up to DUE_SLACK
+-- early, never late, and the sweeper checks 'next' (redis.py). The old status's set is
+-- named from ARGV[11]: it is only known once the record is read (single node; see redis.py).
+local rec = redis.call('HMGET', KEYS[1], 'last_seq', 'status', 'due', 'fin')
 if rec[1] ~= ARGV[7] then
   return {'stale', rec[1] or ''}
 end
@@ -29,6 +33,7 @@ if ARGV[8] == '1' then
     return {'lease'}
   end
 end
+local DUE_SLACK = 1000
 local mode = ARGV[14]
 local stored_seq = ''
 if mode ~= '' then
@@ -56,8 +61,25 @@ end
 -- (a list costs a few bytes an entry; a sorted set costs about a hundred).
 local events_end = 22 + tonumber(ARGV[22])
 push(KEYS[2], 23, events_end)
+-- The due index: kept while it is at most DUE_SLACK ms early (and at most half the time
+-- left until the new due time: a run due in a minute is not looked at a half-minute early).
+local indexed = rec[3] or ''
+local due = ARGV[6]
+if due == '' then
+  if indexed ~= '' then
+    redis.call('ZREM', KEYS[5], ARGV[1])
+  end
+  indexed = ''
+else
+  local new, old = tonumber(due), tonumber(indexed)
+  local slack = math.min(DUE_SLACK, (new - tonumber(ARGV[10])) / 2)
+  if old == nil or new < old or new > old + slack then
+    redis.call('ZADD', KEYS[5], due, ARGV[1])
+    indexed = due
+  end
+end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4],
-  'due', ARGV[6])
+  'due', indexed, 'next', due, 'fin', ARGV[12])
 if rec[2] ~= ARGV[4] then
   if rec[2] then
     redis.call('ZREM', ARGV[11] .. rec[2], ARGV[1])
@@ -66,15 +88,8 @@ if rec[2] ~= ARGV[4] then
 end
 if ARGV[12] ~= '' then
   redis.call('ZADD', KEYS[6], ARGV[12], ARGV[1])
-elseif rec[2] ~= ARGV[4] then
+elseif rec[2] ~= ARGV[4] and rec[4] ~= '' then
   redis.call('ZREM', KEYS[6], ARGV[1])
-end
-if rec[3] ~= ARGV[6] then
-  if ARGV[6] == '' then
-    redis.call('ZREM', KEYS[5], ARGV[1])
-  else
-    redis.call('ZADD', KEYS[5], ARGV[6], ARGV[1])
-  end
 end
 
 if mode ~= '' then

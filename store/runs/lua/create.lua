@@ -10,7 +10,7 @@ end
 -- An event log without a record is debris of a removed run; the id starts afresh.
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4],
-  'due', ARGV[6])
+  'due', ARGV[6], 'next', ARGV[6], 'fin', ARGV[9])
 redis.call('RPUSH', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
