@@ -223,6 +223,17 @@ class LivenessContract:
         clock.advance(LEASE_MS)
         assert sorted(run_store.overdue()) == ["run-1", "run-2"]
 
+    def test_a_due_time_moved_earlier_makes_the_run_overdue_from_then(
+        self, run_store: RunStore, clock: FakeClock
+    ) -> None:
+        new_run(run_store, "run-1", due_at_ms=T0_MS + 10_000)
+        clock.advance(100)
+        assert run_store.overdue() == []
+
+        assert run_store.postpone("run-1", 1, clock() - 1) is True
+
+        assert run_store.overdue() == ["run-1"]
+
     def test_postponing_a_run_that_moved_on_or_is_not_due_changes_nothing(
         self, run_store: RunStore, clock: FakeClock
     ) -> None:
