@@ -190,7 +190,7 @@ def test_every_enqueue_function_refuses_a_bad_message_before_sending_it() -> Non
     with pytest.raises(MessageRefused, match="ratchet.turn message refused: argument `run_id`: "):
         enqueue_turn(run_id="../etc", expected_seq=1, app=object())
     with pytest.raises(MessageRefused, match="argument `seq` must be int, not str"):
-        enqueue_wake(run_id="r1", seq="3", app=object())  # type: ignore[arg-type]
+        enqueue_wake(run_id="r1", seq="3", app=object())
 
 
 def test_the_signature_a_refusal_quotes_is_the_message_s_own() -> None:
