@@ -26,7 +26,6 @@ from store.runs import (
     Orphan,
     RunRecord,
     RunStore,
-    owner_process,
 )
 
 SCHEMA = """
@@ -290,39 +289,26 @@ class SqliteRunStore(RunStore):
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:
         with self._tx() as conn:
-            held = conn.execute(
+            row = conn.execute(
                 "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
             ).fetchone()
-            took_from = None
-            if held is not None and held[0] != owner and held[1] > now_ms:
-                holder = owner_process(held[0])
-                alive = (
-                    conn.execute(
-                        "SELECT expires_at_ms FROM processes WHERE process = ?", (holder,)
-                    ).fetchone()
-                    if holder is not None
-                    else None
+            held = Lease(owner=row[0], expires_at_ms=row[1]) if row else None
+            claim = Claim.decide(held, owner, now_ms, lambda holder: _alive_until(conn, holder))
+            if claim.taken:
+                conn.execute(
+                    "REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms)
                 )
-                if alive is None or alive[0] > now_ms:
-                    return Claim(False, held[0], alive[0] if alive else None)
-                took_from = held[0]
-            conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
-            return Claim(True, took_from=took_from)
+            return claim
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
         with self._tx() as conn:
-            before = conn.execute(
-                "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
-            ).fetchone()
+            before = _alive_until(conn, process)
             conn.execute("REPLACE INTO processes VALUES (?, ?)", (process, expires_at_ms))
-        return before is not None and before[0] > now_ms
+        return before is not None and before > now_ms
 
     def _liveness(self, process: str) -> int | None:
         with self._read() as conn:
-            row = conn.execute(
-                "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
-            ).fetchone()
-        return int(row[0]) if row else None
+            return _alive_until(conn, process)
 
     def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
         with self._tx() as conn:
@@ -361,3 +347,11 @@ class SqliteRunStore(RunStore):
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def _alive_until(conn: sqlite3.Connection, process: str) -> int | None:
+    """When ``process``'s liveness record expires (ms), or None if it keeps none."""
+    row = conn.execute(
+        "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
+    ).fetchone()
+    return int(row[0]) if row else None
