@@ -74,6 +74,13 @@ class Message(BaseModel):
         return ROUTES[cls.task]
 
 
+class RunMessage(Message):
+    """A message about one run, named first."""
+
+    run_id: RunId
+    """The run."""
+
+
 class Start(Message):
     """Create a run (once per key) and take its first turn."""
 
@@ -93,37 +100,31 @@ class Start(Message):
     """Puts the run under the agent's ``max_runs_per_key`` (a tenant, a user)."""
 
 
-class Turn(Message):
+class Turn(RunMessage):
     """Take the run's next turn, if it is still where the sender saw it."""
 
     task = "ratchet.turn"
     v0_order = ("run_id", "expected_seq")
-    run_id: RunId
-    """The run."""
     expected_seq: int | None
     """The seq the run must be at; at another, the message is late or a duplicate (None: any)."""
 
 
-class Resume(Message):
+class Resume(RunMessage):
     """Resume a stopped run from its checkpoint, if it is resume-eligible."""
 
     task = "ratchet.resume"
     v0_order = ("run_id", "by", "seen_seq")
-    run_id: RunId
-    """The run."""
     by: str = OPERATOR
     """Who resumes it: ``operator`` or ``sweeper`` (whose resumes count towards dead-lettering)."""
     seen_seq: int | None = None
     """The seq the sweeper saw; a run that moved since was not orphaned after all."""
 
 
-class Continue(Message):
+class Continue(RunMessage):
     """One answer to a suspended run."""
 
     task = "ratchet.continue"
     v0_order = ("run_id", "input", "approve", "deny", "continuation_id", "suspension_seq")
-    run_id: RunId
-    """The run."""
     input: str | None = None
     """The answer to a question or a blocker."""
     approve: bool | None = None
@@ -136,24 +137,20 @@ class Continue(Message):
     """The seq of the suspension it answers (``ratchet runs show``)."""
 
 
-class Cancel(Message):
+class Cancel(RunMessage):
     """Stop the run at its next boundary, for good."""
 
     task = "ratchet.cancel"
     v0_order = ("run_id", "reason")
-    run_id: RunId
-    """The run."""
     reason: str | None = None
     """Why, recorded with the cancellation."""
 
 
-class Reconcile(Message):
+class Reconcile(RunMessage):
     """An operator's outcome for the open call of a run parked as needs_reconciliation."""
 
     task = "ratchet.reconcile"
     v0_order = ("run_id", "call_id", "decision", "result", "reason")
-    run_id: RunId
-    """The run."""
     call_id: str
     """The parked run's open call."""
     decision: str
@@ -171,13 +168,11 @@ class Sweep(Message):
     v0_order = ()
 
 
-class Wake(Message):
+class Wake(RunMessage):
     """End a run's ``wait``, once its time has come."""
 
     task = "ratchet.wake"
     v0_order = ("run_id", "seq")
-    run_id: RunId
-    """The run."""
     seq: int
     """The seq the run waits at; another means it has moved on."""
 
