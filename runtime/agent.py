@@ -69,7 +69,7 @@ class AgentSpec(BaseModel):
     model_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     """Longest wait for one model call (with its retries); then the attempt is abandoned."""
     tool_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
-    """Longest wait for one tool call; then its outcome is unknown (see tasks/turn.py)."""
+    """Longest wait for one tool call; then its outcome is unknown (runtime/actions.py)."""
     max_parallel_tools: int = Field(default=4, ge=1, le=64)
     """Tool calls of one model response run at the same time, at most (tasks/tools_parallel.py)."""
     probe_timeout_s: float = Field(default=30.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)

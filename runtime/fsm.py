@@ -5,9 +5,10 @@ Two functions are the whole machine:
 - :func:`apply` folds one event into a :class:`RunState`. The state is exactly
   the fold of the run's events, so the snapshot is a cache the event log can
   always rebuild (tests/test_recovery_rebuild.py holds it).
-- :func:`decide` looks at a state and says what happens next: call the model,
-  run a tool, suspend, complete, fail on a budget, or nothing. Budgets and the
-  deadline are checked here, before every model call and every tool call.
+- :func:`decide` looks at a state and says what happens next
+  (runtime/actions.py): call the model, run a tool, suspend, complete, fail on
+  a budget, stall on a changed agent, or nothing. Budgets and the deadline are
+  checked here, before every model call and every tool call.
 
 ``tasks/turn.py`` does the I/O around them: it records the events a step
 produces, checkpoints, and chains the next turn.
@@ -16,9 +17,22 @@ produces, checkpoints, and chains the next turn.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from runtime.actions import (
+    Action,
+    CallModel,
+    CheckBinding,
+    Fail,
+    Idle,
+    Park,
+    RefuseCall,
+    RunTool,
+    Stall,
+    StartChild,
+    Suspend,
+    Unresolved,
+)
 from runtime.agent import Agent
 from runtime.budget import fold_raise
 from runtime.children import (
@@ -337,6 +351,19 @@ def _ended(status: RunStatus, key: str) -> Fold:
     return fold
 
 
+ENDINGS: dict[str, RunStatus] = {
+    "run.completed": RunStatus.COMPLETED,
+    "run.failed": RunStatus.FAILED,
+    "run.cancelled": RunStatus.CANCELLED,
+    # A suspended run that waited longer than its agent's max_suspended_s.
+    "run.expired": RunStatus.FAILED,
+    "run.parked": RunStatus.NEEDS_RECONCILIATION,
+    "run.stalled": RunStatus.STALLED,
+    "run.dead_lettered": RunStatus.DEAD_LETTERED,
+}
+"""Events that end a run's course, with the status each leaves it in: the fold sets it, and
+the ``reason`` as the run's error (the ``output`` of ``run.completed``)."""
+
 FOLDS: dict[str, Fold] = {
     "model.requested": _model_requested,
     "model.retrying": _model_retrying,
@@ -351,14 +378,10 @@ FOLDS: dict[str, Fold] = {
     "run.woken": _woken,
     "run.parent_told": lambda state, event: state.model_copy(update={"parent_told": True}),
     "run.resumed": _resumed,
-    "run.completed": _ended(RunStatus.COMPLETED, "output"),
-    "run.failed": _ended(RunStatus.FAILED, "reason"),
-    "run.cancelled": _ended(RunStatus.CANCELLED, "reason"),
-    # A suspended run that waited longer than its agent's max_suspended_s.
-    "run.expired": _ended(RunStatus.FAILED, "reason"),
-    "run.parked": _ended(RunStatus.NEEDS_RECONCILIATION, "reason"),
-    "run.stalled": _ended(RunStatus.STALLED, "reason"),
-    "run.dead_lettered": _ended(RunStatus.DEAD_LETTERED, "reason"),
+    **{
+        kind: _ended(status, "output" if status == RunStatus.COMPLETED else "reason")
+        for kind, status in ENDINGS.items()
+    },
     "run.budget_raised": lambda state, event: fold_raise(state, event.data, _live_status(state)),
     "run.throttled": _throttled,
 }
@@ -411,72 +434,6 @@ def rebuild(events: list[Event]) -> RunState | None:
 # --- decisions --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CallModel:
-    request: ModelRequest
-
-
-@dataclass(frozen=True)
-class RunTool:
-    """Run ``call``, and ``also`` at the same time: later calls of the same model response."""
-
-    call: ToolCall
-    also: tuple[ToolCall, ...] = ()
-
-    @property
-    def calls(self) -> tuple[ToolCall, ...]:
-        return (self.call, *self.also)
-
-
-@dataclass(frozen=True)
-class Unresolved:
-    """Calls journaled as requested with no outcome (a crash or a timeout cut them short),
-    each with its rule (runtime/probes.py): probe them, park on the first that stays unknown,
-    run again the ones that may run again."""
-
-    calls: tuple[tuple[ToolCall, Rule], ...]
-
-
-@dataclass(frozen=True)
-class Suspend:
-    reason: RunStatus
-    call: ToolCall
-    prompt: str
-
-
-@dataclass(frozen=True)
-class StartChild:
-    """Start (or find) the child run of a `run_child` call, then wait for it."""
-
-    call: ToolCall
-    child_id: str
-
-
-@dataclass(frozen=True)
-class RefuseCall:
-    """A call the runtime answers with an error without running anything (bad `wait`)."""
-
-    call: ToolCall
-    error: str
-
-
-@dataclass(frozen=True)
-class Fail:
-    reason: str
-    budget: str | None = None
-    """The budget that ran out, when one did: an operator may raise it (`runs budget`)."""
-
-
-@dataclass(frozen=True)
-class Idle:
-    """Nothing for a worker to do: the run is suspended, parked or finished."""
-
-    why: str
-
-
-Action = CallModel | RunTool | Unresolved | StartChild | RefuseCall | Suspend | Fail | Idle
-
-
 def _check_deadline(state: RunState, now_ms: int) -> None:
     if now_ms > state.deadline_ms:
         running_s = (now_ms - state.created_at_ms - state.suspended_ms) / 1000
@@ -511,35 +468,14 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
     """What the run does next. Pure: the caller performs and records it."""
     if not state.status.is_live:
         return Idle(f"run is {state.status.value}")
+    if agent.binding != state.binding:
+        return CheckBinding()
     try:
         if state.running:
             _check_deadline(state, now_ms)
             return _unresolved(state, agent)
         if state.pending:
-            call = state.pending[0]
-            spec = agent.tools.get(call.name)
-            if spec is not None and spec.control and call.name == RUN_CHILD:
-                problem = child_problem(call.arguments, agent.spec.children)
-                if problem is not None:
-                    return RefuseCall(call, problem)
-                return StartChild(call, child_run_id(state.run_id, call.id))
-            if spec is not None and spec.control and call.name == WAIT:
-                problem = wait_problem(call.arguments, now_ms)
-                if problem is not None:
-                    return RefuseCall(call, problem)
-                return Suspend(RunStatus.WAITING, call, timer_prompt(call.arguments, now_ms))
-            if spec is not None and spec.control:
-                reason = (
-                    RunStatus.NEEDS_USER_INPUT
-                    if call.name == REQUEST_USER_INPUT
-                    else RunStatus.BLOCKED
-                )
-                key = "prompt" if call.name == REQUEST_USER_INPUT else "reason"
-                return Suspend(reason, call, str(call.arguments.get(key, "")))
-            if call.name in agent.spec.policy.require_approval and call.id not in state.approved:
-                return Suspend(RunStatus.AWAITING_APPROVAL, call, f"approve `{call.name}`?")
-            check_tool_budgets(state, now_ms)
-            return RunTool(call, _alongside(state, agent))
+            return _next_call(state, agent, now_ms)
         check_model_budgets(state, now_ms)
     except BudgetUnenforceable as exc:
         return Fail(str(exc))
@@ -548,9 +484,35 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
     request = ModelRequest(
         messages=in_request_order(state.transcript),
         tools=agent.declarations(),
-        turn=state.usage.model_turns,
+        model_call=state.usage.model_turns,
     )
     return CallModel(request)
+
+
+def _next_call(state: RunState, agent: Agent, now_ms: int) -> Action:
+    """The first pending call's action; raises BudgetExhausted when it cannot be afforded."""
+    call = state.pending[0]
+    spec = agent.tools.get(call.name)
+    if spec is not None and spec.control and call.name == RUN_CHILD:
+        problem = child_problem(call.arguments, agent.spec.children)
+        if problem is not None:
+            return RefuseCall(call, problem)
+        return StartChild(call, child_run_id(state.run_id, call.id))
+    if spec is not None and spec.control and call.name == WAIT:
+        problem = wait_problem(call.arguments, now_ms)
+        if problem is not None:
+            return RefuseCall(call, problem)
+        return Suspend(RunStatus.WAITING, call, timer_prompt(call.arguments, now_ms))
+    if spec is not None and spec.control:
+        reason = (
+            RunStatus.NEEDS_USER_INPUT if call.name == REQUEST_USER_INPUT else RunStatus.BLOCKED
+        )
+        key = "prompt" if call.name == REQUEST_USER_INPUT else "reason"
+        return Suspend(reason, call, str(call.arguments.get(key, "")))
+    if call.name in agent.spec.policy.require_approval and call.id not in state.approved:
+        return Suspend(RunStatus.AWAITING_APPROVAL, call, f"approve `{call.name}`?")
+    check_tool_budgets(state, now_ms)
+    return RunTool(call, _alongside(state, agent))
 
 
 def _runs_alongside(call: ToolCall, state: RunState, agent: Agent) -> bool:
@@ -658,10 +620,13 @@ __all__ = [
     "Action",
     "BLOCKED",
     "CallModel",
+    "CheckBinding",
     "Fail",
     "Idle",
+    "Park",
     "RefuseCall",
     "StartChild",
+    "Stall",
     "Unresolved",
     "RunTool",
     "Suspend",

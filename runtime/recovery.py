@@ -201,6 +201,28 @@ def dead_letter_data(run_id: str, history: Sequence[Event], limit: int) -> dict[
     }
 
 
+@dataclass(frozen=True)
+class DeadLetter:
+    """The sweeper gives up on a run: left live, every sweep would find it again."""
+
+    data: dict[str, Any]
+    """The ``run.dead_lettered`` event's data."""
+
+
+def dead_letter(
+    run_id: str, by: str, verdict: Verdict, history: Sequence[Event], max_attempts: int
+) -> DeadLetter | None:
+    """Whether a resume dead-letters the run instead of resuming it: a sweeper's resume of a
+    run it can never resume, or that was recovered ``max_attempts`` times in a row without
+    progress (``history``, :func:`consecutive_recoveries`). An operator's resume never does."""
+    if by != SWEEPER or (verdict.eligible and len(history) < max_attempts):
+        return None
+    data = dead_letter_data(run_id, history, max_attempts)
+    if not verdict.eligible:
+        data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
+    return DeadLetter(data)
+
+
 def sweep_due_ms(state: RunState, now_ms: int, lease_ms: int, lead_ms: int) -> int | None:
     """When the sweeper next looks at the run (its place in the due index); None: never.
 

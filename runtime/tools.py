@@ -330,7 +330,18 @@ def load_tool(reference: str) -> ToolSpec:
     if not allowed and _refused_package(defined_in):
         # A module of one's own may re-export `os.path.join`: where it is defined counts.
         raise ToolError(reference, _refused_message(defined_in))
-    return spec_from_function(fn, reference)
+    key = (fn, reference)
+    spec = _specs.get(key)
+    if spec is None:
+        spec = _specs[key] = spec_from_function(fn, reference)
+    return spec
+
+
+_specs: dict[tuple[Callable[..., Any], str], ToolSpec] = {}
+"""The spec of each tool function this process loaded (its arguments model and JSON schema
+cost a few ms to build, measured, and an agent file is loaded again whenever it changes).
+A function object does not change its signature or marks; a module imported afresh makes
+new function objects."""
 
 
 def allowlisted_references() -> frozenset[str]:

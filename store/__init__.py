@@ -7,7 +7,7 @@ scheme                 snapshot store              run store
 =====================  ==========================  ==========================
 ``memory://``          MemorySnapshotStore         MemoryRunStore
 ``file:///dir``        FileSnapshotStore           —
-``sqlite:///path``     —                           SqliteRunStore
+``sqlite:///path``     SqliteSnapshotStore         SqliteRunStore
 ``redis://`` …         RedisSnapshotStore          RedisRunStore
 ``s3://bucket/prefix``  S3SnapshotStore (extra s3)   —
 =====================  ==========================  ==========================
@@ -63,6 +63,7 @@ _FORMS = {
 _SNAPSHOT_STORES = {
     "memory": "store.snapshots.memory:MemorySnapshotStore",
     "file": "store.snapshots.file:FileSnapshotStore",
+    "sqlite": "store.snapshots.sqlite:SqliteSnapshotStore",
     "redis": "store.snapshots.redis:RedisSnapshotStore",
     "s3": "store.snapshots.s3:S3SnapshotStore",
 }

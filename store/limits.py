@@ -1,8 +1,8 @@
 """Where the fleet's rate limits and concurrency caps keep their state.
 
 One store per deployment, beside the run store: the Redis the run store uses
-(every decision one Lua script, atomic across workers and hosts, on the Redis
-server's clock), or for the embedded default a SQLite file next to the run
+(every decision one Lua script, kept in ``lua/limits/``, atomic across workers and
+hosts, on the Redis server's clock), or for the embedded default a SQLite file next to the run
 database (one ``BEGIN IMMEDIATE`` transaction per decision, shared by the
 processes of one machine); ``memory://`` for tests. The arithmetic is
 :mod:`runtime.limits`; the Redis script repeats it, and the conformance tests
@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -392,149 +393,21 @@ class SqliteLimitStore(LocalLimitStore):
 
 # --- Redis: one Lua script per decision, on the server's clock --------------------
 
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-"""
 
-# KEYS: tat:requests, tat:tokens, blocked, reservation(seq), reservation(next seq),
-#       line:under_way, line:new, count:requests(minute), count:tokens(minute)
-# ARGV: rpm, tpm, burst_ms, cost requests, cost tokens, horizon_ms, line (0|1), run, keep_ms
-_ADMIT = (
-    _NOW
-    + """
-local res = redis.call('GET', KEYS[4])
-if res then
-  local at = tonumber(res)
-  if at - now <= tonumber(ARGV[10]) then
-    redis.call('DEL', KEYS[4])
-    return {'go', '0', 'reserved', tostring(now), '0'}
-  end
-  return {'reserved', tostring(at - now), 'early', tostring(now), '0'}
-end
-local per_minute = {tonumber(ARGV[1]), tonumber(ARGV[2])}
-local tau = tonumber(ARGV[3])
-local costs = {tonumber(ARGV[4]), tonumber(ARGV[5])}
-local units = {'requests', 'tokens'}
-local go, binding = now, ''
-local blocked = tonumber(redis.call('GET', KEYS[3]) or '0')
-if blocked > go then go = blocked; binding = 'blocked' end
-local tats = {}
-for i = 1, 2 do
-  if per_minute[i] > 0 then
-    local v = redis.call('GET', KEYS[i])
-    if v then
-      tats[i] = tonumber(v)
-      if tats[i] - tau > go then go = tats[i] - tau; binding = units[i] end
-    end
-  end
-end
-local wait = go - now
-local keep = tonumber(ARGV[9])
-local run = ARGV[8]
-local mine = KEYS[6 + tonumber(ARGV[7])]
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now - keep)
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - keep)
-if wait > tonumber(ARGV[6]) then
-  redis.call('ZADD', mine, 'NX', now, run)
-  redis.call('PEXPIRE', mine, keep)
-  local place = redis.call('ZRANK', mine, run)
-  if tonumber(ARGV[7]) == 1 then place = place + redis.call('ZCARD', KEYS[6]) end
-  return {'denied', tostring(wait), binding, tostring(now), tostring(place)}
-end
-for i = 1, 2 do
-  if per_minute[i] > 0 then
-    local base = tats[i] or go
-    if go > base then base = go end
-    local tat = base + costs[i] * 60000 / per_minute[i]
-    redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now + tau) + keep)
-  end
-end
-redis.call('ZREM', KEYS[6], run)
-redis.call('ZREM', KEYS[7], run)
-redis.call('INCRBY', KEYS[8], 1)
-redis.call('PEXPIRE', KEYS[8], 180000)
-if per_minute[2] > 0 then
-  redis.call('INCRBY', KEYS[9], math.floor(costs[2]))
-  redis.call('PEXPIRE', KEYS[9], 180000)
-end
-if wait > 0 then
-  redis.call('SET', KEYS[5], string.format('%.3f', go), 'PX', keep)
-  return {'reserved', tostring(wait), binding, tostring(now), '0'}
-end
-return {'go', '0', binding, tostring(now), '0'}
-"""
-)
+def _lua(name: str) -> str:
+    """A limit script, kept beside this module in ``lua/limits/<name>``; read once, at import
+    (redis-py sends it by SHA and loads it into a server that does not know it yet)."""
+    return (
+        resources.files(__package__ or "store").joinpath("lua", "limits", name).read_text("utf-8")
+    )
 
-# KEYS: tat:tokens, count:tokens(minute); ARGV: delta, tokens per minute
-_SETTLE = (
-    _NOW
-    + """
-local v = redis.call('GET', KEYS[1])
-redis.call('INCRBY', KEYS[2], math.floor(tonumber(ARGV[1])))
-redis.call('PEXPIRE', KEYS[2], 180000)
-if not v then return 0 end
-local tat, d = tonumber(v), tonumber(ARGV[1])
-local interval = 60000 / tonumber(ARGV[2])
-if d >= 0 then
-  if now > tat then tat = now end
-  tat = tat + d * interval
-elseif tat > now then
-  tat = math.max(now, tat + d * interval)
-else
-  return 0
-end
-redis.call('SET', KEYS[1], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 3600000)
-return 1
-"""
-)
 
-_BLOCK = (
-    _NOW
-    + """
-local until_ms = now + tonumber(ARGV[1])
-local was = tonumber(redis.call('GET', KEYS[1]) or '0')
-if until_ms > was then
-  redis.call('SET', KEYS[1], string.format('%.3f', until_ms), 'PX', math.ceil(tonumber(ARGV[1])) + 1000)
-end
-return 1
-"""
-)
-
-# KEYS: holders (set), line (zset); ARGV: run, cap
-_ACQUIRE = (
-    _NOW
-    + """
-local run, cap = ARGV[1], tonumber(ARGV[2])
-if redis.call('SISMEMBER', KEYS[1], run) == 1 then return {1, 0} end
-redis.call('ZADD', KEYS[2], 'NX', now, run)
-local place = redis.call('ZRANK', KEYS[2], run)
-local free = cap - redis.call('SCARD', KEYS[1])
-if place < free then
-  redis.call('ZREM', KEYS[2], run)
-  redis.call('SADD', KEYS[1], run)
-  return {1, 0}
-end
-if free < 0 then free = 0 end
-local out = {0, place - free}
-for _, holder in ipairs(redis.call('SRANDMEMBER', KEYS[1], 50)) do out[#out + 1] = holder end
-return out
-"""
-)
-
-_RELEASE = """
-local run, cap = ARGV[1], tonumber(ARGV[2])
-redis.call('SREM', KEYS[1], run)
-redis.call('ZREM', KEYS[2], run)
-local handed = {}
-while redis.call('SCARD', KEYS[1]) < cap do
-  local head = redis.call('ZPOPMIN', KEYS[2])
-  if #head == 0 then break end
-  redis.call('SADD', KEYS[1], head[1])
-  handed[#handed + 1] = head[1]
-end
-return handed
-"""
+_NOW = _lua("now.lua")
+_ADMIT = _NOW + _lua("admit.lua")
+_SETTLE = _NOW + _lua("settle.lua")
+_BLOCK = _NOW + _lua("block.lua")
+_ACQUIRE = _NOW + _lua("acquire.lua")
+_RELEASE = _lua("release.lua")
 
 
 class RedisLimitStore(LimitStore):

@@ -14,9 +14,9 @@ from runtime.budget import plan_raise
 from runtime.errors import RunNotFound
 from runtime.models import RunState, validate_run_id
 from tasks.context import Context
-from tasks.journal import append_events, load
 from tasks.lease import holding
 from tasks.messages import chain_turn
+from tasks.persistence import append_events, load
 
 
 def raise_budgets(

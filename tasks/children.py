@@ -21,9 +21,9 @@ from runtime.models import Event, RunState, ToolCall, validate_run_id
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load
 from tasks.lease import holding
 from tasks.messages import chain_turn
+from tasks.persistence import append_events, load
 from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.children")
@@ -41,7 +41,7 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
     first = Event(seq=1, type="run.created", at_ms=now, data=data)
     state = apply(None, first)
     due = now + int(ctx.settings.lease_s * 1000)
-    turn = parent.usage.model_turns
+    model_calls = parent.usage.model_turns
     try:
         ctx.runs.create(RunRecord.from_state(state, now, due), first)
         ctx.snapshots.save(state, None)
@@ -51,11 +51,11 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
         if made_by != data["parent"]:
             raise
         log.info("run %s: child %s of call %s already started", parent.run_id, child_id, call.id)
-    failpoints.hit("child.created", turn)
+    failpoints.hit("child.created", model_calls)
     record = ctx.runs.get(child_id)
     if record is not None and record.last_seq == 1:
         chain_turn(child_id, 1)
-    failpoints.hit("child.enqueued", turn)
+    failpoints.hit("child.enqueued", model_calls)
 
 
 @control_task(name="ratchet.deliver")

@@ -46,13 +46,12 @@ from runtime.errors import (
     StoreUnavailable,
     SuspensionExpired,
 )
-from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
+from runtime.models import SUSPENDED_STATUSES, Event, RunState, validate_run_id
 from store.runs import RunRecord
-from tasks import metrics
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load, save_snapshot
 from tasks.lease import holding
 from tasks.messages import Continue, chain_turn, tell_parent_soon
+from tasks.persistence import append_ending, append_events, load, save_snapshot
 from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.control")
@@ -73,7 +72,6 @@ def _max_suspended_s(events: list[Event]) -> int | None:
 
 
 # --- continue ---------------------------------------------------------------
-
 
 
 def apply_continuation(
@@ -217,34 +215,16 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
             raise RunRefused(
                 run_id, record.status.value, "it has already finished; there is nothing to cancel"
             )
-        now = ctx.runs.clock()
         first = ctx.runs.events(run_id, after_seq=0, limit=1)
         is_child = bool(first and first[0].data.get("parent"))
-        event = Event(
-            seq=record.last_seq + 1,
-            type="run.cancelled",
-            at_ms=now,
-            data={"reason": reason, "status_before": record.status.value},
-        )
-        # The same change the fold makes (status and error), without reading the snapshot.
-        cancelled = record.model_copy(
-            update={
-                "status": RunStatus.CANCELLED,
-                "error": reason,
-                "last_seq": event.seq,
-                "updated_at_ms": now,
-                # A child stays due until its parent is told (runtime/children.py).
-                "due_at_ms": now if is_child else None,
-                "suspension": None,
-            }
-        )
+        data = {"reason": reason, "status_before": record.status.value}
         try:
-            ctx.runs.append(cancelled, [event], None)
+            # A child stays due until its parent is told (runtime/children.py).
+            cancelled = append_ending(ctx, record, "run.cancelled", data, None, stays_due=is_child)
         except StaleWrite:
             continue  # a turn appended first; read the new tail and try again
-        metrics.recorded(record.status, RunStatus.CANCELLED, [event])
         ctx.snapshots.delete(run_id)
-        log.info("run %s: cancelled (%s) at seq %s", run_id, reason, event.seq)
+        log.info("run %s: cancelled (%s) at seq %s", run_id, reason, cancelled.last_seq)
         _cancel_child(ctx, record, run_id)
         if is_child:
             tell_parent_soon(run_id)

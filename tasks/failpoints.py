@@ -1,8 +1,9 @@
 """Named points in a turn where a test can end the process, as a crash would.
 
-Arm one with ``RATCHET_FAILPOINT=<name>`` (any turn) or ``<name>@<turn>``
-(only when the run's model-turn count is ``turn``, 1-based); the process then
-calls ``os._exit(137)`` at that point — no cleanup, no ack, like SIGKILL.
+Arm one with ``RATCHET_FAILPOINT=<name>`` (any turn) or ``<name>@<n>`` (only
+when the run's count of model calls, the one under way included, is ``n``:
+1-based); the process then calls ``os._exit(137)`` at that point — no cleanup,
+no ack, like SIGKILL.
 Unarmed, a failpoint costs one comparison with ``None``.
 
 With ``RATCHET_FAILPOINT_HOLD=<path>`` as well, the armed point does not end the
@@ -47,43 +48,45 @@ POINTS = (
 def _parse(value: str | None) -> tuple[str, int | None] | None:
     if not value:
         return None
-    name, _, turn = value.partition("@")
-    if name not in POINTS or (turn and not turn.isdigit()):
+    name, _, model_calls = value.partition("@")
+    if name not in POINTS or (model_calls and not model_calls.isdigit()):
         raise ConfigInvalid(
             "RATCHET_FAILPOINT",
             f"RATCHET_FAILPOINT={value[:80]!r} is not POINT or POINT@N; give one of "
             f"{', '.join(POINTS)}, or unset it",
         )
-    return name, int(turn) if turn else None
+    return name, int(model_calls) if model_calls else None
 
 
 _armed = _parse(os.environ.get("RATCHET_FAILPOINT"))
 _hold = os.environ.get("RATCHET_FAILPOINT_HOLD") or None
 
 
-def hit(name: str, turn: int) -> None:
-    """End the process here if this point is armed (for ``turn``, if one was given).
+def hit(name: str, model_calls: int) -> None:
+    """End the process here if this point is armed (at ``model_calls``, if one was given).
 
     With a hold file named, wait here while it exists instead.
     """
     if _armed is None:
         return
-    point, at_turn = _armed
-    if point == name and (at_turn is None or at_turn == turn):
+    point, at = _armed
+    if point == name and (at is None or at == model_calls):
         if _hold is not None:
-            _hold_while_present(_hold, name, turn)
+            _hold_while_present(_hold, name, model_calls)
             return
-        sys.stderr.write(f"ratchet failpoint {name} hit at turn {turn}: exiting\n")
+        sys.stderr.write(f"ratchet failpoint {name} hit at turn {model_calls}: exiting\n")
         sys.stderr.flush()
         os._exit(137)
 
 
-def _hold_while_present(path: str, name: str, turn: int) -> None:
+def _hold_while_present(path: str, name: str, model_calls: int) -> None:
     if not os.path.exists(path):
         return
-    sys.stderr.write(f"ratchet failpoint {name} hit at turn {turn}: holding while {path} exists\n")
+    sys.stderr.write(
+        f"ratchet failpoint {name} hit at turn {model_calls}: holding while {path} exists\n"
+    )
     sys.stderr.flush()
     while os.path.exists(path):
         time.sleep(0.01)
-    sys.stderr.write(f"ratchet failpoint {name} released at turn {turn}\n")
+    sys.stderr.write(f"ratchet failpoint {name} released at turn {model_calls}\n")
     sys.stderr.flush()

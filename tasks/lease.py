@@ -33,17 +33,30 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from runtime.actions import Advanced
 from runtime.errors import HolderDied, LeaseHeld, RunBusy
 from store.runs import Claim, RunRecord
 from tasks import liveness
 from tasks.context import Context
-from tasks.journal import new_owner
+from tasks.persistence import new_owner
 
 log = logging.getLogger("ratchet.lease")
 
 FIRST_POLL_S = 0.002
 LAST_POLL_S = 0.05
 """A refused claim is tried again after 2 ms, then twice as long each time, up to 50 ms."""
+
+
+TURN_PATIENCE_S = 0.5
+"""How long a turn waits for a lease another worker holds before calling itself a duplicate.
+
+The holder may be a late duplicate of the *previous* turn's message, which only
+reads the run, finds it moved on, and lets go within milliseconds; a turn that
+gave up at once would leave the run to the sweeper. A redelivered message waits
+longer: RabbitMQ redelivers a dead consumer's message within a fraction of a
+second, before its liveness lapses, so the turn waits (at most one
+``liveness_s``) for the holder to be known dead; a holder that keeps beating is
+alive, and the delivery a duplicate."""
 
 
 @dataclass
@@ -157,3 +170,27 @@ def _busy(ctx: Context, run_id: str, claim: Claim, waited_s: float) -> LeaseHeld
         None if alive_until is None else alive_until > now_ms,
         None if lease is None else (lease.expires_at_ms - now_ms) / 1000,
     )
+
+
+Takeover = Callable[[Context, str, str], Advanced]
+"""Recovers a run whose lease a turn took from a dead holder: ``(ctx, run_id, owner)``."""
+
+_takeover: Takeover | None = None
+
+
+def recover_takeovers_with(recover: Takeover) -> None:
+    """Set how a turn recovers a run it took from a dead holder (tasks.recovery's resume).
+
+    Handed in rather than imported: tasks.recovery imports the turn, and importing
+    ``tasks`` imports tasks.recovery, so it is set before any turn runs.
+    """
+    global _takeover
+    _takeover = recover
+
+
+def recover_takeover(ctx: Context, run_id: str, owner: str) -> Advanced:
+    """Recover ``run_id``, whose lease a turn took (as ``owner``) from a dead holder."""
+    if _takeover is None:
+        ctx.runs.release_lease(run_id, owner)
+        raise RuntimeError("tasks.recovery is not imported: a taken-over run cannot recover")
+    return _takeover(ctx, run_id, owner)

@@ -3,7 +3,7 @@
 :func:`admit` asks the limit store (store/limits.py) whether the run may call its
 model now. If not, it says how long to wait and which events to record, and the
 turn ends: ``run.throttled`` is appended, the lease released, and the same turn
-put back on the queue with a countdown (:func:`tasks.turn.chain`). No model
+put back on the queue with a countdown (:func:`tasks.turn.enqueue_next`). No model
 attempt is counted and no worker slot sleeps. A 429 the provider answers anyway
 (another client shares the key, or the limits are set too high) goes the same
 way (:func:`refused`): the request ``model.requested`` counted is given back, the
@@ -164,7 +164,7 @@ class Wait:
 def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) -> Go | Wait:
     """May ``state``'s next model call go now? Never sleeps."""
     store = limit_store(ctx)
-    turn = request.turn + 1
+    turn = request.model_call + 1
     for cap_key, cap in caps(store, agent, state):
         waiting = _take_place(ctx, store, state, cap_key, cap)
         if waiting is not None:

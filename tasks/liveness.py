@@ -18,7 +18,7 @@ operator. The worst lateness a beat saw is kept in :attr:`Beats.stats`.
 
 The process id is ``host:pid:token`` — the token is random per process, so a
 restarted worker that gets the same pid (pid 1 in a container) is a new process.
-A lease owner id is ``<process id>/<attempt>`` (:func:`tasks.journal.new_owner`).
+A lease owner id is ``<process id>/<attempt>`` (:func:`tasks.persistence.new_owner`).
 """
 
 from __future__ import annotations

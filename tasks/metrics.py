@@ -23,8 +23,9 @@ Exposed (all counters except the two histograms):
 - ``ratchet_events_total{type}`` — events appended;
 - ``ratchet_run_transitions_total{status}`` — runs entering a status (completed,
   failed, suspended, …: the runs-by-status picture, counted, not scanned);
-- ``ratchet_turns_total{outcome}`` — turn tasks by outcome (next, completed,
-  suspended, leased, stale, …);
+- ``ratchet_turns_total{outcome}`` — turn tasks by outcome, a
+  :class:`runtime.actions.TurnOutcome` (next, completed, suspended, stalled,
+  leased, stale, …);
 - ``ratchet_checkpoint_seconds``, ``ratchet_checkpoint_bytes`` — snapshot save
   latency and bytes written per checkpoint;
 - ``ratchet_heartbeat_lateness_seconds`` (histogram), ``ratchet_heartbeat_max_lateness_seconds``
@@ -53,6 +54,7 @@ from typing import Any
 
 from celery.signals import worker_init, worker_shutdown
 
+from runtime.actions import TurnOutcome
 from runtime.models import Event, RunStatus
 from tasks.settings import get_settings
 
@@ -144,7 +146,7 @@ def recorded(before: RunStatus | None, after: RunStatus, events: Sequence[Event]
         _on.transitions.labels(after.value).inc()
 
 
-def turn_done(outcome: str) -> None:
+def turn_done(outcome: TurnOutcome) -> None:
     if _on is not None:
         _on.turns.labels(outcome).inc()
 

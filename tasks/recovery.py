@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from runtime.actions import Advanced, TurnOutcome
 from runtime.agent import describe_binding_change
 from runtime.errors import (
     InvalidRequest,
@@ -37,25 +38,27 @@ from runtime.models import Event, RunState, RunStatus, validate_run_id
 from runtime.recovery import (
     OPERATOR,
     SWEEPER,
+    DeadLetter,
     Verdict,
     classify,
     consecutive_recoveries,
-    dead_letter_data,
+    dead_letter,
 )
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks import lease, metrics
 from tasks.context import Context, get_context
-from tasks.journal import append_ending, append_events, load
+from tasks.lease import recover_takeovers_with
 from tasks.messages import (
     chain_turn,
     sweeper_resume,
     tell_parent_soon,
     urgent_sweeper_resume,
 )
+from tasks.persistence import append_ending, append_events, load
 from tasks.task_base import control_task, ratchet_task
 from tasks.timers import wake_at
-from tasks.turn import Advanced, advance, chain, recover_takeovers_with
+from tasks.turn import advance, enqueue_next
 
 log = logging.getLogger("ratchet.recovery")
 
@@ -68,7 +71,7 @@ DECISIONS = ("result", "retry", "fail")
 def examine(
     ctx: Context, run_id: str, set_aside: bool = True
 ) -> tuple[RunState | None, list[Event], Verdict]:
-    """Load the run (:func:`tasks.journal.load`) and classify it for resume.
+    """Load the run (:func:`tasks.persistence.load`) and classify it for resume.
 
     ``set_aside``: move an unusable snapshot aside (callers that hold the lease).
     RunNotFound if there is no such run; a run whose events cannot give a state
@@ -120,15 +123,15 @@ def resume_run(*, run_id: str, by: str = OPERATOR, seen_seq: int | None = None) 
     Idempotent: a duplicate finds the lease taken or the run moved on, and does nothing.
     """
     done = resume(get_context(), validate_run_id(run_id), by, seen_seq)
-    if done.outcome == "next":
-        chain(run_id, done)
-    return done.outcome
+    if done.outcome == TurnOutcome.NEXT:
+        enqueue_next(run_id, done)
+    return done.outcome.value
 
 
 def resume(
     ctx: Context, run_id: str, by: str, seen_seq: int | None = None, owner: str | None = None
 ) -> Advanced:
-    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not chain.
+    """Classify, record ``run.resumed`` and take a turn; or refuse, or dead-letter. Does not enqueue.
 
     The lease is taken also from a holder whose process is dead (:mod:`tasks.lease`);
     ``owner``: a turn that already took it so passes its owner id.
@@ -138,7 +141,7 @@ def resume(
         if not held.taken:
             reason = held.busy.reason if held.busy is not None else "lease held"
             log.info("run %s: %s, so it is not orphaned; no resume", run_id, reason)
-            return Advanced("leased", -1, 0)
+            return Advanced(TurnOutcome.LEASED, -1, 0)
         took_over = owner is not None or held.took_from is not None
         resumed = _resume_holding(ctx, run_id, by, seen_seq, held.owner, took_over)
         if isinstance(resumed, Advanced):
@@ -164,20 +167,20 @@ def _resume_holding(
             log.info(
                 "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
             )
-            return Advanced("stale", seq, 0)
+            return Advanced(TurnOutcome.STALE, seq, 0)
         turns = state.usage.model_turns if state is not None else 0
-        history = consecutive_recoveries(events)
-        if by == SWEEPER and (
-            not verdict.eligible or len(history) >= ctx.settings.max_recovery_attempts
-        ):
-            return _dead_letter(ctx, run_id, state, events, verdict, history, owner)
+        ending = dead_letter(
+            run_id, by, verdict, consecutive_recoveries(events), ctx.settings.max_recovery_attempts
+        )
+        if ending is not None:
+            return _dead_letter(ctx, run_id, state, ending, verdict.reason, owner)
         if not verdict.eligible:
             log.warning("%s", verdict.reason)
             if state is not None and not state.status.is_terminal:
                 # Recorded, so the operator who asked (`ratchet runs resume`) is told.
                 data = {"by": by, "status": state.status.value, "reason": verdict.reason}
                 seq = append_events(ctx, state, [("run.resume_refused", data)], owner).seq
-            return Advanced("refused", seq, turns)
+            return Advanced(TurnOutcome.REFUSED, seq, turns)
         assert state is not None
         attempt = state.recovery_attempts + 1
         resumed = append_events(
@@ -187,7 +190,7 @@ def _resume_holding(
         return resumed.seq
     except (LeaseLost, StaleWrite) as exc:
         log.warning("%s", exc)
-        return Advanced("fenced", -1, 0)
+        return Advanced(TurnOutcome.FENCED, -1, 0)
 
 
 def _resume_taken_over(ctx: Context, run_id: str, owner: str) -> Advanced:
@@ -208,30 +211,25 @@ def _dead_letter(
     ctx: Context,
     run_id: str,
     state: RunState | None,
-    events: list[Event],
-    verdict: Verdict,
-    history: list[Event],
+    ending: DeadLetter,
+    verdict_reason: str,
     owner: str,
 ) -> Advanced:
-    """The sweeper gives up on a run: leaving it live would find it again every sweep."""
+    """Carry out ``ending`` on a run still live; a run that is not is only refused."""
+    data = ending.data
     record = ctx.runs.get(run_id)
     live = state.status.is_live if state is not None else bool(record and record.status.is_live)
     if record is None or not live:
-        log.warning("run %s: not resumed: %s", run_id, verdict.reason)
-        return Advanced("refused", state.seq if state else -1, 0)
-    data = dead_letter_data(run_id, history, ctx.settings.max_recovery_attempts)
-    if not verdict.eligible:
-        data["reason"] = f"the sweeper cannot resume it: {verdict.reason}"
+        log.warning("run %s: not resumed: %s", run_id, verdict_reason)
+        return Advanced(TurnOutcome.REFUSED, state.seq if state else -1, 0)
     if state is None:
         # Nothing to fold onto, but left live the run would be found every sweep.
-        ended = append_ending(
-            ctx, record, "run.dead_lettered", RunStatus.DEAD_LETTERED, data, owner
-        )
+        ended = append_ending(ctx, record, "run.dead_lettered", data, owner)
         log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-        return Advanced("dead_lettered", ended.last_seq, ended.usage.model_turns)
+        return Advanced(TurnOutcome.DEAD_LETTERED, ended.last_seq, ended.usage.model_turns)
     state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
     log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-    return Advanced("dead_lettered", state.seq, state.usage.model_turns)
+    return Advanced(TurnOutcome.DEAD_LETTERED, state.seq, state.usage.model_turns)
 
 
 # --- sweep ------------------------------------------------------------------

@@ -296,15 +296,19 @@ class AmqpRejected(RejectedStore):
         return int(self._with_channel(lambda queue: queue.purge() or 0))
 
 
-def write_atomically(folder: Path, name: str, data: bytes, sync: bool = True) -> None:
+def write_atomically(
+    folder: Path, name: str, data: bytes, sync: bool = True, staging: Path | None = None
+) -> None:
     """Write ``folder/name`` whole or not at all: temp file (O_EXCL|O_NOFOLLOW), fsync, rename.
 
     The temp file's name is unpredictable and starts with a dot, so no reader that
     looks for ``*.msg`` or ``*.json`` sees it; on any failure it is removed. Without
     ``sync`` it is not fsynced: still whole or absent for every reader and across a
-    crash of the process, but a crash of the host may leave it empty.
+    crash of the process, but a crash of the host may leave it empty. With
+    ``staging`` (a folder on the same file system) the temp file is written there,
+    so a watch on ``folder`` sees only the rename.
     """
-    temp = folder / f".{secrets.token_hex(8)}.tmp"
+    temp = (staging or folder) / f".{secrets.token_hex(8)}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         try:

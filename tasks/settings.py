@@ -2,7 +2,7 @@
 
 Every setting and its default is documented in the README's settings table.
 With nothing set, everything lives under ``RATCHET_DATA_DIR`` (``./.ratchet``):
-a ``filesystem://`` broker, a file snapshot store and a SQLite run store, so
+a ``filesystem://`` broker and a SQLite run store that holds the snapshots too, so
 a worker and the CLI in two terminals share one machine's state with no server.
 """
 
@@ -33,7 +33,8 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     """Celery broker; default `filesystem://` under the data dir. E.g. redis://127.0.0.1:6379/0."""
     snapshot_store: str | None = None
-    """memory://, file:///dir, redis://… or s3://bucket/prefix; default file://<data_dir>/snapshots."""
+    """memory://, file:///dir, sqlite:///path, redis://… or s3://bucket/prefix; default: the
+    SQLite run store's database when the run store is one, else file://<data_dir>/snapshots."""
     run_store: str | None = None
     """memory://, sqlite:///path or redis://…; default sqlite://<data_dir>/runs.sqlite3."""
     redis_prefix: str = Field(default="ratchet", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -117,7 +118,12 @@ class Settings(BaseSettings):
 
     @property
     def resolved_snapshot_store(self) -> str:
-        return self.snapshot_store or f"file://{self.resolved_data_dir / 'snapshots'}"
+        if self.snapshot_store:
+            return self.snapshot_store
+        # Beside a SQLite run store, in its database: a checkpoint is then one transaction.
+        if urlsplit(self.resolved_run_store).scheme == "sqlite":
+            return self.resolved_run_store
+        return f"file://{self.resolved_data_dir / 'snapshots'}"
 
     @property
     def resolved_run_store(self) -> str:
@@ -154,7 +160,7 @@ _FIXES = {
     "metrics_port": "use a TCP port from 1 to 65535, e.g. RATCHET_METRICS_PORT=9808",
 }
 _URL_FIELDS = ("broker_url", "snapshot_store", "run_store")
-SNAPSHOT_STORE_SCHEMES = ("memory", "file", "redis", "rediss", "unix", "s3")
+SNAPSHOT_STORE_SCHEMES = ("memory", "file", "sqlite", "redis", "rediss", "unix", "s3")
 RUN_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "unix")
 # kombu transports whose dependencies come with an extra of kombu's.
 _TRANSPORT_EXTRAS = {"redis": "redis", "rediss": "redis", "sentinel": "redis"}

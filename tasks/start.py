@@ -30,7 +30,7 @@ from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.messages import Start
 from tasks.task_base import ratchet_task
-from tasks.turn import advance, chain
+from tasks.turn import advance, enqueue_next
 
 MAX_INPUT_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
@@ -176,5 +176,5 @@ def start_run(self: Any, request: Start) -> str:
         return "conflict"
     done = advance(ctx, run_id, expected_seq=1)
     if done.outcome == "next":
-        chain(run_id, done)
-    return done.outcome
+        enqueue_next(run_id, done)
+    return done.outcome.value

@@ -17,9 +17,9 @@ from runtime.errors import RunBusy
 from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.timers import is_timer, wake_at_ms
 from tasks.context import Context, get_context
-from tasks.journal import append_events, load
 from tasks.lease import holding
 from tasks.messages import chain_turn, enqueue_wake
+from tasks.persistence import append_events, load
 from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.timers")

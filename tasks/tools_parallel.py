@@ -17,7 +17,8 @@ parks; any other call parks the run, naming the call.
 
 Every wait is bounded: a tool by ``tool_timeout_s`` (an idempotent one is tried
 ``TOOL_TIMEOUT_ATTEMPTS`` times; any other is left unknown, for its probe), a
-probe by ``probe_timeout_s``.
+probe by ``probe_timeout_s``. What follows a timeout, a probe's answer or a call
+that stays unknown is runtime/actions.py's to say; this module carries it out.
 """
 
 from __future__ import annotations
@@ -26,59 +27,34 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from runtime.actions import (
+    Park,
+    after_probe,
+    after_tool_timeout,
+    park,
+    probes_left,
+    tool_attempts,
+)
 from runtime.fsm import RunTool, Unresolved, tool_events, unknown_tool_outcome
 from runtime.models import ToolCall
-from runtime.probes import (
-    Answer,
-    Probed,
-    Rule,
-    ToolContext,
-    idempotency_key,
-    park_cause,
-    probed_event,
-)
+from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, ask_probe, invoke
 from tasks import failpoints
 from tasks.calls import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
-    import threading
-
-    from runtime.agent import Agent
-    from runtime.models import RunState
-
-
-class Turn(Protocol):
-    """What the parallel calls use of the turn running them (tasks.turn.Turn)."""
-
-    agent: Agent
-    state: RunState
-    recording: threading.RLock
-    timed_out: dict[str, int]
-    last_probed: dict[str, Probed]
-
-    def record(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
-
-    def checkpoint(self) -> None: ...
-
-    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None: ...
+    from tasks.held_run import HeldRun
 
 
 log = logging.getLogger("ratchet.turn")
 
-TOOL_TIMEOUT_ATTEMPTS = 3
-"""Tries in all for an idempotent tool that times out, before its call fails.
 
-A tool that is not idempotent gets one try per turn; when its probe says it did
-not run, it is tried again, as many times in all."""
-
-
-def tool_context(turn: Turn, call: ToolCall) -> ToolContext:
+def tool_context(held: HeldRun, call: ToolCall) -> ToolContext:
     """The call's context: its key is the same on every attempt and every worker."""
-    run_id = turn.state.run_id
-    key = idempotency_key(run_id, turn.state.usage.model_turns, call.id)
+    run_id = held.state.run_id
+    key = idempotency_key(run_id, held.state.usage.model_turns, call.id)
     return ToolContext(run_id=run_id, call_id=call.id, idempotency_key=key)
 
 
@@ -94,12 +70,12 @@ class _Call:
 
 @dataclass
 class _Batch:
-    turn: Turn
+    held: HeldRun
     finished: queue.SimpleQueue[tuple[int, int]] = field(default_factory=queue.SimpleQueue)
 
     def launch(self, item: _Call) -> None:
         item.attempt += 1
-        spec, call, context = item.spec, item.call, tool_context(self.turn, item.call)
+        spec, call, context = item.spec, item.call, tool_context(self.held, item.call)
         index, attempt, finished = item.index, item.attempt, self.finished
 
         def job() -> ToolOutcome:
@@ -109,18 +85,18 @@ class _Batch:
                 finished.put((index, attempt))
 
         item.started = start(job, f"tool {call.name}")
-        item.deadline = time.monotonic() + self.turn.agent.spec.tool_timeout_s
+        item.deadline = time.monotonic() + self.held.agent.spec.tool_timeout_s
 
 
-def run_tools(turn: Turn, action: RunTool) -> None:
+def run_tools(held: HeldRun, action: RunTool) -> None:
     """Run the action's calls side by side; journal and checkpoint each outcome as it comes.
 
     A call that is not idempotent and outlives ``tool_timeout_s`` is left requested
-    with no outcome (recorded in ``turn.timed_out``): the next decision is then
+    with no outcome (recorded in ``held.timed_out``): the next decision is then
     :class:`Unresolved`, which asks its probe or parks the run.
     """
-    state = turn.state
-    turn_number = state.usage.model_turns
+    state = held.state
+    model_calls = state.usage.model_turns
     fresh = [c for c in action.calls if c.id not in state.running]
     for call in action.calls:
         if call.id in state.running:
@@ -132,14 +108,14 @@ def run_tools(turn: Turn, action: RunTool) -> None:
                 call.id,
             )
     if fresh:
-        turn.record([_requested(call) for call in fresh])
-    failpoints.hit("tool.requested", turn_number)
-    batch = _Batch(turn)
+        held.record([_requested(call) for call in fresh])
+    failpoints.hit("tool.requested", model_calls)
+    batch = _Batch(held)
     waiting: dict[int, _Call] = {}
     for index, call in enumerate(action.calls):
-        spec = turn.agent.tools.get(call.name)
+        spec = held.agent.tools.get(call.name)
         if spec is None:
-            _record(turn, call, unknown_tool_outcome(call, turn.agent))
+            _record(held, call, unknown_tool_outcome(call, held.agent))
             continue
         item = waiting[index] = _Call(index, call, spec)
         batch.launch(item)
@@ -154,40 +130,38 @@ def run_tools(turn: Turn, action: RunTool) -> None:
             item = waiting.pop(index)
             assert item.started is not None
             outcome = _outcome(item.started, item.call)
-            failpoints.hit("tool.completed", turn_number)
-            _record(turn, item.call, outcome)
+            failpoints.hit("tool.completed", model_calls)
+            _record(held, item.call, outcome)
             continue
         now = time.monotonic()
         for item in [i for i in waiting.values() if i.deadline <= now and not _done(i)]:
-            if not _timed_out(turn, batch, item):
+            if not _timed_out(held, batch, item):
                 del waiting[item.index]
 
 
-def _timed_out(turn: Turn, batch: _Batch, item: _Call) -> bool:
+def _timed_out(held: HeldRun, batch: _Batch, item: _Call) -> bool:
     """``item`` outlived ``tool_timeout_s``: abandon it; True if it was started again."""
     assert item.started is not None
-    timeout_s = turn.agent.spec.tool_timeout_s
+    timeout_s = held.agent.spec.tool_timeout_s
     try:
         item.started.result(0)  # abandons it: its thread is written off
     except CallTimedOut:
         pass
-    attempts = TOOL_TIMEOUT_ATTEMPTS if item.spec.idempotent else 1
     log.warning(
         "run %s: %s (attempt %s of %s)",
-        turn.state.run_id,
+        held.state.run_id,
         CallTimedOut(item.started.what, timeout_s),
         item.attempt,
-        attempts,
+        tool_attempts(item.spec.idempotent),
     )
-    if item.attempt < attempts:
+    then = after_tool_timeout(item.call, item.spec.idempotent, item.attempt, timeout_s)
+    if then == Rule.RERUN:
         batch.launch(item)
         return True
-    if item.spec.idempotent:
-        text = f"`{item.call.name}` did not return within {timeout_s:g} s, {item.attempt} times"
-        _record(turn, item.call, ToolOutcome(False, text))
-    else:
-        # Its outcome is unknown: the next decision asks its probe, or parks.
-        turn.timed_out[item.call.id] = turn.timed_out.get(item.call.id, 0) + 1
+    if isinstance(then, ToolOutcome):
+        _record(held, item.call, then)
+    else:  # unknown: the next decision asks its probe, or parks
+        held.timed_out[item.call.id] = held.timed_out.get(item.call.id, 0) + 1
     return False
 
 
@@ -206,56 +180,58 @@ def _requested(call: ToolCall) -> tuple[str, dict[str, Any]]:
     return ("tool.requested", {"call_id": call.id, "name": call.name, "arguments": call.arguments})
 
 
-def _record(turn: Turn, call: ToolCall, outcome: ToolOutcome) -> None:
+def _record(held: HeldRun, call: ToolCall, outcome: ToolOutcome) -> None:
     """Journal one call's outcome and checkpoint it: from here on it never runs again."""
-    with turn.recording:
-        turn.checkpointed(tool_events(call, outcome))
+    with held.recording:
+        held.checkpointed(tool_events(call, outcome))
 
 
-def resolve(turn: Turn, action: Unresolved) -> bool:
-    """Probe, run again or park the calls cut short; False if the run was parked."""
+def resolve(held: HeldRun, action: Unresolved) -> Park | None:
+    """Probe or run again the calls cut short; the Park to carry out if one stays unknown."""
     again: list[ToolCall] = []
     stuck: list[tuple[ToolCall, Probed | None]] = []
     asked = False
     for call, rule in action.calls:
-        spec = turn.agent.tools.get(call.name)
+        spec = held.agent.tools.get(call.name)
         if rule == Rule.RERUN:
             again.append(call)
             continue
         if rule == Rule.PARK or spec is None:
             stuck.append((call, None))
             continue
-        if turn.timed_out.get(call.id, 0) >= TOOL_TIMEOUT_ATTEMPTS:
-            stuck.append((call, turn.last_probed.get(call.id)))
+        if not probes_left(held.timed_out.get(call.id, 0)):
+            stuck.append((call, held.last_probed.get(call.id)))
             continue
-        probed = _probe(turn, spec, call)
-        turn.record([probed_event(call.id, call.name, probed)])
+        probed = _probe(held, spec, call)
+        held.record([probed_event(call.id, call.name, probed)])
         asked = True
-        turn.last_probed[call.id] = probed
+        held.last_probed[call.id] = probed
         log.info(
             "run %s: the probe of tool %s (call %s) answered %s",
-            turn.state.run_id,
+            held.state.run_id,
             call.name,
             call.id,
             probed.answer.value,
         )
-        if probed.answer == Answer.NOT_RUN:
+        then = after_probe(probed.answer)
+        if then == Rule.RERUN:
             again.append(call)
-        elif probed.answer != Answer.RAN:
+        elif then == Rule.PARK:
             stuck.append((call, probed))
     if asked:
-        turn.checkpoint()
+        held.checkpoint()
     if stuck:
-        park(turn, stuck)
-        return False
+        first = stuck[0][0]
+        timed_out_s = held.agent.spec.tool_timeout_s if first.id in held.timed_out else None
+        return park(held.state.run_id, stuck, timed_out_s)
     if again:
-        run_tools(turn, RunTool(again[0], tuple(again[1:])))
-    return True
+        run_tools(held, RunTool(again[0], tuple(again[1:])))
+    return None
 
 
-def _probe(turn: Turn, spec: ToolSpec, call: ToolCall) -> Probed:
-    timeout_s = turn.agent.spec.probe_timeout_s
-    context = tool_context(turn, call)
+def _probe(held: HeldRun, spec: ToolSpec, call: ToolCall) -> Probed:
+    timeout_s = held.agent.spec.probe_timeout_s
+    context = tool_context(held, call)
     try:
         return bounded(
             lambda: ask_probe(spec, call.arguments, context), timeout_s, f"probe of {call.name}"
@@ -264,28 +240,3 @@ def _probe(turn: Turn, spec: ToolSpec, call: ToolCall) -> Probed:
         return Probed(Answer.TIMED_OUT, detail=f"no answer within {timeout_s:g} s")
     except Exception as exc:  # ask_probe catches the probe's own; this is the runtime's
         return Probed(Answer.FAILED, detail=type(exc).__name__)
-
-
-def park(turn: Turn, stuck: list[tuple[ToolCall, Probed | None]]) -> None:
-    """Park the run on the first call whose outcome stays unknown, naming it (and the rest)."""
-    call, probed = stuck[0]
-    timed_out_s = turn.agent.spec.tool_timeout_s if call.id in turn.timed_out else None
-    run_id = turn.state.run_id
-    reason = (
-        f"tool `{call.name}` (call {call.id}) {park_cause(probed, timed_out_s)}; check its "
-        f"effect, then `ratchet runs reconcile {run_id} {call.id}` with --result, --retry or --fail"
-    )
-    others = [c.id for c, _ in stuck[1:]]
-    if others:
-        reason += f"; calls {', '.join(others)} are unknown too: reconcile each"
-    data: dict[str, Any] = {
-        "reason": reason,
-        "call_id": call.id,
-        "tool": call.name,
-        "arguments": call.arguments,
-    }
-    if probed is not None:
-        data["probe"] = probed.answer.value
-    if others:
-        data["also_unknown"] = others
-    turn.checkpointed([("run.parked", data)])

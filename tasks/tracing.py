@@ -5,7 +5,7 @@ returning a ``SpanExporter``) with ``pip install 'ratchet[otel]'``. Unset, nothi
 imports opentelemetry and :func:`committed` costs a call and a comparison.
 
 Spans are **derived from the event log**, not from the code that runs: they are
-emitted from :func:`tasks.journal.append_events` *after* the append committed, by
+emitted from :func:`tasks.persistence.append_events` *after* the append committed, by
 the process whose append closed them. An event is committed exactly once (fenced by
 seq and the lease), so a recovered, redelivered or retried turn cannot emit a span
 for a transition that is already in the log: it never appends that event again.

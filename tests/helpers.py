@@ -7,11 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.actions import Advanced
 from store.runs.memory import MemoryRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
 from tasks.settings import Settings
-from tasks.turn import Advanced, advance
+from tasks.turn import advance
 
 REFUND_TOOLS = [
     "examples.refunds:lookup_order",

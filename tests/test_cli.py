@@ -374,3 +374,44 @@ def test_a_refused_request_is_one_line_naming_the_run_and_what_to_do(
     assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.output
     assert refused.stderr.startswith(f"ratchet: run {run_id}: `max_turns` is 5: 1 would not")
     assert "nothing was changed — correct it and try again" in refused.stderr
+
+
+def test_snapshots_show_prints_the_embedded_defaults_document_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    # The embedded default, as a worker with nothing set opens it: the snapshots live in the
+    # run store's SQLite database, and a checkpoint is one transaction with its events.
+    from runtime.fsm import rebuild
+    from store import open_run_store, open_snapshot_store
+    from store.snapshots import format as snapshot_format
+    from store.snapshots.sqlite import SqliteSnapshotStore
+    from tasks.turn import advance
+
+    settings = Settings(data_dir=tmp_path / "data")
+    ctx = Context(
+        settings,
+        open_snapshot_store(settings.resolved_snapshot_store),
+        open_run_store(settings.resolved_run_store),
+    )
+    assert isinstance(ctx.snapshots, SqliteSnapshotStore)
+    assert ctx.runs.commits_with(ctx.snapshots)
+    agent = write_agent(
+        tmp_path,
+        [turn(f"step {i}", call("lookup_order", order_id="A1")) for i in range(4)] + [turn("ok")],
+    )
+    run_id = create_run(ctx, agent, "where is my order?").run_id
+    done = advance(ctx, run_id, None)
+    for _ in range(2):
+        done = advance(ctx, run_id, done.seq)
+    assert done.outcome == "next"
+    set_context(ctx)
+    try:
+        shown = cli("snapshots", "show", run_id)
+    finally:
+        set_context(None)
+
+    assert shown.exit_code == 0, shown.output
+    state = rebuild(ctx.runs.events(run_id))  # what the run's own events fold to
+    assert state is not None and state.usage.model_turns == 3
+    assert shown.output.encode() == snapshot_format.encode(state)
+    assert not (tmp_path / "data" / "snapshots").exists()

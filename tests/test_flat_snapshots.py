@@ -1,4 +1,4 @@
-"""Appending snapshot backends (redis, s3): a save writes only what is new.
+"""Appending snapshot backends (sqlite, redis, s3): a save writes only what is new.
 
 The conformance suite proves they store and load like every backend; these
 tests prove what only they promise: the bytes a checkpoint writes stay flat as
@@ -10,6 +10,7 @@ detected and rewritten.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -20,20 +21,34 @@ from runtime.models import Message, RunState, ToolCall
 from store.snapshots import format as snapshot_format
 from store.snapshots.redis import RedisSnapshotStore
 from store.snapshots.s3 import S3SnapshotStore
+from store.snapshots.sqlite import SqliteSnapshotStore
 from tests.contract.test_snapshot_store_contract import make_state, rich_state
 
-APPENDING = ("redis", "s3")
+APPENDING = ("sqlite", "redis", "s3")
+Appending = RedisSnapshotStore | S3SnapshotStore | SqliteSnapshotStore
 
 
 @pytest.fixture(params=APPENDING)
-def store(request: pytest.FixtureRequest) -> Iterator[RedisSnapshotStore | S3SnapshotStore]:
-    opened: RedisSnapshotStore | S3SnapshotStore
-    if request.param == "redis":
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Appending]:
+    opened: Appending
+    if request.param == "sqlite":
+        opened = SqliteSnapshotStore(tmp_path / "runs.sqlite3")
+    elif request.param == "redis":
         opened = RedisSnapshotStore.from_url(request.getfixturevalue("redis_url"))
     else:
         opened = S3SnapshotStore.from_url(request.getfixturevalue("s3_url"))
     yield opened
     opened.close()
+
+
+def another(store: Appending, request: pytest.FixtureRequest) -> Appending:
+    """A second worker's store on the same backend."""
+    if isinstance(store, SqliteSnapshotStore):
+        return SqliteSnapshotStore(store.path)
+    url = request.getfixturevalue(
+        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
+    )
+    return type(store).from_url(url)
 
 
 def grown(state: RunState, turn: int) -> RunState:
@@ -48,7 +63,7 @@ def grown(state: RunState, turn: int) -> RunState:
 
 
 def test_the_bytes_a_save_writes_do_not_grow_with_the_transcript(
-    store: RedisSnapshotStore | S3SnapshotStore,
+    store: Appending,
 ) -> None:
     # Given a run checkpointed once per turn for 60 turns
     state = make_state(seq=1)
@@ -70,28 +85,28 @@ def test_the_bytes_a_save_writes_do_not_grow_with_the_transcript(
 
 
 def test_a_store_that_did_not_save_the_run_appends_after_reading_the_tip(
-    store: RedisSnapshotStore | S3SnapshotStore, request: pytest.FixtureRequest
+    store: Appending, request: pytest.FixtureRequest
 ) -> None:
     # Given a snapshot saved by one worker
     state = grown(make_state(seq=1), 1)
     store.save(state, expected_seq=None)
-    url = request.getfixturevalue(
-        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
-    )
-    other = type(store).from_url(url)
+    other = another(store, request)
 
     # When a second worker, which never loaded it, checkpoints the next turn
     newer = grown(state, 2)
     other.save(newer, expected_seq=state.seq)
 
-    # Then it appended (wrote far less than the document) and the result is exact
-    assert other.bytes_written < len(snapshot_format.encode(newer)) / 2
+    # Then it appended (wrote the head and the new turn, not the document) and the result
+    # is exact
+    new_turn = len(snapshot_format.encode(newer)) - len(snapshot_format.encode(state))
+    assert other.bytes_written < len(snapshot_format.encode_head(newer)) + 1.1 * new_turn
+    assert other.bytes_written < len(snapshot_format.encode(newer)) - new_turn
     assert store.load_document("run-1") == snapshot_format.encode(newer)
     other.close()
 
 
 def test_a_transcript_that_is_not_a_prefix_of_the_stored_one_is_rewritten_whole(
-    store: RedisSnapshotStore | S3SnapshotStore, caplog: pytest.LogCaptureFixture
+    store: Appending, caplog: pytest.LogCaptureFixture
 ) -> None:
     store.save(grown(make_state(seq=1), 1), expected_seq=None)
     # A state whose earlier messages differ: never produced by the runtime, but the
@@ -106,7 +121,7 @@ def test_a_transcript_that_is_not_a_prefix_of_the_stored_one_is_rewritten_whole(
 
 
 def test_the_size_limit_counts_the_whole_document_not_the_bytes_sent(
-    store: RedisSnapshotStore | S3SnapshotStore,
+    store: Appending,
 ) -> None:
     state = make_state(seq=1)
     for turn in range(1, 6):
@@ -123,21 +138,30 @@ def test_the_size_limit_counts_the_whole_document_not_the_bytes_sent(
 
 
 def test_a_tampered_transcript_is_refused_on_load_not_returned(
-    store: RedisSnapshotStore | S3SnapshotStore,
+    store: Appending, request: pytest.FixtureRequest
 ) -> None:
     state = grown(make_state(seq=1), 1)
     store.save(state, expected_seq=None)
-    if isinstance(store, RedisSnapshotStore):
+    if isinstance(store, SqliteSnapshotStore):
+        store._connection().execute(
+            "UPDATE snapshot_fragments SET fragment = ? WHERE run_id = 'run-1' AND idx = 1",
+            (b'      {"role": "user"}',),
+        )
+    elif isinstance(store, RedisSnapshotStore):
         store._client.lset(store._transcript_key("run-1"), 1, '      {"role": "user"}')
     else:
         prefix = store._transcript_prefix("run-1")
         (key,) = list(store._keys(prefix))
         store._client.put_object(Bucket=store._bucket, Key=key, Body=b"3\nabc")
 
+    # (Read by a worker that does not remember the run: one that does reads only what
+    # follows the tip it saved, and keeps what it remembers of the rest.)
+    reader = another(store, request)
     with pytest.raises(SnapshotMalformed) as refused:
-        store.load("run-1")
+        reader.load("run-1")
 
     assert "ratchet runs resume run-1" in str(refused.value)
+    reader.close()
 
 
 @settings(max_examples=60, deadline=None)
@@ -166,15 +190,12 @@ def test_head_and_fragments_assemble_into_exactly_the_document(
 
 
 def test_a_worker_that_remembers_an_older_seq_appends_after_the_stored_tip_not_its_own(
-    store: RedisSnapshotStore | S3SnapshotStore, request: pytest.FixtureRequest
+    store: Appending, request: pytest.FixtureRequest
 ) -> None:
     # Given worker A saved a run at seq 3, and worker B then took it on to seq 5
     state = grown(make_state(seq=1), 1)
     store.save(state, expected_seq=None)
-    url = request.getfixturevalue(
-        "redis_url" if isinstance(store, RedisSnapshotStore) else "s3_url"
-    )
-    other = type(store).from_url(url)
+    other = another(store, request)
     taken_on = grown(state, 2)
     other.save(taken_on, expected_seq=state.seq)
     one_turn = other.bytes_written  # B appended one turn after the tip it read

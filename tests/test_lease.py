@@ -46,7 +46,7 @@ SHORT = {"liveness_s": 0.4, "heartbeat_interval_s": 0.1, "lease_s": 30.0}
 
 HOLDER = """
 import sys, time
-from tasks.journal import new_owner
+from tasks.persistence import new_owner
 from tasks.liveness import claim
 from tests.workers import redis_context
 

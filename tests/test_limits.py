@@ -1,9 +1,9 @@
-"""Rate limits and concurrency caps: the pure arithmetic, and one conformance suite for
-every limit store (memory, SQLite, Redis's Lua script) held to the same answers."""
+"""Rate limits and concurrency caps: the pure arithmetic and the turn. The limit stores'
+conformance suite (memory, SQLite, Redis's Lua script held to the same answers) is
+store/conformance/limits.py, run by tests/contract/test_limit_store_contract.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from runtime.limits import (
     schedule,
 )
 from runtime.models import Event, Message, RunStatus
-from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
+from store.limits import MemoryLimitStore
 from tasks.limits import Wait, admit, use_limit_store
 from tasks.start import create_run
 from tasks.turn import advance
@@ -104,117 +104,12 @@ def test_runs_under_way_outrank_new_runs_on_both_brokers_scales() -> None:
     assert min(rabbit_under_way) > max(rabbit_new) and rabbit_new == sorted(rabbit_new)
 
 
-# --- one conformance suite for every limit store --------------------------------------
-
-
 class Clock:
     def __init__(self) -> None:
         self.ms = 1_000_000.0
 
     def __call__(self) -> float:
         return self.ms
-
-
-@pytest.fixture(params=["memory", "sqlite", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LimitStore]:
-    if request.param == "memory":
-        yield MemoryLimitStore()
-    elif request.param == "sqlite":
-        yield SqliteLimitStore(tmp_path / "limits.sqlite3")
-    else:
-        import redis
-
-        url = request.getfixturevalue("redis_url")
-        client = redis.Redis.from_url(url)
-        yield RedisLimitStore(client, "t")
-        client.close()
-
-
-def test_a_store_admits_a_burst_then_reserves_in_order_and_then_denies(
-    store: LimitStore,
-) -> None:
-    rate = Rate("requests", 60, burst_s=1.0)  # one a second, one ahead
-    answers = []
-    for i in range(6):
-        admission = store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, under_way=True)
-        answers.append(admission.verdict.outcome)
-    # Two go at once, the next two reserve their slots 1 s and 2 s on, the rest are past 2.5 s
-    assert answers == ["go", "go", "reserved", "reserved", "denied", "denied"]
-    # The denied stand in line in the order they asked
-    again = [store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, True) for i in (5, 4)]
-    assert [a.place for a in again] == [1, 0]
-
-
-def test_a_reservation_is_taken_by_the_turn_it_was_made_for_and_only_once(
-    store: LimitStore,
-) -> None:
-    rate = Rate("requests", 60, burst_s=0.001)  # one a second
-    store.admit("k", "other", 1, 2, [rate], [1], 2000, True)
-    made = store.admit("k", "run", 4, 5, [rate], [1], 2000, True)
-    assert made.verdict.outcome == "reserved" and 0 < made.verdict.wait_ms <= 1000
-    # The re-enqueued turn (seq 5) fired early: told to come back at its time, not charged
-    early = store.admit("k", "run", 5, 6, [rate], [1], 0, True)
-    assert (early.verdict.outcome, early.verdict.binding) == ("reserved", "early")
-    import time
-
-    time.sleep(early.verdict.wait_ms / 1000 + 0.01)  # the countdown, run out
-    # At its time it finds its reservation and goes without asking the rate
-    assert store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding == "reserved"
-    # A duplicate of that turn asks the rate like anyone else
-    assert store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding != "reserved"
-
-
-def test_new_runs_wait_behind_runs_under_way_in_the_line(store: LimitStore) -> None:
-    rate = Rate("requests", 60, burst_s=0.001)
-    store.admit("k", "first", 1, 2, [rate], [1], 0, True)
-    new = store.admit("k", "new", 1, 2, [rate], [1], 0, under_way=False)
-    under_way = store.admit("k", "started", 3, 4, [rate], [1], 0, under_way=True)
-    assert (under_way.place, store.admit("k", "new", 1, 2, [rate], [1], 0, False).place) == (0, 1)
-    assert new.verdict.outcome == "denied"
-
-
-def test_a_block_holds_every_run_of_the_key_off(store: LimitStore) -> None:
-    store.block("k", 60_000)
-    admission = store.admit("k", "run", 1, 2, [], [], 0, True)
-    assert admission.verdict.outcome == "denied" and admission.verdict.binding == "blocked"
-    assert 59_000 < admission.verdict.wait_ms <= 60_000
-    assert store.use("k").blocked_s > 59
-
-
-def test_settling_moves_the_token_schedule_and_the_minute_count(store: LimitStore) -> None:
-    tokens = Rate("tokens", 60_000, burst_s=0.001)  # a token a millisecond
-    store.admit("k", "run", 1, 2, [tokens], [5000], 0, True)
-    before = store.use("k")
-    store.settle("k", -4000, tokens)
-    after = store.use("k")
-    assert before.tokens_this_minute - after.tokens_this_minute == 4000
-    assert before.ahead_s["tokens"] - after.ahead_s["tokens"] == pytest.approx(4, abs=0.2)
-
-
-def test_a_cap_admits_n_runs_queues_the_rest_in_order_and_hands_places_on(
-    store: LimitStore,
-) -> None:
-    held = [store.acquire("agent:a", f"r{i}", 2).held for i in range(5)]
-    assert held == [True, True, False, False, False]
-    assert store.acquire("agent:a", "r0", 2).held  # a holder keeps its place
-    waiting = store.acquire("agent:a", "r4", 2)
-    assert waiting.place == 2 and set(waiting.holders) == {"r0", "r1"}
-    assert store.release("agent:a", "r1", 2) == ["r2"]
-    assert store.cap_use("agent:a").holders == ("r0", "r2")
-    assert store.cap_use("agent:a").waiting == ("r3", "r4")
-    # A cap raised at run time hands every new place on at once, in order
-    assert store.release("agent:a", "r0", 4) == ["r3", "r4"]
-
-
-def test_overrides_are_kept_and_removed(store: LimitStore) -> None:
-    store.set_override("k", {"requests_per_minute": 100})
-    store.set_cap_override("key:tenant-a", 3)
-    assert store.overrides() == {"k": {"requests_per_minute": 100}}
-    assert store.cap_overrides() == {"key:tenant-a": 3}
-    assert store.known() == (["k"], ["key:tenant-a"])
-    store.set_override("k", None)
-    store.set_cap_override("key:tenant-a", None)
-    assert store.overrides() == {} and store.cap_overrides() == {}
 
 
 # --- the turn ------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import pytest
 from runtime.models import RunStatus
 from runtime.recovery import SWEEPER
 from tasks.context import Context
-from tasks.journal import append_events
 from tasks.liveness import beats, process_id
+from tasks.persistence import append_events
 from tasks.recovery import resume, sweep_orphans
 from tasks.start import create_run
 from tasks.turn import advance

@@ -71,11 +71,11 @@ def provider_for(server: OpenAIServer, **table: Any) -> OpenAIProvider:
     return OpenAIProvider.from_settings("gpt-test", settings)
 
 
-def simple_request(turn: int = 0) -> ModelRequest:
+def simple_request(model_call: int = 0) -> ModelRequest:
     return ModelRequest(
         messages=(Message(role="user", content="Refund order A-1001."),),
         tools=(LOOKUP,),
-        turn=turn,
+        model_call=model_call,
     )
 
 
@@ -111,7 +111,7 @@ def test_the_request_is_the_recorded_one_with_the_key_as_a_bearer_token(
             ),
         ),
         tools=(LOOKUP, REFUND),
-        turn=1,
+        model_call=1,
     )
 
     # When the provider asks the model
@@ -130,7 +130,7 @@ def test_no_tools_means_no_tools_key_and_temperature_is_sent_only_when_set(
 ) -> None:
     server.enqueue_fixture("text_answer")
     server.enqueue_fixture("text_answer")
-    bare = ModelRequest(messages=(Message(role="user", content="hi"),), turn=0)
+    bare = ModelRequest(messages=(Message(role="user", content="hi"),), model_call=0)
 
     provider_for(server).complete(bare)
     provider_for(server, temperature=0.2).complete(bare)

@@ -34,7 +34,7 @@ from tasks.context import Context, set_context
 from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
-from tests.helpers import drive
+from tests.helpers import drive, memory_context
 from tests.openai_server import OpenAIServer, RecordedRequest, load_fixture, serve
 from tests.redis_server import RedisServer
 from tests.workers import BROKER_DB
@@ -595,3 +595,21 @@ def test_a_provider_still_failing_after_its_retries_stalls_the_run_for_a_resume(
     record = ratchet.wait(run_id, timeout_s=WAIT_S)
     assert record.status == RunStatus.COMPLETED
     assert len(server.requests) == 3
+
+
+def test_a_provider_outage_ends_its_turn_with_the_outcome_stalled_not_idle(
+    server: OpenAIServer, key: str, tmp_path: Path
+) -> None:
+    # Given a model server that answers 500 to both attempts the provider makes
+    server.enqueue_fixture("server_error")
+    server.enqueue_fixture("server_error")
+    agent = write_openai_agent(tmp_path, server, provider={"max_attempts": 2})
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "My toaster never arrived (order B2).").run_id
+    # When a turn calls the model and the provider gives up
+    done = advance(ctx, run_id, None)
+    # Then the turn's outcome (the label of ratchet_turns_total) says the run stalled:
+    # counted as idle, an outage would look like a turn that found nothing to do
+    assert str(done.outcome) == "stalled"
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.STALLED

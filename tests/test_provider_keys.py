@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(30)
 
 KEY = "sk-test-ratchet-echoed-4b1e8c2d9f7a6e5d3c1b0a9f8e7d6c5b"
 SECRET = "aws-secret-9f8e7d6c5b4a3f2e1d0c9b8a7f6e5d4c3b2a1f0e"
-REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), turn=0)
+REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model_call=0)
 
 
 @pytest.fixture

@@ -19,11 +19,12 @@ from runtime.recovery import OPERATOR, SWEEPER
 from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
 from tasks.context import Context
-from tasks.journal import append_events, load, new_owner
+from tasks.held_run import HeldRun
+from tasks.persistence import append_events, load, new_owner
 from tasks.recovery import reconcile, resume, sweep_orphans
 from tasks.settings import Settings
 from tasks.start import create_run
-from tasks.turn import Turn, advance
+from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main as cli
@@ -354,7 +355,7 @@ def test_a_worker_whose_lease_expired_cannot_write_after_another_took_over(
     # Given worker A opened the run and then froze past its lease
     owner = new_owner()
     assert ctx.runs.acquire_lease(run_id, owner, 10)
-    zombie = Turn.open(ctx, run_id, owner)
+    zombie = HeldRun.open(ctx, run_id, owner)
     assert zombie is not None
     clock.now_ms += 11_000
     # And worker B took the run over and finished it

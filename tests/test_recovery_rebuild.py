@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from runtime.fsm import rebuild
 from runtime.models import RunState, RunStatus
 from store.snapshots import format as snapshot_format
-from tasks.journal import append_events, load
+from tasks.persistence import append_events, load
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 

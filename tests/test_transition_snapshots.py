@@ -3,7 +3,9 @@
 On one Redis the run store writes each checkpointed transition (events, snapshot,
 the lease's release) in one script; with the snapshot store elsewhere (another
 prefix here, so the run store cannot commit it) the same run makes the separate
-calls the code made before, and with memory stores the whole-document path. A
+calls the code made before, and with memory stores the whole-document path. The
+embedded stores the same: SQLite snapshots in the run database (one transaction
+per transition, the default) and the file store beside it (separate calls). A
 60-turn run driven through real turns on each must leave byte-identical
 documents and event logs, and the document must be what the run's own events
 fold to.
@@ -18,10 +20,13 @@ from runtime.models import RunStatus
 from store.runs import RunStore
 from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
+from store.runs.sqlite import SqliteRunStore
 from store.snapshots import SnapshotStore
 from store.snapshots import format as snapshot_format
+from store.snapshots.file import FileSnapshotStore
 from store.snapshots.memory import MemorySnapshotStore
 from store.snapshots.redis import RedisSnapshotStore
+from store.snapshots.sqlite import SqliteSnapshotStore
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
@@ -75,11 +80,24 @@ def test_a_sixty_turn_run_leaves_the_same_snapshot_on_the_combined_and_separate_
     for name, snapshot_prefix in (("combined", "combined"), ("separate", "separate-snapshots")):
         clock = FakeClock()
         redis_runs = RedisRunStore.from_url(redis_url, prefix=name, clock=clock)
-        pairs[name] = (redis_runs, RedisSnapshotStore.from_url(redis_url, prefix=snapshot_prefix), clock)
+        pairs[name] = (
+            redis_runs,
+            RedisSnapshotStore.from_url(redis_url, prefix=snapshot_prefix),
+            clock,
+        )
     clock = FakeClock()
     pairs["memory"] = (MemoryRunStore(clock=clock), MemorySnapshotStore(), clock)
+    for name, snapshots_of in (
+        ("sqlite", SqliteSnapshotStore),
+        ("sqlite+file", lambda db: FileSnapshotStore(db.parent / "snapshots")),
+    ):
+        clock, db = FakeClock(), tmp_path / name / "runs.sqlite3"
+        db.parent.mkdir()
+        pairs[name] = (SqliteRunStore(db, clock=clock), snapshots_of(db), clock)
     assert pairs["combined"][0].commits_with(pairs["combined"][1])
+    assert pairs["sqlite"][0].commits_with(pairs["sqlite"][1])
     assert not pairs["separate"][0].commits_with(pairs["separate"][1])
+    assert not pairs["sqlite+file"][0].commits_with(pairs["sqlite+file"][1])
     try:
         for name, (runs, snapshots, clock) in pairs.items():
             documents[name] = run_sixty_turns(agent, runs, snapshots, clock)
@@ -93,15 +111,16 @@ def test_a_sixty_turn_run_leaves_the_same_snapshot_on_the_combined_and_separate_
             runs.close()
 
     # The same bytes on every path, and the same events
-    assert documents["combined"] == documents["separate"] == documents["memory"]
-    assert logs["combined"] == logs["separate"] == logs["memory"]
+    for name in pairs:
+        assert documents[name] == documents["memory"], name
+        assert logs[name] == logs["memory"], name
     # And the document is the encoding of what the events fold to: 60 turns, still live
     state = rebuild(logs["combined"])
     assert state is not None and state.status == RunStatus.MODEL
     assert state.usage.model_turns == TURNS and len(state.transcript) > 2 * TURNS
     assert documents["combined"] == snapshot_format.encode(state)
     # And the combined run's record and lease are as the separate run's: released, at its seq
-    for name in ("combined", "separate"):
+    for name in ("combined", "separate", "sqlite", "sqlite+file"):
         record, lease = records[name]
         assert record is not None and record.last_seq == state.seq
         assert lease is None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.actions import TOOL_TIMEOUT_ATTEMPTS, Advanced
 from runtime.models import RunStatus
 from runtime.recovery import OPERATOR, SWEEPER
 from store.runs.memory import MemoryRunStore
@@ -31,11 +32,11 @@ from store.snapshots.memory import MemorySnapshotStore
 from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
-from tasks.journal import append_events, load
+from tasks.persistence import append_events, load
 from tasks.recovery import resume
 from tasks.settings import Settings
 from tasks.start import create_run
-from tasks.turn import TOOL_TIMEOUT_ATTEMPTS, Advanced, advance
+from tasks.turn import advance
 from tests.contract.conftest import FakeClock
 from tests.helpers import call, drive, turn, write_agent
 from tests.test_recovery import park_with_refund_in_flight, refund_agent

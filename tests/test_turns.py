@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -223,3 +224,25 @@ def test_a_turn_waits_out_a_late_duplicate_that_briefly_holds_the_lease(
 
     # When the run's real next turn arrives meanwhile, it waits instead of giving up
     assert advance(ctx, run_id, 1).outcome == "completed"
+
+
+def test_a_run_nothing_disturbs_completes_without_a_single_warning(
+    tmp_path: Path, ledger: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a run on stores that save events and snapshots apart (a checkpoint per step)
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("look", call("lookup_order", order_id="B2")),
+            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
+            turn("Refunded."),
+        ],
+    )
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "refund B2").run_id
+    caplog.set_level(logging.WARNING)
+    # When it runs to the end with no crash, no rival and no late message
+    assert drive(ctx, run_id).outcome == "completed"
+    # Then nothing was worth a warning: each checkpoint expected the seq the last one saved
+    # (a save that found its own last checkpoint would be healed as a late one, loudly)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

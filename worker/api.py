@@ -30,9 +30,9 @@ from runtime.recovery import OPERATOR
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
-from tasks.journal import Loaded, load
 from tasks.lease import holding
 from tasks.messages import Start, enqueue_resume, enqueue_turn
+from tasks.persistence import Loaded, load
 from tasks.start import start
 
 

@@ -33,9 +33,9 @@ from typing import Any
 
 from celery.signals import import_modules, worker_init
 
+from runtime.actions import TOOL_TIMEOUT_ATTEMPTS
 from tasks.pool import pool_name
 from tasks.settings import Settings, get_settings
-from tasks.turn import TOOL_TIMEOUT_ATTEMPTS
 from worker.startup import shadow_problem
 
 log = logging.getLogger("ratchet.checks")

@@ -25,8 +25,8 @@ Observer = Callable[[str, dict[str, Any]], None]
 class ModelRequest(Strict):
     messages: tuple[Message, ...]
     tools: tuple[dict[str, Any], ...] = ()
-    turn: int = Field(ge=0)
-    """Index of this model call among the run's responses: 0 for the first turn."""
+    model_call: int = Field(ge=0)
+    """Index of this model call among the run's responses, 0-based: 0 for the first."""
 
 
 class ModelResponse(Strict):

@@ -284,7 +284,7 @@ class OpenAIProvider:
                         body = self._post(client, payload, key, headers)
         except _RetryableFailure as last:
             raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
-        return parse_response(body, request.turn, self._describe())
+        return parse_response(body, request.model_call, self._describe())
 
     def payload(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body of ``POST /chat/completions`` for ``request``."""
@@ -525,7 +525,7 @@ def parse_arguments(raw: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {INVALID_ARGUMENTS_KEY: text}
 
 
-def parse_response(body: Any, turn: int, where: str) -> ModelResponse:
+def parse_response(body: Any, model_call: int, where: str) -> ModelResponse:
     """A chat-completion body as a :class:`ModelResponse`; ProviderError if it is not one."""
 
     def malformed(problem: str) -> ProviderError:
@@ -549,7 +549,7 @@ def parse_response(body: Any, turn: int, where: str) -> ModelResponse:
             raise malformed(f"`tool_calls[{index}]` has no function name")
         calls.append(
             {
-                "id": call.get("id") or f"call_{turn + 1}_{index + 1}",
+                "id": call.get("id") or f"call_{model_call + 1}_{index + 1}",
                 "name": function["name"],
                 "arguments": parse_arguments(function.get("arguments")),
             }

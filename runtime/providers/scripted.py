@@ -76,22 +76,22 @@ class ScriptedProvider:
 
     def complete(self, request: ModelRequest, *, observer: Observer | None = None) -> ModelResponse:
         turns = self._script.turns
-        if request.turn >= len(turns):
+        if request.model_call >= len(turns):
             raise ProviderError(
-                f"script {self._path.name} has {len(turns)} turns; turn {request.turn + 1} was asked"
+                f"script {self._path.name} has {len(turns)} turns; turn {request.model_call + 1} was asked"
             )
-        entry = turns[request.turn]
+        entry = turns[request.model_call]
         log = os.environ.get("RATCHET_SCRIPTED_CALL_LOG")
         if log:
             with open(log, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps({"turn": request.turn, "pid": os.getpid()}) + "\n")
+                handle.write(json.dumps({"turn": request.model_call, "pid": os.getpid()}) + "\n")
         if entry.sleep_s:
             import time
 
             time.sleep(entry.sleep_s)
         calls = tuple(
             {
-                "id": call.id or f"call_{request.turn + 1}_{index + 1}",
+                "id": call.id or f"call_{request.model_call + 1}_{index + 1}",
                 "name": call.name,
                 "arguments": call.arguments,
             }

@@ -26,7 +26,10 @@ from store.runs import (
     Orphan,
     RunRecord,
     RunStore,
+    Transition,
 )
+from store.snapshots import SnapshotStore
+from store.snapshots.sqlite import SqliteSnapshotStore, write_parts
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -184,20 +187,75 @@ class SqliteRunStore(RunStore):
         self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int
     ) -> None:
         with self._tx() as conn:
-            row = conn.execute(
-                "SELECT last_seq FROM runs WHERE run_id = ?", (record.run_id,)
+            self._fenced_append(conn, record, events, owner, now_ms)
+
+    def _fenced_append(
+        self,
+        conn: sqlite3.Connection,
+        record: RunRecord,
+        events: list[Event],
+        owner: str | None,
+        now_ms: int,
+    ) -> None:
+        """Inside a write transaction: the seq and lease fences, the events, the record."""
+        row = conn.execute(
+            "SELECT last_seq, status, due_at_ms, finished_at_ms FROM runs WHERE run_id = ?",
+            (record.run_id,),
+        ).fetchone()
+        found = row[0] if row else None
+        if found != events[0].seq - 1:
+            raise StaleWrite(record.run_id, events[0].seq - 1, found)
+        if owner is not None:
+            lease = conn.execute(
+                "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (record.run_id,)
             ).fetchone()
-            found = row[0] if row else None
-            if found != events[0].seq - 1:
-                raise StaleWrite(record.run_id, events[0].seq - 1, found)
-            if owner is not None:
-                lease = conn.execute(
-                    "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (record.run_id,)
-                ).fetchone()
-                if lease is None or lease[0] != owner or lease[1] <= now_ms:
-                    raise LeaseLost(record.run_id, owner)
-            self._insert_events(conn, record.run_id, events)
-            conn.execute(f"REPLACE INTO runs {_ROW}", self._record_row(record))
+            if lease is None or lease[0] != owner or lease[1] <= now_ms:
+                raise LeaseLost(record.run_id, owner)
+        self._insert_events(conn, record.run_id, events)
+        # An UPDATE of the columns that changed, not a REPLACE (a delete and an insert):
+        # the indexes on unchanged columns keep their pages, so a commit writes fewer
+        # pages to the WAL (status and finished change a few times in a run's life).
+        run_id, status, last_seq, _, due_at_ms, document, finished_at_ms = self._record_row(record)
+        changed = {"last_seq": last_seq, "record": document}
+        for column, old, new in (
+            ("status", row[1], status),
+            ("due_at_ms", row[2], due_at_ms),
+            ("finished_at_ms", row[3], finished_at_ms),
+        ):
+            if old != new:
+                changed[column] = new
+        conn.execute(
+            f"UPDATE runs SET {', '.join(f'{c} = ?' for c in changed)} WHERE run_id = ?",
+            (*changed.values(), run_id),
+        )
+
+    def commits_with(self, snapshots: SnapshotStore) -> bool:
+        """True for a SQLite snapshot store in this store's own database file."""
+        return isinstance(snapshots, SqliteSnapshotStore) and snapshots.path == self.path
+
+    def _commit(self, whole: Transition, now_ms: int) -> None:
+        # One transaction, one WAL commit: the fences, the events and record, the snapshot's
+        # head and new transcript rows, and the release.
+        snapshots, record, owner = whole.snapshots, whole.record, whole.owner
+        assert isinstance(snapshots, SqliteSnapshotStore)
+        with self._tx() as conn:
+            self._fenced_append(conn, record, whole.events, owner, now_ms)
+            written = write_parts(conn, record.run_id, whole.parts, whole.expected_seq)
+            if whole.release and owner is not None:
+                conn.execute(
+                    "DELETE FROM leases WHERE run_id = ? AND owner = ?", (record.run_id, owner)
+                )
+        snapshots.bytes_written += written
+
+    def _acquire_and_get(
+        self, run_id: str, owner: str, lease_ms: int, now_ms: int
+    ) -> tuple[bool, RunRecord | None]:
+        # The lease and the record in one transaction.
+        with self._tx() as conn:
+            if not self._take(conn, run_id, owner, lease_ms, now_ms):
+                return False, None
+            row = conn.execute("SELECT record FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return True, RunRecord.model_validate_json(row[0]) if row else None
 
     def _get(self, run_id: str) -> RunRecord | None:
         with self._read() as conn:
@@ -230,13 +288,19 @@ class SqliteRunStore(RunStore):
 
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         with self._tx() as conn:
-            row = conn.execute(
-                "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
-            ).fetchone()
-            if row is not None and row[0] != owner and row[1] > now_ms:
-                return False
-            conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
-            return True
+            return self._take(conn, run_id, owner, lease_ms, now_ms)
+
+    @staticmethod
+    def _take(
+        conn: sqlite3.Connection, run_id: str, owner: str, lease_ms: int, now_ms: int
+    ) -> bool:
+        row = conn.execute(
+            "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        if row is not None and row[0] != owner and row[1] > now_ms:
+            return False
+        conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
+        return True
 
     def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         return self._renew([(run_id, owner)], lease_ms, now_ms)[0]

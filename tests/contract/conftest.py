@@ -1,61 +1,25 @@
-"""Backends under test: every contract test runs once per backend.
+"""The project's backends under the conformance suites (store/conformance/).
 
-A backend joins the suite by adding a branch to ``open_snapshot_store`` or
+Each test file subclasses a contract class; the fixtures here hand it every backend
+in turn. A backend joins by adding a branch to ``open_snapshot_store`` or
 ``open_run_store``; it is done when the whole suite passes on it.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
+from store.conformance.support import T0_MS, FakeClock, race
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
-SNAPSHOT_BACKENDS = ("memory", "file", "redis", "s3")
+__all__ = ["T0_MS", "FakeClock", "open_run_store", "open_snapshot_store", "race"]
+
+SNAPSHOT_BACKENDS = ("memory", "file", "sqlite", "redis", "s3")
 RUN_BACKENDS = ("memory", "sqlite", "redis")
-T0_MS = 1_700_000_000_000
-"""Where the injected clock starts: a fixed instant, far from the real one."""
-
-
-class FakeClock:
-    """A clock the test moves by hand; run stores read time only through it."""
-
-    def __init__(self, now_ms: int = T0_MS) -> None:
-        self.now_ms = now_ms
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-    def advance(self, ms: int) -> None:
-        self.now_ms += ms
-
-
-T = TypeVar("T")
-
-
-def race(*calls: Callable[[], T]) -> list[T | Exception]:
-    """Run the calls on threads released together; each one's result or error, in order."""
-    start = threading.Barrier(len(calls))
-    results: list[T | Exception] = [RuntimeError("did not finish")] * len(calls)
-
-    def run(i: int) -> None:
-        start.wait()
-        try:
-            results[i] = calls[i]()
-        except Exception as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return results
 
 
 @pytest.fixture
@@ -75,6 +39,11 @@ def open_snapshot_store(
 
         # Nested, so that a `../` escape would still land inside tmp_path where a test can see it.
         return FileSnapshotStore(tmp_path / "a" / "b" / "snapshots")
+    if backend == "sqlite":
+        from store.snapshots.sqlite import SqliteSnapshotStore
+
+        # The run store's database (open_run_store): the embedded default keeps both in one.
+        return SqliteSnapshotStore(tmp_path / "runs.sqlite3")
     if backend == "redis":
         from store.snapshots.redis import RedisSnapshotStore
 

@@ -38,7 +38,7 @@ from tasks.children import deliver
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
 from tasks.fork import fork
-from tasks.journal import append_events, new_owner
+from tasks.persistence import append_events, new_owner
 from tasks.recovery import reconcile, resume
 from tasks.start import create_run
 from tasks.timers import wake

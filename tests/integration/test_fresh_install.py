@@ -156,6 +156,33 @@ def test_the_bare_install_has_none_of_the_extras(fresh_venv: Venv) -> None:
         assert done.returncode != 0, f"{module} is installed in the bare venv"
 
 
+def test_the_conformance_suites_and_the_lua_scripts_are_installed(
+    fresh_venv: Venv, elsewhere: Path, tmp_path: Path
+) -> None:
+    # The suites are in the package list (store.conformance ships with ratchet), and without
+    # pytest (the bare install) importing them says which extra brings it.
+    env = venv_env(tmp_path)
+    where = subprocess.run(
+        [fresh_venv.bin("python"), "-c",
+         "import importlib.util as u; print(u.find_spec('store.conformance').origin)"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert where.returncode == 0, where.stderr
+    assert where.stdout.strip().endswith("site-packages/store/conformance/__init__.py")
+    # The backends read their Lua scripts at import: each folder of them was installed too.
+    backends = subprocess.run(
+        [fresh_venv.bin("python"), "-c", "import store.limits, store.runs.redis"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert backends.returncode == 0, backends.stderr
+    done = subprocess.run(
+        [fresh_venv.bin("python"), "-c", "import store.conformance"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "pip install 'ratchet[conformance]'" in done.stderr
+
+
 def test_a_bare_install_runs_a_run_on_a_redis_broker(
     fresh_venv: Venv, venv_worker: StartWorker, elsewhere: Path, tmp_path: Path
 ) -> None:

@@ -150,7 +150,7 @@ def test_enqueue_deliver_tells_the_waiting_parent(
 ) -> None:
     # Given a parent waiting for a child whose end is not told by the child's own turn
     told: list[str] = []
-    monkeypatch.setattr("tasks.turn.tell_parent_soon", told.append)
+    monkeypatch.setattr("tasks.held_run.tell_parent_soon", told.append)
     agent = parent_agent(
         tmp_path, [turn("Asking.", call("run_child", agent="toaster", input="B2")), turn("ok")]
     )

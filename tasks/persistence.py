@@ -21,7 +21,7 @@ from runtime.errors import (
     SnapshotTooLarge,
     StaleWrite,
 )
-from runtime.fsm import apply, rebuild
+from runtime.fsm import ENDINGS, apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
 from store.runs import Checkpoint, RunRecord
@@ -333,23 +333,26 @@ def append_ending(
     ctx: Context,
     record: RunRecord,
     kind: str,
-    status: RunStatus,
     data: dict[str, Any],
     owner: str | None,
+    stays_due: bool = False,
 ) -> RunRecord:
-    """End a run whose state cannot be loaded: one event, and the record changed as the fold would.
-
-    For a run :func:`load` raises RunStateLost on; fenced like :func:`append_events`.
+    """End a run by one event of :data:`runtime.fsm.ENDINGS` without reading its state: the
+    record changed as the fold changes the state (status, error), fenced like
+    :func:`append_events`. For a run :func:`load` raises RunStateLost on, and a cancel,
+    which must not wait for a snapshot. ``stays_due``: the run stays in the due index (a
+    child whose parent is not told yet).
     """
     now = ctx.runs.clock()
     event = Event(seq=record.last_seq + 1, type=kind, at_ms=now, data=data)
+    status = ENDINGS[kind]
     ended = record.model_copy(
         update={
             "status": status,
             "error": str(data.get("reason") or kind),
             "last_seq": event.seq,
             "updated_at_ms": now,
-            "due_at_ms": None,
+            "due_at_ms": now if stays_due else None,
             "suspension": None,
         }
     )

@@ -1,0 +1,107 @@
+"""The LimitStore contract: rate limits' schedules, reservations, waiting lines and blocks,
+concurrency caps, and the limits operators set at run time.
+
+Limit stores read the real clock (the Redis one the server's), so one test waits out
+a reservation's second. Every limit store passes all of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from runtime.limits import Rate
+from store.limits import LimitStore
+
+
+class LimitStoreContract:
+    """Subclass it as ``Test…`` beside a ``limit_store`` fixture that yields a fresh, empty
+    store; pytest runs every test below on it."""
+
+    def test_a_store_admits_a_burst_then_reserves_in_order_and_then_denies(
+        self, limit_store: LimitStore
+    ) -> None:
+        rate = Rate("requests", 60, burst_s=1.0)  # one a second, one ahead
+        answers = []
+        for i in range(6):
+            admission = limit_store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, under_way=True)
+            answers.append(admission.verdict.outcome)
+        # Two go at once, the next two reserve their slots 1 s and 2 s on, the rest are past 2.5 s
+        assert answers == ["go", "go", "reserved", "reserved", "denied", "denied"]
+        # The denied stand in line in the order they asked
+        again = [limit_store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, True) for i in (5, 4)]
+        assert [a.place for a in again] == [1, 0]
+
+    def test_a_reservation_is_taken_by_the_turn_it_was_made_for_and_only_once(
+        self, limit_store: LimitStore
+    ) -> None:
+        rate = Rate("requests", 60, burst_s=0.001)  # one a second
+        limit_store.admit("k", "other", 1, 2, [rate], [1], 2000, True)
+        made = limit_store.admit("k", "run", 4, 5, [rate], [1], 2000, True)
+        assert made.verdict.outcome == "reserved" and 0 < made.verdict.wait_ms <= 1000
+        # The re-enqueued turn (seq 5) fired early: told to come back at its time, not charged
+        early = limit_store.admit("k", "run", 5, 6, [rate], [1], 0, True)
+        assert (early.verdict.outcome, early.verdict.binding) == ("reserved", "early")
+        time.sleep(early.verdict.wait_ms / 1000 + 0.01)  # the countdown, run out
+        # At its time it finds its reservation and goes without asking the rate
+        assert (
+            limit_store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding == "reserved"
+        )
+        # A duplicate of that turn asks the rate like anyone else
+        assert (
+            limit_store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding != "reserved"
+        )
+
+    def test_new_runs_wait_behind_runs_under_way_in_the_line(self, limit_store: LimitStore) -> None:
+        rate = Rate("requests", 60, burst_s=0.001)
+        limit_store.admit("k", "first", 1, 2, [rate], [1], 0, True)
+        new = limit_store.admit("k", "new", 1, 2, [rate], [1], 0, under_way=False)
+        under_way = limit_store.admit("k", "started", 3, 4, [rate], [1], 0, under_way=True)
+        assert (
+            under_way.place,
+            limit_store.admit("k", "new", 1, 2, [rate], [1], 0, False).place,
+        ) == (0, 1)
+        assert new.verdict.outcome == "denied"
+
+    def test_a_block_holds_every_run_of_the_key_off(self, limit_store: LimitStore) -> None:
+        limit_store.block("k", 60_000)
+        admission = limit_store.admit("k", "run", 1, 2, [], [], 0, True)
+        assert admission.verdict.outcome == "denied" and admission.verdict.binding == "blocked"
+        assert 59_000 < admission.verdict.wait_ms <= 60_000
+        assert limit_store.use("k").blocked_s > 59
+
+    def test_settling_moves_the_token_schedule_and_the_minute_count(
+        self, limit_store: LimitStore
+    ) -> None:
+        tokens = Rate("tokens", 60_000, burst_s=0.001)  # a token a millisecond
+        limit_store.admit("k", "run", 1, 2, [tokens], [5000], 0, True)
+        before = limit_store.use("k")
+        limit_store.settle("k", -4000, tokens)
+        after = limit_store.use("k")
+        assert before.tokens_this_minute - after.tokens_this_minute == 4000
+        assert before.ahead_s["tokens"] - after.ahead_s["tokens"] == pytest.approx(4, abs=0.2)
+
+    def test_a_cap_admits_n_runs_queues_the_rest_in_order_and_hands_places_on(
+        self, limit_store: LimitStore
+    ) -> None:
+        held = [limit_store.acquire("agent:a", f"r{i}", 2).held for i in range(5)]
+        assert held == [True, True, False, False, False]
+        assert limit_store.acquire("agent:a", "r0", 2).held  # a holder keeps its place
+        waiting = limit_store.acquire("agent:a", "r4", 2)
+        assert waiting.place == 2 and set(waiting.holders) == {"r0", "r1"}
+        assert limit_store.release("agent:a", "r1", 2) == ["r2"]
+        assert limit_store.cap_use("agent:a").holders == ("r0", "r2")
+        assert limit_store.cap_use("agent:a").waiting == ("r3", "r4")
+        # A cap raised at run time hands every new place on at once, in order
+        assert limit_store.release("agent:a", "r0", 4) == ["r3", "r4"]
+
+    def test_overrides_are_kept_and_removed(self, limit_store: LimitStore) -> None:
+        limit_store.set_override("k", {"requests_per_minute": 100})
+        limit_store.set_cap_override("key:tenant-a", 3)
+        assert limit_store.overrides() == {"k": {"requests_per_minute": 100}}
+        assert limit_store.cap_overrides() == {"key:tenant-a": 3}
+        assert limit_store.known() == (["k"], ["key:tenant-a"])
+        limit_store.set_override("k", None)
+        limit_store.set_cap_override("key:tenant-a", None)
+        assert limit_store.overrides() == {} and limit_store.cap_overrides() == {}

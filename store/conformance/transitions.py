@@ -1,0 +1,213 @@
+"""``RunStore.commit``: a transition's events, snapshot and lease release, on a store pair.
+
+A run store that ``commits_with`` the snapshot store (the capability
+``combined_commit``: the Redis run store beside a Redis snapshot store on the same
+server and prefix) writes the whole transition in one atomic call; any other pair
+makes the separate calls each contract promises. Every fence holds on both paths: a
+zombie's transition (lease lost, seq moved on) writes nothing anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from runtime.errors import LeaseLost, StaleWrite
+from runtime.models import Event, Message, RunState
+from store.conformance.capabilities import COMBINED_COMMIT
+from store.conformance.snapshots import make_state
+from store.conformance.support import FakeClock
+from store.runs import Checkpoint, RunRecord, RunStore
+from store.snapshots import SnapshotStore
+from store.snapshots import format as snapshot_format
+
+LEASE_S = 30
+
+Pair = tuple[RunStore, SnapshotStore]
+"""A run store and the snapshot store its transitions checkpoint to."""
+
+
+def said(state: RunState, text: str) -> RunState:
+    """``state`` one seq on, the assistant having said ``text``."""
+    message = Message(role="assistant", content=text)
+    return state.model_copy(
+        update={"seq": state.seq + 1, "transcript": (*state.transcript, message)}
+    )
+
+
+def event(seq: int, text: str) -> Event:
+    return Event(seq=seq, type="model.responded", at_ms=seq, data={"text": text})
+
+
+def record_of(state: RunState) -> RunRecord:
+    return RunRecord.from_state(state, state.created_at_ms + state.seq, None)
+
+
+def started(runs: RunStore, snapshots: SnapshotStore, owner: str = "worker-a") -> RunState:
+    """A run at seq 1 with its snapshot saved, its lease held by ``owner``."""
+    state = make_state()
+    runs.create(
+        record_of(state), Event(seq=1, type="run.created", at_ms=1, data={"run_id": "run-1"})
+    )
+    snapshots.save(state, None)
+    assert runs.acquire_lease("run-1", owner, LEASE_S)
+    return state
+
+
+def transition(
+    runs: RunStore,
+    snapshots: SnapshotStore,
+    after: RunState,
+    text: str,
+    expected_seq: int | None,
+    release: bool = False,
+) -> None:
+    """Worker A commits the one event that led to ``after`` (the assistant said ``text``)."""
+    checkpoint = Checkpoint(snapshots, after, expected_seq)
+    runs.commit(record_of(after), [event(after.seq, text)], "worker-a", checkpoint, release)
+
+
+def written(
+    runs: RunStore, snapshots: SnapshotStore
+) -> tuple[RunRecord | None, list[Event], bytes | None]:
+    """All a transition of run-1 writes: the record, the events, the snapshot's bytes."""
+    return runs.get("run-1"), runs.events("run-1"), snapshots.load_document("run-1")
+
+
+def combined(runs: RunStore, snapshots: SnapshotStore) -> bool:
+    """Whether this pair takes the combined path; skips the calling test, saying why, if not."""
+    if not COMBINED_COMMIT.offered_by(runs):
+        pytest.skip(COMBINED_COMMIT.missing(runs))
+    if not runs.commits_with(snapshots):
+        pytest.skip(
+            f"{type(runs).__name__} offers `combined_commit` but not with this "
+            f"{type(snapshots).__name__}: commits_with() is False, so the calls are separate"
+        )
+    return True
+
+
+class TransitionContract:
+    """Subclass it as ``Test…`` beside ``run_store`` and ``snapshot_store`` fixtures (or one
+    ``stores`` fixture yielding the pair); pytest runs every test below on the pair."""
+
+    @pytest.fixture
+    def clock(self) -> FakeClock:
+        return FakeClock()
+
+    @pytest.fixture
+    def stores(
+        self, run_store: RunStore, snapshot_store: SnapshotStore
+    ) -> Iterator[tuple[RunStore, SnapshotStore]]:
+        yield run_store, snapshot_store
+
+    def test_a_run_store_commits_only_with_a_snapshot_store_that_appends_transcripts(
+        self, stores: Pair
+    ) -> None:
+        # The combined path writes the snapshot as an appending store's parts (its head and
+        # new messages); a store that keeps whole documents has none to offer it.
+        runs, snapshots = stores
+        assert not runs.commits_with(snapshots) or snapshots.appends_transcript
+
+    def test_a_transition_writes_its_events_record_and_snapshot(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(said(state, "one"), "two")
+        events = [event(2, "one"), event(3, "two")]
+
+        runs.commit(record_of(after), events, "worker-a", Checkpoint(snapshots, after, state.seq))
+
+        assert runs.events("run-1")[1:] == events
+        assert runs.get("run-1") == record_of(after)
+        assert snapshots.load("run-1") == after
+        assert snapshots.load_document("run-1") == snapshot_format.encode(after)
+        # Without `release` the lease stays with its holder
+        lease = runs.lease("run-1")
+        assert lease is not None and lease.owner == "worker-a"
+
+    def test_a_transition_that_releases_lets_the_lease_go_with_it(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(state, "one")
+
+        transition(runs, snapshots, after, "one", 1, release=True)
+
+        assert runs.lease("run-1") is None
+        assert runs.acquire_lease("run-1", "worker-b", LEASE_S)
+
+    def test_transitions_chain_and_the_snapshot_grows_by_appends(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        for i in range(2, 12):
+            after = said(state, f"message {i}")
+            checkpoint = Checkpoint(snapshots, after, state.seq)
+            runs.commit(record_of(after), [event(i, f"message {i}")], "worker-a", checkpoint)
+            state = after
+        assert snapshots.load("run-1") == state
+        assert [e.seq for e in runs.events("run-1")] == list(range(1, 12))
+
+    def test_a_zombies_transition_after_a_takeover_writes_nothing(
+        self, stores: Pair, clock: FakeClock
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        # Given worker A's lease expired and worker B took the run
+        clock.advance(LEASE_S * 1000 + 1)
+        assert runs.acquire_lease("run-1", "worker-b", LEASE_S)
+        before = written(runs, snapshots)
+
+        # When A commits its transition, it is refused
+        with pytest.raises(LeaseLost):
+            transition(runs, snapshots, said(state, "zombie"), "zombie", 1, release=True)
+
+        # Then nothing changed: events, record, snapshot, and B's lease
+        assert written(runs, snapshots) == before
+        lease = runs.lease("run-1")
+        assert lease is not None and lease.owner == "worker-b"
+
+    def test_a_transition_behind_the_log_is_stale_and_writes_nothing(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        transition(runs, snapshots, said(state, "theirs"), "theirs", 1)
+        before = written(runs, snapshots)
+
+        with pytest.raises(StaleWrite):
+            transition(runs, snapshots, said(state, "mine"), "mine", 1)
+
+        assert written(runs, snapshots) == before
+
+    def test_a_transition_retried_after_its_reply_was_lost_succeeds_once(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(state, "one")
+        args = (record_of(after), [event(2, "one")], "worker-a")
+        runs.commit(*args, Checkpoint(snapshots, after, 1))
+
+        # The same transition sent again (what a retry of a lost reply does) is told it succeeded
+        if runs.commits_with(snapshots):
+            runs.commit(*args, Checkpoint(snapshots, after, 1))
+        else:
+            # Apart, the events' retry is found landed; the snapshot's own retry finds its document.
+            runs.append(*args)
+            snapshots.save(after, 1)
+
+        assert runs.events("run-1")[1:] == [event(2, "one")]
+        assert snapshots.load("run-1") == after
+
+    # --- the combined path only ---------------------------------------------------
+
+    def test_a_snapshot_behind_its_compare_and_set_refuses_the_whole_transition(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        combined(runs, snapshots)
+        state = started(runs, snapshots)
+        before = written(runs, snapshots)
+
+        # A checkpoint that expects no snapshot, where one is stored: refused, and so are the events
+        with pytest.raises(StaleWrite):
+            transition(runs, snapshots, said(state, "one"), "one", None)
+
+        assert written(runs, snapshots) == before

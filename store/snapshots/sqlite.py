@@ -1,0 +1,299 @@
+"""Snapshots in the SQLite run database, a head and appended transcript rows per run.
+
+``sqlite:///path`` names the database file; pointed at the run store's own
+(``RATCHET_RUN_STORE``'s, the embedded default), the run store
+:meth:`~store.runs.RunStore.commits_with` it and a checkpoint is one SQLite
+transaction: the events, the record, the snapshot's head and new transcript
+rows, and the lease's release when it rides along. Measured on the peer
+benchmark against the file store (``<run>.head`` + ``<run>.<gen>.transcript``),
+which pays a temp file and a rename per save on top of the run store's
+transaction: see CHANGELOG.md.
+
+Tables (beside the run store's)::
+
+    snapshots              run_id, seq, head (the document with an empty transcript),
+                           length, size, chain (the transcript's tip), or document
+                           (a whole document, as a bad writer or an old layout leaves)
+    snapshot_fragments     run_id, idx, fragment: the transcript's messages, one a row
+    snapshots_quarantined  name (<run>.<UTC time>), run_id, document: moved aside
+
+A save appends only the messages added since the stored seq, so the bytes a
+checkpoint writes stay flat however long the transcript grows, and
+``load_document`` joins head and rows back into the document byte-identical
+to :func:`store.snapshots.format.encode` (``ratchet snapshots show``). A
+reader reads head and rows in one read transaction (WAL: a consistent
+view); a compare-and-set is one ``BEGIN IMMEDIATE`` transaction. Durability
+is the run store's (WAL, ``synchronous=NORMAL``): a snapshot never outlives
+the log it caches, since both commit in the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime.errors import SnapshotMalformed, StaleWrite, StoreUnavailable
+from runtime.models import RunState
+from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
+from store.snapshots import format as snapshot_format
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (
+    run_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    head BLOB,
+    length INTEGER,
+    size INTEGER,
+    chain TEXT,
+    document BLOB
+);
+CREATE TABLE IF NOT EXISTS snapshot_fragments (
+    run_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    fragment BLOB NOT NULL,
+    PRIMARY KEY (run_id, idx)
+);
+CREATE TABLE IF NOT EXISTS snapshots_quarantined (
+    name TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    document BLOB NOT NULL
+);
+"""
+_SQLITE_FILES = ("-wal", "-shm", "-journal")
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection as the run store opens one: WAL, ``synchronous=NORMAL``, autocommit."""
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+def write_parts(
+    conn: sqlite3.Connection, run_id: str, parts: Parts, expected_seq: int | None
+) -> int:
+    """Inside a write transaction: store ``parts`` if the stored seq is ``expected_seq``;
+    the payload bytes written. StaleWrite, TranscriptMoved as ``_put_parts`` says."""
+    row = conn.execute(
+        "SELECT seq, length, size, chain FROM snapshots WHERE run_id = ?", (run_id,)
+    ).fetchone()
+    found = row[0] if row is not None else None
+    if found != expected_seq:
+        raise StaleWrite(run_id, expected_seq, found)
+    base = parts.base
+    if base is not None:
+        if row[1] is None or TranscriptTip(row[1], row[2], row[3]) != base:
+            raise TranscriptMoved(run_id)
+        start = base.length
+    else:
+        start = 0
+        if row is not None:
+            conn.execute("DELETE FROM snapshot_fragments WHERE run_id = ?", (run_id,))
+    if parts.fragments:
+        conn.executemany(
+            "INSERT INTO snapshot_fragments (run_id, idx, fragment) VALUES (?, ?, ?)",
+            [(run_id, start + i, f) for i, f in enumerate(parts.fragments)],
+        )
+    tip = parts.tip
+    values = (parts.seq, parts.head, tip.length, tip.size, tip.chain, run_id)
+    if row is None:
+        conn.execute(
+            "INSERT INTO snapshots (seq, head, length, size, chain, run_id, document) "
+            "VALUES (?, ?, ?, ?, ?, ?, NULL)",
+            values,
+        )
+    else:
+        # (An UPDATE leaves the run_id index's page alone; a REPLACE would rewrite it.)
+        conn.execute(
+            "UPDATE snapshots SET seq = ?, head = ?, length = ?, size = ?, chain = ?, "
+            "document = NULL WHERE run_id = ?",
+            values,
+        )
+    return len(parts.head) + sum(len(f) for f in parts.fragments)
+
+
+class SqliteSnapshotStore(SnapshotStore):
+    name = "sqlite snapshot store"
+    appends_transcript = True
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path).resolve()
+        self._where = f"snapshot store {self.path}"
+        self._local = threading.local()
+        self.bytes_written = 0
+        """Payload bytes saves wrote (heads and transcript rows): what checkpoints cost."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for suffix in _SQLITE_FILES:
+                sibling = self.path.with_name(self.path.name + suffix)
+                if sibling.is_symlink():
+                    raise StoreUnavailable(
+                        self._where,
+                        f"{sibling} is a symbolic link, which SQLite never follows; remove it "
+                        "(a database's -wal, -shm and -journal files are SQLite's own)",
+                    )
+            self._connection().executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreUnavailable(self._where, str(exc)) from exc
+
+    def where(self, run_id: str) -> str:
+        return f"snapshot of run {run_id} (in {self.path})"
+
+    def _connection(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None or getattr(self._local, "pid", None) != os.getpid():
+            conn = connect(self.path)
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    @contextmanager
+    def _tx(self, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """A transaction: IMMEDIATE to write, DEFERRED for a consistent read of several rows."""
+        try:
+            conn = self._connection()
+            conn.execute(f"BEGIN {mode}")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(self._where, str(exc)) from exc
+
+    # --- primitives -------------------------------------------------------------
+
+    def _put(self, run_id: str, state: RunState, data: bytes, expected_seq: int | None) -> None:
+        # A whole document (a bad writer, in tests): the saves of this store go through
+        # _put_parts.
+        with self._tx() as conn:
+            row = conn.execute("SELECT seq FROM snapshots WHERE run_id = ?", (run_id,)).fetchone()
+            found = row[0] if row is not None else None
+            if found != expected_seq:
+                raise StaleWrite(run_id, expected_seq, found)
+            conn.execute("DELETE FROM snapshot_fragments WHERE run_id = ?", (run_id,))
+            conn.execute(
+                "REPLACE INTO snapshots (run_id, seq, document) VALUES (?, ?, ?)",
+                (run_id, state.seq, data),
+            )
+        self.bytes_written += len(data)
+
+    def _put_parts(self, run_id: str, parts: Parts, expected_seq: int | None) -> None:
+        with self._tx() as conn:
+            written = write_parts(conn, run_id, parts, expected_seq)
+        self.bytes_written += written
+
+    def _read_tip(self, run_id: str) -> tuple[int, TranscriptTip | None] | None:
+        with self._tx("DEFERRED") as conn:
+            row = conn.execute(
+                "SELECT seq, length, size, chain FROM snapshots WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        if row[1] is None:
+            return int(row[0]), None
+        return int(row[0]), TranscriptTip(row[1], row[2], row[3])
+
+    def _stored(
+        self, conn: sqlite3.Connection, run_id: str, after: int = 0
+    ) -> tuple[bytes | None, bytes | None, TranscriptTip | None, list[bytes]] | None:
+        """Inside a transaction: (document, head, tip, fragments from index ``after``)."""
+        row = conn.execute(
+            "SELECT document, head, length, size, chain FROM snapshots WHERE run_id = ?",
+            (run_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        document, head, length, size, chain = row
+        if document is not None or head is None:
+            return document, None, None, []
+        fragments = [
+            r[0]
+            for r in conn.execute(
+                "SELECT fragment FROM snapshot_fragments WHERE run_id = ? AND idx >= ? "
+                "ORDER BY idx",
+                (run_id, after),
+            )
+        ]
+        return None, head, TranscriptTip(length, size, chain), fragments
+
+    def _read(self, run_id: str) -> tuple[bytes, TranscriptTip | None] | None:
+        with self._tx("DEFERRED") as conn:
+            found = self._stored(conn, run_id)
+        if found is None:
+            return None
+        document, head, tip, fragments = found
+        if head is None or tip is None:
+            return (document or b""), None
+        self._check(run_id, tip, fragments)
+        return snapshot_format.assemble(head, fragments), tip
+
+    def _check(self, run_id: str, tip: TranscriptTip, fragments: Sequence[bytes]) -> None:
+        if (
+            len(fragments) != tip.length
+            or snapshot_format.chain(snapshot_format.GENESIS, fragments) != tip.chain
+        ):
+            raise SnapshotMalformed(
+                self.where(run_id),
+                f"its transcript holds {len(fragments)} messages that do not match the head's "
+                f"{tip.length}; delete the snapshot and `ratchet runs resume {run_id}` rebuilds "
+                "it from the run's events",
+            )
+
+    def _read_after(
+        self, run_id: str, base: TranscriptTip
+    ) -> tuple[bytes, list[bytes], TranscriptTip] | None:
+        with self._tx("DEFERRED") as conn:
+            found = self._stored(conn, run_id, after=base.length)
+        if found is None or found[1] is None or found[2] is None:
+            return None
+        return found[1], found[3], found[2]
+
+    def _get(self, run_id: str) -> bytes | None:
+        found = self._read(run_id)
+        return found[0] if found is not None else None
+
+    def _delete(self, run_id: str) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM snapshot_fragments WHERE run_id = ?", (run_id,))
+            conn.execute("DELETE FROM snapshots WHERE run_id = ?", (run_id,))
+
+    def _quarantine(self, run_id: str, stamp: str) -> str | None:
+        name = f"{run_id}.{stamp}"
+        with self._tx() as conn:
+            found = self._stored(conn, run_id)
+            if found is None:
+                return None
+            document, head, tip, fragments = found
+            if head is not None and tip is not None:
+                try:
+                    self._check(run_id, tip, fragments)
+                    document = snapshot_format.assemble(head, fragments)
+                except (SnapshotMalformed, ValueError):
+                    # Kept as stored, head then rows, for a person to piece together.
+                    document = b"\n".join([head, *fragments])
+            conn.execute(
+                "INSERT INTO snapshots_quarantined (name, run_id, document) VALUES (?, ?, ?)",
+                (name, run_id, document or b""),
+            )
+            conn.execute("DELETE FROM snapshot_fragments WHERE run_id = ?", (run_id,))
+            conn.execute("DELETE FROM snapshots WHERE run_id = ?", (run_id,))
+        return f"{self.path} (table snapshots_quarantined, name {name})"
+
+    def _list(self) -> list[str]:
+        with self._tx("DEFERRED") as conn:
+            return [r[0] for r in conn.execute("SELECT run_id FROM snapshots")]
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

@@ -1,0 +1,303 @@
+"""The run a turn holds: its state, the model call, and every write the turn makes.
+
+Every write is fenced: events need the lease and the next seq, snapshots a
+compare-and-set on seq. A worker that lost its lease cannot write; the turn logs
+why and stops. :meth:`HeldRun.checkpointed` is the turn's usual write: the events,
+the snapshot and, on the turn's last checkpoint, the lease's release, in one store
+call when both stores are one Redis (:func:`tasks.persistence.commit_checkpointed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from celery.signals import worker_shutting_down
+
+from runtime.actions import (
+    CallModel,
+    CheckBinding,
+    Fail,
+    Idle,
+    Park,
+    Stall,
+    TurnOutcome,
+    binding_stall,
+    model_failed,
+)
+from runtime.agent import Agent
+from runtime.errors import (
+    ProviderError,
+    ProviderRateLimited,
+    RunNotFound,
+    SnapshotFailed,
+    StoreUnavailable,
+)
+from runtime.fsm import decide, response_events
+from runtime.models import RunState
+from runtime.probes import Probed
+from runtime.providers import ModelRequest
+from store.runs import RunRecord
+from tasks import failpoints, limits, metrics
+from tasks.calls import CallTimedOut, bounded, heartbeats
+from tasks.context import Context
+from tasks.messages import tell_parent_soon
+from tasks.persistence import append_events, commit_checkpointed, load, save_snapshot, transition
+
+log = logging.getLogger("ratchet.turn")
+
+_stopping = threading.Event()
+
+
+@worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    # Sent in the worker's main process: with the solo and threads pools the turn runs
+    # in that process and sees the flag. A prefork child does not; Celery's warm
+    # shutdown then waits for its turn to end, bounded by turn_time_limit_s.
+    _stopping.set()
+
+
+def stopping() -> bool:
+    """This process was told to shut down (SIGTERM, Celery's warm shutdown): end turns at
+    the next transition boundary and chain the rest, so another worker carries on at once
+    instead of waiting for the lease to expire."""
+    return _stopping.is_set()
+
+
+class HeldRun:
+    """One worker's hold on one run, between taking and releasing its lease: the run's state,
+    and every write the turn makes to it."""
+
+    def __init__(
+        self, ctx: Context, agent: Agent, state: RunState, snapshot_seq: int | None, owner: str
+    ):
+        self.ctx = ctx
+        self.agent = agent
+        self.state = state
+        self.snapshot_seq = snapshot_seq
+        self.owner = owner
+        self._recording = threading.RLock()
+        self.waited: limits.Wait | None = None
+        """Set when the model call waits on a limit: the turn ends and is chained later."""
+        self.recording = self._recording
+        """Held to record and checkpoint, by the turn and its parallel tool calls."""
+        self.timed_out: dict[str, int] = {}
+        """Calls of this turn that timed out with their outcome unknown, and how often."""
+        self.last_probed: dict[str, Probed] = {}
+        self.asked_model = False
+        """This turn has called the model: the next model call is the next turn's."""
+        self.released = False
+        """The lease went with the turn's last checkpoint (:meth:`checkpointed`)."""
+        self._beat: tuple[str, str] | None = None
+
+    @classmethod
+    def open(
+        cls, ctx: Context, run_id: str, owner: str, record: RunRecord | None = None
+    ) -> HeldRun | None:
+        """The run as :func:`tasks.persistence.load` finds it; None if there is no such run."""
+        try:
+            loaded = load(ctx, run_id, record=record)
+        except RunNotFound:
+            return None
+        state = loaded.state
+        return cls(ctx, ctx.agent(state.agent_file), state, loaded.snapshot_seq, owner)
+
+    # --- the turn's steps -----------------------------------------------------
+
+    def adopt(self) -> None:
+        """Checkpoint at once when the snapshot lags the log (a resume, a crashed turn).
+
+        The events past the snapshot were appended by an earlier holder, which may
+        still send the checkpoint it owes: a frozen or partitioned worker's save can
+        reach the store long after it was sent. Saving ours first makes that late
+        save fail its compare-and-set instead of landing while this turn runs.
+        """
+        if self.snapshot_seq != self.state.seq and self.state.status.is_live:
+            self.checkpoint()
+
+    def call_model(self, request: ModelRequest) -> TurnOutcome | None:
+        """Call the model and checkpoint its response **before any tool runs**; the turn's
+        outcome if that ends it (a provider error ends it as runtime/actions.py says).
+
+        ``model.requested`` is recorded first, so an attempt counts even if we crash. A
+        call that outlives ``model_timeout_s`` is abandoned (Python cannot kill a thread;
+        whatever it reports afterwards is dropped) and counts as a failed attempt: the
+        next turn asks again, within ``max_turns``."""
+        model_calls = request.model_call + 1
+        gate = limits.admit(self.ctx, self.agent, self.state, request)
+        if isinstance(gate, limits.Wait):
+            return self.wait_on_limit(gate)
+        self.record([("model.requested", {"turn": model_calls})])
+        abandoned = threading.Event()
+
+        def observe(kind: str, data: dict[str, Any]) -> None:
+            with self._recording:
+                if not abandoned.is_set():
+                    self.record([(kind, {"turn": model_calls, **data})])
+
+        timeout_s = self.agent.spec.model_timeout_s
+        try:
+            response = bounded(
+                lambda: self.agent.provider.complete(request, observer=observe),
+                timeout_s,
+                f"model call for turn {model_calls}",
+            )
+        except CallTimedOut as exc:
+            with self._recording:
+                abandoned.set()
+            # A counted attempt: the next turn asks again, as a new model.requested.
+            self.record(
+                [("model.failed", {"turn": model_calls, "error": str(exc), "timeout": True})]
+            )
+            return None
+        except ProviderRateLimited as exc:
+            return self.wait_on_limit(
+                limits.refused(self.ctx, self.agent, self.state, gate, model_calls, exc)
+            )
+        except ProviderError as exc:
+            return self.end(model_failed(self.state.run_id, model_calls, str(exc), exc.retryable))
+        failpoints.hit("model.response.received", model_calls)
+        limits.settle(self.ctx, gate, response)
+        self.checkpointed(response_events(response))
+        failpoints.hit("model.response.checkpointed", model_calls)
+        return self.finish() if self.state.status.is_terminal else None
+
+    def wait_on_limit(self, wait: limits.Wait) -> TurnOutcome:
+        """Record the wait (no attempt counted); the turn ends and is chained after it."""
+        self.waited = wait
+        if wait.events:
+            self.record(wait.events)
+        if wait.stalls:
+            self.checkpoint()
+            return TurnOutcome.STALLED
+        return TurnOutcome.NEXT
+
+    def end(self, action: Fail | CheckBinding | Stall | Park | Idle) -> TurnOutcome:
+        """Carry out an action that ends the turn: the run fails, stalls, parks, or was idle."""
+        if isinstance(action, Fail):
+            budget = {"budget": action.budget} if action.budget else {}
+            self.record([*action.preceded_by, ("run.failed", {"reason": action.reason, **budget})])
+            return self.finish()
+        if isinstance(action, CheckBinding):
+            first = self.ctx.runs.events(self.state.run_id, after_seq=0, limit=1)
+            created = first[0].data.get("binding_document") if first else None
+            stall = binding_stall(self.state, self.agent, created)
+            log.warning("%s", stall.reason)
+            return self.end(stall)
+        if isinstance(action, Stall):
+            self.record([*action.preceded_by, ("run.stalled", {"reason": action.reason})])
+            self.checkpoint()
+            return TurnOutcome.STALLED
+        if isinstance(action, Park):
+            self.checkpointed([("run.parked", action.data)])
+            return TurnOutcome.PARKED
+        return TurnOutcome.IDLE
+
+    def finish(self) -> TurnOutcome:
+        """A terminal run keeps its events; its snapshot has served its purpose."""
+        self.ctx.forget_checkpoint(self.state.run_id)
+        self.ctx.snapshots.delete(self.state.run_id)
+        if self.state.parent is not None:
+            # The fast path; the sweeper tells the parent if this process dies first.
+            tell_parent_soon(self.state.run_id)
+        return TurnOutcome.of(self.state.status)
+
+    # --- persistence ----------------------------------------------------------
+
+    def record(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """Append events (fenced by lease and seq) and the record they produce."""
+        with self._recording:
+            self.state = append_events(self.ctx, self.state, items, self.owner)
+
+    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """Record events and checkpoint the state they produce (:meth:`record`, :meth:`checkpoint`).
+
+        One store call when both stores are one Redis: the events, the snapshot and, on
+        the turn's last checkpoint, the lease's release, all written or none.
+        """
+        if not self.ctx.runs.commits_with(self.ctx.snapshots):
+            self.record(items)
+            self.checkpoint()
+            return
+        with self._recording:
+            change = transition(self.ctx, self.state, items)
+            model_calls = change.state.usage.model_turns
+            failpoints.hit("snapshot.before_save", model_calls)
+            release = self._ends_turn(change.state)
+            try:
+                started = time.perf_counter()
+                commit_checkpointed(
+                    self.ctx, self.state, change, self.owner, self.snapshot_seq, release
+                )
+                metrics.checkpointed(
+                    time.perf_counter() - started, self.ctx.snapshots.last_save_bytes
+                )
+            except StoreUnavailable as exc:
+                # All or nothing: the run is still where it was.
+                error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
+                self._record_stall(str(error))
+                raise error from exc
+            self.state = change.state
+            self.snapshot_seq = change.state.seq
+            if release:
+                self.released = True
+                if self._beat is not None:
+                    heartbeats().remove(self._beat)
+            self.ctx.remember_checkpoint(self.state)
+            failpoints.hit("snapshot.after_save", model_calls)
+
+    def _ends_turn(self, state: RunState) -> bool:
+        """Whether the turn ends right after checkpointing ``state``, with the next model call
+        (the next turn's): that checkpoint takes the lease's release along."""
+        return (
+            self.asked_model
+            and state.status.is_live
+            and not stopping()
+            and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
+        )
+
+    def checkpoint(self) -> None:
+        """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
+        model_calls = self.state.usage.model_turns
+        failpoints.hit("snapshot.before_save", model_calls)
+        try:
+            started = time.perf_counter()
+            save_snapshot(self.ctx, self.state, self.snapshot_seq, self.owner)
+            metrics.checkpointed(time.perf_counter() - started, self.ctx.snapshots.last_save_bytes)
+        except StoreUnavailable as exc:
+            error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))
+            self._record_stall(str(error))
+            raise error from exc
+        self.snapshot_seq = self.state.seq
+        self.ctx.remember_checkpoint(self.state)
+        failpoints.hit("snapshot.after_save", model_calls)
+
+    def _record_stall(self, reason: str) -> None:
+        try:
+            self.record([("run.stalled", {"reason": reason})])
+        except Exception as exc:  # the run store may be down too (a full disk takes both)
+            # Nothing is lost: the run stays live at its last recorded seq, its lease
+            # expires, and the sweeper resumes it once the stores take writes again.
+            log.error(
+                "run %s: could not record the stall (%s: %s); it stays live and the sweeper "
+                "resumes it once the stores accept writes again",
+                self.state.run_id,
+                type(exc).__name__,
+                " ".join(str(exc).split()),
+            )
+
+    @contextmanager
+    def heartbeat(self) -> Iterator[None]:
+        """Renew the lease every third of it while the turn runs (model and tool calls too).
+
+        It stops with the process: a worker that is killed or frozen lets the lease expire.
+        """
+        beat = self._beat = heartbeats().add(self.ctx, self.state.run_id, self.owner)
+        try:
+            yield
+        finally:
+            heartbeats().remove(beat)

@@ -1,0 +1,29 @@
+"""The LimitStore contract (:mod:`store.conformance.limits`) on every backend: memory,
+SQLite, and Redis's Lua scripts, held to the same answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from store.conformance import LimitStoreContract
+from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
+
+
+class TestLimitStores(LimitStoreContract):
+    """Every test of the contract, once per backend."""
+
+    @pytest.fixture(params=["memory", "sqlite", "redis"])
+    def limit_store(self, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LimitStore]:
+        if request.param == "memory":
+            yield MemoryLimitStore()
+        elif request.param == "sqlite":
+            yield SqliteLimitStore(tmp_path / "limits.sqlite3")
+        else:
+            import redis
+
+            client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+            yield RedisLimitStore(client, "t")
+            client.close()

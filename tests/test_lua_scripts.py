@@ -1,0 +1,114 @@
+"""Every Redis script is a ``.lua`` file beside its backend, read once when the backend's
+module is imported, and loaded into a server once per client: a call sends the script's
+SHA (EVALSHA), never its source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import redis
+
+import store.limits
+import store.runs.redis
+import store.snapshots.redis
+from runtime.models import Event, RunStatus
+from store.conformance import FakeClock
+from store.conformance.records import new_run, record
+from store.conformance.snapshots import grown, make_state
+from store.limits import RedisLimitStore
+from store.runs import Checkpoint
+from store.runs.redis import RedisRunStore
+from store.snapshots.redis import RedisSnapshotStore
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS: dict[str, ModuleType] = {
+    "store/runs/lua": store.runs.redis,
+    "store/snapshots/lua": store.snapshots.redis,
+    "store/lua/limits": store.limits,
+}
+"""Each folder of scripts, and the backend module beside it that runs them."""
+
+
+def constants(module: ModuleType) -> list[str]:
+    """The module's strings: its str constants, and those of its dicts (a table of scripts)."""
+    found: list[str] = []
+    for value in vars(module).values():
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, dict):
+            found += [v for v in value.values() if isinstance(v, str)]
+    return found
+
+
+def test_every_lua_file_is_read_into_its_backend_when_the_module_is_imported() -> None:
+    scripts = sorted((ROOT / "store").rglob("*.lua"))
+    assert len(scripts) >= 20
+    for path in scripts:
+        module = BACKENDS[str(path.parent.relative_to(ROOT))]
+        # A script read at call time, or never used, is in no constant of its module.
+        assert any(path.read_text(encoding="utf-8") in c for c in constants(module)), path
+
+
+def every_script_once(
+    runs: RedisRunStore, snapshots: RedisSnapshotStore, limits: RedisLimitStore, n: int
+) -> None:
+    """One call of each Redis script the three stores run, on run ``r<n>``."""
+    from runtime.limits import Rate
+
+    run_id, process = f"r{n}", f"host:{n}:t"
+    owner = f"{process}/1"
+    new_run(runs, run_id)
+    runs.renew_liveness(process, 3)
+    assert runs.claim_lease(run_id, owner, 30).taken
+    assert runs.acquire_and_get(run_id, owner, 30)[0]
+    assert runs.renew_leases([(run_id, owner)], 30) == []
+    state = make_state(run_id)
+    snapshots.save(state, None)
+    after = grown(state, "one").model_copy(update={"seq": 2})
+    moved = record(run_id, last_seq=2, status=RunStatus.MODEL)
+    event = Event(seq=2, type="model.requested", at_ms=2, data={})
+    runs.commit(moved, [event], owner, Checkpoint(snapshots, after, 1))
+    runs.release_lease(run_id, owner)
+    runs.postpone(run_id, 2, 10)
+    runs.orphaned()
+    done = record(run_id, last_seq=3, status=RunStatus.COMPLETED)
+    runs.append(done, [Event(seq=3, type="run.completed", at_ms=3, data={})], None)
+    runs.purge(runs.clock() + 10**9)
+    snapshots._put(f"q{n}", make_state(f"q{n}"), b"{}", None)
+    assert snapshots.quarantine(f"q{n}")
+    rate = Rate("tokens", 60_000, burst_s=1.0)
+    limits.admit("k", run_id, 1, 2, [rate], [10], 0, True)
+    limits.settle("k", 5, rate)
+    limits.block("k", 1)
+    limits.acquire("cap", run_id, 1)
+    limits.release("cap", run_id, 1)
+
+
+def calls(client: redis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = client.info("commandstats")
+    return {name: int(value["calls"]) for name, value in stats.items()}
+
+
+def test_a_client_loads_each_script_once_and_then_sends_only_its_sha(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    runs = RedisRunStore.from_url(redis_url, clock=FakeClock())
+    snapshots = RedisSnapshotStore.from_url(redis_url)
+    limits = RedisLimitStore(client)
+    try:
+        # Given each script has run once on this server (loaded on its first call)
+        every_script_once(runs, snapshots, limits, 1)
+        before = calls(client)
+
+        # When they all run again
+        every_script_once(runs, snapshots, limits, 2)
+
+        # Then no script was sent again, whole (EVAL) or to load (SCRIPT LOAD): only SHAs
+        spent = {k: v - before.get(k, 0) for k, v in calls(client).items() if v != before.get(k)}
+        assert spent.get("cmdstat_evalsha", 0) >= 15, spent
+        assert "cmdstat_eval" not in spent and "cmdstat_script|load" not in spent, spent
+    finally:
+        snapshots.close()
+        runs.close()
+        client.close()
