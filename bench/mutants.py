@@ -343,8 +343,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "Q1",
         "store/runs/sqlite.py",
-        'conn.execute("BEGIN IMMEDIATE")',
-        'conn.execute("BEGIN")',
+        'transaction(self._connection, f"run store {self.path}", "IMMEDIATE")',
+        'transaction(self._connection, f"run store {self.path}", "DEFERRED")',
         RUNS,
         k="sqlite",
     ),

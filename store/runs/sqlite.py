@@ -9,11 +9,9 @@ prefork pool forks, and a SQLite connection must not cross a fork).
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
@@ -29,7 +27,7 @@ from store.runs import (
     Transition,
 )
 from store.snapshots import SnapshotStore
-from store.snapshots.sqlite import SqliteSnapshotStore, write_parts
+from store.snapshots.sqlite import Connections, SqliteSnapshotStore, transaction, write_parts
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -81,7 +79,7 @@ class SqliteRunStore(RunStore):
     def __init__(self, path: str | Path, clock: Callable[[], int] | None = None) -> None:
         super().__init__(clock)
         self.path = Path(path).resolve()
-        self._local = threading.local()
+        self._connection = Connections(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._refuse_links()
@@ -121,30 +119,8 @@ class SqliteRunStore(RunStore):
             "WHERE finished_at_ms IS NOT NULL"
         )
 
-    def _connection(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "pid", None) != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=30000")
-            self._local.conn, self._local.pid = conn, os.getpid()
-        return conn
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        try:
-            conn = self._connection()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-        except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        return transaction(self._connection, f"run store {self.path}", "IMMEDIATE")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -407,10 +383,7 @@ class SqliteRunStore(RunStore):
         return run_ids
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        self._connection.close()
 
 
 def _alive_until(conn: sqlite3.Connection, process: str) -> int | None:
