@@ -343,8 +343,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "Q1",
         "store/runs/sqlite.py",
-        'conn.execute("BEGIN IMMEDIATE")',
-        'conn.execute("BEGIN")',
+        'transaction(self._connection, f"run store {self.path}", "IMMEDIATE")',
+        'transaction(self._connection, f"run store {self.path}", "DEFERRED")',
         RUNS,
         k="sqlite",
     ),
@@ -759,21 +759,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/crash/test_liveness_on_real_workers.py",),
         k="busy",
     ),
+    # The memory and SQLite backends share this rule (Claim.decide); Redis has it in Lua.
     Mutant(
         "L2",
-        "store/runs/memory.py",
-        "if alive_until is None or alive_until > now_ms:",
-        "if alive_until is None:",
+        "store/runs/__init__.py",
+        "if until is None or until > now_ms:",
+        "if until is None:",
         LIVENESS,
-        k="memory",
-    ),
-    Mutant(
-        "L3",
-        "store/runs/sqlite.py",
-        "if alive is None or alive[0] > now_ms:",
-        "if alive is None:",
-        LIVENESS,
-        k="sqlite",
+        k="memory or sqlite",
     ),
     Mutant(
         "L4",

@@ -8,7 +8,6 @@ they are greenlets (Celery patched ``threading`` before this module loaded).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,12 +16,11 @@ from typing import Any, Generic, TypeVar
 
 from tasks import metrics
 from tasks.context import Context
+from tasks.liveness import PerProcess, Rounds
 
 log = logging.getLogger("ratchet.turn")
 
 T = TypeVar("T")
-
-_lock = threading.Lock()
 
 
 class CallTimedOut(Exception):
@@ -123,16 +121,7 @@ class Started(Generic[T]):
         return result
 
 
-_callers_by_pid: dict[int, _Callers] = {}
-
-
-def _callers() -> _Callers:
-    pid = os.getpid()
-    with _lock:
-        callers = _callers_by_pid.get(pid)
-        if callers is None:
-            callers = _callers_by_pid[pid] = _Callers()
-    return callers
+_callers = PerProcess(_Callers)
 
 
 def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -208,23 +197,14 @@ class _Heartbeats:
             return len(self._held)
 
     def _run(self) -> None:
-        planned: float | None = None
+        rounds = Rounds(self._changed)
         while True:
             with self._changed:
-                if not self._held:
-                    planned = None
-                    self._changed.wait()
+                shortest = min((h.ctx.settings.lease_s for h in self._held.values()), default=None)
+                started = rounds.wait(None if shortest is None else shortest / 6)
+                if started is None:
                     continue
-                tick_s = min(h.ctx.settings.lease_s for h in self._held.values()) / 6
-                now = time.monotonic()
-                if planned is None:
-                    planned = now + tick_s
-                if now < planned:
-                    self._changed.wait(planned - now)
-                    continue
-                late_s = now - planned
-                # A round that started late is not followed by a burst of catch-up rounds.
-                planned = max(planned + tick_s, now + tick_s / 2)
+                now, late_s = started
                 due = [
                     h
                     for h in self._held.values()
@@ -285,14 +265,9 @@ class _Heartbeats:
             )
 
 
-_heartbeats_by_pid: dict[int, _Heartbeats] = {}
+_heartbeats = PerProcess(_Heartbeats)
 
 
 def heartbeats() -> _Heartbeats:
     """This process's heartbeat thread (a forked pool child starts its own)."""
-    pid = os.getpid()
-    with _lock:
-        beats = _heartbeats_by_pid.get(pid)
-        if beats is None:
-            beats = _heartbeats_by_pid[pid] = _Heartbeats()
-    return beats
+    return _heartbeats()

@@ -50,7 +50,7 @@ from runtime.models import SUSPENDED_STATUSES, Event, RunState, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.lease import holding
-from tasks.messages import chain_turn, tell_parent_soon
+from tasks.messages import Continue, chain_turn, tell_parent_soon
 from tasks.persistence import append_ending, append_events, load, save_snapshot
 from tasks.task_base import control_task
 
@@ -163,16 +163,7 @@ def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) ->
 
 
 @control_task(name="ratchet.continue", bind=True)
-def continue_run(
-    self: Any,
-    *,
-    run_id: str,
-    input: str | None = None,
-    approve: bool | None = None,
-    deny: str | None = None,
-    continuation_id: str | None = None,
-    suspension_seq: int | None = None,
-) -> str:
+def continue_run(self: Any, answer: Continue) -> str:
     """Apply one continuation. Returns continued | duplicate | refused (the reason is logged).
 
     An answer naming neither ``continuation_id`` nor ``suspension_seq`` is refused
@@ -182,18 +173,18 @@ def continue_run(
     try:
         ctx = get_context()
         check_pinned(
-            run_id,
-            continuation_id,
-            suspension_seq,
+            answer.run_id,
+            answer.continuation_id,
+            answer.suspension_seq,
             allow_unpinned=ctx.settings.allow_unpinned_continuations,
         )
         continuation = make_continuation(
-            validate_run_id(run_id),
-            continuation_id or self.request.id or new_continuation_id(),
-            input=input,
-            approve=approve,
-            deny=deny,
-            suspension_seq=suspension_seq,
+            answer.run_id,
+            answer.continuation_id or self.request.id or new_continuation_id(),
+            input=answer.input,
+            approve=answer.approve,
+            deny=answer.deny,
+            suspension_seq=answer.suspension_seq,
         )
         return apply_continuation(ctx, continuation)
     except (RunBusy, StoreUnavailable):

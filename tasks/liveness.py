@@ -76,6 +76,39 @@ class PerProcess(Generic[T]):
             return self._by_pid.get(os.getpid())
 
 
+class Rounds:
+    """The rounds of a periodic daemon thread, one every ``period_s`` (which may change).
+
+    A round that started late is not followed by a burst of catch-up rounds: the next
+    is planned at least half a period later.
+    """
+
+    def __init__(self, changed: threading.Condition) -> None:
+        self._changed = changed
+        self._planned: float | None = None
+
+    def wait(self, period_s: float | None) -> tuple[float, float] | None:
+        """Wait, holding ``changed``, for the next round: ``(now, late_s)`` as it starts.
+
+        None: the wait ended before the round (a change was notified, or the time
+        has not come yet): look again. ``period_s`` None: there is nothing to do,
+        so wait until notified, and plan the next round afresh from then.
+        """
+        if period_s is None:
+            self._planned = None
+            self._changed.wait()
+            return None
+        now = time.monotonic()
+        if self._planned is None:
+            self._planned = now + period_s
+        if now < self._planned:
+            self._changed.wait(self._planned - now)
+            return None
+        late_s = now - self._planned
+        self._planned = max(self._planned + period_s, now + period_s / 2)
+        return now, late_s
+
+
 _HOST = socket.gethostname().replace("/", "_") or "localhost"
 _process_ids = PerProcess(lambda: f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
 
@@ -151,23 +184,14 @@ class Beats:
             self._stores.pop(id(runs), None)
 
     def _run(self) -> None:
-        planned: float | None = None
+        rounds = Rounds(self._changed)
         while True:
             with self._changed:
-                if not self._stores:
-                    planned = None
-                    self._changed.wait()
+                interval_s = min((s.interval_s for s in self._stores.values()), default=None)
+                started = rounds.wait(interval_s)
+                if started is None:
                     continue
-                interval_s = min(s.interval_s for s in self._stores.values())
-                now = time.monotonic()
-                if planned is None:
-                    planned = now + interval_s
-                if now < planned:
-                    self._changed.wait(planned - now)
-                    continue
-                late_s = now - planned
-                # A beat that started late is not followed by a burst of catch-up beats.
-                planned = max(planned + interval_s, now + interval_s / 2)
+                late_s = started[1]
                 for key in [k for k, v in self._stores.items() if v.runs() is None]:
                     del self._stores[key]
                 stores = list(self._stores.values())

@@ -3,9 +3,11 @@
 A message is a Celery task message whose keyword arguments are the fields of its
 model here (:class:`Turn` for ``ratchet.turn``, …), checked strictly on both
 sides: by the ``enqueue_*`` function that sends it, and by the worker
-(:class:`tasks.task_base.RatchetTask`) before the task runs. The task
-function's parameters are the model's fields, checked when the task is declared,
-so the model is the one definition of what a task takes.
+(:class:`tasks.task_base.RatchetTask`) before the task runs. The task function
+takes the validated message (or, for a few short ones, the model's fields by
+keyword, checked when the task is declared), and each ``enqueue_*`` function is
+made from the model (:func:`enqueuer`): the model is the one definition of what a
+task takes.
 
 **Versions.** What this release sends carries the header ``ratchet_v: 1`` and
 its arguments by keyword only. A message without the header is the previous
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
 from celery import current_app
 from celery._state import get_current_task
@@ -72,6 +74,13 @@ class Message(BaseModel):
         return ROUTES[cls.task]
 
 
+class RunMessage(Message):
+    """A message about one run, named first."""
+
+    run_id: RunId
+    """The run."""
+
+
 class Start(Message):
     """Create a run (once per key) and take its first turn."""
 
@@ -91,37 +100,31 @@ class Start(Message):
     """Puts the run under the agent's ``max_runs_per_key`` (a tenant, a user)."""
 
 
-class Turn(Message):
+class Turn(RunMessage):
     """Take the run's next turn, if it is still where the sender saw it."""
 
     task = "ratchet.turn"
     v0_order = ("run_id", "expected_seq")
-    run_id: RunId
-    """The run."""
     expected_seq: int | None
     """The seq the run must be at; at another, the message is late or a duplicate (None: any)."""
 
 
-class Resume(Message):
+class Resume(RunMessage):
     """Resume a stopped run from its checkpoint, if it is resume-eligible."""
 
     task = "ratchet.resume"
     v0_order = ("run_id", "by", "seen_seq")
-    run_id: RunId
-    """The run."""
     by: str = OPERATOR
     """Who resumes it: ``operator`` or ``sweeper`` (whose resumes count towards dead-lettering)."""
     seen_seq: int | None = None
     """The seq the sweeper saw; a run that moved since was not orphaned after all."""
 
 
-class Continue(Message):
+class Continue(RunMessage):
     """One answer to a suspended run."""
 
     task = "ratchet.continue"
     v0_order = ("run_id", "input", "approve", "deny", "continuation_id", "suspension_seq")
-    run_id: RunId
-    """The run."""
     input: str | None = None
     """The answer to a question or a blocker."""
     approve: bool | None = None
@@ -134,24 +137,20 @@ class Continue(Message):
     """The seq of the suspension it answers (``ratchet runs show``)."""
 
 
-class Cancel(Message):
+class Cancel(RunMessage):
     """Stop the run at its next boundary, for good."""
 
     task = "ratchet.cancel"
     v0_order = ("run_id", "reason")
-    run_id: RunId
-    """The run."""
     reason: str | None = None
     """Why, recorded with the cancellation."""
 
 
-class Reconcile(Message):
+class Reconcile(RunMessage):
     """An operator's outcome for the open call of a run parked as needs_reconciliation."""
 
     task = "ratchet.reconcile"
     v0_order = ("run_id", "call_id", "decision", "result", "reason")
-    run_id: RunId
-    """The run."""
     call_id: str
     """The parked run's open call."""
     decision: str
@@ -169,13 +168,11 @@ class Sweep(Message):
     v0_order = ()
 
 
-class Wake(Message):
+class Wake(RunMessage):
     """End a run's ``wait``, once its time has come."""
 
     task = "ratchet.wake"
     v0_order = ("run_id", "seq")
-    run_id: RunId
-    """The run."""
     seq: int
     """The seq the run waits at; another means it has moved on."""
 
@@ -300,9 +297,9 @@ def fields_of(task: str, args: Any, kwargs: Any) -> dict[str, Any]:
 # --- the sender's side --------------------------------------------------------------
 #
 # Each enqueue_* function takes its message's fields by keyword, ``app`` (default:
-# sending_app()) and Celery's other send_task options (``connection=``, …), and
-# returns the Celery task id. MessageRefused before anything is sent if the fields
-# are not the message's.
+# sending_app()) and send()'s options (``countdown_s=``, Celery's ``connection=``, …),
+# and returns the Celery task id. MessageRefused before anything is sent if the fields
+# are not the message's (a required one missing, one of the wrong type).
 
 _sending_app: Any = None
 """The app ratchet's messages are sent through outside a running task (:func:`send_through`)."""
@@ -358,60 +355,52 @@ def send(
     return str(result.id)
 
 
-def enqueue_start(
-    *,
-    agent_file: str,
-    text: str,
-    run_id: str | None = None,
-    idempotency_key: str | None = None,
-    priority: int | None = None,
-    concurrency_key: str | None = None,
-    app: Any = None,
-    **options: Any,
-) -> str:
-    """Send ``ratchet.start``: a worker creates the run and takes its first turn.
+class Enqueue(Protocol):
+    """An ``enqueue_*`` function: its message's fields and send options, by keyword."""
 
-    ``priority`` is the run's (0-4), not the message's broker priority.
+    def __call__(self, *, app: Any = None, **fields_and_options: Any) -> str: ...
+
+
+def enqueuer(cls: type[Message], doc: str) -> Enqueue:
+    """The ``enqueue_*`` function of ``cls``: the model is the one list of its fields.
+
+    A keyword that is one of the model's fields goes into the message (``priority``
+    is the run's for ``ratchet.start``, which has such a field, and the broker's for
+    the others); every other keyword is a :func:`send` option.
     """
-    message = build(
-        Start,
-        agent_file=agent_file,
-        text=text,
-        run_id=run_id,
-        idempotency_key=idempotency_key,
-        priority=priority,
-        concurrency_key=concurrency_key,
-    )
-    return send(message, app=app, **options)
+
+    def enqueue(*, app: Any = None, **fields_and_options: Any) -> str:
+        fields = {
+            name: fields_and_options.pop(name)
+            for name in list(fields_and_options)
+            if name in cls.model_fields
+        }
+        return send(build(cls, **fields), app=app, **fields_and_options)
+
+    enqueue.__name__ = enqueue.__qualname__ = f"enqueue_{cls.__name__.lower()}"
+    enqueue.__doc__ = f"Send ``{cls.task}``: {doc}"
+    return enqueue
 
 
-def enqueue_turn(
-    *,
-    run_id: str,
-    expected_seq: int | None,
-    priority: int | None = None,
-    countdown_s: float = 0.0,
-    app: Any = None,
-    **options: Any,
-) -> str:
-    """Send ``ratchet.turn``: the run's next turn, which acts only at ``expected_seq``.
+enqueue_start = enqueuer(Start, "a worker creates the run and takes its first turn.")
+enqueue_turn = enqueuer(
+    Turn,
+    "the run's next turn, which acts only at ``expected_seq``. ``countdown_s``: after "
+    "waiting on a limit (a broker-held countdown, no worker slot); ``priority``: the broker "
+    "priority (runs under way go before new ones).",
+)
+_enqueue_resume = enqueuer(Resume, "resume a stopped run from its checkpoint.")
+enqueue_continue = enqueuer(Continue, "one answer (input, approve or deny) to a suspended run.")
+enqueue_cancel = enqueuer(Cancel, "the run stops at its next boundary, for good.")
+enqueue_reconcile = enqueuer(Reconcile, "an operator's outcome for a parked run's open call.")
+enqueue_sweep = enqueuer(Sweep, "one crash sweep, then retention.")
+enqueue_wake = enqueuer(
+    Wake, "end a run's wait, held by the broker ``countdown_s`` (until the wake-up time)."
+)
+enqueue_deliver = enqueuer(Deliver, "tell an ended child's parent how it ended.")
 
-    ``countdown_s``: after waiting on a limit (a broker-held countdown, no worker slot);
-    ``priority``: the broker priority (runs under way go before new ones).
-    """
-    message = build(Turn, run_id=run_id, expected_seq=expected_seq)
-    return send(message, app=app, priority=priority, countdown_s=countdown_s, **options)
 
-
-def enqueue_resume(
-    *,
-    run_id: str,
-    by: str = OPERATOR,
-    seen_seq: int | None = None,
-    urgent: bool = False,
-    app: Any = None,
-    **options: Any,
-) -> str:
+def enqueue_resume(*, urgent: bool = False, **fields_and_options: Any) -> str:
     """Send ``ratchet.resume``; ``urgent`` puts it on the control queue, ahead of the turns.
 
     Urgent only for a run whose lease holder's process is dead: certainly stopped, and
@@ -419,73 +408,9 @@ def enqueue_resume(
     a long queue (every run of a backlog deeper than one lease is), and a resume of each
     on the control queue would bury the sweeps and continuations behind them.
     """
-    message = build(Resume, run_id=run_id, by=by, seen_seq=seen_seq)
-    return send(message, app=app, queue=CONTROL_QUEUE if urgent else None, **options)
-
-
-def enqueue_continue(
-    *,
-    run_id: str,
-    input: str | None = None,
-    approve: bool | None = None,
-    deny: str | None = None,
-    continuation_id: str | None = None,
-    suspension_seq: int | None = None,
-    app: Any = None,
-    **options: Any,
-) -> str:
-    """Send ``ratchet.continue``: one answer (input, approve or deny) to a suspended run."""
-    message = build(
-        Continue,
-        run_id=run_id,
-        input=input,
-        approve=approve,
-        deny=deny,
-        continuation_id=continuation_id,
-        suspension_seq=suspension_seq,
-    )
-    return send(message, app=app, **options)
-
-
-def enqueue_cancel(
-    *, run_id: str, reason: str | None = None, app: Any = None, **options: Any
-) -> str:
-    """Send ``ratchet.cancel``: the run stops at its next boundary, for good."""
-    return send(build(Cancel, run_id=run_id, reason=reason), app=app, **options)
-
-
-def enqueue_reconcile(
-    *,
-    run_id: str,
-    call_id: str,
-    decision: str,
-    result: Any = None,
-    reason: str | None = None,
-    app: Any = None,
-    **options: Any,
-) -> str:
-    """Send ``ratchet.reconcile``: an operator's outcome for a parked run's open call."""
-    message = build(
-        Reconcile, run_id=run_id, call_id=call_id, decision=decision, result=result, reason=reason
-    )
-    return send(message, app=app, **options)
-
-
-def enqueue_sweep(*, app: Any = None, **options: Any) -> str:
-    """Send ``ratchet.sweep``: one crash sweep, then retention."""
-    return send(build(Sweep), app=app, **options)
-
-
-def enqueue_wake(
-    *, run_id: str, seq: int, countdown_s: float = 0.0, app: Any = None, **options: Any
-) -> str:
-    """Send ``ratchet.wake``, held by the broker ``countdown_s`` (until the wake-up time)."""
-    return send(build(Wake, run_id=run_id, seq=seq), app=app, countdown_s=countdown_s, **options)
-
-
-def enqueue_deliver(*, child_id: str, app: Any = None, **options: Any) -> str:
-    """Send ``ratchet.deliver``: tell an ended child's parent how it ended."""
-    return send(build(Deliver, child_id=child_id), app=app, **options)
+    if urgent:
+        fields_and_options["queue"] = CONTROL_QUEUE
+    return _enqueue_resume(**fields_and_options)
 
 
 # The (run_id, seq) and (child_id) forms the injectable ``enqueue=`` / ``tell=`` seams take.

@@ -28,6 +28,7 @@ from runtime.limits import check_key
 from runtime.models import Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
+from tasks.messages import Start
 from tasks.task_base import ratchet_task
 from tasks.turn import advance, enqueue_next
 
@@ -116,25 +117,24 @@ class Started(NamedTuple):
     """Nothing has happened to the run yet: its first turn should be (re)queued."""
 
 
-def start(
-    ctx: Context,
-    agent_file: str | Path,
-    text: str,
-    run_id: str | None = None,
-    idempotency_key: str | None = None,
-    *,
-    priority: int | None = None,
-    concurrency_key: str | None = None,
-) -> Started:
+def start(ctx: Context, request: Start) -> Started:
     """Create the run the key names, or find it: the one path every start takes.
 
-    Raises StartConflict when the key's run exists with another agent file or input,
-    AgentFileError, InvalidInput (also for a run id and a key both given).
+    ``request`` may come unchecked (``Start.model_construct``, from Python callers):
+    every field is checked here. Raises StartConflict when the key's run exists with
+    another agent file or input, AgentFileError, InvalidInput (also for a run id and
+    a key both given).
     """
-    run_id = run_id_for(run_id, idempotency_key)
+    run_id = run_id_for(request.run_id, request.idempotency_key)
+    agent_file, text = request.agent_file, request.text
     try:
         create_run(
-            ctx, agent_file, text, run_id, priority=priority, concurrency_key=concurrency_key
+            ctx,
+            agent_file,
+            text,
+            run_id,
+            priority=request.priority,
+            concurrency_key=request.concurrency_key,
         )
     except StaleWrite:
         record = _matching_run(ctx, run_id, agent_file, text)
@@ -159,29 +159,18 @@ def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) 
 @ratchet_task(
     name="ratchet.start", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
 )
-def start_run(
-    self: Any,
-    *,
-    agent_file: str,
-    text: str,
-    run_id: str | None = None,
-    idempotency_key: str | None = None,
-    priority: int | None = None,
-    concurrency_key: str | None = None,
-) -> str:
+def start_run(self: Any, request: Start) -> str:
     """Create the run (unless its key's run exists) and take its first turn. Idempotent.
 
     With neither ``run_id`` nor ``idempotency_key`` the message's task id is the key,
     so a redelivery finds the run its first delivery created.
     """
     ctx = get_context()
-    if run_id is None and idempotency_key is None:
-        idempotency_key = f"celery-task:{self.request.id}"
+    if request.run_id is None and request.idempotency_key is None:
+        key = f"celery-task:{self.request.id}"
+        request = request.model_copy(update={"idempotency_key": key})
     try:
-        run_id = start(
-            ctx, agent_file, text, run_id, idempotency_key,
-            priority=priority, concurrency_key=concurrency_key,
-        ).run_id  # fmt: skip
+        run_id = start(ctx, request).run_id
     except StartConflict as exc:
         log.warning("ratchet.start refused: %s", exc)
         return "conflict"

@@ -33,6 +33,9 @@ from tasks.rejected import set_aside, store_for_app
 class RatchetTask(Task):  # type: ignore[misc]
     """A Celery task whose arguments are validated at the edge (see the module docstring)."""
 
+    takes_message = False
+    """The task function takes the validated message itself, not its fields by keyword."""
+
     def message_version(self) -> object:
         """The version the message in progress says it is (None: the previous release's)."""
         headers = self.request.headers or {}
@@ -50,6 +53,8 @@ class RatchetTask(Task):  # type: ignore[misc]
             problem = exc.problem
         else:
             try:
+                if self.takes_message:
+                    return super().__call__(message)
                 return super().__call__(**dict(message))
             except InvalidRunId as exc:
                 problem = str(exc)
@@ -85,8 +90,10 @@ class RatchetTask(Task):  # type: ignore[misc]
 def ratchet_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """Declare a ratchet task: ``@ratchet_task(name="ratchet.turn", ...)``.
 
-    Its parameters are its message's fields (:data:`tasks.messages.MESSAGES`), keyword
-    only, with the same types and defaults: checked here, so the two cannot drift.
+    It takes its message (:data:`tasks.messages.MESSAGES`), validated: either as one
+    parameter annotated with the message's model (``def start_run(self, message:
+    Start)``), or as keyword-only parameters that are the model's fields, with the same
+    types and defaults. Checked here, so the two cannot drift.
     The task is a Celery shared task: it is registered on every Celery app that is
     finalised in the process, ratchet's own (``celery -A worker``) or an application's
     (``tasks.install(app)``), and always with :class:`RatchetTask` as its base, whatever
@@ -96,20 +103,26 @@ def ratchet_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     name = options["name"]
 
     def declare(fun: Callable[..., Any]) -> Any:
-        _check_parameters(name, fun, bound=bool(options.get("bind")))
-        shared_task(base=RatchetTask, **options)(fun)
+        takes_message = _check_parameters(name, fun, bound=bool(options.get("bind")))
+        shared_task(base=RatchetTask, takes_message=takes_message, **options)(fun)
         return Proxy(lambda: sending_app().tasks[name])
 
     return declare
 
 
-def _check_parameters(name: str, fun: Callable[..., Any], *, bound: bool) -> None:
-    """Raise TypeError unless ``fun`` takes exactly ``name``'s message, by keyword."""
+def _check_parameters(name: str, fun: Callable[..., Any], *, bound: bool) -> bool:
+    """Whether ``fun`` takes ``name``'s message itself (else: its fields, by keyword).
+
+    Raises TypeError unless it takes exactly that message, one way or the other.
+    """
     message = MESSAGES[name]
     types = typing.get_type_hints(message)
     parameters = list(inspect.signature(fun).parameters.values())[1 if bound else 0 :]
     hints = typing.get_type_hints(fun)
     found = {p.name: (p.kind, hints.get(p.name), p.default) for p in parameters}
+    whole = (inspect.Parameter.POSITIONAL_OR_KEYWORD, message, inspect.Parameter.empty)
+    if list(found.values()) == [whole]:
+        return True
     wanted = {
         field_name: (
             inspect.Parameter.KEYWORD_ONLY,
@@ -120,6 +133,7 @@ def _check_parameters(name: str, fun: Callable[..., Any], *, bound: bool) -> Non
     }
     if found != wanted:
         raise TypeError(f"{name}: the task's parameters {found} are not its message's {wanted}")
+    return False
 
 
 CONTROL_TASK_OPTIONS: dict[str, Any] = {

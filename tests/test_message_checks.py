@@ -18,12 +18,14 @@ from runtime.errors import MessageRefused
 from tasks.messages import (
     MESSAGES,
     VERSION,
+    Resume,
+    Turn,
     call_form,
     decode,
     enqueue_turn,
     enqueue_wake,
 )
-from tasks.task_base import RatchetTask, ratchet_task
+from tasks.task_base import RatchetTask, _check_parameters, ratchet_task
 from worker.app import app
 from worker.transport import envelope_problem
 
@@ -190,7 +192,7 @@ def test_every_enqueue_function_refuses_a_bad_message_before_sending_it() -> Non
     with pytest.raises(MessageRefused, match="ratchet.turn message refused: argument `run_id`: "):
         enqueue_turn(run_id="../etc", expected_seq=1, app=object())
     with pytest.raises(MessageRefused, match="argument `seq` must be int, not str"):
-        enqueue_wake(run_id="r1", seq="3", app=object())  # type: ignore[arg-type]
+        enqueue_wake(run_id="r1", seq="3", app=object())
 
 
 def test_the_signature_a_refusal_quotes_is_the_message_s_own() -> None:
@@ -213,9 +215,34 @@ def test_a_task_whose_parameters_drift_from_its_message_is_not_declared() -> Non
     def renamed(*, run_id: str, seq: int | None) -> str:
         return run_id
 
-    for fun in (positional, retyped, renamed):
+    def other_message(message: Resume) -> str:
+        return message.run_id
+
+    def message_and_more(message: Turn, *, extra: int = 0) -> str:
+        return message.run_id
+
+    for fun in (positional, retyped, renamed, other_message, message_and_more):
         with pytest.raises(TypeError, match="are not its message's"):
             ratchet_task(name="ratchet.turn")(fun)
+
+
+def test_a_task_may_take_its_validated_message_whole() -> None:
+    def whole(message: Turn) -> str:
+        return message.run_id
+
+    def bound(self: Any, message: Turn) -> str:
+        return message.run_id
+
+    def by_keyword(*, run_id: str, expected_seq: int | None) -> str:
+        return run_id
+
+    assert _check_parameters("ratchet.turn", whole, bound=False)
+    assert _check_parameters("ratchet.turn", bound, bound=True)
+    assert not _check_parameters("ratchet.turn", by_keyword, bound=False)
+    # ratchet.start and ratchet.continue take theirs whole; the others by keyword
+    assert app.tasks["ratchet.continue"].takes_message
+    assert app.tasks["ratchet.start"].takes_message
+    assert not app.tasks["ratchet.turn"].takes_message
 
 
 def test_every_ratchet_task_takes_its_message() -> None:

@@ -31,7 +31,7 @@ from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.lease import holding
-from tasks.messages import enqueue_resume, enqueue_turn
+from tasks.messages import Start, enqueue_resume, enqueue_turn
 from tasks.persistence import Loaded, load
 from tasks.start import start
 
@@ -78,10 +78,17 @@ class Ratchet:
         (AgentFileError, InvalidInput). RunNotQueued: the run is recorded but the broker
         could not take its first turn; the crash sweeper queues it once the broker is back.
         """
-        started = start(
-            self.ctx, agent_file, text, run_id, idempotency_key,
-            priority=priority, concurrency_key=concurrency_key,
-        )  # fmt: skip
+        # Unchecked here: start() checks every field and names what is wrong more
+        # precisely (InvalidRunId, InvalidInput) than the message model's strict check.
+        request = Start.model_construct(
+            agent_file=agent_file,
+            text=text,
+            run_id=run_id,
+            idempotency_key=idempotency_key,
+            priority=priority,
+            concurrency_key=concurrency_key,
+        )
+        started = start(self.ctx, request)
         if started.awaits_first_turn:
             from tasks.limits import first_turn_priority
 

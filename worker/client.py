@@ -53,37 +53,22 @@ def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: A
     return enqueue_start(agent_file=agent_file, text=text, run_id=run_id, app=app, **options)
 
 
-def continue_run(
-    app: Any,
-    run_id: str,
-    *,
-    continuation_id: str | None = None,
-    suspension_seq: int | None = None,
-    input: str | None = None,
-    approve: bool | None = None,
-    deny: str | None = None,
-    **options: Any,
-) -> str:
+def continue_run(app: Any, run_id: str, **answer_and_options: Any) -> str:
     """Send ``ratchet.continue``: one answer (input, approve or deny) to a suspended run.
 
-    Name the answer (``continuation_id``; the same id twice is applied once) or
-    the suspension it answers (``suspension_seq``, from ``runs show``): an answer
-    naming neither is refused by the workers. Returns the Celery task id.
+    ``answer_and_options``: the message's other fields by keyword (``input``,
+    ``approve``, ``deny``, ``continuation_id``, ``suspension_seq``), then
+    Celery's ``send_task`` options. Name the answer (``continuation_id``; the same
+    id twice is applied once) or the suspension it answers (``suspension_seq``,
+    from ``runs show``): an answer naming neither is refused by the workers, so it
+    is refused here. Returns the Celery task id.
     """
-    if continuation_id is None and suspension_seq is None:
+    pins = ("continuation_id", "suspension_seq")
+    if all(answer_and_options.get(name) is None for name in pins):
         raise InvalidRequest(
             "give continuation_id or suspension_seq: which answer is this?", run_id
         )
-    return enqueue_continue(
-        run_id=run_id,
-        continuation_id=continuation_id,
-        suspension_seq=suspension_seq,
-        input=input,
-        approve=approve,
-        deny=deny,
-        app=app,
-        **options,
-    )
+    return enqueue_continue(run_id=run_id, app=app, **answer_and_options)
 
 
 def cancel_run(app: Any, run_id: str, reason: str | None = None, **options: Any) -> str:

@@ -153,6 +153,24 @@ class Claim(NamedTuple):
     took_from: str | None = None
     """Taken from a holder whose process was dead (its liveness lapsed): that owner."""
 
+    @staticmethod
+    def decide(
+        held: Lease | None, owner: str, now_ms: int, alive_until: Callable[[str], int | None]
+    ) -> Claim:
+        """The rule of :meth:`RunStore.claim_lease`, for a backend that reads the lease
+        ``held`` and then writes ``owner``'s in one atomic step if the claim is ``taken``.
+
+        ``alive_until(process)``: when that process's liveness record expires (ms), or
+        None if it keeps none (then its leases only ever expire).
+        """
+        if held is None or held.owner == owner or held.expires_at_ms <= now_ms:
+            return Claim(True)
+        holder = owner_process(held.owner)
+        until = alive_until(holder) if holder is not None else None
+        if until is None or until > now_ms:
+            return Claim(False, held.owner, until)
+        return Claim(True, took_from=held.owner)
+
 
 class Orphan(NamedTuple):
     """A run whose unexpired lease is held by a process that is no longer alive."""

@@ -118,16 +118,10 @@ class MemoryRunStore(RunStore):
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:
         with self._lock:
-            lease = self._leases.get(run_id)
-            took_from = None
-            if lease is not None and lease.owner != owner and lease.expires_at_ms > now_ms:
-                holder = owner_process(lease.owner)
-                alive_until = self._alive_until.get(holder) if holder is not None else None
-                if alive_until is None or alive_until > now_ms:
-                    return Claim(False, lease.owner, alive_until)
-                took_from = lease.owner
-            self._leases[run_id] = Lease(owner=owner, expires_at_ms=now_ms + lease_ms)
-            return Claim(True, took_from=took_from)
+            claim = Claim.decide(self._leases.get(run_id), owner, now_ms, self._alive_until.get)
+            if claim.taken:
+                self._leases[run_id] = Lease(owner=owner, expires_at_ms=now_ms + lease_ms)
+            return claim
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
         with self._lock:

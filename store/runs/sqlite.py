@@ -9,11 +9,9 @@ prefork pool forks, and a SQLite connection must not cross a fork).
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
@@ -27,10 +25,9 @@ from store.runs import (
     RunRecord,
     RunStore,
     Transition,
-    owner_process,
 )
 from store.snapshots import SnapshotStore
-from store.snapshots.sqlite import SqliteSnapshotStore, write_parts
+from store.snapshots.sqlite import Connections, SqliteSnapshotStore, transaction, write_parts
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -82,7 +79,7 @@ class SqliteRunStore(RunStore):
     def __init__(self, path: str | Path, clock: Callable[[], int] | None = None) -> None:
         super().__init__(clock)
         self.path = Path(path).resolve()
-        self._local = threading.local()
+        self._connection = Connections(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._refuse_links()
@@ -122,30 +119,8 @@ class SqliteRunStore(RunStore):
             "WHERE finished_at_ms IS NOT NULL"
         )
 
-    def _connection(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "pid", None) != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=30000")
-            self._local.conn, self._local.pid = conn, os.getpid()
-        return conn
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        try:
-            conn = self._connection()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-        except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        return transaction(self._connection, f"run store {self.path}", "IMMEDIATE")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -354,39 +329,26 @@ class SqliteRunStore(RunStore):
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:
         with self._tx() as conn:
-            held = conn.execute(
+            row = conn.execute(
                 "SELECT owner, expires_at_ms FROM leases WHERE run_id = ?", (run_id,)
             ).fetchone()
-            took_from = None
-            if held is not None and held[0] != owner and held[1] > now_ms:
-                holder = owner_process(held[0])
-                alive = (
-                    conn.execute(
-                        "SELECT expires_at_ms FROM processes WHERE process = ?", (holder,)
-                    ).fetchone()
-                    if holder is not None
-                    else None
+            held = Lease(owner=row[0], expires_at_ms=row[1]) if row else None
+            claim = Claim.decide(held, owner, now_ms, lambda holder: _alive_until(conn, holder))
+            if claim.taken:
+                conn.execute(
+                    "REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms)
                 )
-                if alive is None or alive[0] > now_ms:
-                    return Claim(False, held[0], alive[0] if alive else None)
-                took_from = held[0]
-            conn.execute("REPLACE INTO leases VALUES (?, ?, ?)", (run_id, owner, now_ms + lease_ms))
-            return Claim(True, took_from=took_from)
+            return claim
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
         with self._tx() as conn:
-            before = conn.execute(
-                "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
-            ).fetchone()
+            before = _alive_until(conn, process)
             conn.execute("REPLACE INTO processes VALUES (?, ?)", (process, expires_at_ms))
-        return before is not None and before[0] > now_ms
+        return before is not None and before > now_ms
 
     def _liveness(self, process: str) -> int | None:
         with self._read() as conn:
-            row = conn.execute(
-                "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
-            ).fetchone()
-        return int(row[0]) if row else None
+            return _alive_until(conn, process)
 
     def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
         with self._tx() as conn:
@@ -421,7 +383,12 @@ class SqliteRunStore(RunStore):
         return run_ids
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        self._connection.close()
+
+
+def _alive_until(conn: sqlite3.Connection, process: str) -> int | None:
+    """When ``process``'s liveness record expires (ms), or None if it keeps none."""
+    row = conn.execute(
+        "SELECT expires_at_ms FROM processes WHERE process = ?", (process,)
+    ).fetchone()
+    return int(row[0]) if row else None

@@ -32,8 +32,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from runtime.errors import SnapshotMalformed, StaleWrite, StoreUnavailable
@@ -73,6 +73,50 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=30000")
     return conn
+
+
+class Connections:
+    """A :func:`connect` connection to ``path`` per thread and per process: a forked
+    pool child opens its own (a SQLite connection must not cross a fork)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._local = threading.local()
+
+    def __call__(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None or getattr(self._local, "pid", None) != os.getpid():
+            conn = connect(self._path)
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    def close(self) -> None:
+        """Close this thread's connection, if it has one."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+
+@contextmanager
+def transaction(
+    connection: Callable[[], sqlite3.Connection], where: str, mode: str
+) -> Iterator[sqlite3.Connection]:
+    """A transaction on ``connection()``: IMMEDIATE to write, DEFERRED for a consistent
+    read of several rows. Rolled back if the block raises; StoreUnavailable naming
+    ``where`` if SQLite fails (a locked database past the busy timeout, a full disk)."""
+    try:
+        conn = connection()
+        conn.execute(f"BEGIN {mode}")
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    except sqlite3.OperationalError as exc:
+        raise StoreUnavailable(where, str(exc)) from exc
 
 
 def write_parts(
@@ -126,7 +170,7 @@ class SqliteSnapshotStore(SnapshotStore):
         super().__init__()
         self.path = Path(path).resolve()
         self._where = f"snapshot store {self.path}"
-        self._local = threading.local()
+        self._connection = Connections(self.path)
         self.bytes_written = 0
         """Payload bytes saves wrote (heads and transcript rows): what checkpoints cost."""
         try:
@@ -146,28 +190,9 @@ class SqliteSnapshotStore(SnapshotStore):
     def where(self, run_id: str) -> str:
         return f"snapshot of run {run_id} (in {self.path})"
 
-    def _connection(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "pid", None) != os.getpid():
-            conn = connect(self.path)
-            self._local.conn, self._local.pid = conn, os.getpid()
-        return conn
-
-    @contextmanager
-    def _tx(self, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+    def _tx(self, mode: str = "IMMEDIATE") -> AbstractContextManager[sqlite3.Connection]:
         """A transaction: IMMEDIATE to write, DEFERRED for a consistent read of several rows."""
-        try:
-            conn = self._connection()
-            conn.execute(f"BEGIN {mode}")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-        except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(self._where, str(exc)) from exc
+        return transaction(self._connection, self._where, mode)
 
     # --- primitives -------------------------------------------------------------
 
@@ -293,7 +318,4 @@ class SqliteSnapshotStore(SnapshotStore):
             return [r[0] for r in conn.execute("SELECT run_id FROM snapshots")]
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        self._connection.close()
