@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from tasks import metrics
 from tasks.context import Context
-from tasks.liveness import PerProcess, Rounds
+from tasks.liveness import PeriodicStats, PerProcess, Rounds
 
 log = logging.getLogger("ratchet.turn")
 
@@ -144,18 +144,20 @@ class _Held:
 
 
 @dataclass
-class HeartbeatStats:
-    """What this process's heartbeat did so far (``heartbeats().stats``)."""
+class HeartbeatStats(PeriodicStats):
+    """What this process's heartbeat did so far (``heartbeats().stats``).
 
-    rounds: int = 0
+    ``failed`` counts renewals, not rounds.
+    """
+
     renewed: int = 0
+    """Leases renewed."""
     lost: int = 0
-    failed: int = 0
-    """Renewals whose store call failed (retried at the next round)."""
+    """Leases found taken (or timed out) while their turn was still in progress."""
     largest_batch: int = 0
+    """The most leases due in one round."""
     last_late_s: float = 0.0
-    max_late_s: float = 0.0
-    """How long after its planned time a round started, at worst: the process was busy."""
+    """How late the latest round started."""
     max_round_s: float = 0.0
     """The longest round, store calls included."""
 

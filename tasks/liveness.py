@@ -119,18 +119,29 @@ def process_id() -> str:
 
 
 @dataclass
-class LivenessStats:
+class PeriodicStats:
+    """What every periodic thread paced by :class:`Rounds` counts (its ``stats``)."""
+
+    rounds: int = 0
+    failed: int = 0
+    """Store calls that failed (tried again at the next round)."""
+    max_late_s: float = 0.0
+    """How long after its planned time a round started, at worst: the process was busy."""
+
+
+@dataclass
+class LivenessStats(PeriodicStats):
     """What this process's liveness beats did so far (``beats().stats``)."""
 
-    beats: int = 0
-    failed: int = 0
-    """Beats whose store call failed (tried again next period)."""
     lapsed: int = 0
     """Beats that found the record had lapsed: the process may have been declared dead."""
-    max_late_s: float = 0.0
-    """How long after its planned time a beat started, at worst."""
     late_s: list[float] = field(default_factory=list)
     """The lateness of the last beats (at most 10,000), for benches."""
+
+    @property
+    def beats(self) -> int:
+        """The beats made: this thread's rounds."""
+        return self.rounds
 
 
 @dataclass
@@ -224,7 +235,7 @@ class Beats:
         previous = store.beaten_at
         store.beaten_at = started
         stats = self.stats
-        stats.beats += 1
+        stats.rounds += 1
         stats.max_late_s = max(stats.max_late_s, late_s)
         stats.late_s.append(late_s)
         del stats.late_s[:-10_000]
