@@ -46,15 +46,7 @@ import redis
 from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
 from store.packing import pack, unpack
-from store.runs import (
-    Claim,
-    Lease,
-    Orphan,
-    RunRecord,
-    RunStore,
-    Transition,
-    owner_process,
-)
+from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
 from store.snapshots import SnapshotStore, TranscriptMoved
 from store.snapshots.redis import (
     DEFAULT_PREFIX,
