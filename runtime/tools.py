@@ -101,9 +101,10 @@ class ToolSpec:
     name: str
     reference: str
     description: str
-    parameters: dict[str, Any]
     idempotent: bool
     control: bool
+    parameters: dict[str, Any]
+    """The JSON schema of ``arguments_model``, as the model is told it."""
     arguments_model: type[BaseModel]
     fn: Callable[..., Any] | None
     context_parameter: str | None = None
