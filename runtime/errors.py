@@ -52,6 +52,7 @@ Celery's serialisation of task failures.
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -72,20 +73,28 @@ class RatchetError(Exception):
     """Root of every error ratchet raises on purpose."""
 
     def __init__(self, message: str, *args: Any) -> None:
+        """``args``: the constructor's arguments, which a pickle rebuilds the error from.
+
+        An error that keeps each of its constructor's arguments, as given, in the
+        attribute of the same name need not pass them: they are read back from there.
+        """
         super().__init__(message)
-        self._args = args or (message,)
+        self._args = args
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (self.__class__, self._args)
+        return (self.__class__, self._args or self._kept_args())
+
+    def _kept_args(self) -> tuple[Any, ...]:
+        params = list(inspect.signature(type(self).__init__).parameters.values())[1:]
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            return (str(self),)  # built from its message alone
+        return tuple(getattr(self, p.name) for p in params)
 
 
 class AgentFileError(RatchetError):
     def __init__(self, path: str, key: str, problem: str) -> None:
         super().__init__(
             f"{path}: `{key}`: {problem} (fix the agent file, then run the command again)",
-            path,
-            key,
-            problem,
         )
         self.path, self.key, self.problem = path, key, problem
 
@@ -132,10 +141,6 @@ class BudgetExhausted(BudgetError):
             f"budget `{budget}` exhausted: {used:g} used of {limit:g}; give run {run_id} more "
             f"with `ratchet runs budget {run_id} --{budget.replace('_', '-')} +N --reason WHY`, "
             "or raise it in the agent file for new runs",
-            run_id,
-            budget,
-            used,
-            limit,
         )
         self.run_id, self.budget, self.used, self.limit = run_id, budget, used, limit
 
@@ -148,9 +153,6 @@ class BudgetUnenforceable(BudgetError):
             f"run {run_id}: budget `{budget}` cannot be enforced: {responses} model response(s) "
             "reported no token usage, and ratchet does not guess; use a provider that reports "
             "usage or remove the budget, then start a new run",
-            run_id,
-            budget,
-            responses,
         )
         self.run_id, self.budget, self.responses = run_id, budget, responses
 
@@ -177,8 +179,6 @@ class InvalidRequest(RatchetError, ValueError):
         super().__init__(
             f"{_of_run(run_id)}{problem}; nothing was changed — correct it and try again "
             "(`--help` lists a command's options)",
-            problem,
-            run_id,
         )
         self.problem, self.run_id = problem, run_id
 
@@ -195,7 +195,7 @@ class InvalidRunId(RatchetError):
 
 class RunNotFound(RatchetError):
     def __init__(self, run_id: str) -> None:
-        super().__init__(f"run {run_id} not found: check the id with `ratchet runs list`", run_id)
+        super().__init__(f"run {run_id} not found: check the id with `ratchet runs list`")
         self.run_id = run_id
 
 
@@ -203,7 +203,7 @@ class RunRefused(RatchetError):
     """An operation the run's current status does not allow."""
 
     def __init__(self, run_id: str, status: str, reason: str) -> None:
-        super().__init__(f"run {run_id} is {status}: {reason}", run_id, status, reason)
+        super().__init__(f"run {run_id} is {status}: {reason}")
         self.run_id, self.status, self.reason = run_id, status, reason
 
 
@@ -214,12 +214,8 @@ class SuspensionAlreadyAnswered(RunRefused):
             f"run {run_id} is {status}: its suspension at seq {suspension_seq} was already "
             f"answered by continuation {by}, so this different answer is refused; if the run "
             f"asks again, answer that (`ratchet runs show {run_id}`)",
-            run_id,
-            status,
-            suspension_seq,
-            by,
         )
-        self.run_id, self.status = run_id, status
+        self.run_id, self.status, self.suspension_seq, self.by = run_id, status, suspension_seq, by
         self.reason = f"suspension at seq {suspension_seq} already answered by {by}"
 
 
@@ -230,12 +226,9 @@ class SuspensionMismatch(RunRefused):
             f"run {run_id} is {status}: this continuation answers the suspension at seq "
             f"{answers_seq}, but the run is waiting on the one at seq {current_seq}; read the "
             f"current question with `ratchet runs show {run_id}` and answer that",
-            run_id,
-            status,
-            answers_seq,
-            current_seq,
         )
         self.run_id, self.status = run_id, status
+        self.answers_seq, self.current_seq = answers_seq, current_seq
         self.reason = f"answers seq {answers_seq}, current suspension is seq {current_seq}"
 
 
@@ -344,8 +337,6 @@ class InvalidContinuation(RatchetError):
         super().__init__(
             f"continuation for run {run_id} refused: {problem}; correct the answer and send it "
             f"again (`ratchet runs show {run_id}` shows what the run asks)",
-            run_id,
-            problem,
         )
         self.run_id, self.problem = run_id, problem
 
@@ -357,7 +348,6 @@ class MalformedContinuation(RatchetError):
             "send the answer again as a JSON object like "
             '{"run_id": "…", "input": "…", "continuation_id": "…"} or '
             '{"run_id": "…", "approve": true} or {"run_id": "…", "deny": "reason"}',
-            problem,
         )
         self.problem = problem
 
@@ -380,8 +370,6 @@ class RunStateLost(RatchetError):
             f"run {run_id} has no usable snapshot and its events cannot rebuild its state "
             f"({problem}); read them with `ratchet runs events {run_id}` and start the run "
             "again with `ratchet runs start`",
-            run_id,
-            problem,
         )
         self.run_id, self.problem = run_id, problem
 
@@ -401,9 +389,6 @@ class EventsDoNotFold(RatchetError, ValueError):
             "the log was edited or written by a build this one cannot read: read it with "
             f"`ratchet runs events {shown}`, run a worker of the build that wrote it, "
             "or start the run again",
-            run_id,
-            seq,
-            problem,
         )
         self.run_id, self.seq, self.problem = run_id, seq, problem
         self.where = f"event at seq {seq}: {problem}"
@@ -496,9 +481,6 @@ class StoreUnavailable(StoreError):
             f"{_of_run(run_id)}{store} is unavailable: {problem}; check that it is running "
             "and reachable"
             + (f", then `ratchet runs resume {run_id}` if the run stalled" if run_id else ""),
-            store,
-            problem,
-            run_id,
         )
         self.store, self.problem, self.run_id = store, problem, run_id
 
@@ -541,9 +523,6 @@ class StaleWrite(StoreError):
             f"run {run_id}: write expected seq {expected_seq} but the store holds "
             f"{found_seq}; another worker advanced the run — this write is dropped, and there is "
             "nothing to do: the newer write stands",
-            run_id,
-            expected_seq,
-            found_seq,
         )
         self.run_id, self.expected_seq, self.found_seq = run_id, expected_seq, found_seq
 
@@ -554,8 +533,6 @@ class LeaseLost(StoreError):
             f"run {run_id}: worker {owner} no longer holds the run's lease "
             "(it expired and another worker may have taken over); stopping without writing — "
             "nothing to do: the lease holder, or the sweeper after it, carries the run on",
-            run_id,
-            owner,
         )
         self.run_id, self.owner = run_id, owner
 
@@ -594,8 +571,6 @@ class StartConflict(RatchetError):
             f"run {run_id} already exists with another {differs}: a start with the same run id "
             "or idempotency key must repeat the same agent and input; use a new key for a new "
             f"run (`ratchet runs show {run_id}` shows the existing one)",
-            run_id,
-            differs,
         )
         self.run_id, self.differs = run_id, differs
 
@@ -607,8 +582,6 @@ class RunNotQueued(RatchetError):
             "it starts by itself once the broker is back (the crash sweeper, "
             "`celery -A worker beat`, queues it), "
             f"or stop it with `ratchet runs cancel {run_id}`",
-            run_id,
-            problem,
         )
         self.run_id, self.problem = run_id, problem
 
@@ -616,12 +589,10 @@ class RunNotQueued(RatchetError):
 class ToolModuleChanged(RatchetError):
     def __init__(self, module: str, path: str, worker: str) -> None:
         super().__init__(
-            f"tool module `{module}` ({path}) changed on disk after worker {worker} imported it, "
-            "and a module cannot be re-imported safely: restart that worker so it loads the "
-            "module as it is now, then resume the run (`ratchet runs resume RUN`)",
-            module,
-            path,
-            worker,
+            f"tool module `{module}` ({path}) changed on disk after worker {worker} "
+            "imported it, and a module cannot be re-imported safely: "
+            "restart that worker so it loads the module as it is now, "
+            "then resume the run (`ratchet runs resume RUN`)",
         )
         self.module, self.path, self.worker = module, path, worker
 
@@ -638,7 +609,5 @@ class MessageRefused(RatchetError):
         super().__init__(
             f"{task} message refused: {problem}; nothing was sent or run: correct the message "
             "(docs/celery.md lists each task's fields)",
-            task,
-            problem,
         )
         self.task, self.problem = task, problem
