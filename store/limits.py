@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.errors import StoreUnavailable
 from runtime.limits import Rate, Verdict, corrected_tat, schedule
@@ -39,9 +39,9 @@ LINE_KEEP_MS = 3_600_000
 """A place in a waiting line not asked about for this long is dropped (its run went away)."""
 
 
-@dataclass(frozen=True)
-class Admission:
-    """What :meth:`LimitStore.admit` decided for one model call."""
+class Admission(NamedTuple):
+    """What :meth:`LimitStore.admit` decided for one model call (a store's answer, as
+    ``store.runs.Claim`` is)."""
 
     verdict: Verdict
     place: int
@@ -50,8 +50,7 @@ class Admission:
     """The store's clock when it decided."""
 
 
-@dataclass(frozen=True)
-class Place:
+class Place(NamedTuple):
     """What :meth:`LimitStore.acquire` found: a place under a concurrency key, or a line."""
 
     held: bool

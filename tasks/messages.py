@@ -81,25 +81,6 @@ class RunMessage(Message):
     """The run."""
 
 
-class Start(Message):
-    """Create a run (once per key) and take its first turn."""
-
-    task = "ratchet.start"
-    v0_order = ("agent_file", "text", "run_id", "idempotency_key", "priority", "concurrency_key")
-    agent_file: str
-    """The agent file, a path the workers can read."""
-    text: str
-    """The run's input."""
-    run_id: RunId | None = None
-    """The run's id, and its start's idempotency key; default: derived from the key."""
-    idempotency_key: str | None = None
-    """Starts the run once however often it is sent; default: the Celery task id."""
-    priority: int | None = None
-    """The run's priority (0-4, higher first); default: the agent's ``[limits] priority``."""
-    concurrency_key: str | None = None
-    """Puts the run under the agent's ``max_runs_per_key`` (a tenant, a user)."""
-
-
 class Turn(RunMessage):
     """Take the run's next turn, if it is still where the sender saw it."""
 
@@ -187,6 +168,27 @@ class Deliver(Message):
 
 
 MessageT = TypeVar("MessageT", bound=Message)
+
+
+class Start(Message):
+    """Create a run (once per key) and take its first turn: the one message whose run may
+    not have an id yet (it may be derived from the idempotency key)."""
+
+    task = "ratchet.start"
+    v0_order = ("agent_file", "text", "run_id", "idempotency_key", "priority", "concurrency_key")
+    agent_file: str
+    """The agent file, a path the workers can read."""
+    text: str
+    """The run's input."""
+    run_id: RunId | None = None
+    """The run's id, and its start's idempotency key; default: derived from the key."""
+    idempotency_key: str | None = None
+    """Starts the run once however often it is sent; default: the Celery task id."""
+    priority: int | None = None
+    """The run's priority (0-4, higher first); default: the agent's ``[limits] priority``."""
+    concurrency_key: str | None = None
+    """Puts the run under the agent's ``max_runs_per_key`` (a tenant, a user)."""
+
 
 MESSAGES: dict[str, type[Message]] = {
     cls.task: cls
