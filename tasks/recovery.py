@@ -362,7 +362,9 @@ def reconcile(
         raise InvalidRequest(
             "--fail needs a reason: what the model will read as the call's error", run_id
         )
-    with lease.holding(ctx, run_id) as held:
+    # A run that just parked may still be held by its worker, finishing the turn: wait
+    # for it as a continuation does, rather than refuse the operator.
+    with lease.holding(ctx, run_id, patience_s=ctx.settings.lease_s) as held:
         owner = held.owner
         state = load(ctx, run_id).state
         if state.status != RunStatus.NEEDS_RECONCILIATION:

@@ -307,3 +307,31 @@ def test_an_operators_reconciliation_of_a_parked_run_whose_holder_died_is_record
     assert ctx.runs.events(run_id)[-1].type == "tool.reconciled"
     assert chained == [(run_id, state.seq)]
     assert ctx.runs.lease(run_id) is None
+
+
+@pytest.mark.timeout(60)
+def test_an_operators_reconciliation_waits_for_the_worker_still_letting_go_of_the_parked_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.recovery import reconcile
+    from tests.test_recovery import park_with_refund_in_flight, refund_agent
+
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
+    # Given a run that just parked, whose worker (alive) has not yet let its lease go:
+    # the peer benchmark's operator saw needs_reconciliation and reconciled at once
+    ctx = memory_context(**SHORT)
+    run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    ctx.runs.renew_liveness("parking-host:7:abc", 60.0)
+    assert ctx.runs.claim_lease(run_id, "parking-host:7:abc/t", 60).taken
+    let_go = threading.Timer(0.3, ctx.runs.release_lease, (run_id, "parking-host:7:abc/t"))
+    let_go.start()
+
+    # When the operator decides the open call right away
+    try:
+        state = reconcile(ctx, run_id, call_id, "fail", reason="refused", enqueue=lambda r, s: None)
+    finally:
+        let_go.cancel()
+
+    # Then it waited for the worker to let go and was recorded (it was refused as busy)
+    assert ctx.runs.events(run_id)[-1].type == "tool.reconciled"
+    assert state.status != RunStatus.NEEDS_RECONCILIATION
