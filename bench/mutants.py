@@ -207,7 +207,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "P2",
-        "runtime/fsm.py",
+        "runtime/actions.py",
         '        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))\n',
         "",
         ("tests/test_parallel_tools.py",),

@@ -22,11 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from runtime.agent import Agent, describe_binding_change
 from runtime.errors import BindingChanged
-from runtime.models import RunState, RunStatus, ToolCall
+from runtime.models import Message, RunState, RunStatus, ToolCall
 from runtime.probes import Answer, Probed, Rule, park_cause
 from runtime.providers import ModelRequest
 from runtime.tools import ToolOutcome
@@ -40,7 +41,49 @@ Items = tuple[tuple[str, dict[str, Any]], ...]
 
 @dataclass(frozen=True)
 class CallModel:
-    request: ModelRequest
+    """Call the model on the run's transcript, as the state holds it.
+
+    A turn decides several times (and again at each checkpoint, to see whether it is
+    the turn's last) but calls the model at most once, so deciding must not cost the
+    transcript's length: the :attr:`request` the provider reads is built the first time
+    it is asked for, once per action."""
+
+    transcript: tuple[Message, ...]
+    tools: tuple[dict[str, Any], ...]
+    """The agent's tool declarations."""
+    model_call: int
+    """Index of this model call among the run's responses, 0-based: 0 for the first."""
+
+    @cached_property
+    def request(self) -> ModelRequest:
+        """What the provider is asked: the messages :func:`in_request_order`."""
+        return ModelRequest(
+            messages=in_request_order(self.transcript), tools=self.tools, model_call=self.model_call
+        )
+
+
+def in_request_order(transcript: tuple[Message, ...]) -> tuple[Message, ...]:
+    """The transcript as the model reads it: each response's tool results in the order it
+    asked for the calls. Parallel calls are journaled (and folded) as they finish."""
+    ordered: list[Message] = []
+    rank: dict[str, int] = {}
+    results: list[Message] = []
+
+    def flush() -> None:
+        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))
+        ordered.extend(results)
+        results.clear()
+
+    for message in transcript:
+        if message.role == "tool":
+            results.append(message)
+            continue
+        flush()
+        ordered.append(message)
+        if message.role == "assistant":
+            rank = {c.id: i for i, c in enumerate(message.tool_calls)}
+    flush()
+    return tuple(ordered)
 
 
 @dataclass(frozen=True)

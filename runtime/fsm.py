@@ -54,7 +54,7 @@ from runtime.models import (
     Usage,
 )
 from runtime.probes import Answer, Rule, unknown_outcome_rule
-from runtime.providers import ModelRequest, ModelResponse
+from runtime.providers import ModelResponse
 from runtime.timers import WAIT, wait_problem, woken_content
 from runtime.timers import prompt as timer_prompt
 from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome
@@ -481,12 +481,7 @@ def decide(state: RunState, agent: Agent, now_ms: int) -> Action:
         return Fail(str(exc))
     except BudgetExhausted as exc:
         return Fail(str(exc), exc.budget)
-    request = ModelRequest(
-        messages=in_request_order(state.transcript),
-        tools=agent.declarations(),
-        model_call=state.usage.model_turns,
-    )
-    return CallModel(request)
+    return CallModel(state.transcript, agent.declarations(), state.usage.model_turns)
 
 
 def _next_call(state: RunState, agent: Agent, now_ms: int) -> Action:
@@ -553,30 +548,6 @@ def _unresolved(state: RunState, agent: Agent) -> Unresolved:
             )
             calls.append((call, rule))
     return Unresolved(tuple(calls))
-
-
-def in_request_order(transcript: tuple[Message, ...]) -> tuple[Message, ...]:
-    """The transcript as the model reads it: each response's tool results in the order it
-    asked for the calls. Parallel calls are journaled (and folded) as they finish."""
-    ordered: list[Message] = []
-    rank: dict[str, int] = {}
-    results: list[Message] = []
-
-    def flush() -> None:
-        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))
-        ordered.extend(results)
-        results.clear()
-
-    for message in transcript:
-        if message.role == "tool":
-            results.append(message)
-            continue
-        flush()
-        ordered.append(message)
-        if message.role == "assistant":
-            rank = {c.id: i for i, c in enumerate(message.tool_calls)}
-    flush()
-    return tuple(ordered)
 
 
 def response_events(response: ModelResponse) -> list[tuple[str, dict[str, Any]]]:

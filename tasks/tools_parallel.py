@@ -5,7 +5,7 @@ pending call and the plain calls after it, at most the agent's
 ``max_parallel_tools``) are journaled ``tool.requested`` together, then each
 runs on a caller thread of its own (tasks/calls.py). Each outcome is journaled
 and checkpointed **as it finishes**, in whatever order they finish; the model
-reads them in the order it asked (``runtime.fsm.in_request_order``). A crash
+reads them in the order it asked (``runtime.actions.in_request_order``). A crash
 in the middle leaves the finished calls recorded — never run again — and the
 others requested with no outcome.
 

@@ -104,6 +104,26 @@ def timed_effect(label: str, sleep_s: float) -> dict[str, object]:
     return {"label": label, "slept_s": sleep_s}
 
 
+@tool(idempotent=True)
+def finishes_after(label: str, after: str = "") -> dict[str, object]:
+    """Finish once the call labelled ``after`` has (as ``RATCHET_TEST_TIMES`` notes it): the
+    calls of one response finish in the order a test chooses, however loaded the machine."""
+    times = Path(os.environ["RATCHET_TEST_TIMES"])
+    deadline = time.monotonic() + 20
+    while after and not _finished(times, after):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"call {after!r} never finished")
+        time.sleep(0.01)
+    with times.open("a", encoding="utf-8") as handle:
+        handle.write(f"{label} {time.time()} {time.time()}\n")
+    return {"label": label}
+
+
+def _finished(times: Path, label: str) -> bool:
+    lines = times.read_text("utf-8").splitlines() if times.exists() else []
+    return any(line.split()[0] == label for line in lines)
+
+
 @tool
 def send_refund_unprobed(order_id: str, amount_cents: int, call: ToolContext) -> dict[str, object]:
     """The example's keyed refund without its probe: an unknown outcome parks the run."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import logging
 import sqlite3
 import time
@@ -78,13 +79,14 @@ def write_openai_agent(
     name: str = "openai-desk",
     provider: dict[str, Any] | None = None,
     budgets: dict[str, Any] | None = None,
+    tools: list[str] = TOOLS,
 ) -> Path:
     table = {"timeout_s": 5, "max_retry_s": 10, **(provider or {})}
     lines = [
         f'name = "{name}"',
         'model = "openai:gpt-test"',
         'system = "You are a refund desk."',
-        "tools = [" + ", ".join(f'"{t}"' for t in TOOLS) + "]",
+        "tools = [" + ", ".join(f'"{t}"' for t in tools) + "]",
         "[provider]",
         f'base_url = "{server.url}"',
         f'api_key_env = "{KEY_VAR}"',
@@ -267,6 +269,37 @@ def test_a_server_slower_than_timeout_s_is_retried_within_the_turn(
     assert "model.failed" not in types_of(events)
     assert len(server.requests) == 2
     assert record.usage.model_attempts == 2
+
+
+def test_parallel_results_finishing_out_of_order_reach_the_server_in_the_order_asked(
+    server: OpenAIServer, key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a response asking for three calls, of which the last finishes first
+    monkeypatch.setenv("RATCHET_TEST_TIMES", str(tmp_path / "times"))
+    server.enqueue(
+        200,
+        asks_for(
+            tool_call("call_a", "finishes_after", '{"label":"a","after":"b"}'),
+            tool_call("call_b", "finishes_after", '{"label":"b","after":"c"}'),
+            tool_call("call_c", "finishes_after", '{"label":"c"}'),
+        ),
+    )
+    server.enqueue_fixture("text_answer")
+    agent = write_openai_agent(tmp_path, server, tools=["tests.probed_tools:finishes_after"])
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "go").run_id
+    # When the run goes through the turn loop
+    assert drive(ctx, run_id).outcome == "completed"
+    # Then the results were journaled and folded as they finished, the last first ...
+    state = rebuild(ctx.runs.events(run_id))
+    assert state is not None
+    folded = [m.tool_call_id for m in state.transcript if m.role == "tool"]
+    assert folded == ["call_c", "call_b", "call_a"]
+    # ... and the provider sent them in the order the model asked, right after its response
+    sent = server.requests[1].body["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "tool", "tool"]
+    assert [m["tool_call_id"] for m in sent[3:]] == ["call_a", "call_b", "call_c"]
+    assert [json.loads(m["content"])["label"] for m in sent[3:]] == ["a", "b", "c"]
 
 
 def test_a_malformed_body_fails_the_run_clearly_and_keeps_every_earlier_event(
