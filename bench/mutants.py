@@ -208,8 +208,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "P2",
         "runtime/actions.py",
-        '        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))\n',
-        "",
+        "    for results in _RESULTS.finditer(roles):\n",
+        '    for results in _RESULTS.finditer(""):\n',
         ("tests/test_parallel_tools.py",),
     ),
     Mutant(

@@ -19,10 +19,13 @@ what they are told:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from runtime.agent import Agent, describe_binding_change
@@ -64,26 +67,29 @@ class CallModel:
 
 def in_request_order(transcript: tuple[Message, ...]) -> tuple[Message, ...]:
     """The transcript as the model reads it: each response's tool results in the order it
-    asked for the calls. Parallel calls are journaled (and folded) as they finish."""
-    ordered: list[Message] = []
-    rank: dict[str, int] = {}
-    results: list[Message] = []
+    asked for the calls. Parallel calls are journaled (and folded) as they finish.
 
-    def flush() -> None:
-        results.sort(key=lambda m: rank.get(m.tool_call_id or "", len(rank)))
-        ordered.extend(results)
-        results.clear()
-
-    for message in transcript:
-        if message.role == "tool":
-            results.append(message)
-            continue
-        flush()
-        ordered.append(message)
-        if message.role == "assistant":
-            rank = {c.id: i for i, c in enumerate(message.tool_calls)}
-    flush()
+    Asked at every model call of a transcript that only grows, so its cost in the
+    transcript's length is kept to one pass in C over the roles: only runs of two or
+    more results can be out of order, and only those are sorted."""
+    roles = "".join(map(_ROLE_LETTERS.get, map(_role, transcript), repeat("-")))
+    ordered = list(transcript)
+    for results in _RESULTS.finditer(roles):
+        start, end = results.span()
+        # The response that asked for them: the last assistant message before them.
+        asked = roles.rfind("a", 0, start)
+        calls = transcript[asked].tool_calls if asked >= 0 else ()
+        rank = {c.id: i for i, c in enumerate(calls)}
+        ordered[start:end] = sorted(
+            ordered[start:end], key=lambda m: rank.get(m.tool_call_id or "", len(rank))
+        )
     return tuple(ordered)
+
+
+_ROLE_LETTERS = {"tool": "t", "assistant": "a"}
+"""A transcript's roles spelt one letter each (``-`` for any other) for :data:`_RESULTS`."""
+_RESULTS = re.compile("t{2,}")
+_role = attrgetter("role")
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from runtime.actions import in_request_order
 from runtime.agent import Agent, load_agent
 from runtime.fsm import CallModel, RunTool, Suspend, apply, decide, rebuild, response_events
-from runtime.models import Event, RunState, RunStatus
+from runtime.models import Event, Message, RunState, RunStatus, ToolCall
 from runtime.probes import idempotency_key
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
@@ -126,3 +129,51 @@ def test_the_idempotency_key_is_stable_and_differs_per_run_turn_and_call() -> No
     others = {idempotency_key("run-2", 1, "call_1_1"), idempotency_key("run-1", 2, "call_1_1"),
               idempotency_key("run-1", 1, "call_1_2")}  # fmt: skip
     assert key not in others and len(others) == 3
+
+
+def _one_by_one(transcript: tuple[Message, ...]) -> tuple[Message, ...]:
+    """The request order as the rule says it, message by message: each run of tool results
+    sorted by the place of its call in the last response before it (the others after)."""
+    ordered: list[Message] = []
+    rank: dict[str, int] = {}
+    results: list[Message] = []
+    for message in (*transcript, None):
+        if message is not None and message.role == "tool":
+            results.append(message)
+            continue
+        ordered.extend(sorted(results, key=lambda m: rank.get(m.tool_call_id or "", len(rank))))
+        results.clear()
+        if message is not None:
+            ordered.append(message)
+            if message.role == "assistant":
+                rank = {c.id: i for i, c in enumerate(message.tool_calls)}
+    return tuple(ordered)
+
+
+_IDS = st.sampled_from(["c1", "c2", "c3", "c4"])
+_MESSAGES = st.one_of(
+    st.builds(Message, role=st.sampled_from(["system", "user"]), content=st.text(max_size=3)),
+    st.builds(
+        Message,
+        role=st.just("assistant"),
+        tool_calls=st.lists(_IDS, unique=True, max_size=4).map(
+            lambda ids: tuple(ToolCall(id=i, name="effect") for i in ids)
+        ),
+    ),
+    st.builds(
+        Message,
+        role=st.just("tool"),
+        tool_call_id=st.one_of(st.none(), _IDS, st.just("unasked")),
+        content=st.text(max_size=3),
+    ),
+)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(_MESSAGES, max_size=24).map(tuple))
+def test_the_request_order_sorts_each_run_of_results_by_the_calls_that_asked_for_them(
+    transcript: tuple[Message, ...],
+) -> None:
+    ordered = in_request_order(transcript)
+    assert ordered == _one_by_one(transcript)
+    assert sorted(map(id, ordered)) == sorted(map(id, transcript))
