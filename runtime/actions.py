@@ -23,7 +23,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
@@ -48,8 +47,8 @@ class CallModel:
 
     A turn decides several times (and again at each checkpoint, to see whether it is
     the turn's last) but calls the model at most once, so deciding must not cost the
-    transcript's length: the :attr:`request` the provider reads is built the first time
-    it is asked for, once per action."""
+    transcript's length: the :meth:`request` the provider reads is built only when the
+    model is called."""
 
     transcript: tuple[Message, ...]
     tools: tuple[dict[str, Any], ...]
@@ -57,12 +56,39 @@ class CallModel:
     model_call: int
     """Index of this model call among the run's responses, 0-based: 0 for the first."""
 
-    @cached_property
-    def request(self) -> ModelRequest:
-        """What the provider is asked: the messages :func:`in_request_order`."""
-        return ModelRequest(
-            messages=in_request_order(self.transcript), tools=self.tools, model_call=self.model_call
-        )
+    def request(self, known: RequestOrder | None = None) -> ModelRequest:
+        """What the provider is asked: the messages :func:`in_request_order`, ordering only
+        what follows ``known`` (an earlier model call's order, :func:`extend_request_order`)."""
+        order = extend_request_order(self.transcript, known)
+        return ModelRequest(messages=order.messages, tools=self.tools, model_call=self.model_call)
+
+
+@dataclass(frozen=True)
+class RequestOrder:
+    """A transcript and its messages :func:`in_request_order`, for a later model call of the
+    run to extend (:func:`extend_request_order`) instead of ordering it all again."""
+
+    transcript: tuple[Message, ...]
+    messages: tuple[Message, ...]
+
+
+def extend_request_order(
+    transcript: tuple[Message, ...], known: RequestOrder | None
+) -> RequestOrder:
+    """``transcript`` in request order: when it is ``known.transcript`` followed by a response
+    (an assistant message), the results before that response are all in, so their order
+    stands and only the messages from the response on are ordered. Anything else (no
+    ``known``, another transcript) is ordered whole: the same order, at the full cost."""
+    if known is not None:
+        n = len(known.transcript)
+        # Tuples compare items by identity first: a transcript grown by the fold
+        # (`transcript + (message,)`) shares its messages, so this is a pointer walk in C.
+        if len(transcript) > n and transcript[n].role == "assistant":
+            if transcript[:n] == known.transcript:
+                return RequestOrder(transcript, known.messages + in_request_order(transcript[n:]))
+        elif transcript == known.transcript:
+            return known
+    return RequestOrder(transcript, in_request_order(transcript))
 
 
 def in_request_order(transcript: tuple[Message, ...]) -> tuple[Message, ...]:

@@ -12,7 +12,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+from runtime.actions import RequestOrder
 from runtime.agent import Agent, load_agent
 from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
@@ -21,6 +23,8 @@ from tasks import liveness
 from tasks.agent_cache import Version
 from tasks.pool import connections_per_process as connections
 from tasks.settings import Settings, get_settings
+
+T = TypeVar("T")
 
 SETTLED_NS = 2_000_000_000
 """A file last modified this long before a read began was not written during it (the
@@ -35,17 +39,24 @@ class Context:
     _agents: dict[str, tuple[Version, Agent]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
+    _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
 
     CHECKPOINTS_KEPT = 256
-    """Runs whose last checkpoint this process remembers (least recently used dropped)."""
+    """Runs whose last checkpoint (and last request order) this process remembers (least
+    recently used dropped)."""
 
     def remember_checkpoint(self, state: RunState) -> None:
         """Keep the state this process just saved as the run's snapshot."""
+        _keep(self._lock, self._checkpoints, state.run_id, state, self.CHECKPOINTS_KEPT)
+
+    def remember_request_order(self, run_id: str, order: RequestOrder) -> None:
+        """Keep the messages this process last sent the run's model, for its next call to
+        extend (runtime.actions.extend_request_order checks that it does)."""
+        _keep(self._lock, self._request_orders, run_id, order, self.CHECKPOINTS_KEPT)
+
+    def request_order(self, run_id: str) -> RequestOrder | None:
         with self._lock:
-            self._checkpoints[state.run_id] = state
-            self._checkpoints.move_to_end(state.run_id)
-            while len(self._checkpoints) > self.CHECKPOINTS_KEPT:
-                self._checkpoints.popitem(last=False)
+            return self._request_orders.get(run_id)
 
     def recall_checkpoint(self, record: RunRecord) -> RunState | None:
         """The remembered snapshot of the run ``record`` shows, if the run is still exactly there.
@@ -71,6 +82,7 @@ class Context:
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:
             self._checkpoints.pop(run_id, None)
+            self._request_orders.pop(run_id, None)
 
     def agent(self, path: str | Path) -> Agent:
         """The agent at ``path``, loaded again when any file its binding covers changes.
@@ -122,6 +134,14 @@ class Context:
         liveness.forget(self.runs)
         self.snapshots.close()
         self.runs.close()
+
+
+def _keep(lock: threading.Lock, kept: OrderedDict[str, T], key: str, value: T, most: int) -> None:
+    with lock:
+        kept[key] = value
+        kept.move_to_end(key)
+        while len(kept) > most:
+            kept.popitem(last=False)
 
 
 _context: Context | None = None

@@ -24,6 +24,7 @@ from runtime.actions import (
     Fail,
     Idle,
     Park,
+    RequestOrder,
     Stall,
     TurnOutcome,
     binding_stall,
@@ -40,7 +41,6 @@ from runtime.errors import (
 from runtime.fsm import decide, response_events
 from runtime.models import RunState
 from runtime.probes import Probed
-from runtime.providers import ModelRequest
 from store.runs import RunRecord
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
@@ -119,7 +119,7 @@ class HeldRun:
         if self.snapshot_seq != self.state.seq and self.state.status.is_live:
             self.checkpoint()
 
-    def call_model(self, request: ModelRequest) -> TurnOutcome | None:
+    def call_model(self, action: CallModel) -> TurnOutcome | None:
         """Call the model and checkpoint its response **before any tool runs**; the turn's
         outcome if that ends it (a provider error ends it as runtime/actions.py says).
 
@@ -127,6 +127,9 @@ class HeldRun:
         call that outlives ``model_timeout_s`` is abandoned (Python cannot kill a thread;
         whatever it reports afterwards is dropped) and counts as a failed attempt: the
         next turn asks again, within ``max_turns``."""
+        run_id = self.state.run_id
+        request = action.request(self.ctx.request_order(run_id))
+        self.ctx.remember_request_order(run_id, RequestOrder(action.transcript, request.messages))
         model_calls = request.model_call + 1
         gate = limits.admit(self.ctx, self.agent, self.state, request)
         if isinstance(gate, limits.Wait):

@@ -174,7 +174,7 @@ def perform(held: HeldRun, action: Action) -> TurnOutcome | None:
         if held.asked_model:
             return TurnOutcome.NEXT
         held.asked_model = True
-        return held.call_model(action.request)
+        return held.call_model(action)
     if isinstance(action, RunTool):
         run_tools(held, action)
         return None

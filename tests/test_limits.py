@@ -177,7 +177,7 @@ def test_admit_reads_a_limit_changed_at_run_time(tmp_path: Path) -> None:
     from runtime.fsm import decide
 
     action = decide(state, agent, 0)
-    request = action.request  # type: ignore[union-attr]
+    request = action.request()  # type: ignore[union-attr]
     assert not isinstance(admit(ctx, agent, state, request), Wait)  # no rates: goes
     store.set_override("k", {"requests_per_minute": 60, "burst_s": 0.001})
     import tasks.limits

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.actions import in_request_order
+from runtime.actions import RequestOrder, extend_request_order, in_request_order
 from runtime.agent import Agent, load_agent
 from runtime.fsm import CallModel, RunTool, Suspend, apply, decide, rebuild, response_events
 from runtime.models import Event, Message, RunState, RunStatus, ToolCall
@@ -61,7 +61,7 @@ def test_three_calls_of_a_second_overlap_and_reach_the_model_in_request_order(
     assert state is not None and not state.pending
     action = decide(state, load_agent(agent), state.created_at_ms)
     assert isinstance(action, CallModel)
-    tool_messages = [m.tool_call_id for m in action.request.messages if m.role == "tool"]
+    tool_messages = [m.tool_call_id for m in action.request().messages if m.role == "tool"]
     assert tool_messages == ["call_1_1", "call_1_2", "call_1_3"]
     assert [m.tool_call_id for m in state.transcript if m.role == "tool"] == finished
 
@@ -80,7 +80,7 @@ def _state_after_response(
     assert state is not None
     first = decide(state, agent, state.created_at_ms)
     assert isinstance(first, CallModel)
-    for kind, data in response_events(agent.provider.complete(first.request)):
+    for kind, data in response_events(agent.provider.complete(first.request())):
         state = apply(state, Event(seq=state.seq + 1, type=kind, at_ms=0, data=data))
     return state, agent
 
@@ -177,3 +177,33 @@ def test_the_request_order_sorts_each_run_of_results_by_the_calls_that_asked_for
     ordered = in_request_order(transcript)
     assert ordered == _one_by_one(transcript)
     assert sorted(map(id, ordered)) == sorted(map(id, transcript))
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(_MESSAGES, max_size=24).map(tuple), st.integers(0, 24), st.booleans())
+def test_an_order_extended_from_an_earlier_model_calls_is_the_order_of_the_whole(
+    transcript: tuple[Message, ...], cut: int, rebuilt: bool
+) -> None:
+    # Given the order of a prefix of the transcript, as an earlier model call made it
+    # (or of equal messages that are other objects, as after a rebuild from events)
+    prefix = transcript[:cut]
+    if rebuilt:
+        prefix = tuple(m.model_copy() for m in prefix)
+    known = RequestOrder(prefix, in_request_order(prefix))
+    # When the whole is ordered from it
+    extended = extend_request_order(transcript, known)
+    # Then it is the order of the whole, wherever the cut fell
+    assert extended.transcript == transcript
+    assert extended.messages == in_request_order(transcript)
+
+
+def test_the_order_of_another_transcript_is_not_extended() -> None:
+    # Given a transcript whose second message is a response, and another run's order
+    asked = Message(role="assistant", tool_calls=(ToolCall(id="c1", name="effect"),
+                                                  ToolCall(id="c2", name="effect")))  # fmt: skip
+    results = (Message(role="tool", tool_call_id="c2"), Message(role="tool", tool_call_id="c1"))
+    transcript = (Message(role="user", content="this run"), asked, *results)
+    another = (Message(role="user", content="another run"),)
+    # When the transcript is ordered from it, then none of it is taken
+    ordered = extend_request_order(transcript, RequestOrder(another, another)).messages
+    assert ordered == (transcript[0], asked, results[1], results[0])
