@@ -121,6 +121,11 @@ def _healed(
     """The snapshot with the events it lacks folded on; what is wrong if they do not fold."""
     if events is not None:
         tail = [e for e in events if e.seq > snapshot.seq]
+    elif snapshot.seq == record.last_seq:
+        # Nothing follows it: the record holds the log's last seq (one write keeps both),
+        # as for a remembered state (Context.recall_checkpoint). An event appended since
+        # the record was read fences this reader's next write by its seq.
+        tail = []
     else:
         tail = ctx.runs.events(record.run_id, after_seq=snapshot.seq)
     state = snapshot
