@@ -555,7 +555,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T5",
         "tasks/held_run.py",
-        "        self.checkpointed(response_events(response))\n",
+        "        self.checkpointed(response_events(response), requesting=True)\n",
         "        self.record(response_events(response))\n",
         TURN,
     ),
@@ -660,6 +660,14 @@ MUTANTS: tuple[Mutant, ...] = (
         '{"reason": action.reason})])\n            self.checkpoint()\n            return TurnOutcome.IDLE\n',
         ("tests/test_openai_runs.py",),
         k="outage",
+    ),
+    Mutant(
+        "T20",
+        "runtime/fsm.py",
+        "        if spec is None or unknown_outcome_rule(",
+        "        if spec is None and unknown_outcome_rule(",
+        TURN,
+        k="never_started",
     ),
     # --- tasks/recovery.py: resume, dead letters, the sweep, reconcile ---------------
     Mutant(

@@ -560,6 +560,35 @@ def response_events(response: ModelResponse) -> list[tuple[str, dict[str, Any]]]
     return events
 
 
+def requested_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
+    """The journal entry a call gets before it runs: with no outcome after it, the call was
+    cut short, and its rule (runtime/probes.py) says what happens to it."""
+    return ("tool.requested", {"call_id": call.id, "name": call.name, "arguments": call.arguments})
+
+
+def requested_with_response(state: RunState, agent: Agent, now_ms: int) -> RunTool | None:
+    """The calls to journal as requested in the same transition as the model response that
+    asked for them (``state``: the state that response leaves), or None.
+
+    They are the next decision's batch, when every call in it is one whose rule is to run
+    again: a crash after that transition and before the calls start leaves them requested
+    with no outcome, and such a call is then run again — which is what a call not yet
+    journaled gets. For any other call requested-with-no-outcome means "it may have run":
+    journaled before it provably started, a crash there would park the run (or ask its
+    probe) for a call that never started, so it is journaled when it starts.
+    """
+    action = decide(state, agent, now_ms)
+    if not isinstance(action, RunTool):
+        return None
+    for call in action.calls:
+        spec = agent.tools.get(call.name)
+        if spec is None or unknown_outcome_rule(spec.idempotent, spec.probe is not None) != (
+            Rule.RERUN
+        ):
+            return None
+    return action
+
+
 def tool_events(call: ToolCall, outcome: ToolOutcome) -> list[tuple[str, dict[str, Any]]]:
     if outcome.ok:
         return [
@@ -606,6 +635,8 @@ __all__ = [
     "created_event",
     "decide",
     "rebuild",
+    "requested_event",
+    "requested_with_response",
     "response_events",
     "suspension_event",
     "tool_events",

@@ -14,7 +14,8 @@ cut the host's network, say — and lets it go by removing the file.
 Points, in the order a turn passes them:
 
 - ``model.response.received``      the model answered; nothing recorded yet
-- ``model.response.checkpointed``  the answer is in the events and the snapshot
+- ``model.response.checkpointed``  the answer is in the events and the snapshot (with the
+                                   ``tool.requested`` of its calls if all are idempotent)
 - ``tool.requested``               the call is journaled as requested; not run yet
 - ``tool.completed``               the tool ran; its outcome is not journaled yet
 - ``child.created``                a `run_child` call's child run is recorded; not enqueued

@@ -38,7 +38,7 @@ from runtime.errors import (
     SnapshotFailed,
     StoreUnavailable,
 )
-from runtime.fsm import decide, response_events
+from runtime.fsm import decide, requested_event, requested_with_response, response_events
 from runtime.models import RunState
 from runtime.probes import Probed
 from store.runs import RunRecord
@@ -46,7 +46,16 @@ from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context
 from tasks.messages import tell_parent_soon
-from tasks.persistence import append_events, commit_checkpointed, load, save_snapshot, transition
+from tasks.persistence import (
+    Transition,
+    append_events,
+    append_transition,
+    commit_checkpointed,
+    extended,
+    load,
+    save_snapshot,
+    transition,
+)
 
 log = logging.getLogger("ratchet.turn")
 
@@ -92,6 +101,9 @@ class HeldRun:
         """This turn has called the model: the next model call is the next turn's."""
         self.released = False
         """The lease went with the turn's last checkpoint (:meth:`checkpointed`)."""
+        self.requested_early: frozenset[str] = frozenset()
+        """Calls journaled as requested with the model's response, not started yet: the
+        turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
         self._beat: tuple[str, str] | None = None
 
     @classmethod
@@ -122,6 +134,11 @@ class HeldRun:
     def call_model(self, action: CallModel) -> TurnOutcome | None:
         """Call the model and checkpoint its response **before any tool runs**; the turn's
         outcome if that ends it (a provider error ends it as runtime/actions.py says).
+
+        The calls it asks for are journaled as requested in the same transition when all
+        of them may run again (:func:`runtime.fsm.requested_with_response`): one store
+        call fewer per turn. Any other call is journaled as it starts, so that a crash
+        before it started never leaves it looking as if it may have run.
 
         ``model.requested`` is recorded first, so an attempt counts even if we crash. A
         call that outlives ``model_timeout_s`` is abandoned (Python cannot kill a thread;
@@ -165,7 +182,7 @@ class HeldRun:
             return self.end(model_failed(self.state.run_id, model_calls, str(exc), exc.retryable))
         failpoints.hit("model.response.received", model_calls)
         limits.settle(self.ctx, gate, response)
-        self.checkpointed(response_events(response))
+        self.checkpointed(response_events(response), requesting=True)
         failpoints.hit("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
 
@@ -216,18 +233,24 @@ class HeldRun:
         with self._recording:
             self.state = append_events(self.ctx, self.state, items, self.owner)
 
-    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+    def checkpointed(
+        self, items: list[tuple[str, dict[str, Any]]], requesting: bool = False
+    ) -> None:
         """Record events and checkpoint the state they produce (:meth:`record`, :meth:`checkpoint`).
 
         One store call when both stores are one Redis: the events, the snapshot and, on
         the turn's last checkpoint, the lease's release, all written or none.
+        ``requesting``: the events are a model response's; the calls it asks for that may
+        be journaled with it are (:func:`runtime.fsm.requested_with_response`).
         """
-        if not self.ctx.runs.commits_with(self.ctx.snapshots):
-            self.record(items)
-            self.checkpoint()
-            return
         with self._recording:
             change = transition(self.ctx, self.state, items)
+            if requesting:
+                change = self._requesting(change)
+            if not self.ctx.runs.commits_with(self.ctx.snapshots):
+                self.state = append_transition(self.ctx, self.state, change, self.owner)
+                self.checkpoint()
+                return
             model_calls = change.state.usage.model_turns
             failpoints.hit("snapshot.before_save", model_calls)
             release = self._ends_turn(change.state)
@@ -252,6 +275,15 @@ class HeldRun:
                     heartbeats().remove(self._beat)
             self.ctx.remember_checkpoint(self.state)
             failpoints.hit("snapshot.after_save", model_calls)
+
+    def _requesting(self, change: Transition) -> Transition:
+        """``change`` (a model response) with the ``tool.requested`` of the calls it asks for,
+        when all of them may run again; ``change`` as it is otherwise."""
+        batch = requested_with_response(change.state, self.agent, self.ctx.runs.clock())
+        if batch is None:
+            return change
+        self.requested_early = frozenset(call.id for call in batch.calls)
+        return extended(self.ctx, change, [requested_event(call) for call in batch.calls])
 
     def _ends_turn(self, state: RunState) -> bool:
         """Whether the turn ends right after checkpointing ``state``, with the next model call

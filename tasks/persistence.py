@@ -121,6 +121,11 @@ def _healed(
     """The snapshot with the events it lacks folded on; what is wrong if they do not fold."""
     if events is not None:
         tail = [e for e in events if e.seq > snapshot.seq]
+    elif snapshot.seq == record.last_seq:
+        # Nothing follows it: the record holds the log's last seq (one write keeps both),
+        # as for a remembered state (Context.recall_checkpoint). An event appended since
+        # the record was read fences this reader's next write by its seq.
+        tail = []
     else:
         tail = ctx.runs.events(record.run_id, after_seq=snapshot.seq)
     state = snapshot
@@ -256,9 +261,15 @@ def append_events(
     ctx: Context, state: RunState, items: list[tuple[str, dict[str, Any]]], owner: str | None
 ) -> RunState:
     """Append events after ``state`` (fenced by ``owner``'s lease and the seq); the new state."""
-    change = transition(ctx, state, items)
+    return append_transition(ctx, state, transition(ctx, state, items), owner)
+
+
+def append_transition(
+    ctx: Context, before: RunState, change: Transition, owner: str | None
+) -> RunState:
+    """Append ``change``, made after ``before`` (fenced as :func:`append_events`); its state."""
     ctx.runs.append(change.record, change.events, owner)
-    _committed(ctx, state.status, change)
+    _committed(ctx, before.status, change)
     return change.state
 
 
@@ -286,6 +297,14 @@ def transition(
         # Back on the queue with a countdown: overdue only once that has run out.
         due = int(events[-1].data["until_ms"]) + lease_ms
     return Transition(RunRecord.from_state(state, now, due), state, events)
+
+
+def extended(
+    ctx: Context, change: Transition, items: list[tuple[str, dict[str, Any]]]
+) -> Transition:
+    """``change`` with the events ``items`` after it: still one write to make."""
+    more = transition(ctx, change.state, items)
+    return Transition(more.record, more.state, change.events + more.events)
 
 
 def commit_checkpointed(

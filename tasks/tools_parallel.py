@@ -2,8 +2,10 @@
 
 :func:`run_tools` carries out :class:`runtime.fsm.RunTool`: its calls (the first
 pending call and the plain calls after it, at most the agent's
-``max_parallel_tools``) are journaled ``tool.requested`` together, then each
-runs on a caller thread of its own (tasks/calls.py). Each outcome is journaled
+``max_parallel_tools``) are journaled ``tool.requested`` together — with the
+model's response already when every one of them may run again
+(:func:`runtime.fsm.requested_with_response`) — then each runs on a caller
+thread of its own (tasks/calls.py). Each outcome is journaled
 and checkpointed **as it finishes**, in whatever order they finish; the model
 reads them in the order it asked (``runtime.actions.in_request_order``). A crash
 in the middle leaves the finished calls recorded — never run again — and the
@@ -27,7 +29,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runtime.actions import (
     Park,
@@ -37,7 +39,7 @@ from runtime.actions import (
     probes_left,
     tool_attempts,
 )
-from runtime.fsm import RunTool, Unresolved, tool_events, unknown_tool_outcome
+from runtime.fsm import RunTool, Unresolved, requested_event, tool_events, unknown_tool_outcome
 from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, ask_probe, invoke
@@ -98,8 +100,9 @@ def run_tools(held: HeldRun, action: RunTool) -> None:
     state = held.state
     model_calls = state.usage.model_turns
     fresh = [c for c in action.calls if c.id not in state.running]
+    early, held.requested_early = held.requested_early, frozenset()
     for call in action.calls:
-        if call.id in state.running:
+        if call.id in state.running and call.id not in early:
             log.info(
                 "run %s: running tool %s (call %s) again: its outcome was unknown and it may run "
                 "again",
@@ -108,7 +111,7 @@ def run_tools(held: HeldRun, action: RunTool) -> None:
                 call.id,
             )
     if fresh:
-        held.record([_requested(call) for call in fresh])
+        held.record([requested_event(call) for call in fresh])
     failpoints.hit("tool.requested", model_calls)
     batch = _Batch(held)
     waiting: dict[int, _Call] = {}
@@ -174,10 +177,6 @@ def _outcome(started: Started[ToolOutcome], call: ToolCall) -> ToolOutcome:
         return started.result(60.0)  # it has finished: its value is a moment away
     except Exception as exc:  # invoke turns a tool's own failures into outcomes already
         return ToolOutcome(False, f"`{call.name}` failed in the runtime: {type(exc).__name__}")
-
-
-def _requested(call: ToolCall) -> tuple[str, dict[str, Any]]:
-    return ("tool.requested", {"call_id": call.id, "name": call.name, "arguments": call.arguments})
 
 
 def _record(held: HeldRun, call: ToolCall, outcome: ToolOutcome) -> None:

@@ -3,7 +3,8 @@
 Two processes (two contexts, each with its own store objects) share the
 embedded stores on disk: the file snapshot store and the SQLite run store. Run
 ids may be reused once a finished run is purged, so "run X at seq 5" is not
-one run's identity.
+one run's identity. A process that never saw the run reads its snapshot, and no
+event, when the snapshot is at the record's last seq.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models import RunState, RunStatus
+from runtime.models import Event, RunState, RunStatus
 from store.runs import wall_ms
 from store.runs.sqlite import SqliteRunStore
 from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context
 from tasks.control import cancel
+from tasks.persistence import append_ending
 from tasks.recovery import purge_finished
 from tasks.settings import Settings
 from tasks.start import create_run
@@ -35,12 +37,22 @@ class CountingFileSnapshotStore(FileSnapshotStore):
         return super().load(run_id)
 
 
+class CountingSqliteRunStore(SqliteRunStore):
+    """The SQLite run store, counting the reads of event logs this process makes."""
+
+    event_reads = 0
+
+    def events(self, run_id: str, after_seq: int = 0, limit: int | None = None) -> list[Event]:
+        self.event_reads += 1
+        return super().events(run_id, after_seq, limit)
+
+
 def process(data: Path) -> Context:
     """What one worker process opens: its own store objects over the shared files."""
     return Context(
         Settings(),
         CountingFileSnapshotStore(data / "snapshots"),
-        SqliteRunStore(data / "runs.sqlite3"),
+        CountingSqliteRunStore(data / "runs.sqlite3"),
     )
 
 
@@ -94,3 +106,53 @@ def test_the_process_that_checkpointed_a_run_takes_its_next_turn_without_reading
     assert advance(p, "X", done.seq).outcome == "completed"
     assert p.snapshots.loads == before
     p.close()
+
+
+def test_another_process_takes_the_next_turn_from_the_snapshot_without_reading_the_log(
+    tmp_path: Path,
+) -> None:
+    # Given run X checkpointed by process P at the end of a turn: its snapshot at the
+    # record's last seq
+    p, q = process(tmp_path / "data"), process(tmp_path / "data")
+    assert isinstance(q.snapshots, CountingFileSnapshotStore)
+    assert isinstance(q.runs, CountingSqliteRunStore)
+    create_run(p, agent(tmp_path, "only"), "refund B2", run_id="X")
+    done = advance(p, "X", None)
+    # When process Q, which never saw X, takes the next turn
+    assert advance(q, "X", done.seq).outcome == "completed"
+    # Then it read the snapshot, and no event: none follows a snapshot at the record's seq
+    assert q.snapshots.loads == 1 and q.runs.event_reads == 0
+    p.close()
+    q.close()
+
+
+def test_a_cancel_that_lands_after_the_record_was_read_fences_the_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p, q = process(tmp_path / "data"), process(tmp_path / "data")
+    create_run(p, agent(tmp_path, "only"), "refund B2", run_id="X")
+    done = advance(p, "X", None)
+    # Given an operator's cancel (it takes no lease) whose run.cancelled lands between Q's
+    # read of the record, with the lease, and of the snapshot, and which deletes the
+    # snapshot just after Q read it (tasks.control.cancel, step by step)
+    load = q.snapshots.load
+
+    def cancelled_around(run_id: str) -> RunState | None:
+        record = p.runs.get(run_id)
+        assert record is not None
+        append_ending(p, record, "run.cancelled", {"reason": "customer hung up"}, None)
+        snapshot = load(run_id)
+        p.snapshots.delete(run_id)
+        return snapshot
+
+    monkeypatch.setattr(q.snapshots, "load", cancelled_around)
+    # When Q takes the turn from the snapshot, which has no cancel in it
+    outcome = advance(q, "X", done.seq).outcome
+    # Then its first write is refused by seq: nothing follows the cancel
+    assert outcome == "fenced"
+    events = q.runs.events("X")
+    assert events[-1].type == "run.cancelled" and events[-1].seq == done.seq + 1
+    record = q.runs.get("X")
+    assert record is not None and record.status == RunStatus.CANCELLED
+    p.close()
+    q.close()

@@ -14,8 +14,21 @@ import pytest
 
 from runtime.agent import Agent, load_agent
 from runtime.errors import EventsDoNotFold
-from runtime.fsm import CallModel, Fail, Idle, RunTool, Suspend, apply, created_event, decide
+from runtime.fsm import (
+    CallModel,
+    Fail,
+    Idle,
+    RunTool,
+    Suspend,
+    Unresolved,
+    apply,
+    created_event,
+    decide,
+    requested_event,
+    requested_with_response,
+)
 from runtime.models import Event, RunState, RunStatus
+from runtime.probes import Rule
 from tests.helpers import write_agent
 
 T0_MS = 1_700_000_000_000
@@ -267,6 +280,48 @@ def test_a_call_is_in_flight_from_its_request_until_its_outcome(
     state = step(state, outcome, call_id=first.id, name=first.name, **data)
     assert state.in_flight is None
     assert [c.id for c in state.pending] == ["call_1_1"]
+
+
+@pytest.mark.parametrize(
+    ("calls", "requested"),
+    [
+        (("lookup_order", "refund_policy"), ("call_1_0", "call_1_1")),  # both may run again
+        (("lookup_order", "issue_refund"), None),  # the refund may not: journaled as it starts
+        (("send_refund",), None),  # not idempotent, probed: its probe would be asked
+        (("no_such_tool",), None),  # an unknown call parks once requested
+        (("request_user_input",), None),  # the next decision is no RunTool
+        ((), None),  # the answer
+    ],
+)
+def test_only_calls_that_may_run_again_are_journaled_with_the_answer_that_asks_for_them(
+    tmp_path: Path, calls: tuple[str, ...], requested: tuple[str, ...] | None
+) -> None:
+    a = load_agent(
+        write_agent(
+            tmp_path,
+            [],
+            tools=[
+                "examples.refunds:lookup_order",
+                "examples.refunds:refund_policy",
+                "examples.refunds:issue_refund",
+                "examples.refunds:send_refund",
+                "request_user_input",
+            ],
+        )
+    )
+    state = answered(started(a), *calls)
+
+    batch = requested_with_response(state, a, T0_MS)
+
+    assert (None if batch is None else tuple(c.id for c in batch.calls)) == requested
+    if batch is not None and requested is not None:
+        # Requested with no outcome, those calls are run again: what the batch would get.
+        for call in batch.calls:
+            kind, data = requested_event(call)
+            state = step(state, kind, **data)
+        again = decide(state, a, T0_MS)
+        assert isinstance(again, Unresolved)
+        assert [(c.id, rule) for c, rule in again.calls] == [(i, Rule.RERUN) for i in requested]
 
 
 # --- the fold refuses an impossible sequence ----------------------------------

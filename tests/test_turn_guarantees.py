@@ -28,7 +28,9 @@ from runtime.actions import TOOL_TIMEOUT_ATTEMPTS, Advanced
 from runtime.models import RunStatus
 from runtime.recovery import OPERATOR, SWEEPER
 from store.runs.memory import MemoryRunStore
+from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
+from store.snapshots.redis import RedisSnapshotStore
 from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
@@ -38,7 +40,7 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.contract.conftest import FakeClock
-from tests.helpers import call, drive, turn, write_agent
+from tests.helpers import call, drive, refunds, turn, write_agent
 from tests.test_recovery import park_with_refund_in_flight, refund_agent
 
 LEASE_S = 60
@@ -94,7 +96,8 @@ WRITE_PATHS = [
     # (failpoint, its nth hit) after which the zombie's next write is...
     ("model.response.received", 1),  # ...model.responded (events)
     ("snapshot.before_save", 1),  # ...the snapshot of the model's answer
-    ("model.response.checkpointed", 1),  # ...tool.requested (events)
+    ("model.response.checkpointed", 1),  # ...the lookup's outcome (its tool.requested went
+    # with the answer: the lookup may run again)
     ("tool.requested", 1),  # ...the tool's outcome, after it ran (events)
     ("tool.completed", 1),  # ...the tool's outcome (events)
     ("snapshot.before_save", 2),  # ...the snapshot of the tool's outcome
@@ -178,8 +181,8 @@ def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
 
 LATE_CHECKPOINT = [
     # (where worker B is when A's checkpoint lands, the snapshot's seq just after it)
-    ("tool.requested", 4),  # in its first tool call: B saved at seq 4 as it took over
-    ("snapshot.before_save", 3),  # about to save as it takes over: A's lands first
+    ("tool.requested", 5),  # in its first tool call: B saved at seq 5 as it took over
+    ("snapshot.before_save", 4),  # about to save as it takes over: A's lands first
 ]
 
 
@@ -219,10 +222,11 @@ def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run
         thread.start()
         return thread
 
-    # Given worker A with the model's answer appended (seq 3), its checkpoint not yet sent
+    # Given worker A with the model's answer appended (seq 3, and at 4 the lookup it asks
+    # for, journaled with it: the lookup may run again), its checkpoint not yet sent
     a = worker("worker-a", lambda own: advance(own, run_id, 1))
     assert a_paused.wait(10)
-    # And worker B, after A's lease expired, resuming the run (run.resumed at seq 4)
+    # And worker B, after A's lease expired, resuming the run (run.resumed at seq 5)
     clock.advance(LEASE_S * 1000 + 1)
     b = worker("worker-b", lambda own: resume(own, run_id, SWEEPER))
     assert b_paused.wait(10)
@@ -242,7 +246,7 @@ def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run
     assert record is not None and snapshot is not None
     assert snapshot.seq == record.last_seq
     kinds = [e.type for e in ctx.runs.events(run_id)]
-    assert kinds[3:6] == ["run.resumed", "tool.requested", "tool.completed"]
+    assert kinds[2:6] == ["model.responded", "tool.requested", "run.resumed", "tool.completed"]
     assert drive(ctx, run_id).outcome == "completed"
 
 
@@ -281,7 +285,8 @@ def test_each_step_starts_from_a_snapshot_of_everything_before_it(
 
     def hit(name: str, turn: int) -> None:
         # A step starts: a model answer arrives, or a tool is about to run. Only the
-        # event that started it (model.requested / tool.requested) may be missing.
+        # event that started it may be missing: model.requested, or the tool.requested
+        # of a call journaled as it starts (the lookup's went with the model's answer).
         if name in ("model.response.received", "tool.requested"):
             snapshot = ctx.snapshots.load(run_id)
             last = ctx.runs.events(run_id)[-1].seq
@@ -292,9 +297,9 @@ def test_each_step_starts_from_a_snapshot_of_everything_before_it(
     assert drive(ctx, run_id).outcome == "completed"
     assert behind == [
         ("model.response.received", 1, 1),
-        ("tool.requested", 1, 1),
+        ("tool.requested", 1, 0),
         ("model.response.received", 2, 1),
-        ("tool.requested", 2, 1),
+        ("tool.requested", 2, 0),
         ("model.response.received", 3, 1),
     ]
 
@@ -319,6 +324,83 @@ def test_a_turn_that_ends_leaves_the_snapshot_at_the_runs_last_event(
     record = ctx.runs.get(run_id)
     assert snapshot is not None and record is not None
     assert snapshot.seq == record.last_seq
+
+
+# --- a crash between the model's answer and the first tool call -------------------
+
+
+class Crashed(BaseException):
+    """The worker died here (a BaseException: nothing in the turn catches it)."""
+
+
+ANSWERED_CALLS = [
+    # (tool, its arguments, journaled as requested with the answer)
+    ("examples.refunds:lookup_order", {"order_id": "B2"}, True),  # idempotent: runs again
+    ("examples.refunds:issue_refund", {"order_id": "B2", "amount_cents": 5}, False),  # parks
+    ("examples.refunds:send_refund", {"order_id": "B2", "amount_cents": 5}, False),  # probed
+]
+
+
+@pytest.mark.parametrize("stores", ["memory", "redis"])
+@pytest.mark.parametrize(
+    ("tool", "arguments", "requested_with_answer"),
+    ANSWERED_CALLS,
+    ids=[tool.split(":")[1] for tool, _, _ in ANSWERED_CALLS],
+)
+def test_a_call_whose_tool_never_started_runs_after_a_crash_without_a_park_or_a_probe(
+    clock: FakeClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ledger: Path,
+    request: pytest.FixtureRequest,
+    stores: str,
+    tool: str,
+    arguments: dict[str, object],
+    requested_with_answer: bool,
+) -> None:
+    # A call journaled as requested with no outcome "may have run": a tool that may not
+    # run again parks the run or asks its probe. So only calls that may run again are
+    # journaled with the model's answer; the others when they start.
+    if stores == "redis":
+        url = request.getfixturevalue("redis_url")
+        ctx = Context(
+            Settings(lease_s=LEASE_S),
+            RedisSnapshotStore.from_url(url),
+            RedisRunStore.from_url(url, clock=clock),
+        )
+        assert ctx.runs.commits_with(ctx.snapshots)
+    else:
+        ctx = Context(Settings(lease_s=LEASE_S), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    name = tool.split(":")[1]
+    script = [turn("on it", call(name, **arguments)), turn("Done.")]
+    run_id = create_run(ctx, write_agent(tmp_path, script, tools=[tool]), "refund B2").run_id
+
+    # Given a worker that dies once the model's answer is checkpointed, before the tool starts
+    def crash() -> None:
+        raise Crashed
+
+    at_point(monkeypatch, "model.response.checkpointed", 1, crash)
+    with pytest.raises(Crashed):
+        advance(ctx, run_id, 1)
+    kinds = [e.type for e in ctx.runs.events(run_id)]
+    assert kinds[-1] == ("tool.requested" if requested_with_answer else "model.responded")
+    assert not ledger.exists()
+    monkeypatch.setattr(failpoints, "hit", lambda name, turn: None)
+
+    # When the sweeper resumes the run, once the dead worker's lease expired
+    clock.advance(LEASE_S * 1000 + 1)
+    if resume(ctx, run_id, SWEEPER).outcome == "next":
+        drive(ctx, run_id)
+
+    # Then the call runs once, as if nothing had happened: no park, no probe asked
+    kinds = [e.type for e in ctx.runs.events(run_id)]
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.COMPLETED, kinds
+    assert "run.parked" not in kinds and "tool.probed" not in kinds
+    assert kinds.count("tool.requested") == 1 and kinds.count("tool.completed") == 1
+    if name != "lookup_order":
+        assert refunds(ledger) == ["refund B2 5"]
+    ctx.close()
 
 
 # --- tool timeouts: retried only if idempotent ------------------------------------

@@ -63,23 +63,39 @@ def test_a_multi_turn_run_with_tools_completes_and_deletes_its_snapshot(
     assert ledger.read_text().splitlines() == ["refund B2 2900"]
 
 
+@pytest.mark.parametrize(
+    ("tool", "arguments", "requested_with_it"),
+    [
+        ("lookup_order", {"order_id": "A1"}, True),  # idempotent: a crash re-runs it anyway
+        ("issue_refund", {"order_id": "A1", "amount_cents": 5}, False),  # journaled as it starts
+    ],
+)
 def test_the_model_response_is_checkpointed_before_any_tool_runs(
-    tmp_path: Path, ledger: Path
+    tmp_path: Path, ledger: Path, tool: str, arguments: dict[str, object], requested_with_it: bool
 ) -> None:
-    agent = write_agent(tmp_path, [turn("look", call("lookup_order", order_id="A1")), turn("ok")])
+    agent = write_agent(tmp_path, [turn("look", call(tool, **arguments)), turn("ok")])
     ctx = memory_context()
     run_id = create_run(ctx, agent, "look A1").run_id
-    seen: list[tuple[str, int | None]] = []
+    seen: list[tuple[list[str], tuple[str, ...], int, bool]] = []
     save = ctx.snapshots.save
 
     def spy(state, expected_seq):  # type: ignore[no-untyped-def]
-        seen.append((ctx.runs.events(run_id)[-1].type, state.seq))
+        kinds = [e.type for e in ctx.runs.events(run_id)]
+        tool_messages = sum(m.role == "tool" for m in state.transcript)
+        seen.append((kinds, state.running, tool_messages, ledger.exists()))
         save(state, expected_seq)
 
     ctx.snapshots.save = spy  # type: ignore[method-assign]
     drive(ctx, run_id)
-    # The first save of the turn follows model.responded, before tool.requested exists.
-    assert seen[0][0] == "model.responded"
+    # The first save of the turn holds the answer, its call not run: journaled as requested
+    # with it only when a crash before the call starts would run it again anyway.
+    kinds, running, tool_messages, refunded = seen[0]
+    assert kinds[-2:] == (
+        ["model.responded", "tool.requested"]
+        if requested_with_it
+        else ["model.requested", "model.responded"]
+    )
+    assert len(running) == int(requested_with_it) and tool_messages == 0 and not refunded
 
 
 def test_a_tool_that_raises_or_gets_bad_arguments_answers_the_model_and_the_run_goes_on(
