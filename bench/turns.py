@@ -128,6 +128,12 @@ def group_cpu_s(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` alone (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def server_cpu_s(client: redis.Redis) -> float:
     info = client.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
@@ -139,11 +145,14 @@ class Measured(NamedTuple):
     """Per turn: the worker's main and pool processes."""
     redis_cpu_ms: float
     """Per turn: redis-server (broker and stores; the driver's polling included)."""
+    main_cpu_ms: float
+    """Per turn: the worker's main process alone (its consumer loop), part of ``worker_cpu_ms``."""
 
     def cpu(self) -> str:
         return (
             f"CPU {self.worker_cpu_ms + self.redis_cpu_ms:5.2f} ms/turn "
-            f"(worker {self.worker_cpu_ms:.2f}, redis-server {self.redis_cpu_ms:.2f})"
+            f"(worker {self.worker_cpu_ms:.2f}, of it main {self.main_cpu_ms:.2f}; "
+            f"redis-server {self.redis_cpu_ms:.2f})"
         )
 
 
@@ -151,12 +160,14 @@ def measured(
     worker: subprocess.Popen[bytes], client: redis.Redis, turns: int, run: Callable[[], None]
 ) -> Measured:
     """Time ``run`` and count the CPU the worker's processes and redis-server spent on it."""
-    cpu, server = group_cpu_s(worker.pid), server_cpu_s(client)
+    cpu, main, server = group_cpu_s(worker.pid), process_cpu_s(worker.pid), server_cpu_s(client)
     started = time.perf_counter()
     run()
     elapsed = time.perf_counter() - started
     worker_ms = (group_cpu_s(worker.pid) - cpu) * 1000 / turns
-    return Measured(turns / elapsed, worker_ms, (server_cpu_s(client) - server) * 1000 / turns)
+    main_ms = (process_cpu_s(worker.pid) - main) * 1000 / turns
+    redis_ms = (server_cpu_s(client) - server) * 1000 / turns
+    return Measured(turns / elapsed, worker_ms, redis_ms, main_ms)
 
 
 def bench_baseline(
@@ -269,6 +280,8 @@ def main() -> None:
         baseline.worker_cpu_ms + baseline.redis_cpu_ms
     )
     print(f"CPU per turn, durable / self-chain:    {cpu_ratio:8.2f}")
+    main_ratio = durable.main_cpu_ms / baseline.main_cpu_ms
+    print(f"main process CPU, durable / self-chain: {main_ratio:7.2f}")
     if wrong:
         print(f"WARNING: {wrong} runs did not take exactly {args.turns} turns")
 
