@@ -114,6 +114,7 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
     app = Celery(
         "ratchet",
         amqp="worker.transport:RatchetAMQP",
+        events="worker.transport:RatchetEvents",
         task_cls="tasks.task_base:RatchetTask",
         set_as_current=set_as_current,
     )

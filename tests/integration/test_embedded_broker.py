@@ -24,6 +24,8 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
 import worker.transport as transport
+from tasks.settings import Settings
+from worker.app import make_app
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -172,3 +174,31 @@ def test_an_ack_wakes_a_consumer_whose_prefetch_slots_were_all_taken(
             assert time.monotonic() - started < 20
             acker.join()
             held[1].ack()
+
+
+def test_task_events_reach_the_folder_once_a_receiver_listens(tmp_path: Path) -> None:
+    # Given a ratchet app's event dispatcher on a filesystem broker that nobody listens to
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    app = make_app(Settings(data_dir=tmp_path / "data"))
+    seen: list[dict[str, Any]] = []
+
+    def on_event(body: dict[str, Any], message: Any) -> None:
+        seen.append(body)
+        message.ack()
+
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options(folder)) as c:
+        dispatcher = app.events.Dispatcher(c, hostname="w@h")
+        assert isinstance(dispatcher, transport.ListenedEventDispatcher)
+        # When it sends a task event, no message is written for it
+        dispatcher.send("task-received", uuid="unheard")
+        assert list(folder.glob("*.msg")) == []
+        # When a receiver binds its queue to the events exchange, as `celery events` does
+        queue = Queue("listener", Exchange("celeryev", "topic"), "#")
+        with Consumer(c, [queue], callbacks=[on_event], accept=["json"]):
+            dispatcher.send("task-received", uuid="heard")
+            c.drain_events(timeout=30)
+        dispatcher.close()
+    # Then the next event reaches it
+    assert [(e["type"], e["uuid"]) for e in seen] == [("task-received", "heard")]
+    app.close()
