@@ -112,3 +112,28 @@ def test_a_client_loads_each_script_once_and_then_sends_only_its_sha(redis_url: 
         snapshots.close()
         runs.close()
         client.close()
+
+
+def test_a_server_that_lost_its_scripts_is_sent_them_again_once(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    runs = RedisRunStore.from_url(redis_url, clock=FakeClock())
+    snapshots = RedisSnapshotStore.from_url(redis_url)
+    limits = RedisLimitStore(client)
+    try:
+        # Given every script ran once, and then the server forgot them (a restart, a failover)
+        every_script_once(runs, snapshots, limits, 3)
+        client.script_flush()
+        before = calls(client)
+
+        # When they all run again: the transition and the lease's, sent as bare EVALSHA too
+        every_script_once(runs, snapshots, limits, 4)
+
+        # Then each was loaded again once, and the stores did their work
+        spent = {k: v - before.get(k, 0) for k, v in calls(client).items() if v != before.get(k)}
+        assert 10 <= spent.get("cmdstat_script|load", 0) <= spent["cmdstat_evalsha"], spent
+        assert runs.get("r4") is None  # purged, as every_script_once leaves it
+        assert snapshots.load("r4") is not None
+    finally:
+        snapshots.close()
+        runs.close()
+        client.close()

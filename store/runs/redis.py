@@ -54,6 +54,7 @@ from store.snapshots.redis import (
     checked_prefix,
     connect,
     lua,
+    run_script,
     server,
     translated,
     where,
@@ -263,7 +264,7 @@ class RedisRunStore(RunStore):
         args += [_packed(event) for event in events]
         args += fragments
         with translated(self._where):
-            refused = cast("list[bytes] | None", self._scripts["append"](keys=keys, args=args))
+            refused = cast("list[bytes] | None", run_script(self._scripts["append"], keys, args))
         if whole is not None and refused is None:
             assert isinstance(whole.snapshots, RedisSnapshotStore)
             whole.snapshots.bytes_written += len(args[15]) + sum(len(f) for f in fragments)
@@ -322,7 +323,7 @@ class RedisRunStore(RunStore):
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id]
         keys = [lease, self._run_key(run_id, "record"), self._held_key(owner, lease)]
         with translated(self._where):
-            found = cast("list[Any]", self._scripts["acquire"](keys=keys, args=args))
+            found = cast("list[Any]", run_script(self._scripts["acquire"], keys, args))
         if not found[0]:
             return False, None
         data = found[1] if len(found) > 1 else None
