@@ -111,7 +111,6 @@ def test_a_turn_on_another_process_reads_the_snapshot_but_no_events_after_a_chec
 ) -> None:
     p, q = process(tmp_path / "data"), process(tmp_path / "data")
     assert isinstance(q.runs, CountingSqliteRunStore)
-    assert isinstance(q.snapshots, CountingFileSnapshotStore)
     # Given run X whose last turn, in process P, ended on a checkpoint at the log's end
     create_run(p, agent(tmp_path, "only"), "refund B2", run_id="X")
     done = advance(p, "X", None)
