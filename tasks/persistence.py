@@ -121,10 +121,6 @@ def _healed(
     """The snapshot with the events it lacks folded on; what is wrong if they do not fold."""
     if events is not None:
         tail = [e for e in events if e.seq > snapshot.seq]
-    elif snapshot.seq == record.last_seq:
-        # The record is written with the events, in one step: it says there are none after
-        # (a turn that starts on the other process of a pool, after a checkpoint, gets here).
-        tail = []
     else:
         tail = ctx.runs.events(record.run_id, after_seq=snapshot.seq)
     state = snapshot
