@@ -407,7 +407,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "X1",
         "store/runs/lua/append.lua",
-        "if rec[1] ~= ARGV[7] then",
+        "if rec[1] ~= expected then",
         "if false then",
         RUNS,
         k="redis",
@@ -415,23 +415,23 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "X2",
         "store/runs/lua/append.lua",
-        "if lease[1] ~= ARGV[9] or tonumber(lease[2]) <= tonumber(ARGV[10]) then",
-        "if lease[1] ~= ARGV[9] then",
+        "if lease[1] ~= owner or tonumber(lease[2]) <= tonumber(now_ms) then",
+        "if lease[1] ~= owner then",
         RUNS,
         k="redis",
     ),
     Mutant(
         "X3",
         "store/runs/lua/append.lua",
-        "  if stored_seq ~= ARGV[15] then",
+        "  if stored_seq ~= snapshot_seq then",
         "  if false then",
         ("tests/contract/test_transition_contract.py",),
     ),
     Mutant(
         "X4",
         "store/runs/lua/append.lua",
-        "if ARGV[13] == '1' and (",
-        "if ARGV[13] == '0' and (",
+        "if release == '1' and (",
+        "if release == '0' and (",
         ("tests/contract/test_transition_contract.py",),
     ),
     Mutant(
@@ -837,7 +837,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "L9",
         "store/runs/lua/append.lua",
-        "  redis.call('SREM', KEYS[10], ARGV[1])\n",
+        "  redis.call('SREM', KEYS[10], run_id)\n",
         "",
         ("tests/contract/test_transition_contract.py",),
         k="lease_index",

@@ -16,10 +16,11 @@ from typing import TypeVar
 
 from runtime.actions import RequestOrder
 from runtime.agent import Agent, load_agent
+from runtime.errors import AgentFileError
 from runtime.models import RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
-from tasks import liveness
+from tasks import agent_cache, liveness
 from tasks.agent_cache import Version
 from tasks.pool import connections_per_process as connections
 from tasks.settings import Settings, get_settings
@@ -92,10 +93,7 @@ class Context:
         disk after this process imported it (only a restart loads it), else what
         load_agent raises.
         """
-        from runtime.errors import AgentFileError
-        from tasks import agent_cache
-
-        key = str(Path(path).resolve())
+        key = os.path.realpath(path)  # what str(Path(path).resolve()) gives, without the objects
         with self._lock:
             cached = self._agents.get(key)
         if cached is not None and cached[0] == agent_cache.version_of([f for f, _ in cached[0]]):

@@ -64,6 +64,9 @@ class PerProcess(Generic[T]):
 
     def __call__(self) -> T:
         pid = os.getpid()
+        found = self._by_pid.get(pid)  # one dict read is atomic: no lock once it is made
+        if found is not None:
+            return found
         with self._lock:
             found = self._by_pid.get(pid)
             if found is None:

@@ -18,8 +18,10 @@ from store.conformance import FakeClock
 from store.conformance.records import new_run, record
 from store.conformance.snapshots import grown, make_state
 from store.limits import RedisLimitStore
+from store.packing import pack
 from store.runs import Checkpoint
 from store.runs.redis import RedisRunStore
+from store.snapshots import format as snapshot_format
 from store.snapshots.redis import RedisSnapshotStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +110,80 @@ def test_a_client_loads_each_script_once_and_then_sends_only_its_sha(redis_url: 
         spent = {k: v - before.get(k, 0) for k, v in calls(client).items() if v != before.get(k)}
         assert spent.get("cmdstat_evalsha", 0) >= 15, spent
         assert "cmdstat_eval" not in spent and "cmdstat_script|load" not in spent, spent
+    finally:
+        snapshots.close()
+        runs.close()
+        client.close()
+
+
+def test_a_server_that_lost_its_scripts_is_sent_them_again_once(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    runs = RedisRunStore.from_url(redis_url, clock=FakeClock())
+    snapshots = RedisSnapshotStore.from_url(redis_url)
+    limits = RedisLimitStore(client)
+    try:
+        # Given every script ran once, and then the server forgot them (a restart, a failover)
+        every_script_once(runs, snapshots, limits, 3)
+        client.script_flush()
+        before = calls(client)
+
+        # When they all run again: the transition and the lease's, sent as bare EVALSHA too
+        every_script_once(runs, snapshots, limits, 4)
+
+        # Then each was loaded again once, and the stores did their work
+        spent = {k: v - before.get(k, 0) for k, v in calls(client).items() if v != before.get(k)}
+        assert 10 <= spent.get("cmdstat_script|load", 0) <= spent["cmdstat_evalsha"], spent
+        assert runs.get("r4") is None  # purged, as every_script_once leaves it
+        assert snapshots.load("r4") is not None
+    finally:
+        snapshots.close()
+        runs.close()
+        client.close()
+
+
+def test_a_transition_stores_exactly_the_bytes_the_encoders_give(redis_url: str) -> None:
+    # The transition script takes its scalars in one argument: what it stores must stay the
+    # record, events, snapshot head and fragments byte for byte, and the index fields as
+    # the values they are.
+    client = redis.Redis.from_url(redis_url)
+    clock = FakeClock()
+    runs = RedisRunStore.from_url(redis_url, clock=clock)
+    snapshots = RedisSnapshotStore.from_url(redis_url)
+    try:
+        # Given a run with a snapshot at seq 1, its lease held by an owner
+        run_id, owner = "bytes-1", "host:1:t/1"
+        new_run(runs, run_id)
+        state = make_state(run_id)
+        snapshots.save(state, None)
+        assert runs.acquire_and_get(run_id, owner, 30)[0]
+        # When one transition appends two events, saves the grown state and lets the lease go
+        after = grown(state, "one").model_copy(update={"seq": 3, "status": RunStatus.COMPLETED})
+        moved = record(run_id, last_seq=3, status=RunStatus.COMPLETED, output="ok")
+        events = [
+            Event(seq=2, type="model.requested", at_ms=2, data={"turn": 1}),
+            Event(seq=3, type="run.completed", at_ms=3, data={"output": "ok ☃ " * 20}),
+        ]
+        runs.commit(moved, events, owner, Checkpoint(snapshots, after, 1), release=True)
+
+        # Then every stored value is what the encoders give, and the lease is gone
+        key = f"ratchet:run:{{{run_id}}}"
+        fields = client.hgetall(f"{key}:record")
+        assert fields == {
+            b"record": moved.model_dump_json().encode(),
+            b"last_seq": b"3",
+            b"status": b"completed",
+            b"due": b"",
+            b"next": b"",
+            b"fin": str(moved.updated_at_ms).encode(),
+        }
+        stored = client.lrange(f"{key}:events", 0, -1)
+        assert stored[1:] == [pack(e.model_dump_json().encode()) for e in events]
+        head = client.hmget(f"{key}:snapshot", "seq", "head", "n")
+        assert head == [b"3", pack(snapshot_format.encode_head(after)), b"3"]
+        fragments = [snapshot_format.encode_fragment(m) for m in after.transcript]
+        assert client.lrange(f"{key}:transcript", 0, -1) == [pack(f) for f in fragments]
+        assert snapshots.load_document(run_id) == snapshot_format.encode(after)
+        assert runs.lease(run_id) is None
     finally:
         snapshots.close()
         runs.close()

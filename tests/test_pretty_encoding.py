@@ -7,9 +7,11 @@ checked on arbitrary JSON values, on a full snapshot, and on values it leaves to
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +57,51 @@ def test_a_snapshot_document_and_its_fragments_are_the_bytes_json_dumps_gives() 
     assert snapshot_format.assemble(head, fragments) == snapshot_format.encode(state)
 
 
+def test_subclasses_of_the_json_types_come_out_as_json_dumps_writes_them() -> None:
+    # The walk tries the exact types first; a subclass takes json.encoder's own order.
+    class Colour(enum.StrEnum):
+        RED = "red"
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Tagged(dict[str, object]):
+        pass
+
+    value = Tagged(
+        {"c": Colour.RED, "l": Level.HIGH, "t": (True, False, None, 1.5), Colour.RED: [Level.HIGH]}
+    )
+    for shaped in (value, [value, Colour.RED, Level.HIGH, (value,)], {"nested": value}):
+        assert snapshot_format.pretty(shaped) == dumped(shaped)
+
+
 def test_what_it_does_not_encode_itself_is_left_to_json() -> None:
     # Keys that are not strings, and floats JSON has no literal for: json.dumps' own text.
     for value in ({1: "a", 2: "b"}, {"x": [math.inf, -math.inf]}, [math.nan], {True: None}):
         assert snapshot_format.pretty(value) == dumped(value)
+    # Keys json.dumps cannot even sort: its own error, not a document.
+    for mixed in ({1: "a", "b": 2}, {"x": {None: 1, "a": 2}}):
+        with pytest.raises(TypeError):
+            json.dumps(mixed, sort_keys=True, indent=2)
+        with pytest.raises(TypeError):
+            snapshot_format.pretty(mixed)
+
+
+def test_a_head_is_the_document_of_the_state_without_its_transcript() -> None:
+    # encode_head dumps the state itself instead of wrapping a copy in SnapshotV2: the
+    # bytes must stay those of the wrapped copy, with the lineage fields set or absent.
+    plain = rich_state()
+    child = plain.model_copy(
+        update={
+            "parent": "run-0",
+            "parent_told": True,
+            "throttled_since_ms": 7,
+            "priority": 3,
+            "concurrency_key": "tenant-ä",
+        }
+    )
+    for state in (plain, child, plain.model_copy(update={"transcript": ()})):
+        emptied = state.model_copy(update={"transcript": ()})
+        document = snapshot_format.SnapshotV2(run=emptied).model_dump(mode="json")
+        assert snapshot_format.encode_head(state) == (dumped(document) + "\n").encode()
+        assert snapshot_format.encode_head(state) == snapshot_format.encode(emptied)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from pydantic import ValidationError
 
@@ -74,8 +74,7 @@ def _upgrade_v1(value: dict[str, object], where: str) -> dict[str, object]:
 
 def encode(state: RunState, max_bytes: int = MAX_BYTES) -> bytes:
     """The document for ``state``; raises SnapshotTooLarge over ``max_bytes``."""
-    document = SnapshotV2(run=state).model_dump(mode="json")
-    data = (pretty(document) + "\n").encode()
+    data = (pretty(SnapshotV2(run=state).model_dump(mode="json")) + "\n").encode()
     if len(data) > max_bytes:
         raise SnapshotTooLarge(state.run_id, len(data), max_bytes)
     return data
@@ -88,7 +87,9 @@ def pretty(value: object) -> str:
     checkpoint encodes the snapshot's head every time: this walks the value once,
     joining strings, and leaves each string's escaping to the C function json uses.
     Anything but the JSON types (``model_dump(mode="json")`` gives no other) goes to
-    json.dumps itself. tests/test_snapshot_format.py checks the two agree.
+    json.dumps itself. The exact types are tried first and the commonest leaves (strings,
+    integers, null) written inline: a call per scalar was most of a walk's cost.
+    tests/test_pretty_encoding.py checks the two agree.
     """
     out: list[str] = []
     try:
@@ -105,7 +106,66 @@ class _NotPlain(Exception):
 _quoted = json.encoder.encode_basestring  # the C function when the _json module is there
 
 
-def _pretty(value: object, newline: str, out: list[str]) -> None:  # noqa: C901 - one switch
+def _pretty(value: Any, newline: str, out: list[str]) -> None:
+    kind = type(value)
+    if kind is dict:
+        _pretty_dict(value, newline, out)
+    elif kind is str:
+        out.append(_quoted(value))
+    elif kind is list:
+        _pretty_list(value, newline, out)
+    elif kind is int:
+        out.append(int.__repr__(value))
+    else:
+        _pretty_other(value, newline, out)
+
+
+def _pretty_dict(value: dict[Any, Any], newline: str, out: list[str]) -> None:
+    if not value:
+        out.append("{}")
+        return
+    try:
+        keys = sorted(value)
+    except TypeError:
+        raise _NotPlain from None  # json.dumps says what it makes of keys of mixed types
+    inner = newline + "  "
+    separator = "{" + inner
+    for key in keys:
+        if type(key) is not str and not isinstance(key, str):
+            raise _NotPlain  # json.dumps turns numbers and booleans into keys its own way
+        entry = value[key]
+        kind = type(entry)
+        # The commonest leaves inline: a call per scalar is most of the cost of a walk.
+        if kind is str:
+            out.append(separator + _quoted(key) + ": " + _quoted(entry))
+        elif kind is int:
+            out.append(separator + _quoted(key) + ": " + int.__repr__(entry))
+        elif entry is None:
+            out.append(separator + _quoted(key) + ": null")
+        else:
+            out.append(separator + _quoted(key) + ": ")
+            _pretty(entry, inner, out)
+        separator = "," + inner
+    out.append(newline + "}")
+
+
+def _pretty_list(value: list[Any] | tuple[Any, ...], newline: str, out: list[str]) -> None:
+    if not value:
+        out.append("[]")
+        return
+    inner = newline + "  "
+    separator = "[" + inner
+    for entry in value:
+        if type(entry) is str:
+            out.append(separator + _quoted(entry))
+        else:
+            out.append(separator)
+            _pretty(entry, inner, out)
+        separator = "," + inner
+    out.append(newline + "]")
+
+
+def _pretty_other(value: Any, newline: str, out: list[str]) -> None:
     # The order of json.encoder's own checks, so subclasses come out as json.dumps puts them.
     if isinstance(value, str):
         out.append(_quoted(value))
@@ -122,30 +182,9 @@ def _pretty(value: object, newline: str, out: list[str]) -> None:  # noqa: C901 
             raise _NotPlain
         out.append(float.__repr__(value))
     elif isinstance(value, list | tuple):
-        if not value:
-            out.append("[]")
-            return
-        inner = newline + "  "
-        separator = "["
-        for entry in value:
-            out.append(separator + inner)
-            _pretty(entry, inner, out)
-            separator = ","
-        out.append(newline + "]")
+        _pretty_list(value, newline, out)
     elif isinstance(value, dict):
-        if not value:
-            out.append("{}")
-            return
-        if not all(isinstance(key, str) for key in value):
-            raise _NotPlain  # json.dumps turns numbers and booleans into keys its own way
-        inner = newline + "  "
-        separator = "{"
-        for key in sorted(value):
-            out.append(separator + inner)
-            out.append(_quoted(key) + ": ")
-            _pretty(value[key], inner, out)
-            separator = ","
-        out.append(newline + "}")
+        _pretty_dict(value, newline, out)
     else:
         raise _NotPlain
 
@@ -172,7 +211,11 @@ GENESIS: Final = "0" * 64
 
 def encode_head(state: RunState) -> bytes:
     """The document of ``state`` with an empty transcript (not size-checked)."""
-    return encode(state.model_copy(update={"transcript": ()}), max_bytes=2**63)
+    # What SnapshotV2(run=<state without transcript>) dumps, without copying the state and
+    # wrapping it at every checkpoint (tests/test_pretty_encoding.py holds the two equal).
+    run = state.model_dump(mode="json", exclude={"transcript"})
+    run["transcript"] = []
+    return (pretty({"kind": KIND, "run": run, "version": 2}) + "\n").encode()
 
 
 def encode_fragment(message: Message) -> bytes:

@@ -5,13 +5,15 @@
 -- KEYS: [1] record, [2] events, [3] lease, [4] status set of the new status, [5] due,
 --       [6] finished, [7] snapshot hash, [8] snapshot index, [9] transcript,
 --       [10] the owner's process's lease set (or the lease key again: none).
--- ARGV: [1] run id, [2] record JSON, [3] last seq, [4] status, [5] created_at_ms,
---       [6] due_at_ms or "", [7] expected last seq, [8] "1" if fenced by the lease,
---       [9] owner, [10] now_ms, [11] status-set key prefix, [12] finished-at ms or "",
---       [13] "1" to release the lease, [14] snapshot: "" (none), "append" or "replace",
---       [15] expected snapshot seq ("" for none), [16] head, [17] base length,
---       [18] base chain, [19] new length, [20] new size, [21] new chain,
---       [22] how many events, then the events, then the transcript fragments to push.
+-- ARGV: [1] the scalars below, separated by one space (none holds a space: a run id, a
+--       status, a key prefix, numbers and hex chains; "" is an empty field), [2] record
+--       JSON, [3] owner, [4] snapshot: "" (none), "append" or "replace", [5] head, then
+--       the events, then the transcript fragments to push. One argument for the
+--       scalars, not one each: redis-py encodes and frames every argument in Python.
+-- Scalars: run id, last seq, status, created_at_ms, due_at_ms or "", expected last seq,
+--       "1" if fenced by the lease, now_ms, status-set key prefix, finished-at ms or "",
+--       "1" to release the lease, expected snapshot seq ("" for none), base length,
+--       base chain, new length, new size, new chain, how many events.
 -- Returns nil when written, {'stale', found seq or ''}, {'lease'},
 -- {'snapshot', found snapshot seq or ''} or {'moved'} (the snapshot's seq matches but its
 -- transcript is not the base this save was planned on).
@@ -22,29 +24,39 @@
 -- earlier, to none, or later by more than DUE_SLACK. The record keeps the exact due time
 -- in 'next' and the index's in 'due': the index may say a run is due up to DUE_SLACK
 -- early, never late, and the sweeper checks 'next' (redis.py). The old status's set is
--- named from ARGV[11]: it is only known once the record is read (single node; see redis.py).
+-- named from the status-set key prefix: it is only known once the record is read (single
+-- node; see redis.py).
+local f = {}
+for field in (ARGV[1] .. ' '):gmatch('(.-) ') do
+  f[#f + 1] = field
+end
+local run_id, last_seq, status, created_at, due, expected = f[1], f[2], f[3], f[4], f[5], f[6]
+local fenced, now_ms, status_prefix, finished_at, release = f[7], f[8], f[9], f[10], f[11]
+local snapshot_seq, base_length, base_chain = f[12], f[13], f[14]
+local new_length, new_size, new_chain, event_count = f[15], f[16], f[17], tonumber(f[18])
+local record, owner, mode, head = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+
 local rec = redis.call('HMGET', KEYS[1], 'last_seq', 'status', 'due', 'fin')
-if rec[1] ~= ARGV[7] then
+if rec[1] ~= expected then
   return {'stale', rec[1] or ''}
 end
-if ARGV[8] == '1' then
+if fenced == '1' then
   local lease = redis.call('HMGET', KEYS[3], 'owner', 'expires_at_ms')
-  if lease[1] ~= ARGV[9] or tonumber(lease[2]) <= tonumber(ARGV[10]) then
+  if lease[1] ~= owner or tonumber(lease[2]) <= tonumber(now_ms) then
     return {'lease'}
   end
 end
 local DUE_SLACK = 1000
-local mode = ARGV[14]
 local stored_seq = ''
 if mode ~= '' then
   stored_seq = redis.call('HGET', KEYS[7], 'seq') or ''
-  if stored_seq ~= ARGV[15] then
+  if stored_seq ~= snapshot_seq then
     return {'snapshot', stored_seq}
   end
   if mode == 'append' then
     local tip = redis.call('HMGET', KEYS[7], 'n', 'chain')
-    if tip[1] ~= ARGV[17] or tip[2] ~= ARGV[18]
-        or redis.call('LLEN', KEYS[9]) ~= tonumber(ARGV[17]) then
+    if tip[1] ~= base_length or tip[2] ~= base_chain
+        or redis.call('LLEN', KEYS[9]) ~= tonumber(base_length) then
       return {'moved'}
     end
   end
@@ -59,37 +71,36 @@ end
 
 -- The fence above makes the log contiguous, so an event's index is its seq - 1
 -- (a list costs a few bytes an entry; a sorted set costs about a hundred).
-local events_end = 22 + tonumber(ARGV[22])
-push(KEYS[2], 23, events_end)
+local events_end = 5 + event_count
+push(KEYS[2], 6, events_end)
 -- The due index: kept while it is at most DUE_SLACK ms early (and at most half the time
 -- left until the new due time: a run due in a minute is not looked at a half-minute early).
 local indexed = rec[3] or ''
-local due = ARGV[6]
 if due == '' then
   if indexed ~= '' then
-    redis.call('ZREM', KEYS[5], ARGV[1])
+    redis.call('ZREM', KEYS[5], run_id)
   end
   indexed = ''
 else
   local new, old = tonumber(due), tonumber(indexed)
-  local slack = math.min(DUE_SLACK, (new - tonumber(ARGV[10])) / 2)
+  local slack = math.min(DUE_SLACK, (new - tonumber(now_ms)) / 2)
   if old == nil or new < old or new > old + slack then
-    redis.call('ZADD', KEYS[5], due, ARGV[1])
+    redis.call('ZADD', KEYS[5], due, run_id)
     indexed = due
   end
 end
-redis.call('HSET', KEYS[1], 'record', ARGV[2], 'last_seq', ARGV[3], 'status', ARGV[4],
-  'due', indexed, 'next', due, 'fin', ARGV[12])
-if rec[2] ~= ARGV[4] then
+redis.call('HSET', KEYS[1], 'record', record, 'last_seq', last_seq, 'status', status,
+  'due', indexed, 'next', due, 'fin', finished_at)
+if rec[2] ~= status then
   if rec[2] then
-    redis.call('ZREM', ARGV[11] .. rec[2], ARGV[1])
+    redis.call('ZREM', status_prefix .. rec[2], run_id)
   end
-  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+  redis.call('ZADD', KEYS[4], created_at, run_id)
 end
-if ARGV[12] ~= '' then
-  redis.call('ZADD', KEYS[6], ARGV[12], ARGV[1])
-elseif rec[2] ~= ARGV[4] and rec[4] ~= '' then
-  redis.call('ZREM', KEYS[6], ARGV[1])
+if finished_at ~= '' then
+  redis.call('ZADD', KEYS[6], finished_at, run_id)
+elseif rec[2] ~= status and rec[4] ~= '' then
+  redis.call('ZREM', KEYS[6], run_id)
 end
 
 if mode ~= '' then
@@ -98,17 +109,17 @@ if mode ~= '' then
     redis.call('HDEL', KEYS[7], 'doc')
   end
   push(KEYS[9], events_end + 1, #ARGV)
-  redis.call('HSET', KEYS[7], 'seq', ARGV[3], 'head', ARGV[16], 'n', ARGV[19], 'size', ARGV[20],
-    'chain', ARGV[21])
+  redis.call('HSET', KEYS[7], 'seq', last_seq, 'head', head, 'n', new_length, 'size', new_size,
+    'chain', new_chain)
   if stored_seq == '' then
-    redis.call('SADD', KEYS[8], ARGV[1])
+    redis.call('SADD', KEYS[8], run_id)
   end
 end
-if ARGV[13] == '1' and (ARGV[8] == '1' or redis.call('HGET', KEYS[3], 'owner') == ARGV[9]) then
+if release == '1' and (fenced == '1' or redis.call('HGET', KEYS[3], 'owner') == owner) then
   redis.call('DEL', KEYS[3])
 end
 -- As release.lua: the released run leaves the owner's process's lease set (orphaned.lua).
-if ARGV[13] == '1' and KEYS[10] ~= KEYS[3] then
-  redis.call('SREM', KEYS[10], ARGV[1])
+if release == '1' and KEYS[10] ~= KEYS[3] then
+  redis.call('SREM', KEYS[10], run_id)
 end
 return nil
