@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models import Event, RunStatus
-from store.limits import RedisLimitStore
+from runtime.models import Event, RunState, RunStatus
+from store.limits import RESERVATION_EARLY_MS, RedisLimitStore
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
+from tests.integration.test_broker_faults import ready
 from tests.model_server import ModelServer, serve
 from tests.workers import ROOT, WorkerProcesses, redis_context
 from worker.app import make_app
@@ -57,7 +58,11 @@ def openai_agent(directory: Path, server: ModelServer, name: str, limits: str) -
 
 def start_all(ctx: Context, redis_url: str, agent: Path, count: int) -> list[str]:
     """Create ``count`` runs and send their first turns, as ``Ratchet.start`` would."""
-    states = [create_run(ctx, agent, f"task {i}") for i in range(count)]
+    return send_first_turns(redis_url, [create_run(ctx, agent, f"task {i}") for i in range(count)])
+
+
+def send_first_turns(redis_url: str, states: list[RunState]) -> list[str]:
+    """Send the first turns of runs already created; their ids."""
     client = make_app(Settings(broker_url=redis_url))
     try:
         for state in states:
@@ -89,10 +94,15 @@ def test_two_worker_processes_share_one_limit_and_the_provider_refuses_nothing(
     # beyond, and two worker processes whose agent holds itself to that limit
     with serve(latency_s=0.0, turns=1, rpm=120, burst_s=5.0) as server:
         agent = openai_agent(tmp_path, server, "shared", "requests_per_minute = 120\nburst_s = 0.5")
-        for _ in range(2):
-            worker_processes.start("--pool", "threads", "--concurrency", "4")
+        workers = [worker_processes.start("--pool", "threads", "--concurrency", "4")
+                   for _ in range(2)]  # fmt: skip
+        for worker in workers:
+            ready(worker)
         # When 30 runs of one call each go through both of them at once
-        run_ids = start_all(ctx, redis_url, agent, 30)
+        states = [create_run(ctx, agent, f"task {i}") for i in range(30)]
+        secs, micros = ctx.runs._client.time()  # type: ignore[attr-defined]
+        before_ms = secs * 1000 + micros / 1000  # the limiter's clock, before any call went
+        run_ids = send_first_turns(redis_url, states)
         wait_all(ctx, run_ids, worker_processes)
         accepted, refused = sorted(server.accepted_at), server.refused
 
@@ -102,10 +112,31 @@ def test_two_worker_processes_share_one_limit_and_the_provider_refuses_nothing(
     for worker in worker_processes.started:
         assert "ratchet.turn" in worker.log()
     assert refused == 0 and len(accepted) == 30
-    # The limiter spaced them: at most 1 + 2/s x t calls in any t seconds (the burst of
-    # 0.5 s is one call). Calls can only come later than planned, never earlier.
-    span_s = accepted[-1] - accepted[0]
-    assert span_s >= (30 - 2) / 2 - 1.0, span_s
+    # And the limiter spaced them exactly, call by call. GCRA with T = 60 s / 120 = 500 ms
+    # and a tolerance of burst_s = 500 ms admits the k-th call (0-based, in the order
+    # admitted) no earlier than g0 + k*T - burst: its bucket holds 1 + burst/T = 2 calls,
+    # starts full, and the k-th call waits for k + 1 - 2 refills. A call reaches the server
+    # no earlier than it was admitted, less RESERVATION_EARLY_MS (a reserved turn whose
+    # timer fires that early still goes), so the k-th accepted call (sorted: the k-th
+    # earliest of times each no earlier than its own bound) came at or after
+    # g0 + (k + 1 - capacity) * T - early. Clocks: the server stamps time.time() on the
+    # host whose Redis TIME is the limiter's clock; the TAT is stored rounded to the
+    # microsecond (%.3f ms), 0.5 us once per call, and the float stamp is within 1 us.
+    # The first accepted call is no reference for the others: it reaches the server any
+    # time after g0 (a fresh process's first request, TLS context and all, took 0.4-1 s
+    # on a loaded machine), so their span has no lower bound; before_ms <= g0 is one.
+    interval_ms, burst_ms = 60_000 / 120, 0.5 * 1000
+    capacity = 1 + burst_ms / interval_ms
+    rounding_ms = len(accepted) * 0.0005 + 0.001
+    from_before = [at * 1000 - before_ms for at in accepted]
+    early = [
+        (k, round(after, 3))
+        for k, after in enumerate(from_before)
+        if after < (k + 1 - capacity) * interval_ms - RESERVATION_EARLY_MS - rounding_ms
+    ]
+    assert early == [], f"(k, ms after before_ms) came before the k-th slot: {early}; " + str(
+        [round(after, 1) for after in from_before]
+    )
     throttled = events_of(ctx, run_ids, "run.throttled")
     assert throttled and {e.data["limit"] for e in throttled} == {"shared-key"}
     assert all(e.data["reason"] in ("reserved", "over_limit") for e in throttled)
