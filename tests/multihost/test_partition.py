@@ -267,10 +267,13 @@ def fenced_turns(log: str, run_id: str) -> int:
     return len(re.findall(rf"succeeded in \S+: 'fenced' \(run {run_id}\)", log))
 
 
-HELD_AFTER = {COMBINED: "model.requested", SEPARATE: "model.responded"}
+HELD_AFTER = {COMBINED: "model.requested", SEPARATE: "tool.requested"}
 """The late run's last event while w1 holds its write at ``snapshot.before_save``: combined,
 the model's answer, its events and snapshot are one script not sent yet; apart, the answer's
-events are appended and the snapshot is not saved yet."""
+events are appended and the snapshot is not saved yet. The answer's events are
+``model.responded`` and the idempotent lookup's ``tool.requested``, journaled with it."""
+HELD_SEQ = 4
+"""The seq of the held checkpoint: created, model requested, answered, lookup requested."""
 HELD_WRITE = {COMBINED: "transition script", SEPARATE: "snapshot save"}
 
 
@@ -500,7 +503,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         assert "a late checkpoint of a worker that lost the run" not in w2.log()
         # And w1's late turn, its write timed out in the cut, said so and stopped: its
         # checkpoint not saved, the stall it then tried not recorded (the store unreachable)
-        assert f"run {late}: checkpoint at seq 3 could not be saved" in w1.log()
+        assert f"run {late}: checkpoint at seq {HELD_SEQ} could not be saved" in w1.log()
         assert f"run {late}: could not record the stall" in w1.log()
         done = {r: [t for t in types(ctx, r) if t not in RECOVERY_EVENTS] for r in [*held, late]}
         assert done[charge] == ["run.created", "model.requested", "model.responded",
