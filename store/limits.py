@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from runtime.errors import StoreUnavailable
 from runtime.limits import Rate, Verdict, corrected_tat, schedule
+from store.snapshots.sqlite import enable_wal
 
 RESERVATION_EARLY_MS = 5
 """A reserved turn that fires this early (a timer's jitter) still goes."""
@@ -359,7 +360,7 @@ class SqliteLimitStore(LocalLimitStore):
             return held[1]  # type: ignore[no-any-return]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(self.path, timeout=10, isolation_level=None)
-        connection.execute("PRAGMA journal_mode=WAL")
+        enable_wal(connection, patience_s=10)
         connection.execute(
             "CREATE TABLE IF NOT EXISTS limits (name TEXT PRIMARY KEY, doc TEXT NOT NULL)"
         )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -66,10 +67,44 @@ CREATE TABLE IF NOT EXISTS snapshots_quarantined (
 _SQLITE_FILES = ("-wal", "-shm", "-journal")
 
 
+WAL_PATIENCE_S = 30.0
+"""How long opening a database waits for another process to let it be switched to WAL."""
+
+
+def enable_wal(conn: sqlite3.Connection, patience_s: float = WAL_PATIENCE_S) -> None:
+    """Put the database in WAL mode, waiting (up to ``patience_s``) for other processes.
+
+    SQLite does not apply the busy timeout here: switching a new database's journal
+    while another connection holds a lock either leaves the mode as it was (the pragma
+    answers the old one) or fails at once with "database is locked" (a second process
+    switching while the first writes in the old mode). Two pool processes opening a new
+    database at once met both: one turn failed with StoreUnavailable. Raises
+    sqlite3.OperationalError if the database is still not in WAL after ``patience_s``.
+    """
+    deadline = time.monotonic() + patience_s
+    pause_s = 0.001
+    while True:
+        try:
+            row = conn.execute("PRAGMA journal_mode=WAL").fetchone()
+            if row is not None and str(row[0]).lower() == "wal":
+                return
+            problem = f"the journal mode stayed {row[0] if row else 'unknown'}"
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            problem = str(exc)
+        if time.monotonic() >= deadline:
+            raise sqlite3.OperationalError(
+                f"could not switch to WAL within {patience_s:g} s: {problem}"
+            )
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, 0.05)
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """A connection as the run store opens one: WAL, ``synchronous=NORMAL``, autocommit."""
     conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
+    enable_wal(conn)
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=30000")
     return conn
