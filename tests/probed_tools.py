@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime import NotRun, Ran, ToolContext, Unknown, tool
@@ -104,24 +105,24 @@ def timed_effect(label: str, sleep_s: float) -> dict[str, object]:
     return {"label": label, "slept_s": sleep_s}
 
 
+JOURNALED: list[Callable[[str], bool]] = []
+"""Set by a test that runs in this process: whether the call labelled so has its outcome
+journaled. :func:`finishes_after` waits for that: a call that returned is journaled a moment
+later, by the turn, so waiting for the call's own return would leave the order to the
+scheduler."""
+
+
 @tool(idempotent=True)
 def finishes_after(label: str, after: str = "") -> dict[str, object]:
-    """Finish once the call labelled ``after`` has (as ``RATCHET_TEST_TIMES`` notes it): the
-    calls of one response finish in the order a test chooses, however loaded the machine."""
-    times = Path(os.environ["RATCHET_TEST_TIMES"])
+    """Return once the call labelled ``after`` has its outcome journaled (``JOURNALED``): the
+    calls of one response are journaled in the order a test chooses, however loaded the
+    machine."""
     deadline = time.monotonic() + 20
-    while after and not _finished(times, after):
+    while after and not JOURNALED[-1](after):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"call {after!r} never finished")
+            raise RuntimeError(f"call {after!r} was never journaled")
         time.sleep(0.01)
-    with times.open("a", encoding="utf-8") as handle:
-        handle.write(f"{label} {time.time()} {time.time()}\n")
     return {"label": label}
-
-
-def _finished(times: Path, label: str) -> bool:
-    lines = times.read_text("utf-8").splitlines() if times.exists() else []
-    return any(line.split()[0] == label for line in lines)
 
 
 @tool

@@ -35,6 +35,7 @@ from tasks.context import Context, set_context
 from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
+from tests import probed_tools
 from tests.helpers import drive, memory_context
 from tests.openai_server import OpenAIServer, RecordedRequest, load_fixture, serve
 from tests.redis_server import RedisServer
@@ -274,8 +275,17 @@ def test_a_server_slower_than_timeout_s_is_retried_within_the_turn(
 def test_parallel_results_finishing_out_of_order_reach_the_server_in_the_order_asked(
     server: OpenAIServer, key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a response asking for three calls, of which the last finishes first
-    monkeypatch.setenv("RATCHET_TEST_TIMES", str(tmp_path / "times"))
+    # Given a response asking for three calls, journaled last first: each returns once the
+    # call after it has its outcome in the log
+    ctx = memory_context()
+
+    def journaled(label: str) -> bool:
+        return any(
+            e.type == "tool.completed" and e.data["result"]["label"] == label
+            for e in ctx.runs.events(run_id)
+        )
+
+    monkeypatch.setattr(probed_tools, "JOURNALED", [journaled])
     server.enqueue(
         200,
         asks_for(
@@ -286,7 +296,6 @@ def test_parallel_results_finishing_out_of_order_reach_the_server_in_the_order_a
     )
     server.enqueue_fixture("text_answer")
     agent = write_openai_agent(tmp_path, server, tools=["tests.probed_tools:finishes_after"])
-    ctx = memory_context()
     run_id = create_run(ctx, agent, "go").run_id
     # When the run goes through the turn loop
     assert drive(ctx, run_id).outcome == "completed"
