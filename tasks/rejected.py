@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -52,6 +53,28 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 REDIS_KEY = "ratchet:rejected"
 AMQP_QUEUE = "ratchet.rejected"
 ENTRY_ID = re.compile(r"\A[0-9]{13}-[0-9a-f]{12}\Z")
+
+
+class _EntryClock:
+    """Milliseconds and an order within each millisecond: the ids one process gives sort in
+    the order it set the entries aside (a folder keeps the newest by sorting its names;
+    a random suffix alone ordered entries of one millisecond at random)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms, self._order = 0, 0
+
+    def next(self) -> tuple[int, int]:
+        with self._lock:
+            now = max(int(time.time() * 1000), self._ms)  # never backwards
+            self._order = self._order + 1 if now == self._ms else 0
+            if self._order > 0xFFFF:  # 65,536 in one millisecond: borrow the next one
+                now, self._order = now + 1, 0
+            self._ms = now
+            return now, self._order
+
+
+_entry_clock = _EntryClock()
 
 
 @dataclass(frozen=True)
@@ -83,9 +106,9 @@ class Rejected:
 
     @classmethod
     def new(cls, raw: bytes, reason: str, queue: str) -> Rejected:
-        now = int(time.time() * 1000)
+        now, order = _entry_clock.next()
         return cls(
-            id=f"{now:013d}-{uuid.uuid4().hex[:12]}",
+            id=f"{now:013d}-{order:04x}{uuid.uuid4().hex[:8]}",
             at_ms=now,
             queue=queue,
             reason=reason,

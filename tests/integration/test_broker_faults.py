@@ -267,6 +267,14 @@ def test_the_dead_letter_folder_keeps_the_newest_entries_only(tmp_path: Path) ->
     assert not [p for p in (tmp_path / "rejected").iterdir() if not p.name.endswith(".json")]
 
 
+def test_entries_set_aside_within_one_millisecond_keep_their_order() -> None:
+    # Several entries land in each millisecond here; a random id suffix ordered those at
+    # random, and the folder's pruning (newest by name) then dropped newer ones.
+    ids = [Rejected.new(b"{}", "test", "q").id for _ in range(2000)]
+    assert len({i[:13] for i in ids}) < len(ids)  # the premise: some share a millisecond
+    assert sorted(ids) == ids
+
+
 def test_refused_messages_on_rabbitmq_go_to_a_bounded_queue_and_the_cli_reads_it(
     worker_processes: WorkerProcesses, rabbitmq_vhost: str, redis_url: str, tmp_path: Path
 ) -> None:
