@@ -1,0 +1,269 @@
+"""The lean publish of a chained ``ratchet.turn``: Celery's message, without Celery's per-message work.
+
+Every turn that is not the last sends the next one from inside a running task
+(tasks/turn.py ``enqueue_next``). Through ``send_task`` that publish merged the
+task's options, routed them, built the message and its sent event, acquired a
+producer from the pool, checked the queue's declaration and wrapped the publish
+in a retrying ``ensure``, all the same for every turn (measured: a fifth of a
+turn's wall time in the pool process, half of it outside the broker's round
+trip). Here what does not change from one turn to the next is worked out once
+per app and queue with Celery's own code (the routing, the exchange and routing
+key, the delivery mode, the timelimit and origin headers), the producer is kept
+per thread, and each message costs its ids, its headers, one JSON encoding and
+the broker's ``basic_publish``.
+
+The message is the one ``send_task`` would publish, field by field (headers,
+properties, body, exchange, routing key, priority, queue; tests/test_publish.py
+holds it to that), and Celery's ``before_task_publish`` and ``after_task_publish``
+signals fire with the same arguments, so worker/observe.py still labels it and an
+application's receivers still see it. Whatever this does not reproduce goes
+through ``send_task`` instead (:meth:`LeanTurns.publish` returns None): a
+countdown (an ETA), options of the sender's, a router that is not a plain map
+(a function may route on the arguments), compression, an expiry, inherited
+priorities, a result backend that acts on a send, ``task_sent`` receivers, and a publish that fails (``send_task``
+then retries it, reconnecting as its policy says, under the same task id).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from celery import signals
+from celery.app.routes import MapRoute
+from celery.backends.base import Backend
+from celery.utils import uuid
+from celery.utils.nodenames import anon_nodename
+from celery.utils.saferepr import saferepr
+from kombu import serialization
+from kombu.common import Broadcast, maybe_declare
+
+TASK = "ratchet.turn"
+
+_ROUTED_NAMED = frozenset(
+    {"exchange", "routing_key", "queue", "serializer", "delivery_mode", "declare",
+     "exchange_type"}
+)  # fmt: skip
+"""Routed options ``send_task_message`` takes by name; any other but ``priority`` (which
+becomes a message property) is one this module does not reproduce."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """What every ``ratchet.turn`` of one app to one queue shares."""
+
+    queue: Any
+    """The kombu Queue (declared before the first publish on a connection)."""
+    exchange: str
+    routing_key: str
+    priority: Any
+    """The route's broker priority: a message sent without one carries it."""
+    delivery_mode: Any
+    serializer: str
+    retry_policy: dict[str, Any]
+    headers: dict[str, Any]
+    """The headers that are the same for every message (``eta``, ``root_id``, … per message)."""
+
+
+class LeanTurns:
+    """An app's lean ``ratchet.turn`` publisher: its routes and, per thread, its producer."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._routes: dict[str, Route | None] = {}
+        self._local = threading.local()
+        self._pid = os.getpid()
+
+    def route(self, queue: str) -> Route | None:
+        """The route of a ``ratchet.turn`` to ``queue``, or None when it must go through Celery."""
+        if queue not in self._routes:
+            self._routes[queue] = self._work_out(queue)
+        return self._routes[queue]
+
+    def _work_out(self, queue_name: str) -> Route | None:
+        app, amqp, conf = self.app, self.app.amqp, self.app.conf
+        router = amqp.router
+        if conf.task_protocol != 2 or conf.task_inherit_parent_priority:
+            return None
+        if not all(isinstance(r, MapRoute) for r in router.routes):
+            return None
+        task_type = app._tasks.get(TASK)
+        if task_type is None or type(app.backend).on_task_call is not Backend.on_task_call:
+            return None  # a result backend that does something as a task is sent (rpc://)
+        # send_task's own steps, once: the task's execution options under the caller's,
+        # then the router's.
+        exec_options = {k: v for k, v in task_type._get_exec_options().items() if v is not None}
+        options = dict(exec_options, queue=queue_name)
+        time_limit = options.pop("time_limit", None)
+        soft_time_limit = options.pop("soft_time_limit", None)
+        if options.pop("expires", None) is not None or options.pop("ignore_result", None):
+            return None
+        options = router.route(options, TASK, (), {}, task_type)
+        if set(options) - _ROUTED_NAMED - {"priority"} or options.get("declare") is not None:
+            return None
+        if conf.task_compression or options.get("compression"):
+            return None
+        # send_task_message's choice of exchange and routing key, once.
+        queue = options["queue"]
+        exchange, routing_key = options.get("exchange"), options.get("routing_key")
+        exchange_type = options.get("exchange_type") or getattr(queue.exchange, "type", "direct")
+        if (not exchange or not routing_key) and exchange_type == "direct":
+            exchange, routing_key = "", queue.name
+        elif exchange is None:
+            exchange = queue.exchange.name or amqp.default_exchange
+            routing_key = routing_key or queue.routing_key or conf.task_default_routing_key
+        if not isinstance(exchange, str) or isinstance(queue, Broadcast):
+            return None
+        delivery_mode = options.get("delivery_mode") or (
+            getattr(queue.exchange, "delivery_mode", None) or conf.task_default_delivery_mode
+        )
+        # as_task_v2's headers in its order (a consumer reads them back in it); those
+        # set per message are None here.
+        headers = {
+            "lang": "py",
+            "task": TASK,
+            "id": None,
+            "shadow": None,
+            "eta": None,
+            "expires": None,
+            "group": None,
+            "group_index": None,
+            "retries": 0,
+            "timelimit": [time_limit, soft_time_limit],
+            "root_id": None,
+            "parent_id": None,
+            "argsrepr": saferepr((), amqp.argsrepr_maxsize, maxlevels=conf.task_repr_maxlevels),
+            "kwargsrepr": None,
+            "origin": anon_nodename(),
+            "ignore_result": None,
+            "replaced_task_nesting": 0,
+            "stamped_headers": None,
+            "stamps": {},
+        }
+        return Route(
+            queue=queue,
+            exchange=exchange,
+            routing_key=routing_key,
+            priority=options.get("priority"),
+            delivery_mode=delivery_mode,
+            serializer=options.get("serializer") or conf.task_serializer,
+            retry_policy=dict(conf.task_publish_retry_policy or {}),
+            headers=headers,
+        )
+
+    def publish(
+        self, kwargs: dict[str, Any], queue: str, priority: int | None, extra: dict[str, Any]
+    ) -> str | None:
+        """Publish ``ratchet.turn(**kwargs)`` from the running task; its id, or None if not sent.
+
+        None means nothing went out: the caller sends the message through ``send_task``.
+        ``extra``: headers of the sender's (ratchet's version header).
+        """
+        app = self.app
+        if os.getpid() != self._pid:  # forked: the routes hold the parent's pid (origin)
+            self._routes, self._local, self._pid = {}, threading.local(), os.getpid()
+        parent = app.current_worker_task
+        route = self.route(queue)
+        if parent is None or route is None or signals.task_sent.receivers:
+            return None
+        conf = app.conf
+        task_id: str = uuid()
+        request = parent.request
+        headers = dict(route.headers)
+        headers["id"] = task_id
+        headers["root_id"] = request.root_id or request.id or task_id
+        headers["parent_id"] = request.id
+        headers["kwargsrepr"] = saferepr(
+            kwargs, app.amqp.kwargsrepr_maxsize, maxlevels=conf.task_repr_maxlevels
+        )
+        headers.update(extra)
+        priority = route.priority if priority is None else priority
+        properties: dict[str, Any] = {"correlation_id": task_id, "reply_to": app.thread_oid}
+        if priority is not None:
+            properties["priority"] = priority
+        body = ((), kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None})
+        declare = [route.queue]
+        signals.before_task_publish.send(
+            sender=TASK, body=body, exchange=route.exchange, routing_key=route.routing_key,
+            declare=declare, headers=headers, properties=properties,
+            retry_policy=dict(route.retry_policy),
+        )  # fmt: skip
+        producer = self._producer()
+        try:
+            self._send(producer, route, body, headers, properties)
+        except Exception:
+            # Celery's path retries and reconnects (task_publish_retry_policy): hand it over.
+            self._drop_producer()
+            return None
+        signals.after_task_publish.send(
+            sender=TASK, body=body, headers=headers, exchange=route.exchange,
+            routing_key=route.routing_key,
+        )  # fmt: skip
+        parent.add_trail(app.AsyncResult(task_id))
+        return task_id
+
+    def _send(
+        self,
+        producer: Any,
+        route: Route,
+        body: Any,
+        headers: dict[str, Any],
+        properties: dict[str, Any],
+    ) -> None:
+        """kombu's Producer.publish and _publish, less what is the same every time."""
+        properties = dict(properties)
+        priority = properties.pop("priority", 0)
+        properties["delivery_mode"] = producer._delivery_details(
+            route.exchange, route.delivery_mode
+        )[1]
+        content_type, content_encoding, data = serialization.dumps(  # type: ignore[no-untyped-call]
+            body, serializer=route.serializer
+        )
+        channel = producer.channel
+        message = channel.prepare_message(
+            data, priority, content_type, content_encoding, headers, properties
+        )
+        queue = route.queue
+        if hash(queue) not in channel.connection.client.declared_entities:
+            maybe_declare(queue, channel, True, **route.retry_policy)  # type: ignore[no-untyped-call]
+        channel.basic_publish(
+            message,
+            exchange=route.exchange,
+            routing_key=route.routing_key,
+            mandatory=False,
+            immediate=False,
+            timeout=None,
+            confirm_timeout=None,
+        )
+
+    def _producer(self) -> Any:
+        producer = getattr(self._local, "producer", None)
+        if producer is None:
+            # Held by this thread for as long as it publishes: one pool slot, not an
+            # acquire and a release around every turn.
+            producer = self._local.producer = self.app.producer_pool.acquire(block=True)
+        return producer
+
+    def _drop_producer(self) -> None:
+        producer = getattr(self._local, "producer", None)
+        self._local.producer = None
+        if producer is not None:
+            try:
+                producer.release()
+            except Exception:  # noqa: BLE001, S110 - a broken producer is only given back
+                pass
+
+
+_publishers: dict[int, LeanTurns] = {}
+_publishers_lock = threading.Lock()
+
+
+def lean_turns(app: Any) -> LeanTurns:
+    """``app``'s lean publisher (one per app)."""
+    publisher = _publishers.get(id(app))
+    if publisher is None or publisher.app is not app:
+        with _publishers_lock:
+            publisher = _publishers[id(app)] = LeanTurns(app)
+    return publisher

@@ -1,0 +1,206 @@
+"""The lean publish of a chained ``ratchet.turn`` (tasks/publish.py) is Celery's message.
+
+From inside a running task, on each broker ratchet runs on (Redis, RabbitMQ, the
+filesystem), one turn goes out through the lean path and one through Celery's
+``send_task`` with what tasks/messages.py gives it; both are read back off the real
+broker and must be equal field by field but for their own ids, and the publish
+signals must have seen the same. Then a real worker subprocess takes a lean
+message and moves the run on.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.signals import after_task_publish, before_task_publish
+
+from runtime.models import RunStatus
+from tasks.messages import VERSION, VERSION_HEADER
+from tasks.publish import lean_turns
+from tasks.queues import TURNS_QUEUE
+from tasks.settings import Settings
+from tasks.start import create_run
+from tests.helpers import turn, write_agent
+from tests.workers import WorkerProcesses, redis_context, wait_for
+from worker.app import make_app
+from worker.priorities import redis_lists
+
+KWARGS = {"run_id": "lean-1", "expected_seq": 3}
+PER_MESSAGE = ("id", "correlation_id", "delivery_tag")
+"""What two messages never share: the task id (header and property) and the broker's tag."""
+
+
+def app_on(broker: str, tmp_path: Path) -> Celery:
+    app = make_app(Settings(broker_url=broker or None, data_dir=tmp_path / "data"))
+    app.finalize()
+    return app
+
+
+@pytest.fixture(params=["redis", "rabbitmq", "filesystem"])
+def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "redis":
+        yield request.getfixturevalue("redis_url")
+    elif request.param == "rabbitmq":
+        yield request.getfixturevalue("rabbitmq_vhost")
+    else:
+        yield ""  # the embedded default: filesystem:// under the data dir
+
+
+def sent_in_a_task(app: Celery, send: Any) -> Any:
+    """``send()``'s result, called inside a running task of ``app`` (as a turn chains)."""
+
+    def probe() -> Any:
+        return send()
+
+    probe_task = app.task(name=f"test.probe.{uuid.uuid4().hex[:8]}", shared=False)(probe)
+    result = probe_task.apply()
+    assert result.successful(), result.traceback
+    return result.get()
+
+
+def through_celery(app: Celery, priority: int | None) -> str:
+    """What tasks/messages.py ``send`` gave Celery before the lean path."""
+    options: dict[str, Any] = {"queue": TURNS_QUEUE}
+    if priority is not None:
+        options["priority"] = priority
+    result = app.send_task(
+        "ratchet.turn", kwargs=dict(KWARGS), headers={VERSION_HEADER: VERSION}, **options
+    )
+    return str(result.id)
+
+
+def through_lean(app: Celery, priority: int | None) -> str:
+    sent = lean_turns(app).publish(dict(KWARGS), TURNS_QUEUE, priority, {VERSION_HEADER: VERSION})
+    assert sent is not None, "the lean path handed the turn back to send_task"
+    return sent
+
+
+def taken(app: Celery) -> dict[str, Any]:
+    """The next message on the turns queue, as the broker hands it to a consumer."""
+    with app.connection_for_read() as conn:
+        message = conn.default_channel.basic_get(TURNS_QUEUE, no_ack=True)
+        assert message is not None, "no message on the turns queue"
+        return {
+            "headers": dict(message.headers),
+            "properties": {k: v for k, v in message.properties.items() if k != "delivery_info"},
+            "delivery_info": {
+                k: message.delivery_info.get(k) for k in ("exchange", "routing_key", "priority")
+            },
+            "content_type": message.content_type,
+            "content_encoding": message.content_encoding,
+            "body": message.body,
+        }
+
+
+def without_ids(fields: Any) -> Any:
+    if isinstance(fields, dict):
+        return {k: without_ids(v) for k, v in fields.items() if k not in PER_MESSAGE}
+    return fields
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("priority", [7, None])
+def test_a_lean_turn_is_the_message_send_task_publishes(
+    broker: str, tmp_path: Path, priority: int | None
+) -> None:
+    app = app_on(broker, tmp_path)
+    signalled: list[tuple[str, dict[str, Any]]] = []
+
+    def before(**kwargs: Any) -> None:
+        signalled.append(("before", {k: v for k, v in kwargs.items() if k != "signal"}))
+
+    def after(**kwargs: Any) -> None:
+        signalled.append(("after", {k: v for k, v in kwargs.items() if k != "signal"}))
+
+    before_task_publish.connect(before, weak=False)
+    after_task_publish.connect(after, weak=False)
+    try:
+        # Given one turn sent each way from the same running task
+        ids = sent_in_a_task(
+            app, lambda: (through_celery(app, priority), through_lean(app, priority))
+        )
+        # When both are read back off the broker
+        first, second = taken(app), taken(app)
+    finally:
+        before_task_publish.disconnect(before)
+        after_task_publish.disconnect(after)
+    # Then they differ in their ids only
+    assert [first["headers"]["id"], second["headers"]["id"]] == list(ids)
+    assert first["properties"]["correlation_id"] == ids[0]
+    assert second["properties"]["correlation_id"] == ids[1]
+    assert without_ids(second) == without_ids(first)
+    assert list(second["headers"]) == list(first["headers"])  # and the order of the headers
+    assert first["headers"]["argsrepr"] == "run_id='lean-1', seq=3"  # worker/observe.py's
+    assert first["headers"]["parent_id"] == first["headers"]["root_id"] is not None
+    # And the publish signals saw the same, in the same order
+    assert [name for name, _ in signalled] == ["before", "after", "before", "after"]
+    celery_said, lean_said = signalled[:2], signalled[2:]
+    for (_, by_celery), (_, by_lean) in zip(celery_said, lean_said, strict=True):
+        declare_celery, declare_lean = by_celery.pop("declare", None), by_lean.pop("declare", None)
+        assert [q.name for q in declare_lean or []] == [q.name for q in declare_celery or []]
+        assert without_ids(by_lean) == without_ids(by_celery)
+
+
+@pytest.mark.timeout(60)
+def test_on_redis_the_lean_entry_is_the_one_kombu_pushes(redis_url: str, tmp_path: Path) -> None:
+    app = app_on(redis_url, tmp_path)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        sent_in_a_task(app, lambda: (through_celery(app, 7), through_lean(app, 7)))
+        entries = [
+            json.loads(raw) for q in redis_lists(TURNS_QUEUE) for raw in client.lrange(q, 0, -1)
+        ]
+        listed = [q for q in redis_lists(TURNS_QUEUE) if client.llen(q)]
+    finally:
+        client.close()
+    # Both on the list of priority 7, LPUSHed: the lean one first.
+    assert listed == [redis_lists(TURNS_QUEUE)[7]]
+    lean, celery = entries
+    assert list(lean) == list(celery)
+    assert list(lean["properties"]) == list(celery["properties"])
+    assert without_ids(lean) == without_ids(celery)
+
+
+@pytest.mark.timeout(60)
+def test_outside_a_task_or_with_a_countdown_the_turn_goes_through_send_task(
+    redis_url: str, tmp_path: Path
+) -> None:
+    app = app_on(redis_url, tmp_path)
+    assert lean_turns(app).publish(dict(KWARGS), TURNS_QUEUE, None, {}) is None
+
+
+@pytest.mark.timeout(180)
+def test_a_real_worker_takes_a_lean_turn_and_moves_the_run_on(
+    redis_url: str, tmp_path: Path, ledger: Path, worker_processes: WorkerProcesses
+) -> None:
+    ctx = redis_context(redis_url)
+    try:
+        run_id = f"lean-{uuid.uuid4().hex[:10]}"
+        agent = write_agent(tmp_path, [turn("Done.")])
+        state = create_run(ctx, agent, "hello", run_id)
+        app = app_on(redis_url, tmp_path)
+        # Given a lean turn on the queue, for the run at its seq
+        sent_in_a_task(
+            app,
+            lambda: lean_turns(app).publish(
+                {"run_id": run_id, "expected_seq": state.seq}, TURNS_QUEUE, None,
+                {VERSION_HEADER: VERSION},
+            ),
+        )  # fmt: skip
+        # When a worker starts, Then it takes the turn and the run completes
+        worker_processes.start("--pool", "prefork", "-c", "1")
+
+        def completed() -> bool:
+            record = ctx.runs.get(run_id)
+            return record is not None and record.status == RunStatus.COMPLETED
+
+        wait_for("the run completes", completed, timeout_s=120)
+    finally:
+        ctx.close()
