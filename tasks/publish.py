@@ -190,9 +190,8 @@ class LeanTurns:
             declare=declare, headers=headers, properties=properties,
             retry_policy=dict(route.retry_policy),
         )  # fmt: skip
-        producer = self._producer()
         try:
-            self._send(producer, route, body, headers, properties)
+            self._send(self._producer(), route, body, headers, properties)
         except Exception:
             # Celery's path retries and reconnects (task_publish_retry_policy): hand it over.
             self._drop_producer()
