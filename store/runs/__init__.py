@@ -188,6 +188,18 @@ class Checkpoint(NamedTuple):
     """The stored snapshot's seq (compare-and-set); None: none is stored."""
 
 
+class Outbox(NamedTuple):
+    """A message that rides on a transition (:meth:`RunStore.commit`): pushed onto a list
+    of another database of the store's own server if, and only if, the transition is
+    written. The store does not read it: the bytes are the broker's entry as they are."""
+
+    db: int
+    """The database the list is in."""
+    key: str
+    """The list (LPUSH): a broker queue's name, with its priority suffix."""
+    payload: bytes
+
+
 class Transition(NamedTuple):
     """One transition as :meth:`RunStore._commit` writes it, atomically: the events
     and record, the snapshot's parts, and with ``release`` the lease let go."""
@@ -200,6 +212,7 @@ class Transition(NamedTuple):
     expected_seq: int | None
     """The stored snapshot's seq (compare-and-set); None: none is stored."""
     release: bool
+    outbox: Outbox | None = None
 
 
 def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
@@ -268,6 +281,13 @@ class RunStore(ABC):
         del snapshots
         return False
 
+    def pushes_to(self, server: dict[str, Any]) -> bool:
+        """Whether :meth:`commit` can push an :class:`Outbox` message to ``server`` (a
+        redis-py client's connection kwargs): a capability of a store on that very server.
+        """
+        del server
+        return False
+
     def commit(
         self,
         record: RunRecord,
@@ -275,9 +295,12 @@ class RunStore(ABC):
         owner: str | None,
         checkpoint: Checkpoint | None = None,
         release: bool = False,
+        outbox: Outbox | None = None,
     ) -> None:
         """One transition: :meth:`append` the events, save ``checkpoint``, and with
-        ``release`` let ``owner``'s lease go.
+        ``release`` let ``owner``'s lease go; with ``outbox``, push its message as well, in
+        the same atomic call (only where :meth:`pushes_to` and :meth:`commits_with` the
+        checkpoint's store: ValueError otherwise, before anything is written).
 
         The fences are those of the separate calls: the events' seq and the lease
         (StaleWrite, LeaseLost), the snapshot's compare-and-set on seq (StaleWrite).
@@ -286,6 +309,12 @@ class RunStore(ABC):
         they are the truth, a snapshot only a shortcut).
         """
         run_id = validate_run_id(record.run_id)
+        if outbox is not None and (
+            checkpoint is None
+            or not self.commits_with(checkpoint.store)
+            or type(self).pushes_to is RunStore.pushes_to
+        ):
+            raise ValueError(f"{self.name} cannot push an outbox message with this transition")
         if checkpoint is None or not self.commits_with(checkpoint.store):
             self.append(record, events, owner)
             if checkpoint is not None:
@@ -299,7 +328,7 @@ class RunStore(ABC):
             raise ValueError("a transition's checkpoint is the state its last event produced")
         for _ in range(2):
             parts = snapshots._plan(run_id, state, expected_seq)
-            whole = Transition(record, mine, owner, snapshots, parts, expected_seq, release)
+            whole = Transition(record, mine, owner, snapshots, parts, expected_seq, release, outbox)
             try:
                 with_retries(functools.partial(self._commit_now, whole), run_id)
             except TranscriptMoved:

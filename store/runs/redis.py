@@ -204,6 +204,12 @@ class RedisRunStore(RunStore):
             self._prefix,
         )
 
+    def pushes_to(self, server: dict[str, Any]) -> bool:
+        """True for a client of this store's server, as the same user (any database)."""
+        mine = self._client.connection_pool.connection_kwargs
+        keys = ("host", "port", "path", "username", "password")
+        return all(server.get(k) == mine.get(k) for k in keys)
+
     def _commit(self, whole: Transition, now_ms: int) -> None:
         assert isinstance(whole.snapshots, RedisSnapshotStore)
         self._transition(whole.record, whole.events, whole.owner, now_ms, whole)
@@ -266,10 +272,20 @@ class RedisRunStore(RunStore):
                 parts.tip.chain,
             ]
         fields.append(str(len(events)))
+        outbox = whole.outbox if whole is not None else None
+        if outbox is not None and (" " in outbox.key or not outbox.key):
+            raise ValueError(f"outbox list {outbox.key!r}: a name without spaces, please")
+        if outbox is None:
+            fields += ["", "", ""]
+        else:
+            own_db = self._client.connection_pool.connection_kwargs.get("db") or 0
+            fields += [str(int(outbox.db)), outbox.key, str(int(own_db))]
         args: list[str | bytes] = [" ".join(fields), record.model_dump_json(), owner or "", mode]
         args.append(head)
         args += [_packed(event) for event in events]
         args += fragments
+        if outbox is not None:
+            args.append(outbox.payload)
         with translated(self._where):
             refused = cast("list[bytes] | None", run_script(self._scripts["append"], keys, args))
         if whole is not None and refused is None:

@@ -8,12 +8,14 @@
 -- ARGV: [1] the scalars below, separated by one space (none holds a space: a run id, a
 --       status, a key prefix, numbers and hex chains; "" is an empty field), [2] record
 --       JSON, [3] owner, [4] snapshot: "" (none), "append" or "replace", [5] head, then
---       the events, then the transcript fragments to push. One argument for the
+--       the events, then the transcript fragments to push, then (with an outbox) the
+--       message to push onto the outbox list. One argument for the
 --       scalars, not one each: redis-py encodes and frames every argument in Python.
 -- Scalars: run id, last seq, status, created_at_ms, due_at_ms or "", expected last seq,
 --       "1" if fenced by the lease, now_ms, status-set key prefix, finished-at ms or "",
 --       "1" to release the lease, expected snapshot seq ("" for none), base length,
---       base chain, new length, new size, new chain, how many events.
+--       base chain, new length, new size, new chain, how many events, then the outbox's
+--       database, its list (no space in either) and this store's database, or "" each.
 -- Returns nil when written, {'stale', found seq or ''}, {'lease'},
 -- {'snapshot', found snapshot seq or ''} or {'moved'} (the snapshot's seq matches but its
 -- transcript is not the base this save was planned on).
@@ -35,6 +37,7 @@ local fenced, now_ms, status_prefix, finished_at, release = f[7], f[8], f[9], f[
 local snapshot_seq, base_length, base_chain = f[12], f[13], f[14]
 local new_length, new_size, new_chain, event_count = f[15], f[16], f[17], tonumber(f[18])
 local record, owner, mode, head = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local outbox_db, outbox_key, own_db = f[19], f[20], f[21]
 
 local rec = redis.call('HMGET', KEYS[1], 'last_seq', 'status', 'due', 'fin')
 if rec[1] ~= expected then
@@ -59,6 +62,21 @@ if mode ~= '' then
         or redis.call('LLEN', KEYS[9]) ~= tonumber(base_length) then
       return {'moved'}
     end
+  end
+end
+
+-- The outbox first, before any other write: should Redis refuse it (a key of another type
+-- in its place), the script stops with nothing written. SELECT in a script selects for the
+-- script only (Redis 2.8.12 and later): the caller's connection keeps its database.
+local fragments_end = #ARGV
+if outbox_key ~= nil and outbox_key ~= '' then
+  fragments_end = #ARGV - 1
+  if outbox_db ~= own_db then
+    redis.call('SELECT', outbox_db)
+  end
+  redis.call('LPUSH', outbox_key, ARGV[#ARGV])
+  if outbox_db ~= own_db then
+    redis.call('SELECT', own_db)
   end
 end
 
@@ -108,7 +126,7 @@ if mode ~= '' then
     redis.call('DEL', KEYS[9])
     redis.call('HDEL', KEYS[7], 'doc')
   end
-  push(KEYS[9], events_end + 1, #ARGV)
+  push(KEYS[9], events_end + 1, fragments_end)
   redis.call('HSET', KEYS[7], 'seq', last_seq, 'head', head, 'n', new_length, 'size', new_size,
     'chain', new_chain)
   if stored_seq == '' then
