@@ -437,8 +437,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "X5",
         "store/runs/lua/append.lua",
-        "  push(KEYS[9], events_end + 1, #ARGV)",
-        "  push(KEYS[9], events_end + 2, #ARGV)",
+        "  push(KEYS[9], events_end + 1, fragments_end)",
+        "  push(KEYS[9], events_end + 2, fragments_end)",
         ("tests/test_transition_snapshots.py",),
     ),
     Mutant(
@@ -456,6 +456,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "if False:",
         ("tests/contract/test_run_store_contract.py",),
         k="redis and (overdue or due)",
+    ),
+    Mutant(
+        "X8",
+        "store/runs/lua/append.lua",
+        "    redis.call('SELECT', own_db)\n",
+        "\n",
+        ("tests/crash/test_outbox.py",),
+        k="last_checkpoint_pushes",
     ),
     # --- store/snapshots/__init__.py: the compare-and-set save --------------------
     Mutant(

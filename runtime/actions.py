@@ -268,6 +268,8 @@ class Advanced(NamedTuple):
     """``next`` after waiting on a limit (tasks/limits.py): chain the turn this much later."""
     priority: int | None = None
     """The broker priority of the next turn (runs under way before new ones)."""
+    queued: bool = False
+    """``next``, and the next turn is already on the broker: it went with the checkpoint."""
 
 
 # --- rules for steps that went wrong -------------------------------------------

@@ -22,6 +22,9 @@ Points, in the order a turn passes them:
 - ``child.enqueued``               the child's first turn is on the broker; parent not suspended
 - ``snapshot.before_save``         events are appended; the snapshot is not saved
 - ``snapshot.after_save``          the snapshot is saved
+- ``turn.ended``                   the turn's last checkpoint is saved, the lease released;
+                                   the next turn is not sent yet (unless it went with that
+                                   checkpoint: broker and stores on one Redis)
 - ``turn.enqueued``                the next turn is on the broker; the lease is released
 """
 
@@ -42,6 +45,7 @@ POINTS = (
     "child.enqueued",
     "snapshot.before_save",
     "snapshot.after_save",
+    "turn.ended",
     "turn.enqueued",
 )
 

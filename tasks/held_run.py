@@ -45,7 +45,7 @@ from store.runs import RunRecord
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context
-from tasks.messages import tell_parent_soon
+from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
     append_events,
@@ -101,6 +101,8 @@ class HeldRun:
         """This turn has called the model: the next model call is the next turn's."""
         self.released = False
         """The lease went with the turn's last checkpoint (:meth:`checkpointed`)."""
+        self.queued = False
+        """The next turn's message went with it too (an outbox on the broker's Redis)."""
         self.requested_early: frozenset[str] = frozenset()
         """Calls journaled as requested with the model's response, not started yet: the
         turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
@@ -254,11 +256,13 @@ class HeldRun:
             model_calls = change.state.usage.model_turns
             failpoints.hit("snapshot.before_save", model_calls)
             release = self._ends_turn(change.state)
+            outbox = self._next_turn(change.state) if release else None
             try:
                 started = time.perf_counter()
-                commit_checkpointed(
-                    self.ctx, self.state, change, self.owner, self.snapshot_seq, release
-                )
+                queued = commit_checkpointed(
+                    self.ctx, self.state, change, self.owner, self.snapshot_seq, release,
+                    outbox.outbox if outbox is not None else None,
+                )  # fmt: skip
                 metrics.checkpointed(
                     time.perf_counter() - started, self.ctx.snapshots.last_save_bytes
                 )
@@ -269,6 +273,9 @@ class HeldRun:
                 raise error from exc
             self.state = change.state
             self.snapshot_seq = change.state.seq
+            if outbox is not None and queued:
+                outbox.sent()
+                self.queued = True
             if release:
                 self.released = True
                 if self._beat is not None:
@@ -284,6 +291,13 @@ class HeldRun:
             return change
         self.requested_early = frozenset(call.id for call in batch.calls)
         return extended(self.ctx, change, [requested_event(call) for call in batch.calls])
+
+    def _next_turn(self, state: RunState) -> Any:
+        """The next turn's message, for the checkpoint that ends this turn to push (a
+        transactional outbox: no crash between the checkpoint and the enqueue loses the
+        run's chain, and one round trip fewer); None to send it after (tasks/turn.py)."""
+        priority = limits.turn_priority(self.ctx, self.agent, state)
+        return turn_outbox(self.ctx.runs, state.run_id, state.seq, priority)
 
     def _ends_turn(self, state: RunState) -> bool:
         """Whether the turn ends right after checkpointing ``state``, with the next model call

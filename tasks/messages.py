@@ -363,6 +363,18 @@ def send(
     return str(result.id)
 
 
+def turn_outbox(runs: Any, run_id: str, seq: int, priority: int | None) -> Any:
+    """The next turn of ``run_id`` at ``seq`` as an outbox message for ``runs`` to push with
+    the checkpoint that ends this turn (:meth:`tasks.publish.LeanTurns.outbox`); None when
+    it must be sent as every other message is, after the checkpoint (:func:`send`)."""
+    message = build(Turn, run_id=run_id, expected_seq=seq)
+    app = sending_app()
+    headers = {VERSION_HEADER: VERSION}
+    return lean.lean_turns(app).outbox(
+        runs, message.model_dump(), message.queue(), priority, headers
+    )
+
+
 class Enqueue(Protocol):
     """An ``enqueue_*`` function: its message's fields and send options, by keyword."""
 

@@ -24,7 +24,7 @@ from runtime.errors import (
 from runtime.fsm import ENDINGS, apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
-from store.runs import Checkpoint, RunRecord
+from store.runs import Checkpoint, Outbox, RunRecord
 from tasks import metrics, tracing
 from tasks.context import Context
 from tasks.liveness import process_id
@@ -314,11 +314,16 @@ def commit_checkpointed(
     owner: str,
     snapshot_seq: int | None,
     release: bool = False,
-) -> None:
+    outbox: Outbox | None = None,
+) -> bool:
     """Append ``change`` after ``before``, save its state as the run's snapshot (CAS on
     ``snapshot_seq``) and, with ``release``, let the lease go: one store call when the run
     store :meth:`~store.runs.RunStore.commits_with` the snapshot store (both in one Redis),
     all of it written or none; the separate calls otherwise.
+
+    With ``outbox`` (a store that :meth:`~store.runs.RunStore.pushes_to` the broker), its
+    message goes in that one call too. Whether it went: on the separate calls it did not,
+    and the caller sends it.
 
     A stored snapshot that cannot be read for its seq makes it the separate calls too
     (:func:`save_snapshot` moves it aside). Raises StaleWrite, LeaseLost,
@@ -327,7 +332,7 @@ def commit_checkpointed(
     if ctx.runs.commits_with(ctx.snapshots):
         checkpoint = Checkpoint(ctx.snapshots, change.state, snapshot_seq)
         try:
-            ctx.runs.commit(change.record, change.events, owner, checkpoint, release)
+            ctx.runs.commit(change.record, change.events, owner, checkpoint, release, outbox)
         except SnapshotError as exc:
             # Raised while planning the save, before anything was written: the separate
             # calls keep the events, and move an unreadable snapshot aside (a snapshot
@@ -335,12 +340,13 @@ def commit_checkpointed(
             log.info("run %s: %s; writing the events and the snapshot apart", before.run_id, exc)
         else:
             _committed(ctx, before.status, change)
-            return
+            return outbox is not None
     ctx.runs.append(change.record, change.events, owner)
     _committed(ctx, before.status, change)
     save_snapshot(ctx, change.state, snapshot_seq, owner)
     if release:
         ctx.runs.release_lease(before.run_id, owner)
+    return False
 
 
 def _committed(ctx: Context, before: RunStatus, change: Transition) -> None:

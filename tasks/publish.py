@@ -22,6 +22,18 @@ countdown (an ETA), options of the sender's, a router that is not a plain map
 (a function may route on the arguments), compression, an expiry, inherited
 priorities, a result backend that acts on a send, ``task_sent`` receivers, and a publish that fails (``send_task``
 then retries it, reconnecting as its policy says, under the same task id).
+
+**The outbox.** When the broker is kombu's Redis channel on the same redis-server as
+the run store (any database; not Sentinel, no key prefix, no queue expiry), the turn's
+last checkpoint, the one that releases its lease (tasks/held_run.py), also pushes the
+next turn in the same script (store/runs/lua/append.lua): checkpoint, release and
+enqueue are one atomic write, one round trip fewer, and a crash between checkpoint and
+enqueue no longer leaves the run to the sweeper. :meth:`LeanTurns.outbox` builds the
+entry with kombu's own channel steps (``prepare_message``, ``_inplace_augment_message``,
+the priority list of ``_q_for_pri``, kombu's JSON), so the bytes are those ``_put``
+would LPUSH. ``before_task_publish`` fires as the entry is built, ``after_task_publish``
+once the checkpoint is written; a checkpoint refused (fenced, stale) pushes nothing, and
+one that falls back to separate writes leaves the turn to the ordinary publish.
 """
 
 from __future__ import annotations
@@ -39,6 +51,10 @@ from celery.utils.nodenames import anon_nodename
 from celery.utils.saferepr import saferepr
 from kombu import serialization
 from kombu.common import Broadcast, maybe_declare
+from kombu.transport import redis as kombu_redis
+from kombu.utils import json as kombu_json
+
+from store.runs import Outbox
 
 TASK = "ratchet.turn"
 
@@ -48,6 +64,21 @@ _ROUTED_NAMED = frozenset(
 )  # fmt: skip
 """Routed options ``send_task_message`` takes by name; any other but ``priority`` (which
 becomes a message property) is one this module does not reproduce."""
+
+
+def _pushes_as_kombu(channel: Any) -> bool:
+    """Whether ``channel`` puts a message on a queue exactly as kombu's Redis channel does:
+    one LPUSH of the entry onto the list of its priority, nothing else (no key prefix, no
+    queue expiry), on a single server (not Sentinel)."""
+    return (
+        isinstance(channel, kombu_redis.Channel)
+        and not isinstance(channel, kombu_redis.SentinelChannel)
+        and type(channel)._put is kombu_redis.Channel._put
+        and type(channel)._inplace_augment_message is kombu_redis.Channel._inplace_augment_message
+        and not channel.global_keyprefix
+        and not channel._expires
+        and getattr(channel, "pool", None) is not None
+    )
 
 
 @dataclass(frozen=True)
@@ -161,6 +192,76 @@ class LeanTurns:
         None means nothing went out: the caller sends the message through ``send_task``.
         ``extra``: headers of the sender's (ratchet's version header).
         """
+        message = self._message(kwargs, queue, priority, extra)
+        if message is None:
+            return None
+        message.before()
+        try:
+            self._send(
+                self._producer(), message.route, message.body, message.headers, message.properties
+            )
+        except Exception:
+            # Celery's path retries and reconnects (task_publish_retry_policy): hand it over.
+            self._drop_producer()
+            return None
+        message.after()
+        return message.task_id
+
+    def outbox(
+        self,
+        runs: Any,
+        kwargs: dict[str, Any],
+        queue: str,
+        priority: int | None,
+        extra: dict[str, Any],
+    ) -> OutboxTurn | None:
+        """``ratchet.turn(**kwargs)`` as the entry kombu's Redis channel would LPUSH, for the
+        run store ``runs`` to push with a transition (store/runs: :class:`Outbox`); None
+        unless that is exactly what a publish would do (see the module docstring).
+
+        Its ``before_task_publish`` has fired; call :meth:`OutboxTurn.sent` once it is pushed.
+        """
+        message = self._message(kwargs, queue, priority, extra)
+        if message is None or message.route.exchange != "" or " " in message.route.routing_key:
+            return None  # an exchange routes by its bindings, looked up as it publishes
+        route = message.route
+        try:
+            producer = self._producer()
+            channel = producer.channel
+            if not _pushes_as_kombu(channel):
+                return None
+            server = dict(channel.pool.connection_kwargs)
+            if not runs.pushes_to(server):
+                return None
+            if hash(route.queue) not in channel.connection.client.declared_entities:
+                maybe_declare(route.queue, channel, True, **route.retry_policy)  # type: ignore[no-untyped-call]
+        except Exception:  # noqa: BLE001 - the broker is out of reach: the publish path says so
+            self._drop_producer()
+            return None
+        message.before()
+        properties = dict(message.properties)
+        priority = properties.pop("priority", 0)
+        properties["delivery_mode"] = producer._delivery_details(
+            route.exchange, route.delivery_mode
+        )[1]
+        content_type, content_encoding, data = serialization.dumps(  # type: ignore[no-untyped-call]
+            message.body, serializer=route.serializer
+        )
+        # kombu's own steps from Producer._publish to Channel._put, less the LPUSH.
+        entry = channel.prepare_message(
+            data, priority, content_type, content_encoding, message.headers, properties
+        )
+        channel._inplace_augment_message(entry, route.exchange, route.routing_key)
+        key = channel._q_for_pri(
+            route.routing_key, channel._get_message_priority(entry, reverse=False)
+        )
+        payload = kombu_json.dumps(entry).encode("utf-8")  # type: ignore[no-untyped-call]
+        return OutboxTurn(message, Outbox(int(server.get("db") or 0), key, payload))
+
+    def _message(
+        self, kwargs: dict[str, Any], queue: str, priority: int | None, extra: dict[str, Any]
+    ) -> LeanMessage | None:
+        """The message send_task would build, or None where it must go through Celery."""
         app = self.app
         if os.getpid() != self._pid:  # forked: the routes hold the parent's pid (origin)
             self._routes, self._local, self._pid = {}, threading.local(), os.getpid()
@@ -184,24 +285,7 @@ class LeanTurns:
         if priority is not None:
             properties["priority"] = priority
         body = ((), kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None})
-        declare = [route.queue]
-        signals.before_task_publish.send(
-            sender=TASK, body=body, exchange=route.exchange, routing_key=route.routing_key,
-            declare=declare, headers=headers, properties=properties,
-            retry_policy=dict(route.retry_policy),
-        )  # fmt: skip
-        try:
-            self._send(self._producer(), route, body, headers, properties)
-        except Exception:
-            # Celery's path retries and reconnects (task_publish_retry_policy): hand it over.
-            self._drop_producer()
-            return None
-        signals.after_task_publish.send(
-            sender=TASK, body=body, headers=headers, exchange=route.exchange,
-            routing_key=route.routing_key,
-        )  # fmt: skip
-        parent.add_trail(app.AsyncResult(task_id))
-        return task_id
+        return LeanMessage(app, parent, route, task_id, headers, properties, body)
 
     def _send(
         self,
@@ -253,6 +337,49 @@ class LeanTurns:
                 producer.release()
             except Exception:  # noqa: BLE001, S110 - a broken producer is only given back
                 pass
+
+
+@dataclass
+class LeanMessage:
+    """One ``ratchet.turn`` as send_task would build it, and its publish signals."""
+
+    app: Any
+    parent: Any
+    """The running task that sends it."""
+    route: Route
+    task_id: str
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    body: Any
+
+    def before(self) -> None:
+        """Celery's ``before_task_publish``, as send_task_message sends it."""
+        signals.before_task_publish.send(
+            sender=TASK, body=self.body, exchange=self.route.exchange,
+            routing_key=self.route.routing_key, declare=[self.route.queue],
+            headers=self.headers, properties=self.properties,
+            retry_policy=dict(self.route.retry_policy),
+        )  # fmt: skip
+
+    def after(self) -> None:
+        """Celery's ``after_task_publish``, and the parent's trail, as send_task does."""
+        signals.after_task_publish.send(
+            sender=TASK, body=self.body, headers=self.headers, exchange=self.route.exchange,
+            routing_key=self.route.routing_key,
+        )  # fmt: skip
+        self.parent.add_trail(self.app.AsyncResult(self.task_id))
+
+
+@dataclass
+class OutboxTurn:
+    """A turn for the run store to push with the checkpoint that ends the turn before it."""
+
+    message: LeanMessage
+    outbox: Outbox
+
+    def sent(self) -> None:
+        """The transition, and the message with it, is written."""
+        self.message.after()
 
 
 _publishers: dict[int, LeanTurns] = {}

@@ -14,7 +14,7 @@
 5. **Checkpoint** (``HeldRun.checkpointed``): events and snapshot, fenced by lease
    and seq; the turn's last checkpoint takes the lease's release along.
 6. **Enqueue the next turn** (:func:`enqueue_next`, tasks/messages.py), carrying the seq it
-   must find.
+   must find; on one Redis for broker and stores, the last checkpoint pushed it already.
 
 To follow one message to the next and the saved snapshot, read (docs/architecture.md):
 this file, tasks/lease.py, tasks/held_run.py, tasks/tools_parallel.py,
@@ -78,8 +78,14 @@ def enqueue_next(run_id: str, done: Advanced) -> None:
     """Enqueue the next turn; it will act only if the run is still at ``done.seq``.
 
     One path for every turn that follows another: at once, or after ``countdown_s``
-    when the turn waited on a limit (a broker-held countdown, no worker slot).
+    when the turn waited on a limit (a broker-held countdown, no worker slot). A turn
+    whose last checkpoint pushed it already (``done.queued``, tasks/held_run.py) is not
+    sent again.
     """
+    failpoints.hit("turn.ended", done.turns)
+    if done.queued:
+        failpoints.hit("turn.enqueued", done.turns)
+        return
     enqueue_turn(
         run_id=run_id, expected_seq=done.seq, priority=done.priority, countdown_s=done.countdown_s
     )
@@ -141,7 +147,12 @@ def advance(
             countdown_s = wait.countdown_s if wait is not None else 0.0
             priority = limits.turn_priority(ctx, held.agent, held.state)
             return Advanced(
-                outcome, held.state.seq, held.state.usage.model_turns, countdown_s, priority
+                outcome,
+                held.state.seq,
+                held.state.usage.model_turns,
+                countdown_s,
+                priority,
+                queued=held.queued and outcome == TurnOutcome.NEXT,
             )
         except (LeaseLost, StaleWrite) as exc:
             # A zombie: our lease expired and another worker moved the run on.

@@ -186,7 +186,8 @@ def test_a_worker_dying_at_a_failpoint_loses_nothing_and_repeats_nothing(
         # When it dies there, and the sweeper hands the run to the healthy worker
         record = settle(rig, run_id, dying)
         reached = not (
-            at_turn == 3 and point in ("tool.requested", "tool.completed", "turn.enqueued")
+            at_turn == 3
+            and point in ("tool.requested", "tool.completed", "turn.ended", "turn.enqueued")
         )
         # Past run.completed at turn 3 the run is finished a moment before the worker exits.
         exit_code = dying.wait(10) if reached else None
