@@ -8,9 +8,9 @@ in a retrying ``ensure``, all the same for every turn (measured: a fifth of a
 turn's wall time in the pool process, half of it outside the broker's round
 trip). Here what does not change from one turn to the next is worked out once
 per app and queue with Celery's own code (the routing, the exchange and routing
-key, the delivery mode, the timelimit and origin headers), the producer is kept
-per thread, and each message costs its ids, its headers, one JSON encoding and
-the broker's ``basic_publish``.
+key, the delivery mode, the timelimit and origin headers), and each message costs
+its ids, its headers, one JSON encoding, a producer taken from the pool and given
+back, and the broker's ``basic_publish``.
 
 The message is the one ``send_task`` would publish, field by field (headers,
 properties, body, exchange, routing key, priority, queue; tests/test_publish.py
@@ -99,12 +99,11 @@ class Route:
 
 
 class LeanTurns:
-    """An app's lean ``ratchet.turn`` publisher: its routes and, per thread, its producer."""
+    """An app's lean ``ratchet.turn`` publisher: its routes, worked out once per queue."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self._routes: dict[str, Route | None] = {}
-        self._local = threading.local()
         self._pid = os.getpid()
 
     def route(self, queue: str) -> Route | None:
@@ -197,12 +196,12 @@ class LeanTurns:
             return None
         message.before()
         try:
-            self._send(
-                self._producer(), message.route, message.body, message.headers, message.properties
-            )
+            with self._producer() as producer:
+                self._send(
+                    producer, message.route, message.body, message.headers, message.properties
+                )
         except Exception:
             # Celery's path retries and reconnects (task_publish_retry_policy): hand it over.
-            self._drop_producer()
             return None
         message.after()
         return message.task_id
@@ -224,20 +223,23 @@ class LeanTurns:
         message = self._message(kwargs, queue, priority, extra)
         if message is None or message.route.exchange != "" or " " in message.route.routing_key:
             return None  # an exchange routes by its bindings, looked up as it publishes
-        route = message.route
         try:
-            producer = self._producer()
-            channel = producer.channel
-            if not _pushes_as_kombu(channel):
-                return None
-            server = dict(channel.pool.connection_kwargs)
-            if not runs.pushes_to(server):
-                return None
-            if hash(route.queue) not in channel.connection.client.declared_entities:
-                maybe_declare(route.queue, channel, True, **route.retry_policy)  # type: ignore[no-untyped-call]
+            with self._producer() as producer:
+                return self._outbox_entry(runs, message, producer)
         except Exception:  # noqa: BLE001 - the broker is out of reach: the publish path says so
-            self._drop_producer()
             return None
+
+    def _outbox_entry(self, runs: Any, message: LeanMessage, producer: Any) -> OutboxTurn | None:
+        """:meth:`outbox`'s entry, built with ``producer``'s channel (nothing is sent on it)."""
+        route = message.route
+        channel = producer.channel
+        if not _pushes_as_kombu(channel):
+            return None
+        server = dict(channel.pool.connection_kwargs)
+        if not runs.pushes_to(server):
+            return None
+        if hash(route.queue) not in channel.connection.client.declared_entities:
+            maybe_declare(route.queue, channel, True, **route.retry_policy)  # type: ignore[no-untyped-call]
         message.before()
         properties = dict(message.properties)
         priority = properties.pop("priority", 0)
@@ -264,7 +266,7 @@ class LeanTurns:
         """The message send_task would build, or None where it must go through Celery."""
         app = self.app
         if os.getpid() != self._pid:  # forked: the routes hold the parent's pid (origin)
-            self._routes, self._local, self._pid = {}, threading.local(), os.getpid()
+            self._routes, self._pid = {}, os.getpid()
         parent = app.current_worker_task
         route = self.route(queue)
         if parent is None or route is None or signals.task_sent.receivers:
@@ -322,21 +324,13 @@ class LeanTurns:
         )
 
     def _producer(self) -> Any:
-        producer = getattr(self._local, "producer", None)
-        if producer is None:
-            # Held by this thread for as long as it publishes: one pool slot, not an
-            # acquire and a release around every turn.
-            producer = self._local.producer = self.app.producer_pool.acquire(block=True)
-        return producer
+        """A producer of the app's pool, given back when the block ends (a context manager).
 
-    def _drop_producer(self) -> None:
-        producer = getattr(self._local, "producer", None)
-        self._local.producer = None
-        if producer is not None:
-            try:
-                producer.release()
-            except Exception:  # noqa: BLE001, S110 - a broken producer is only given back
-                pass
+        Never kept by a thread between publishes: a threads or gevent worker runs more
+        turns at once than the pool has producers (``broker_pool_limit``), and a slot
+        kept by each would leave the rest, and Celery's own sends, waiting for ever.
+        """
+        return self.app.producer_pool.acquire(block=True)
 
 
 @dataclass

@@ -11,6 +11,7 @@ message and moves the run on.
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +205,26 @@ def test_a_real_worker_takes_a_lean_turn_and_moves_the_run_on(
         wait_for("the run completes", completed, timeout_s=120)
     finally:
         ctx.close()
+
+
+@pytest.mark.timeout(120)
+def test_lean_publishes_from_more_threads_than_the_producer_pool_holds(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A threads worker runs more turns at once than ``broker_pool_limit``: no thread
+    keeps a producer between its publishes, so every one of them gets one."""
+    app = app_on(redis_url, tmp_path)
+    app.conf.broker_pool_limit = 1
+    sent: list[str] = []
+
+    def publish_from_a_task() -> None:
+        sent.append(sent_in_a_task(app, lambda: through_lean(app, None)))
+
+    for _ in range(3):  # one after the other, each on a thread of its own
+        thread = threading.Thread(target=publish_from_a_task, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "a publish waited for a producer another thread kept"
+    assert len(set(sent)) == 3
+    client = redis.Redis.from_url(redis_url)
+    assert sum(client.llen(q) for q in redis_lists(TURNS_QUEUE)) == 3
