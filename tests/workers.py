@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -207,19 +208,52 @@ def worker_processes(redis_url: str, ledger: Path, tmp_path: Path) -> Iterator[W
         processes.stop_all()
 
 
-@pytest.fixture
-def rabbitmq_vhost() -> Iterator[str]:
-    """A RabbitMQ virtual host of this test's own, so no other worker takes its messages."""
+def _rabbitmqctl(*args: str) -> list[str]:
     # RabbitMQ's own tool comes with the server the RabbitMQ tests run against.
     assert shutil.which("rabbitmqctl"), "rabbitmqctl not found: install rabbitmq-server"
+    return ["rabbitmqctl", "-q", *args]
+
+
+@pytest.fixture(scope="session")
+def _vhosts_deleted() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """The deletions of the tests' virtual hosts, each started as its test ends.
+
+    A ``rabbitmqctl`` call starts an Erlang VM (about 2 s): a test's name is its own
+    and nothing reuses it, so the next test need not wait for the last one's to go.
+    Every deletion must still have succeeded when the session ends.
+    """
+    deleting: list[tuple[str, subprocess.Popen[bytes]]] = []
+    yield deleting
+    failed = []
+    for vhost, process in deleting:
+        _, stderr = process.communicate(timeout=60)
+        if process.returncode != 0:
+            failed.append(f"{vhost}: {stderr.decode(errors='replace').strip()}")
+    assert not failed, f"virtual hosts not deleted: {failed}"
+
+
+@pytest.fixture
+def rabbitmq_vhost(_vhosts_deleted: list[tuple[str, subprocess.Popen[bytes]]]) -> Iterator[str]:
+    """A RabbitMQ virtual host of this test's own, so no other worker takes its messages."""
     vhost = f"ratchet-test-{uuid.uuid4().hex[:12]}"
-
-    def ctl(*args: str) -> None:
-        subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
-
-    ctl("add_vhost", vhost)
+    # The virtual host and guest's permissions on it in one call (RabbitMQ's definitions
+    # format, which only adds what it names), not two. On standard input: the server
+    # may not read the test's temporary directory.
+    permissions = {"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}
+    subprocess.run(
+        _rabbitmqctl("import_definitions", "--format", "json"),
+        input=json.dumps({"vhosts": [{"name": vhost}], "permissions": [permissions]}).encode(),
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     try:
-        ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
     finally:
-        ctl("delete_vhost", vhost)
+        deletion = subprocess.Popen(
+            _rabbitmqctl("delete_vhost", vhost),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        _vhosts_deleted.append((vhost, deletion))

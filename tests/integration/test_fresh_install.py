@@ -1,7 +1,8 @@
 """`pip install .` alone (no extras) runs a fleet on Redis and on RabbitMQ.
 
 The package is installed from a copy of this tree into a fresh venv (``python -m
-venv``; pip from the configured index, with its cache), and everything then runs
+venv --without-pip``; this environment's pip, ``--python`` the venv's, from the
+configured index, with its cache), and everything then runs
 from that venv in an empty directory: the installed ``celery`` and ``ratchet``
 commands, the installed example agent. A dependency that only the test extras
 bring in (kombu's Redis transport needs ``packaging``, for one) fails here.
@@ -58,10 +59,15 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
         else:
             shutil.copy2(origin, source / name)
     venv = Venv(base / "venv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv.path)], check=True, timeout=120)
+    # No pip of its own (ensurepip took 5-25 s on 2 loaded cores, and brought setuptools,
+    # which a bare install must not lean on): this pip installs into it (`--python`).
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv.path)], check=True, timeout=120
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    pip = [sys.executable, "-m", "pip", "--python", venv.bin("python")]
     done = subprocess.run(
-        [venv.bin("python"), "-m", "pip", "install", "--quiet", str(source)],
+        [*pip, "install", "--quiet", str(source)],
         env=env,
         capture_output=True,
         text=True,
