@@ -450,6 +450,7 @@ class FolderWake:
         except OSError:
             self._inotify.close()
             raise
+        self._overflow = int(flags.Q_OVERFLOW)
         self._poller = select.poll()
         self._poller.register(self._inotify.fileno(), select.POLLIN)
         self._poller.register(self._poked, select.POLLIN)
@@ -470,27 +471,32 @@ class FolderWake:
         except (BlockingIOError, OSError):
             pass  # already poked (the pipe is full), or closed
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float) -> bool:
         """Return when a ``*.msg`` file arrived or ``poke`` was called since the last wait,
-        or after ``seconds``."""
+        or after ``seconds``: False if only a poke ended it (no file may have arrived)."""
         deadline = monotonic() + seconds
         left = seconds
         while left > 0:
             ready = self._poller.poll(max(1, int(left * 1000)))
-            woken = False
+            poked = arrived = False
             for fd, _ in ready:
                 if fd == self._poked:
                     try:
                         os.read(self._poked, 4096)
                     except BlockingIOError:
                         pass
-                    woken = True
+                    poked = True
                 else:
                     events = self._inotify.read(timeout=0)
-                    woken = woken or any(event.name.endswith(".msg") for event in events)
-            if woken:
-                return
+                    # (A full event queue drops events: then anything may have arrived.)
+                    arrived = arrived or any(
+                        event.name.endswith(".msg") or event.mask & self._overflow
+                        for event in events
+                    )
+            if arrived or poked:
+                return arrived
             left = deadline - monotonic()
+        return True
 
     def close(self) -> None:
         self._inotify.close()
@@ -529,27 +535,44 @@ class FilesystemTransport(filesystem.Transport):
         started = monotonic()
         idle = max(IDLE_POLL_S, self.polling_interval or 0.0)
         while True:
-            try:
-                self._look(timeout)
-                return
-            except Empty:
-                waited = monotonic() - started
-                if timeout is not None and waited >= timeout:
-                    raise TimeoutError() from None
-                wake.wait(idle if timeout is None else min(idle, timeout - waited))
+            if not self._seen_all:
+                try:
+                    self._look(timeout)
+                    return
+                except Empty:
+                    pass
+            waited = monotonic() - started
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError()
+            # A poke alone (an ack freed a prefetch slot) looks again only if the last look
+            # left a message file behind: with none left and none arrived since (the watch
+            # would say), a look could take nothing.
+            if wake.wait(idle if timeout is None else min(idle, timeout - waited)):
+                self._seen_all = False
 
     listings: dict[str, list[str]] | None = None
     """During one look (``_look``): each queue folder's names, listed once for the look."""
+
+    _seen_all = False
+    """The last look listed the queue folder and no message file was left in its listing:
+    until the watch reports a new file, another look would find nothing. It saved two
+    looks a turn (the one right after a delivery, and the one an ack's poke asked for)."""
 
     def _look(self, timeout: float | None) -> None:
         """One look over every channel's consumed queues (kombu's cycle): a folder is listed
         once for all of them, not once per queue of each channel (measured: 9.1 listings
         a turn). A message that lands meanwhile wakes the next wait."""
-        self.listings = {}
+        self._seen_all = False
+        listings: dict[str, list[str]] = {}
+        self.listings = listings
         try:
             self.cycle.get(self._deliver, timeout=timeout)  # type: ignore[union-attr]
         finally:
             self.listings = None
+            folder = self.client.transport_options.get("data_folder_in")  # type: ignore[union-attr]
+            names = listings.get(folder) if folder else None
+            # (No listing: every channel's prefetch slots were taken; the look saw nothing.)
+            self._seen_all = names is not None and not any(n.endswith(".msg") for n in names)
 
     def close_connection(self, connection: Any) -> None:
         if self._wake is not None and self._wake_tried_pid == os.getpid():

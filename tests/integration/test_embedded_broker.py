@@ -176,6 +176,50 @@ def test_an_ack_wakes_a_consumer_whose_prefetch_slots_were_all_taken(
             held[1].ack()
 
 
+def test_a_consumer_that_took_every_message_looks_again_only_when_one_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a consumer that has taken the only message in its folder (folder listings
+    # counted; no once-a-second look within the drains below)
+    monkeypatch.setattr(transport, "IDLE_POLL_S", 600.0)
+    listed: list[int] = []
+    names = transport.FilesystemChannel._names
+
+    def counted(channel: transport.FilesystemChannel) -> list[str]:
+        listed.append(1)
+        return names(channel)
+
+    monkeypatch.setattr(transport.FilesystemChannel, "_names", counted)
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    got: list[Any] = []
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options(folder)) as c:
+        queue = Queue("once", Exchange("once", "direct"), "once")
+        with Consumer(c, [queue], callbacks=[lambda body, m: got.append(m)], accept=["json"]):
+            producer = c.Producer(exchange=queue.exchange, routing_key="once")
+            producer.publish({"n": 1}, serializer="json")
+            c.drain_events(timeout=30)
+            assert [m.payload["n"] for m in got] == [1]
+            got[0].ack()  # (its poke: a free prefetch slot)
+            # When it drains again, is poked meanwhile, and nothing arrives
+            listed.clear()
+            poker = threading.Timer(0.05, c.transport.poke)
+            poker.start()
+            with pytest.raises(TimeoutError):
+                c.drain_events(timeout=0.5)
+            poker.join()
+            # Then it listed the folder once, at the end of the drain, not after the
+            # delivery and the pokes too
+            assert len(listed) == 1
+            # and a message that arrives is still taken at once
+            producer.publish({"n": 2}, serializer="json")
+            started = time.monotonic()
+            c.drain_events(timeout=30)
+            assert [m.payload["n"] for m in got] == [1, 2]
+            assert time.monotonic() - started < 20
+            got[1].ack()
+
+
 def test_task_events_reach_the_folder_once_a_receiver_listens(tmp_path: Path) -> None:
     # Given a ratchet app's event dispatcher on a filesystem broker that nobody listens to
     folder = tmp_path / "queue"
