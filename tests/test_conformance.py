@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 import store.conformance as conformance
-from store.conformance.capabilities import APPENDS_TRANSCRIPT, COMBINED_COMMIT, capabilities
+from store.conformance.capabilities import (
+    APPENDS_TRANSCRIPT,
+    COMBINED_COMMIT,
+    ONE_CALL_LOAD,
+    capabilities,
+)
 from store.runs.redis import RedisRunStore
 from store.snapshots.file import FileSnapshotStore
 from tests.third_party_stores import (
@@ -124,6 +129,7 @@ def test_a_backend_offering_nothing_optional_passes_with_each_missing_capability
         "RunStore._commit"
     ) in done.stdout
     assert "PlainSnapshotStore does not offer `appends_transcript`" in done.stdout
+    assert "PlainRunStore does not offer `one_call_load`" in done.stdout
     assert "the harness offers no `quarantined`" in done.stdout
 
 
@@ -136,6 +142,7 @@ def test_the_plugin_sums_up_what_was_not_offered_after_the_run(tmp_path: Path) -
     # (after the rest of the title's line, up to pytest's own last line)
     lines = [line.split() for line in section.splitlines()[1:-1]]
     assert [(words[0], words[1], words[2]) for words in lines] == [
+        ("1", "skipped", "PlainRunStore"),
         ("1", "skipped", "PlainRunStore"),
         ("1", "skipped", "PlainSnapshotStore"),
         ("1", "skipped", "the"),
@@ -183,6 +190,7 @@ def test_capabilities_are_read_from_what_a_backend_overrides() -> None:
         "combined_commit": False,
         "batch_renew": False,
         "one_call_acquire": False,
+        "one_call_load": False,
     }
     assert capabilities(PlainSnapshotStore()) == {
         "appends_transcript": False,
@@ -194,6 +202,7 @@ def test_capabilities_are_read_from_what_a_backend_overrides() -> None:
         "HalfClaimRunStore claims `combined_commit` but does not override _commit"
     )
     assert COMBINED_COMMIT.overridden(RedisRunStore) == ("commits_with", "_commit")
+    assert ONE_CALL_LOAD.overridden(RedisRunStore) == ("reads_with", "_acquire_and_read")
     assert APPENDS_TRANSCRIPT.overridden(FileSnapshotStore) == ("_put_parts", "_read_tip", "_read")
 
 
