@@ -96,7 +96,10 @@ def load(
             return Loaded(record, remembered, remembered.seq, None)
     events = ctx.runs.events(run_id) if whole_log else None
     try:
-        stored = ctx.snapshots.load(run_id, snapshot)
+        # (No read with the lease: the call every snapshot store has always taken.)
+        stored = (
+            ctx.snapshots.load(run_id) if snapshot is None else ctx.snapshots.load(run_id, snapshot)
+        )
     except SnapshotError as exc:
         _unusable(ctx, run_id, str(exc), set_aside)
         stored = None
