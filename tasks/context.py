@@ -80,6 +80,13 @@ class Context:
             return None
         return state
 
+    def remembered_seq(self, run_id: str) -> int | None:
+        """The seq of the run's state this process remembers (:meth:`recall_checkpoint`
+        may serve it), if any: a turn that finds the log there need not read the snapshot."""
+        with self._lock:
+            state = self._checkpoints.get(run_id)
+        return None if state is None else state.seq
+
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:
             self._checkpoints.pop(run_id, None)

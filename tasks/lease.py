@@ -156,8 +156,10 @@ def _take(
     liveness.beats().keep_alive(ctx)
     snapshot: Prefetched | None = None
     if reads_snapshot:
+        # Not read where the log ends at the state this process remembers: load uses that.
+        remembered = ctx.remembered_seq(run_id)
         taken, record, snapshot = ctx.runs.acquire_and_read(
-            run_id, owner, ctx.settings.lease_s, ctx.snapshots
+            run_id, owner, ctx.settings.lease_s, ctx.snapshots, remembered
         )
     else:
         taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)

@@ -82,6 +82,27 @@ def test_the_combined_read_loads_what_the_separate_reads_load(
     assert loaded.snapshot_seq == separate.snapshot_seq == loaded.state.seq
 
 
+def test_a_remembered_state_is_not_read_again_and_one_that_is_not_this_runs_is_not_used(
+    ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    run_id = one_turn_in(ctx, tmp_path)
+    saved = ctx.snapshots.load(run_id)
+    assert saved is not None and ctx.remembered_seq(run_id) == saved.seq
+    # This process saved the last checkpoint: the lease comes without the snapshot
+    with lease.holding(ctx, run_id, reads_snapshot=True) as held:
+        assert held.snapshot is None
+        loaded = load(ctx, run_id, record=held.record, snapshot=held.snapshot)
+    assert loaded.state == saved == rebuild(ctx.runs.events(run_id))
+
+    # Given a remembered state at the log's seq that is not this run's (an earlier run
+    # with this id): it is not read with the lease, nor used; the snapshot is read apart
+    ctx.remember_checkpoint(saved.model_copy(update={"created_at_ms": saved.created_at_ms - 1}))
+    with lease.holding(ctx, run_id, reads_snapshot=True) as held:
+        assert held.snapshot is None
+        loaded = load(ctx, run_id, record=held.record, snapshot=held.snapshot)
+    assert loaded.state == saved and loaded.snapshot_seq == saved.seq
+
+
 def test_a_snapshot_that_lags_the_log_is_healed_from_the_events(
     ctx: Context, redis_url: str, tmp_path: Path
 ) -> None:

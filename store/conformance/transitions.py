@@ -323,6 +323,22 @@ class TransitionContract:
         lease = runs.lease("run-1")
         assert lease is not None and lease.owner == "worker-a"
 
+    def test_a_caller_that_remembers_the_state_the_log_ends_at_is_read_no_snapshot(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(state, "one")
+        transition(runs, snapshots, after, "one", 1)
+
+        remembered = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots, after.seq)
+        behind = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots, state.seq)
+
+        assert remembered == (True, record_of(after), None)
+        assert behind[:2] == (True, record_of(after))
+        assert (behind[2] is not None) is runs.reads_with(snapshots)
+        assert snapshots.load("run-1", behind[2]) == after
+
     def test_a_read_of_another_runs_snapshot_is_refused(self, stores: Pair) -> None:
         runs, snapshots = stores
         started(runs, snapshots)

@@ -440,12 +440,19 @@ class RunStore(ABC):
         return False
 
     def acquire_and_read(
-        self, run_id: str, owner: str, lease_s: float, snapshots: SnapshotStore
+        self,
+        run_id: str,
+        owner: str,
+        lease_s: float,
+        snapshots: SnapshotStore,
+        unless_at: int | None = None,
     ) -> tuple[bool, RunRecord | None, Prefetched | None]:
         """:meth:`acquire_and_get`, and when taken the run's snapshot as ``snapshots`` would
         read it first (:meth:`SnapshotStore.read_base`): one round trip when
         :meth:`reads_with` it, for :meth:`SnapshotStore.load` to decode. Else, or when
-        not taken, the read is ``None`` and ``load`` reads the snapshot itself.
+        not taken, or when the run's log ends at seq ``unless_at`` (the caller remembers
+        its state there), the read is ``None`` and ``load`` reads the snapshot itself if
+        it needs it.
         """
         if not self.reads_with(snapshots):
             return (*self.acquire_and_get(run_id, owner, lease_s), None)
@@ -453,7 +460,9 @@ class RunStore(ABC):
         lease_ms = int(lease_s * 1000)
         base = snapshots.read_base(run_id)
         return with_retries(
-            lambda: self._acquire_and_read(run_id, owner, lease_ms, self.clock(), snapshots, base),
+            lambda: self._acquire_and_read(
+                run_id, owner, lease_ms, self.clock(), snapshots, base, unless_at
+            ),
             run_id,
         )
 
@@ -465,9 +474,11 @@ class RunStore(ABC):
         now_ms: int,
         snapshots: SnapshotStore,
         base: TranscriptTip | None,
+        unless_at: int | None,
     ) -> tuple[bool, RunRecord | None, Prefetched | None]:
         """Backends that :meth:`reads_with` a snapshot store: :meth:`_acquire_and_get` and,
-        when taken, the stored snapshot (the fragments after ``base``; None: all), atomically."""
+        when taken and the record's last seq is not ``unless_at``, the stored snapshot (the
+        fragments after ``base``; None: all), atomically."""
         raise NotImplementedError(f"{self.name} does not read snapshots")
 
     def release_lease(self, run_id: str, owner: str) -> None:

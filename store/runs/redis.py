@@ -351,12 +351,14 @@ class RedisRunStore(RunStore):
         now_ms: int,
         snapshots: SnapshotStore,
         base: TranscriptTip | None,
+        unless_at: int | None,
     ) -> tuple[bool, RunRecord | None, Prefetched | None]:
         assert isinstance(snapshots, RedisSnapshotStore)
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
         lease = self._run_key(run_id, "lease")
         start = 0 if base is None else base.length
-        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, str(start)]
+        unless = "" if unless_at is None else str(unless_at)
+        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, str(start), unless]
         keys = [
             lease,
             self._run_key(run_id, "record"),
@@ -368,9 +370,11 @@ class RedisRunStore(RunStore):
             found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
         if not found[0]:
             return False, None, None
-        data, fields, stored = found[1], found[2], found[3]
+        data = found[1] if len(found) > 1 else None
         record = RunRecord.model_validate_json(data) if data else None
-        return True, record, snapshots.prefetched(run_id, base, fields, stored)
+        if len(found) < 4:
+            return True, record, None  # the caller remembers the state the log ends at
+        return True, record, snapshots.prefetched(run_id, base, found[2], found[3])
 
     def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         return self._renew([(run_id, owner)], lease_ms, now_ms)[0]
