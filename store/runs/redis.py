@@ -26,7 +26,8 @@ hold a due time a little early, never late; the sweeper skips a run whose exact 
 time (the record's ``next``) has not come. With a
 :class:`~store.snapshots.redis.RedisSnapshotStore` on the same server, database and
 prefix, the same script also saves the snapshot and may release the lease: one round
-trip per transition (:meth:`RunStore.commit`).
+trip per transition (:meth:`RunStore.commit`); and the lease's script reads the
+snapshot with the record, one round trip to open a turn (:meth:`RunStore.acquire_and_read`).
 The four ``runs:*`` indexes are global, in other slots than the run's keys:
 the scripts touch them on a single node (and Sentinel); on Redis Cluster the
 index updates would move into separate calls after the per-run script.
