@@ -149,7 +149,7 @@ def test_a_damaged_snapshot_read_with_the_lease_is_treated_as_the_separate_reads
     if damaged == "head":
         client.hset(f"ratchet:run:{{{run_id}}}:snapshot", "head", b"\xff garbage")
     else:
-        client.lset(f"ratchet:run:{{{run_id}}}:transcript", -1, b"\xff garbage")
+        client.execute_command("LSET", f"ratchet:run:{{{run_id}}}:transcript", -1, b"\xff garbage")
     # (what the separate reads of this same process make of it, leaving it in place)
     separate, warned_apart = warnings_of(lambda: load(ctx, run_id, set_aside=False), caplog)
 
