@@ -64,7 +64,9 @@ def deliver_run(*, child_id: str) -> str:
     return deliver(get_context(), validate_run_id(child_id))
 
 
-def deliver(ctx: Context, child_id: str, enqueue: Callable[[str, int], None] | None = None) -> str:
+def deliver(
+    ctx: Context, child_id: str, enqueue: Callable[[str, int], None] | None = None
+) -> str:
     """:func:`deliver_run`'s work; ``enqueue`` chains the parent's turn (default: the broker)."""
     try:
         child = load(ctx, child_id, set_aside=False).state

@@ -33,7 +33,6 @@ ROUTES: dict[str, str] = {
 }
 """The queue of each ratchet task (an app's ``task_routes``)."""
 
-
 def scheme_of(broker_url: str) -> str:
     return broker_url.split("://", 1)[0].split("+", 1)[0]
 
