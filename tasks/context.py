@@ -80,6 +80,13 @@ class Context:
             return None
         return state
 
+    def remembered_seq(self, run_id: str) -> int | None:
+        """The seq of the run's state this process remembers (:meth:`recall_checkpoint`
+        may serve it), if any: a turn that finds the log there need not read the snapshot."""
+        with self._lock:
+            state = self._checkpoints.get(run_id)
+        return None if state is None else state.seq
+
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:
             self._checkpoints.pop(run_id, None)
@@ -93,10 +100,19 @@ class Context:
         disk after this process imported it (only a restart loads it), else what
         load_agent raises.
         """
-        key = os.path.realpath(path)  # what str(Path(path).resolve()) gives, without the objects
+        # Looked up first by the path as given, whose version stats that path: a stat
+        # follows every link on the way, so a file edited, replaced or re-linked there
+        # changes it, and the path is not resolved again (most of a cached lookup's cost).
+        given = os.fspath(path)
+        with self._lock:
+            cached = self._agents.get(given)
+        if cached is not None and cached[0] == agent_cache.version_of([f for f, _ in cached[0]]):
+            return cached[1]
+        key = os.path.realpath(given)  # what str(Path(path).resolve()) gives, without the objects
         with self._lock:
             cached = self._agents.get(key)
         if cached is not None and cached[0] == agent_cache.version_of([f for f, _ in cached[0]]):
+            self._keep_agent(given, cached[0], cached[1])
             return cached[1]
         files = [f for f, _ in cached[0]] if cached is not None else [key]
         for _ in range(3):
@@ -125,8 +141,17 @@ class Context:
             ):
                 with self._lock:
                     self._agents[key] = (after, agent)
+                self._keep_agent(given, after, agent)
                 break
         return agent
+
+    def _keep_agent(self, given: str, version: Version, agent: Agent) -> None:
+        """Cache ``agent`` under the path it was asked for too, its version stating that path
+        in place of the resolved one (the same file, as a stat sees it)."""
+        if version and version[0][0] != given:
+            version = ((given, version[0][1]), *version[1:])
+        with self._lock:
+            self._agents[given] = (version, agent)
 
     def close(self) -> None:
         liveness.forget(self.runs)

@@ -42,6 +42,7 @@ from runtime.fsm import decide, requested_event, requested_with_response, respon
 from runtime.models import RunState
 from runtime.probes import Probed
 from store.runs import RunRecord
+from store.snapshots import Prefetched
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context
@@ -110,11 +111,17 @@ class HeldRun:
 
     @classmethod
     def open(
-        cls, ctx: Context, run_id: str, owner: str, record: RunRecord | None = None
+        cls,
+        ctx: Context,
+        run_id: str,
+        owner: str,
+        record: RunRecord | None = None,
+        snapshot: Prefetched | None = None,
     ) -> HeldRun | None:
-        """The run as :func:`tasks.persistence.load` finds it; None if there is no such run."""
+        """The run as :func:`tasks.persistence.load` finds it (``record`` and ``snapshot``:
+        as read with the lease); None if there is no such run."""
         try:
-            loaded = load(ctx, run_id, record=record)
+            loaded = load(ctx, run_id, record=record, snapshot=snapshot)
         except RunNotFound:
             return None
         state = loaded.state

@@ -5,7 +5,8 @@ resume, a continuation, an expiry, a budget raise, a wake-up, a parent told of
 its child, a reconciliation, and the API's reads that may set a snapshot aside:
 
 1. One store call on the fast path: the lease and the run's record together
-   (``acquire_and_get``).
+   (``acquire_and_get``), and with ``reads_snapshot`` the run's snapshot too where the
+   run store reads it in the same call (``acquire_and_read``: both stores one Redis).
 2. Refused, it claims (:func:`tasks.liveness.claim`), which also takes the lease
    from a holder whose process is dead, and claims again (every 2 ms, backing
    off to every 50 ms) for ``patience_s``. ``until_dead_s`` waits up to that much
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from runtime.actions import Advanced
 from runtime.errors import HolderDied, LeaseHeld, RunBusy
 from store.runs import Claim, RunRecord
+from store.snapshots import Prefetched
 from tasks import liveness
 from tasks.context import Context
 from tasks.persistence import new_owner
@@ -74,6 +76,9 @@ class Held:
     """Not taken: why (what :func:`holding` raises when ``must``)."""
     released: bool = False
     """Set by a caller whose last write let the lease go: leaving the block then does not."""
+    snapshot: Prefetched | None = None
+    """The run's snapshot as read with the lease (``reads_snapshot``), for
+    :func:`tasks.persistence.load`; None: not read with it."""
 
 
 ResumeSoon = Callable[[str, int], None]
@@ -98,14 +103,16 @@ def holding(
     until_dead_s: float = 0.0,
     must: bool = True,
     recovers: bool = False,
+    reads_snapshot: bool = False,
 ) -> Iterator[Held]:
     """Hold ``run_id``'s lease for the block (see the module docstring).
 
     ``owner``: a caller that already holds the lease (a resume handing on to its
     turn) passes its owner id; the lease is renewed. Raises LeaseHeld (``must``)
-    and HolderDied (``must`` and not ``recovers``), both RunBusy.
+    and HolderDied (``must`` and not ``recovers``), both RunBusy. ``reads_snapshot``: the
+    caller loads the run next (:attr:`Held.snapshot`).
     """
-    held = _take(ctx, run_id, owner or new_owner(), patience_s, until_dead_s)
+    held = _take(ctx, run_id, owner or new_owner(), patience_s, until_dead_s, reads_snapshot)
     if held.taken and held.took_from is not None and not recovers:
         record = held.record
         if record is not None and record.status.is_live:
@@ -136,13 +143,28 @@ def _enqueue_resume(run_id: str, seq: int, dead: str) -> None:
         log.warning("run %s: resume not enqueued (%s); the sweeper will resume it", run_id, exc)
 
 
-def _take(ctx: Context, run_id: str, owner: str, patience_s: float, until_dead_s: float) -> Held:
+def _take(
+    ctx: Context,
+    run_id: str,
+    owner: str,
+    patience_s: float,
+    until_dead_s: float,
+    reads_snapshot: bool = False,
+) -> Held:
     # A lease is never taken by a process that does not look alive, or another worker
     # could take it straight back.
     liveness.beats().keep_alive(ctx)
-    taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)
+    snapshot: Prefetched | None = None
+    if reads_snapshot:
+        # Not read where the log ends at the state this process remembers: load uses that.
+        remembered = ctx.remembered_seq(run_id)
+        taken, record, snapshot = ctx.runs.acquire_and_read(
+            run_id, owner, ctx.settings.lease_s, ctx.snapshots, remembered
+        )
+    else:
+        taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)
     if taken:
-        return Held(run_id, owner, True, record)
+        return Held(run_id, owner, True, record, snapshot=snapshot)
     started = time.monotonic()
     pause_s = FIRST_POLL_S
     while True:

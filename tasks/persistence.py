@@ -25,6 +25,7 @@ from runtime.fsm import ENDINGS, apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
 from store.runs import Checkpoint, Outbox, RunRecord
+from store.snapshots import Prefetched
 from tasks import metrics, tracing
 from tasks.context import Context
 from tasks.liveness import process_id
@@ -65,6 +66,7 @@ def load(
     whole_log: bool = False,
     set_aside: bool = True,
     record: RunRecord | None = None,
+    snapshot: Prefetched | None = None,
 ) -> Loaded:
     """The run's state: its snapshot with the events it lacks folded on, else the fold of all.
 
@@ -77,7 +79,9 @@ def load(
     run's lease, so they never move a snapshot a worker is replacing) it is moved
     to the store's quarantine, never deleted; the state is rebuilt from the events.
 
-    ``record``: the run's record, when the caller just read it (with its lease).
+    ``record``: the run's record, when the caller just read it (with its lease);
+    ``snapshot``: the run's snapshot as read with it (:func:`tasks.lease.holding`'s
+    ``reads_snapshot``), decoded and checked here as a snapshot read here would be.
 
     Raises RunNotFound (no record), RunStateLost (the events cannot give a state
     either), StoreUnavailable.
@@ -92,14 +96,17 @@ def load(
             return Loaded(record, remembered, remembered.seq, None)
     events = ctx.runs.events(run_id) if whole_log else None
     try:
-        snapshot = ctx.snapshots.load(run_id)
+        # (No read with the lease: the call every snapshot store has always taken.)
+        stored = (
+            ctx.snapshots.load(run_id) if snapshot is None else ctx.snapshots.load(run_id, snapshot)
+        )
     except SnapshotError as exc:
         _unusable(ctx, run_id, str(exc), set_aside)
-        snapshot = None
-    if snapshot is not None:
-        record, events, problem = _check(ctx, record, events, snapshot)
+        stored = None
+    if stored is not None:
+        record, events, problem = _check(ctx, record, events, stored)
         if problem is None:
-            loaded = _healed(ctx, record, events, snapshot)
+            loaded = _healed(ctx, record, events, stored)
             if isinstance(loaded, Loaded):
                 return loaded
             problem = loaded

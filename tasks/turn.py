@@ -114,6 +114,7 @@ def advance(
         until_dead_s=ctx.settings.liveness_s if redelivered else 0.0,
         must=False,
         recovers=True,
+        reads_snapshot=True,
     ) as claim:
         if claim.took_from is not None:
             # The holder's process died mid-turn: recover the run here and now, as the
@@ -126,7 +127,11 @@ def advance(
             return Advanced(TurnOutcome.LEASED, -1, 0)
         held: HeldRun | None = None
         try:
-            held = HeldRun.open(ctx, run_id, claim.owner, claim.record) if claim.record else None
+            held = (
+                HeldRun.open(ctx, run_id, claim.owner, claim.record, claim.snapshot)
+                if claim.record
+                else None
+            )
             if held is None:
                 log.warning("run %s: no such run; dropping the message", run_id)
                 return Advanced(TurnOutcome.MISSING, -1, 0)

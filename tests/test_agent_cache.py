@@ -77,3 +77,33 @@ def test_a_changed_script_is_read_again(tmp_path: Path, monkeypatch: pytest.Monk
     assert again is not first
     assert again.binding != first.binding
     assert len(loads) == 2, loads
+
+
+def test_an_agent_named_through_a_link_is_kept_and_read_again_when_the_link_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cache is looked up by the path as given, unresolved: what it stats must follow
+    # the link, so that a link pointed at another agent file is noticed.
+    first_file = write_agent(tmp_path / "v1", SCRIPT)
+    second_file = write_agent(tmp_path / "v2", [turn("Done.")])
+    age(first_file, tmp_path / "v1" / "test-agent.script.json")
+    age(second_file, tmp_path / "v2" / "test-agent.script.json")
+    current = tmp_path / "current"
+    current.symlink_to(tmp_path / "v1", target_is_directory=True)
+    loads = counted_loads(monkeypatch)
+    ctx = memory_context()
+    first = ctx.agent(current / "test-agent.toml")
+    assert ctx.agent(current / "test-agent.toml") is first
+    assert ctx.agent(first_file) is first  # the same file by its own path: the same agent
+    assert len(loads) == 1, loads
+
+    # When the link is pointed at the other version
+    current.unlink()
+    current.symlink_to(tmp_path / "v2", target_is_directory=True)
+
+    # Then the agent is read again from there
+    again = ctx.agent(current / "test-agent.toml")
+    assert again.binding != first.binding
+    assert again.path == second_file.resolve()
+    assert ctx.agent(current / "test-agent.toml") is again
+    assert ctx.agent(first_file) is first

@@ -16,6 +16,7 @@ import pytest
 from runtime.models import Event, RunState, RunStatus
 from store.runs import wall_ms
 from store.runs.sqlite import SqliteRunStore
+from store.snapshots import Prefetched
 from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context
 from tasks.control import cancel
@@ -32,9 +33,9 @@ class CountingFileSnapshotStore(FileSnapshotStore):
 
     loads = 0
 
-    def load(self, run_id: str) -> RunState | None:
+    def load(self, run_id: str, prefetched: Prefetched | None = None) -> RunState | None:
         self.loads += 1
-        return super().load(run_id)
+        return super().load(run_id, prefetched)
 
 
 class CountingSqliteRunStore(SqliteRunStore):

@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 
 import store.conformance as conformance
-from store.conformance.capabilities import APPENDS_TRANSCRIPT, COMBINED_COMMIT, capabilities
+from store.conformance.capabilities import (
+    APPENDS_TRANSCRIPT,
+    COMBINED_COMMIT,
+    ONE_CALL_LOAD,
+    capabilities,
+)
 from store.runs.redis import RedisRunStore
 from store.snapshots.file import FileSnapshotStore
 from tests.third_party_stores import (
@@ -148,6 +153,7 @@ def test_a_backend_offering_nothing_optional_passes_with_each_missing_capability
         "RunStore._commit"
     ) in skips
     assert "PlainSnapshotStore does not offer `appends_transcript`" in skips
+    assert "PlainRunStore does not offer `one_call_load`" in skips
     assert "the harness offers no `quarantined`" in skips
 
 
@@ -163,6 +169,7 @@ def test_the_plugin_sums_up_what_was_not_offered_after_the_run(
         for line in section(done.stdout, "ratchet store conformance: not offered, so not tested")
     ]
     assert [(words[0], words[1], words[2]) for words in lines] == [
+        ("1", "skipped", "PlainRunStore"),
         ("1", "skipped", "PlainRunStore"),
         ("1", "skipped", "PlainSnapshotStore"),
         ("1", "skipped", "the"),
@@ -210,6 +217,7 @@ def test_capabilities_are_read_from_what_a_backend_overrides() -> None:
         "combined_commit": False,
         "batch_renew": False,
         "one_call_acquire": False,
+        "one_call_load": False,
     }
     assert capabilities(PlainSnapshotStore()) == {
         "appends_transcript": False,
@@ -221,6 +229,7 @@ def test_capabilities_are_read_from_what_a_backend_overrides() -> None:
         "HalfClaimRunStore claims `combined_commit` but does not override _commit"
     )
     assert COMBINED_COMMIT.overridden(RedisRunStore) == ("commits_with", "_commit")
+    assert ONE_CALL_LOAD.overridden(RedisRunStore) == ("reads_with", "_acquire_and_read")
     assert APPENDS_TRANSCRIPT.overridden(FileSnapshotStore) == ("_put_parts", "_read_tip", "_read")
 
 

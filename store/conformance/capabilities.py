@@ -83,6 +83,12 @@ ONE_CALL_ACQUIRE = Capability(
     ("_acquire_and_get",),
     "a turn's lease and record in one call",
 )
+ONE_CALL_LOAD = Capability(
+    "one_call_load",
+    RunStore,
+    ("reads_with", "_acquire_and_read"),
+    "a turn's lease, record and snapshot in one call",
+)
 APPENDS_TRANSCRIPT = Capability(
     "appends_transcript",
     SnapshotStore,
@@ -97,7 +103,7 @@ INCREMENTAL_LOAD = Capability(
     "a load decodes only the messages after the ones this store last saw",
 )
 
-RUN_STORE_CAPABILITIES = (COMBINED_COMMIT, BATCH_RENEW, ONE_CALL_ACQUIRE)
+RUN_STORE_CAPABILITIES = (COMBINED_COMMIT, BATCH_RENEW, ONE_CALL_ACQUIRE, ONE_CALL_LOAD)
 SNAPSHOT_STORE_CAPABILITIES = (APPENDS_TRANSCRIPT, INCREMENTAL_LOAD)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from runtime.errors import InvalidRunId, LeaseLost, StaleWrite
 from runtime.models import Event, RunStatus, Usage
-from store.conformance.capabilities import COMBINED_COMMIT
+from store.conformance.capabilities import COMBINED_COMMIT, ONE_CALL_LOAD
 from store.conformance.due import DueRunsAndRetention
 from store.conformance.records import (
     LEASE_MS,
@@ -74,6 +74,11 @@ class RunStoreContract(DueRunsAndRetention):
         # commits_with without _commit fails every combined transition; _commit without
         # commits_with is never called.
         assert COMBINED_COMMIT.half_claimed(run_store) is None
+
+    def test_the_one_call_load_is_claimed_whole_or_not_at_all(self, run_store: RunStore) -> None:
+        # reads_with without _acquire_and_read fails every turn's claim; _acquire_and_read
+        # without reads_with is never called.
+        assert ONE_CALL_LOAD.half_claimed(run_store) is None
 
     # --- records and events -------------------------------------------------------
 

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime.errors import LeaseLost, StaleWrite
+from runtime.errors import LeaseLost, SnapshotMalformed, StaleWrite
 from runtime.models import Event, Message, RunState
-from store.conformance.capabilities import COMBINED_COMMIT
-from store.conformance.snapshots import make_state
+from store.conformance.capabilities import COMBINED_COMMIT, ONE_CALL_LOAD
+from store.conformance.snapshots import make_state, put_raw
 from store.conformance.support import FakeClock
 from store.runs import Checkpoint, RunRecord, RunStore
 from store.snapshots import SnapshotStore
@@ -83,6 +83,19 @@ def combined(runs: RunStore, snapshots: SnapshotStore) -> bool:
         pytest.skip(
             f"{type(runs).__name__} offers `combined_commit` but not with this "
             f"{type(snapshots).__name__}: commits_with() is False, so the calls are separate"
+        )
+    return True
+
+
+def read_together(runs: RunStore, snapshots: SnapshotStore) -> bool:
+    """Whether this pair reads the snapshot with the lease; skips the calling test, saying
+    why, if not."""
+    if not ONE_CALL_LOAD.offered_by(runs):
+        pytest.skip(ONE_CALL_LOAD.missing(runs))
+    if not runs.reads_with(snapshots):
+        pytest.skip(
+            f"{type(runs).__name__} offers `one_call_load` but not with this "
+            f"{type(snapshots).__name__}: reads_with() is False, so the reads are separate"
         )
     return True
 
@@ -211,3 +224,126 @@ class TransitionContract:
             transition(runs, snapshots, said(state, "one"), "one", None)
 
         assert written(runs, snapshots) == before
+
+    # --- the lease, the record and the snapshot read together ---------------------
+
+    def test_a_lease_taken_with_the_snapshot_loads_what_the_separate_reads_load(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(said(state, "one"), "two")
+        transition(runs, snapshots, said(state, "one"), "one", 1)
+        transition(runs, snapshots, after, "two", 2)
+        # Read as by this process, which saved it (the fragments after its own tip), and as
+        # by another one, which has seen none of them (the whole snapshot)
+        for knows in (True, False):
+            if not knows:
+                snapshots._forget("run-1")
+            taken, record, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
+            assert taken and record == runs.get("run-1") == record_of(after)
+            assert (read is not None) is runs.reads_with(snapshots)
+            assert snapshots.load("run-1", read) == after
+            assert snapshots.load("run-1") == after
+
+    def test_a_snapshot_read_after_a_transcript_other_turns_grew_gets_their_messages(
+        self, stores: Pair
+    ) -> None:
+        # The pool's other process saved the last two checkpoints: this one knows the
+        # transcript of two turns ago and reads the head and the messages after it.
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        one = said(state, "one")
+        transition(runs, snapshots, one, "one", 1)
+        known = snapshots._known("run-1")
+        latest = said(said(one, "two"), "three")
+        transition(runs, snapshots, said(one, "two"), "two", 2)
+        transition(runs, snapshots, latest, "three", 3)
+        if known is not None:
+            snapshots._remember("run-1", known.seq, known.transcript, known.tip)
+
+        taken, record, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
+
+        assert taken and record == record_of(latest)
+        assert snapshots.load("run-1", read) == latest
+
+    def test_a_snapshot_read_with_the_lease_may_lag_the_log_as_a_separate_read_does(
+        self, stores: Pair
+    ) -> None:
+        # The events are the truth and may run ahead of the snapshot (a turn that crashed
+        # after appending): the record says where the log ends, the snapshot where it was.
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        one = said(state, "one")
+        transition(runs, snapshots, one, "one", 1)
+        ahead = said(one, "two")
+        runs.append(record_of(ahead), [event(3, "two")], "worker-a")
+
+        taken, record, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
+
+        assert taken and record is not None and record.last_seq == 3
+        assert snapshots.load("run-1", read) == one
+
+    def test_a_damaged_snapshot_read_with_the_lease_is_refused_as_a_separate_read_is(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        started(runs, snapshots)
+        snapshots.delete("run-1")
+        put_raw(snapshots, "run-1", b"{truncated")
+        with pytest.raises(SnapshotMalformed) as apart:
+            snapshots.load("run-1")
+
+        taken, _, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
+
+        assert taken
+        with pytest.raises(SnapshotMalformed) as together:
+            snapshots.load("run-1", read)
+        assert str(together.value) == str(apart.value)
+
+    def test_a_run_without_a_snapshot_reads_none_with_the_lease(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        started(runs, snapshots)
+        snapshots.delete("run-1")
+
+        taken, record, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
+
+        assert taken and record == runs.get("run-1")
+        assert snapshots.load("run-1", read) is None
+
+    def test_a_lease_another_owner_holds_reads_nothing(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        started(runs, snapshots)
+
+        assert runs.acquire_and_read("run-1", "worker-b", LEASE_S, snapshots) == (
+            False,
+            None,
+            None,
+        )
+        lease = runs.lease("run-1")
+        assert lease is not None and lease.owner == "worker-a"
+
+    def test_a_caller_that_remembers_the_state_the_log_ends_at_is_read_no_snapshot(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(state, "one")
+        transition(runs, snapshots, after, "one", 1)
+
+        remembered = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots, after.seq)
+        behind = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots, state.seq)
+
+        assert remembered == (True, record_of(after), None)
+        assert behind[:2] == (True, record_of(after))
+        assert (behind[2] is not None) is runs.reads_with(snapshots)
+        assert snapshots.load("run-1", behind[2]) == after
+
+    def test_a_read_of_another_runs_snapshot_is_refused(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        started(runs, snapshots)
+        read_together(runs, snapshots)
+        _, _, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
+
+        with pytest.raises(ValueError, match="run-1"):
+            snapshots.load("run-2", read)

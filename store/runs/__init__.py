@@ -53,7 +53,7 @@ from runtime.models import (
     validate_run_id,
 )
 from store.retry import with_retries
-from store.snapshots import Parts, SnapshotStore, TranscriptMoved
+from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 
 
 def wall_ms() -> int:
@@ -457,6 +457,58 @@ class RunStore(ABC):
         if not self._acquire(run_id, owner, lease_ms, now_ms):
             return False, None
         return True, self._get(run_id)
+
+    def reads_with(self, snapshots: SnapshotStore) -> bool:
+        """Whether :meth:`acquire_and_read` reads ``snapshots``' snapshot in the same call.
+
+        A capability, like :meth:`commits_with`: a backend that keeps the snapshot beside
+        the lease (the Redis run store with a Redis snapshot store on the same server and
+        prefix) overrides this and :meth:`_acquire_and_read`.
+        """
+        del snapshots
+        return False
+
+    def acquire_and_read(
+        self,
+        run_id: str,
+        owner: str,
+        lease_s: float,
+        snapshots: SnapshotStore,
+        unless_at: int | None = None,
+    ) -> tuple[bool, RunRecord | None, Prefetched | None]:
+        """:meth:`acquire_and_get`, and when taken the run's snapshot as ``snapshots`` would
+        read it first (:meth:`SnapshotStore.read_base`): one round trip when
+        :meth:`reads_with` it, for :meth:`SnapshotStore.load` to decode. Else, or when
+        not taken, or when the run's log ends at seq ``unless_at`` (the caller remembers
+        its state there), the read is ``None`` and ``load`` reads the snapshot itself if
+        it needs it.
+        """
+        if not self.reads_with(snapshots):
+            return (*self.acquire_and_get(run_id, owner, lease_s), None)
+        run_id = validate_run_id(run_id)
+        lease_ms = int(lease_s * 1000)
+        base = snapshots.read_base(run_id)
+        return with_retries(
+            lambda: self._acquire_and_read(
+                run_id, owner, lease_ms, self.clock(), snapshots, base, unless_at
+            ),
+            run_id,
+        )
+
+    def _acquire_and_read(
+        self,
+        run_id: str,
+        owner: str,
+        lease_ms: int,
+        now_ms: int,
+        snapshots: SnapshotStore,
+        base: TranscriptTip | None,
+        unless_at: int | None,
+    ) -> tuple[bool, RunRecord | None, Prefetched | None]:
+        """Backends that :meth:`reads_with` a snapshot store: :meth:`_acquire_and_get` and,
+        when taken and the record's last seq is not ``unless_at``, the stored snapshot (the
+        fragments after ``base``; None: all), atomically."""
+        raise NotImplementedError(f"{self.name} does not read snapshots")
 
     def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease up if ``owner`` holds it, so another worker need not wait."""

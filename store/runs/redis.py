@@ -26,7 +26,8 @@ hold a due time a little early, never late; the sweeper skips a run whose exact 
 time (the record's ``next``) has not come. With a
 :class:`~store.snapshots.redis.RedisSnapshotStore` on the same server, database and
 prefix, the same script also saves the snapshot and may release the lease: one round
-trip per transition (:meth:`RunStore.commit`).
+trip per transition (:meth:`RunStore.commit`); and the lease's script reads the
+snapshot with the record, one round trip to open a turn (:meth:`RunStore.acquire_and_read`).
 The four ``runs:*`` indexes are global, in other slots than the run's keys:
 the scripts touch them on a single node (and Sentinel); on Redis Cluster the
 index updates would move into separate calls after the per-run script.
@@ -47,7 +48,7 @@ from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
 from store.packing import pack, unpack
 from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
-from store.snapshots import SnapshotStore, TranscriptMoved
+from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots.redis import (
     DEFAULT_PREFIX,
     RedisSnapshotStore,
@@ -72,6 +73,7 @@ RENEW_BATCH = 1000
 
 _USES = {
     "acquire": ("hold_lease",),
+    "acquire_read": ("hold_lease",),
     "claim": ("owner_process", "hold_lease"),
     "orphaned": ("owner_process",),
 }
@@ -84,6 +86,7 @@ _SCRIPTS = {
         "create",
         "append",  # one transition: events, record, indexes; optionally snapshot and release
         "acquire",  # takes the lease and reads the record in one call
+        "acquire_read",  # the same, and reads the snapshot too
         "extend",
         "release",
         "purge",
@@ -351,6 +354,44 @@ class RedisRunStore(RunStore):
             return False, None
         data = found[1] if len(found) > 1 else None
         return True, RunRecord.model_validate_json(data) if data else None
+
+    def reads_with(self, snapshots: SnapshotStore) -> bool:
+        """True where this store :meth:`commits_with` ``snapshots``: the snapshot's keys
+        are in this server, database and run's slot."""
+        return self.commits_with(snapshots)
+
+    def _acquire_and_read(
+        self,
+        run_id: str,
+        owner: str,
+        lease_ms: int,
+        now_ms: int,
+        snapshots: SnapshotStore,
+        base: TranscriptTip | None,
+        unless_at: int | None,
+    ) -> tuple[bool, RunRecord | None, Prefetched | None]:
+        assert isinstance(snapshots, RedisSnapshotStore)
+        ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
+        lease = self._run_key(run_id, "lease")
+        start = 0 if base is None else base.length
+        unless = "" if unless_at is None else str(unless_at)
+        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, str(start), unless]
+        keys = [
+            lease,
+            self._run_key(run_id, "record"),
+            self._held_key(owner, lease),
+            self._run_key(run_id, "snapshot"),
+            self._run_key(run_id, "transcript"),
+        ]
+        with translated(self._where):
+            found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
+        if not found[0]:
+            return False, None, None
+        data = found[1] if len(found) > 1 else None
+        record = RunRecord.model_validate_json(data) if data else None
+        if len(found) < 4:
+            return True, record, None  # the caller remembers the state the log ends at
+        return True, record, snapshots.prefetched(run_id, base, found[2], found[3])
 
     def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         return self._renew([(run_id, owner)], lease_ms, now_ms)[0]

@@ -53,7 +53,7 @@ from runtime.errors import (
 )
 from runtime.models import RunState
 from store.packing import pack, unpack
-from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
+from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
 SOCKET_TIMEOUT_S = 5.0
@@ -297,12 +297,45 @@ class RedisSnapshotStore(SnapshotStore):
             return int(seq), None
         return int(seq), TranscriptTip(int(n), int(size), chain.decode())
 
+    READ_FIELDS = ("doc", "head", "n", "size", "chain")
+    """The snapshot hash's fields a read takes, in the order its parsers expect them."""
+
     def _read(self, run_id: str) -> tuple[bytes, TranscriptTip | None] | None:
+        return self._parse_whole(run_id, *self._fetch(run_id, 0))
+
+    def _read_after(
+        self, run_id: str, base: TranscriptTip
+    ) -> tuple[bytes, list[bytes], TranscriptTip] | None:
+        # The head and only the fragments past ``base``: a turn on the other process of a
+        # pool reads and unpacks two new messages, not the whole transcript. The base
+        # class checks that they chain onto ``base`` (else it reads the whole).
+        return self._parse_after(base, *self._fetch(run_id, base.length))
+
+    def _fetch(self, run_id: str, start: int) -> tuple[list[bytes | None], list[bytes]]:
+        """The hash's READ_FIELDS and the transcript's fragments from ``start``, together."""
         with translated(self._where):
             pipe = self._client.pipeline(transaction=True)
-            pipe.hmget(self._key(run_id), ["doc", "head", "n", "size", "chain"])
-            pipe.lrange(self._transcript_key(run_id), 0, -1)
+            pipe.hmget(self._key(run_id), list(self.READ_FIELDS))
+            pipe.lrange(self._transcript_key(run_id), start, -1)
             fields, stored = cast("tuple[list[bytes | None], list[bytes]]", tuple(pipe.execute()))
+        return fields, stored
+
+    def prefetched(
+        self,
+        run_id: str,
+        base: TranscriptTip | None,
+        fields: list[bytes | None],
+        stored: list[bytes],
+    ) -> Prefetched:
+        """What another store's script read of the run's snapshot (the hash's READ_FIELDS,
+        the transcript from ``base``'s length, or all of it), for :meth:`load`."""
+        if base is None:
+            return Prefetched(run_id, None, lambda: self._parse_whole(run_id, fields, stored))
+        return Prefetched(run_id, base, lambda: self._parse_after(base, fields, stored))
+
+    def _parse_whole(
+        self, run_id: str, fields: list[bytes | None], stored: list[bytes]
+    ) -> tuple[bytes, TranscriptTip | None] | None:
         doc, head, n, size, chain = fields
         what = self.where(run_id)
         try:
@@ -326,17 +359,9 @@ class RedisSnapshotStore(SnapshotStore):
             )
         return snapshot_format.assemble(unpack(head, self.max_bytes), fragments), tip
 
-    def _read_after(
-        self, run_id: str, base: TranscriptTip
+    def _parse_after(
+        self, base: TranscriptTip, fields: list[bytes | None], stored: list[bytes]
     ) -> tuple[bytes, list[bytes], TranscriptTip] | None:
-        # The head and only the fragments past ``base``: a turn on the other process of a
-        # pool reads and unpacks two new messages, not the whole transcript. The base
-        # class checks that they chain onto ``base`` (else it reads the whole).
-        with translated(self._where):
-            pipe = self._client.pipeline(transaction=True)
-            pipe.hmget(self._key(run_id), ["doc", "head", "n", "size", "chain"])
-            pipe.lrange(self._transcript_key(run_id), base.length, -1)
-            fields, stored = cast("tuple[list[bytes | None], list[bytes]]", tuple(pipe.execute()))
         doc, head, n, size, chain = fields
         if doc is not None or head is None or n is None or size is None or chain is None:
             return None
