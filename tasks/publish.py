@@ -39,6 +39,7 @@ one that falls back to separate writes leaves the turn to the ordinary publish.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,6 @@ from celery.utils.nodenames import anon_nodename
 from celery.utils.saferepr import saferepr
 from kombu import serialization
 from kombu.common import Broadcast, maybe_declare
-from kombu.transport import redis as kombu_redis
 from kombu.utils import json as kombu_json
 
 from store.runs import Outbox
@@ -70,6 +70,9 @@ def _pushes_as_kombu(channel: Any) -> bool:
     """Whether ``channel`` puts a message on a queue exactly as kombu's Redis channel does:
     one LPUSH of the entry onto the list of its priority, nothing else (no key prefix, no
     queue expiry), on a single server (not Sentinel)."""
+    kombu_redis = sys.modules.get("kombu.transport.redis")
+    if kombu_redis is None:  # no Redis channel was ever made here; importing it would
+        return False  # load redis-py (and the OpenTelemetry it loads) for nothing
     return (
         isinstance(channel, kombu_redis.Channel)
         and not isinstance(channel, kombu_redis.SentinelChannel)
