@@ -913,7 +913,9 @@ def run_one(
         tests = [t for t in m.tests if (work / t).is_file()]
         if not tests:
             return Verdict(m, False, "(no test files)", time.monotonic() - started, "")
+        # One process: a mutant stops at its first failing test (-x), and xdist would start two.
         command = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:randomly"]
+        command += ["-n", "0"]
         command += tests
         if m.k and not broad:
             command += ["-k", m.k]
