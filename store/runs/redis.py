@@ -126,6 +126,7 @@ class RedisRunStore(RunStore):
     ) -> None:
         super().__init__(clock)
         self._client = client
+        self._server = server(client)  # asked on every checkpoint: a pool's kwargs stay put
         self._prefix = checked_prefix(prefix)
         self._where = f"run store {where(url)}"
         self._by_created = f"{prefix}:runs:by_created"
@@ -203,7 +204,7 @@ class RedisRunStore(RunStore):
     def commits_with(self, snapshots: SnapshotStore) -> bool:
         """True for a Redis snapshot store on this store's server, database and prefix."""
         return isinstance(snapshots, RedisSnapshotStore) and snapshots.keyspace() == (
-            server(self._client),
+            self._server,
             self._prefix,
         )
 

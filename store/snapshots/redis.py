@@ -207,6 +207,7 @@ class RedisSnapshotStore(SnapshotStore):
     ) -> None:
         super().__init__()
         self._client = client
+        self._server = server(client)  # asked on every checkpoint: a pool's kwargs stay put
         self._prefix = checked_prefix(prefix)
         self._where = f"snapshot store {where(url)}"
         self._index = f"{prefix}:snapshots"
@@ -228,7 +229,7 @@ class RedisSnapshotStore(SnapshotStore):
 
     def keyspace(self) -> tuple[tuple[Any, ...], str]:
         """The server and database this store's keys are in, and their prefix."""
-        return server(self._client), self._prefix
+        return self._server, self._prefix
 
     def _key(self, run_id: str) -> str:
         return f"{self._prefix}:run:{{{run_id}}}:snapshot"
