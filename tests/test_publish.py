@@ -21,10 +21,13 @@ import pytest
 import redis
 from celery import Celery
 from celery.signals import after_task_publish, before_task_publish
+from celery.utils.saferepr import saferepr
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime.models import RunStatus
 from tasks.messages import VERSION, VERSION_HEADER
-from tasks.publish import lean_turns
+from tasks.publish import _kwargsrepr, lean_turns
 from tasks.queues import TURNS_QUEUE
 from tasks.settings import Settings
 from tasks.start import create_run
@@ -230,3 +233,24 @@ def test_lean_publishes_from_more_threads_than_the_producer_pool_holds(
     assert len(set(sent)) == 3
     client = redis.Redis.from_url(redis_url)
     assert sum(client.llen(q) for q in redis_lists(TURNS_QUEUE)) == 3
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=300)
+    | st.text(alphabet="abcXYZ019_-", max_size=300),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=8,
+)  # fmt: skip
+
+
+@given(
+    kwargs=st.dictionaries(
+        st.text(alphabet="abc_-XY09", max_size=12) | st.text(max_size=4), _values
+    ),
+    maxsize=st.sampled_from([8, 64, 1024, 4096]),
+    maxlevels=st.integers(0, 4),
+)
+def test_the_kwargsrepr_of_a_lean_turn_is_what_saferepr_writes(
+    kwargs: dict[str, Any], maxsize: int, maxlevels: int
+) -> None:
+    assert _kwargsrepr(kwargs, maxsize, maxlevels) == saferepr(kwargs, maxsize, maxlevels=maxlevels)
