@@ -179,6 +179,8 @@ class _Heartbeats:
     def __init__(self) -> None:
         self._held: dict[tuple[str, str], _Held] = {}
         self._changed = threading.Condition()
+        self._period_s: float | None = None
+        """The round period the thread waits with; None while it waits for a lease."""
         self.stats = HeartbeatStats()
         threading.Thread(target=self._run, name="ratchet-heartbeats", daemon=True).start()
 
@@ -187,7 +189,10 @@ class _Heartbeats:
         key = (run_id, owner)
         with self._changed:
             self._held[key] = _Held(ctx, run_id, owner, time.monotonic())
-            self._changed.notify()
+            # A thread already pacing rounds for leases this long reaches this one in
+            # time: waking it would only make it wait again (a context switch a turn).
+            if self._period_s is None or ctx.settings.lease_s / 6 < self._period_s:
+                self._changed.notify()
         return key
 
     def remove(self, key: tuple[str, str]) -> None:
@@ -203,7 +208,8 @@ class _Heartbeats:
         while True:
             with self._changed:
                 shortest = min((h.ctx.settings.lease_s for h in self._held.values()), default=None)
-                started = rounds.wait(None if shortest is None else shortest / 6)
+                self._period_s = None if shortest is None else shortest / 6
+                started = rounds.wait(self._period_s)
                 if started is None:
                     continue
                 now, late_s = started
