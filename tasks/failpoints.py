@@ -63,8 +63,19 @@ def _parse(value: str | None) -> tuple[str, int | None] | None:
     return name, int(model_calls) if model_calls else None
 
 
-_armed = _parse(os.environ.get("RATCHET_FAILPOINT"))
+_given = os.environ.get("RATCHET_FAILPOINT")
+try:
+    _armed = _parse(_given)
+except ConfigInvalid:
+    # Raised by check(), from make_app: at import it would be a traceback from Celery's
+    # app loader instead of the one line every other bad setting is.
+    _armed = None
 _hold = os.environ.get("RATCHET_FAILPOINT_HOLD") or None
+
+
+def check() -> None:
+    """Raise ConfigInvalid if ``RATCHET_FAILPOINT`` is set but names no point."""
+    _parse(_given)
 
 
 def hit(name: str, model_calls: int) -> None:

@@ -54,6 +54,7 @@ BAD_SETTINGS = {
         "ftp://user:***@x/",
     ),
     "run-store-unknown": ({"RATCHET_RUN_STORE": "postgres://x/db"}, "RATCHET_RUN_STORE", "sqlite"),
+    "failpoint-unknown": ({"RATCHET_FAILPOINT": "bogus@x"}, "RATCHET_FAILPOINT", "POINT@N"),
 }
 
 

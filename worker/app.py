@@ -107,8 +107,10 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
     import tasks.metrics  # noqa: F401  (worker_init: Prometheus, if RATCHET_METRICS_PORT)
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
     import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
+    from tasks import failpoints
     from worker.consumer import ContinuationConsumer
 
+    failpoints.check()
     # RatchetAMQP picks worker.transport's kombu transports for redis:// and filesystem://
     # URLs (they survive a bad queue entry); other brokers keep kombu's own.
     app = Celery(
