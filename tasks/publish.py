@@ -402,7 +402,8 @@ def _kwargsrepr(kwargs: dict[str, Any], maxsize: int, maxlevels: int) -> str:
         text = repr(kwargs)
         if len(text) <= maxsize // 2:
             return text
-    return saferepr(kwargs, maxsize, maxlevels=maxlevels)
+    text = saferepr(kwargs, maxsize, maxlevels=maxlevels)
+    return str(text)
 
 
 _publishers: dict[int, LeanTurns] = {}

@@ -188,3 +188,37 @@ def test_a_transition_stores_exactly_the_bytes_the_encoders_give(redis_url: str)
         snapshots.close()
         runs.close()
         client.close()
+
+
+def test_a_heartbeat_round_is_one_round_trip_even_after_the_server_lost_its_scripts(
+    redis_url: str,
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    runs = RedisRunStore.from_url(redis_url, clock=FakeClock())
+    try:
+        # Given three leases held, one of them since taken by another owner
+        for run_id in ("hb-1", "hb-2", "hb-3"):
+            new_run(runs, run_id)
+            assert runs.acquire_and_get(run_id, "me", 30)[0]
+        runs.release_lease("hb-3", "me")
+        assert runs.acquire_and_get("hb-3", "other", 30)[0]
+        leases = [("hb-1", "me"), ("hb-2", "me"), ("hb-3", "me")]
+        assert runs.renew_leases(leases, 30) == ["hb-3"]
+        before = calls(client)
+
+        # When the heartbeat renews them again
+        assert runs.renew_leases(leases, 30) == ["hb-3"]
+
+        # Then that was the scripts' SHAs in one pipeline: no SCRIPT EXISTS before it
+        spent = {k: v - before.get(k, 0) for k, v in calls(client).items() if v != before.get(k)}
+        assert spent["cmdstat_evalsha"] == 3, spent
+        assert not [k for k in spent if k.startswith("cmdstat_script")], spent
+
+        # And when the server forgot its scripts, a round still renews what it holds
+        client.script_flush()
+        assert runs.renew_leases(leases, 30) == ["hb-3"]
+        lease = runs.lease("hb-1")
+        assert lease is not None and lease.owner == "me"
+    finally:
+        runs.close()
+        client.close()

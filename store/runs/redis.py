@@ -402,17 +402,28 @@ class RedisRunStore(RunStore):
         # and each lease's key stays in its run's slot (a Cluster pipeline splits by slot).
         ttl_ms = str(max(lease_ms, 0) + LEASE_TTL_GRACE_MS)
         expires = str(now_ms + lease_ms)
+        extend = self._scripts["extend"]
         extended: list[bool] = []
+
+        def batch(part: list[tuple[str, str]]) -> list[int]:
+            # Bare EVALSHAs: a Script called on a pipeline sends SCRIPT EXISTS first, every round.
+            pipe: Any = self._client.pipeline(transaction=False)
+            for run_id, owner in part:
+                key = self._run_key(run_id, "lease")
+                pipe.execute_command("EVALSHA", extend.sha, 1, key, owner, expires, ttl_ms)
+            return cast("list[int]", pipe.execute())
+
         with translated(self._where):
             for start in range(0, len(leases), RENEW_BATCH):
-                pipe = self._client.pipeline(transaction=False)
-                for run_id, owner in leases[start : start + RENEW_BATCH]:
-                    self._scripts["extend"](
-                        keys=[self._run_key(run_id, "lease")],
-                        args=[owner, expires, ttl_ms],
-                        client=pipe,
-                    )
-                extended += [bool(found) for found in cast("list[int]", pipe.execute())]
+                part = leases[start : start + RENEW_BATCH]
+                try:
+                    found = batch(part)
+                except redis.exceptions.NoScriptError:
+                    # The server forgot its scripts (a restart, a failover): load it, go again
+                    # (an extension is idempotent).
+                    self._client.script_load(extend.script)
+                    found = batch(part)
+                extended += [bool(held) for held in found]
         return extended
 
     def _release(self, run_id: str, owner: str) -> None:
