@@ -588,13 +588,21 @@ class RunNotQueued(RatchetError):
 
 class ToolModuleChanged(RatchetError):
     def __init__(self, module: str, path: str, worker: str) -> None:
-        super().__init__(
+        super().__init__(self.naming("RUN", module, path, worker))
+        self.module, self.path, self.worker = module, path, worker
+
+    @staticmethod
+    def naming(run_id: str, module: str, path: str, worker: str) -> str:
+        """The message, with the resume command for ``run_id`` (the loader knows no run)."""
+        return (
             f"tool module `{module}` ({path}) changed on disk after worker {worker} "
             "imported it, and a module cannot be re-imported safely: "
             "restart that worker so it loads the module as it is now, "
-            "then resume the run (`ratchet runs resume RUN`)",
+            f"then resume the run (`ratchet runs resume {run_id}`)"
         )
-        self.module, self.path, self.worker = module, path, worker
+
+    def for_run(self, run_id: str) -> str:
+        return self.naming(run_id, self.module, self.path, self.worker)
 
 
 class MessageRefused(RatchetError):

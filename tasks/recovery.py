@@ -94,8 +94,8 @@ def examine(
             if created:
                 change = describe_binding_change(created, agent.binding_document)
         except ToolModuleChanged as exc:
-            problem = str(exc)  # the file is fine; this worker's copy of a module is not
-            log.warning("run %s: %s", run_id, exc)
+            problem = exc.for_run(run_id)  # the file is fine; this worker's module is not
+            log.warning("run %s: %s", run_id, problem)
         except (RatchetError, OSError) as exc:
             log.warning("run %s: agent file cannot be loaded: %s", run_id, exc)
             problem = (

@@ -133,6 +133,7 @@ def test_a_tool_module_changed_on_disk_is_recorded_as_needing_a_worker_restart(
     reason = str(run_record(env, "tools-2")["error"])
     assert f"tool module `{module}`" in reason and "changed on disk" in reason, reason
     assert "restart that worker" in reason, reason
+    assert "`ratchet runs resume tools-2`" in reason, reason  # the run's own command
     assert "restore it" not in reason
     # And after the restart the operator's resume completes it
     worker.kill()
