@@ -335,3 +335,29 @@ def test_an_operators_reconciliation_waits_for_the_worker_still_letting_go_of_th
     # Then it waited for the worker to let go and was recorded (it was refused as busy)
     assert ctx.runs.events(run_id)[-1].type == "tool.reconciled"
     assert state.status != RunStatus.NEEDS_RECONCILIATION
+
+
+@pytest.mark.timeout(60)
+def test_an_operators_resume_of_a_run_whose_holder_died_mid_turn_enqueues_one_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.api
+
+    # Given a run whose worker died mid-turn (the run is live) holding its lease
+    ctx = memory_context(**SHORT)
+    run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund my order").run_id
+    dead_owner(ctx, run_id)
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(lease, "_resume_soon", lambda r, s: sent.append(("sweeper", r)))
+    monkeypatch.setattr(
+        worker.api, "enqueue_resume", lambda **fields: sent.append((fields["by"], fields["run_id"]))
+    )
+
+    # When an operator resumes it
+    status = worker.api.Ratchet(ctx).resume(run_id)
+
+    # Then one resume is sent, the operator's (its answer is the one `resume --wait` reads),
+    # not a sweeper's resume as well, which counts towards dead-lettering and races it
+    assert sent == [("operator", run_id)], sent
+    assert status == "queued"
+    assert ctx.runs.lease(run_id) is None

@@ -256,13 +256,14 @@ class Ratchet:
             return load(self.ctx, run_id, set_aside=held)
 
     @contextmanager
-    def _lease_if_free(self, run_id: str) -> Iterator[bool]:
+    def _lease_if_free(self, run_id: str, recovers: bool = False) -> Iterator[bool]:
         """Hold the run's lease for a moment if no live worker does; whether it is held.
 
         A dead worker's lease is taken over (:mod:`tasks.lease`); one that left its run
-        mid-turn is not held here, and a resume of it is enqueued.
+        mid-turn is not held here, and a resume of it is enqueued — unless the caller
+        ``recovers`` the run itself (a resume), when it is held like any other.
         """
-        with holding(self.ctx, validate_run_id(run_id), must=False) as held:
+        with holding(self.ctx, validate_run_id(run_id), must=False, recovers=recovers) as held:
             yield held.taken
 
     def snapshot_document(self, run_id: str) -> bytes | None:
@@ -282,7 +283,9 @@ class Ratchet:
         """
         from tasks.recovery import examine
 
-        with self._lease_if_free(run_id) as held:
+        # A run its dead holder left mid-turn is this resume's to recover: holding it
+        # here sends no sweeper resume of it besides the operator's.
+        with self._lease_if_free(run_id, recovers=True) as held:
             state, _, verdict = examine(self.ctx, run_id, set_aside=held)
         if verdict.refusal is not None:
             raise verdict.refusal
