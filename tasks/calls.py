@@ -38,10 +38,15 @@ class _Callers:
     call that times out is abandoned, not stopped — Python cannot stop a thread —
     and its thread is written off; a fresh one takes its place, so abandoned calls
     never starve the next turn. Daemon threads never hold the process open at exit.
+
+    The hand-offs are bare locks, not ``threading.Event``s: an Event is a Condition,
+    whose wait and notify are Python code, and a call crosses two (47 → 19 µs of CPU
+    a call, measured). A slot's ``go`` lock is held while its thread is idle; a call's
+    ``done`` lock is held until the call returns.
     """
 
     def __init__(self) -> None:
-        self._idle: list[tuple[threading.Event, list[Any]]] = []
+        self._idle: list[tuple[threading.Lock, list[Any]]] = []
         self._lock = threading.Lock()
 
     def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -51,37 +56,38 @@ class _Callers:
         """Start ``fn`` on a caller thread and return at once; :meth:`Started.result` waits."""
         with self._lock:
             slot = self._idle.pop() if self._idle else self._spawn()
-        wake, box = slot
-        done = threading.Event()
+        go, box = slot
+        done = threading.Lock()
+        done.acquire()
         box[:] = [fn, done, None, None]
-        wake.set()
+        go.release()
         return Started(self, slot, done, what)
 
-    def _give_back(self, slot: tuple[threading.Event, list[Any]]) -> None:
+    def _give_back(self, slot: tuple[threading.Lock, list[Any]]) -> None:
         with self._lock:
             self._idle.append(slot)
 
     @staticmethod
-    def _spawn() -> tuple[threading.Event, list[Any]]:
-        wake = threading.Event()
+    def _spawn() -> tuple[threading.Lock, list[Any]]:
+        go = threading.Lock()
+        go.acquire()
         box: list[Any] = [None, None, None, None]
 
         def serve() -> None:
             while True:
-                wake.wait()
-                wake.clear()
+                go.acquire()
                 fn, done = box[0], box[1]
                 try:
                     box[2], box[3] = fn(), None
                 except BaseException as exc:  # handed to the waiting thread as is
                     box[2], box[3] = None, exc
                 abandoned = box[0] is None
-                done.set()
+                done.release()
                 if abandoned:
                     return
 
         threading.Thread(target=serve, name="ratchet-call", daemon=True).start()
-        return wake, box
+        return go, box
 
 
 class Started(Generic[T]):
@@ -90,15 +96,15 @@ class Started(Generic[T]):
     def __init__(
         self,
         callers: _Callers,
-        slot: tuple[threading.Event, list[Any]],
-        done: threading.Event,
+        slot: tuple[threading.Lock, list[Any]],
+        done: threading.Lock,
         what: str,
     ) -> None:
         self._callers, self._slot, self._done, self.what = callers, slot, done, what
         self._taken = False
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._taken or not self._done.locked()
 
     def result(self, timeout_s: float) -> T:
         """Wait up to ``timeout_s`` for the call's value (or its exception, raised here).
@@ -110,7 +116,7 @@ class Started(Generic[T]):
             raise RuntimeError(f"{self.what}: its result was already taken")
         self._taken = True
         box = self._slot[1]
-        if not self._done.wait(max(0.0, timeout_s)):
+        if not self._done.acquire(timeout=max(0.0, timeout_s)):
             box[0] = None  # the thread exits when (if ever) the call returns
             raise CallTimedOut(self.what, timeout_s)
         value, error = box[2], box[3]
