@@ -1,6 +1,6 @@
 """Durable turns/s on a real worker and Redis, against a plain Celery self-chain.
 
-    python -m bench.turns [--runs 40] [--turns 10] [--concurrency 2]
+    python -m bench.turns [--runs 40] [--turns 10] [--concurrency 2] [--sequential]
 
 Starts its own redis-server on a free port, then, with the same worker options
 (prefork, ``--concurrency``), measures:
@@ -91,12 +91,16 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def wait_for(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout_s: float, poll_s: float = 0.01) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise SystemExit("benchmark timed out; see the worker logs")
-        time.sleep(0.01)
+        time.sleep(poll_s)
+
+
+SEQUENTIAL_POLL_S = 0.001
+"""How often a sequential pass looks for its chain's end: the same for both sides."""
 
 
 def warm_up(env: dict[str, str], workers: int = 1, timeout_s: float = 60.0) -> None:
@@ -171,7 +175,13 @@ def measured(
 
 
 def bench_baseline(
-    url: str, env: dict[str, str], runs: int, turns: int, concurrency: int, log: Path
+    url: str,
+    env: dict[str, str],
+    runs: int,
+    turns: int,
+    concurrency: int,
+    log: Path,
+    sequential: bool = False,
 ) -> Measured:
     counter = redis.Redis.from_url(f"{url}/15")
     counter.delete("bench:chains_done")
@@ -184,6 +194,16 @@ def bench_baseline(
         selfchain.app.conf.broker_url = f"{url}/1"
 
         def run() -> None:
+            if sequential:  # one chain at a time: each waits for the one before to end
+                for chain_id in range(runs):
+                    selfchain.hop.apply_async((chain_id, turns))
+                    done = chain_id + 1
+                    wait_for(
+                        lambda done=done: int(counter.get("bench:chains_done") or 0) >= done,
+                        600,
+                        SEQUENTIAL_POLL_S,
+                    )
+                return
             for chain_id in range(runs):
                 selfchain.hop.apply_async((chain_id, turns))
             wait_for(lambda: int(counter.get("bench:chains_done") or 0) >= runs, 600)
@@ -194,7 +214,14 @@ def bench_baseline(
 
 
 def bench_ratchet(
-    url: str, env: dict[str, str], runs: int, turns: int, concurrency: int, log: Path, agent: Path
+    url: str,
+    env: dict[str, str],
+    runs: int,
+    turns: int,
+    concurrency: int,
+    log: Path,
+    agent: Path,
+    sequential: bool = False,
 ) -> tuple[Measured, int]:
     stores = f"{url}/2"
     env = {
@@ -219,6 +246,16 @@ def bench_ratchet(
         ids: list[str] = []
 
         def run() -> None:
+            if sequential:  # one run at a time: each waits for the one before to complete
+                for i in range(runs):
+                    run_id = api.start(agent, f"bench run {i}")
+                    ids.append(run_id)
+                    wait_for(
+                        lambda run_id=run_id: api.get(run_id).status == RunStatus.COMPLETED,
+                        600,
+                        SEQUENTIAL_POLL_S,
+                    )
+                return
             ids.extend(api.start(agent, f"bench run {i}") for i in range(runs))
             wait_for(lambda: len(api.list(RunStatus.COMPLETED, limit=runs + 1)) >= runs, 600)
 
@@ -239,6 +276,12 @@ def main() -> None:
         action="store_true",
         help="both workers without Celery task events (RATCHET_TASK_EVENTS=0)",
     )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one chain or run at a time, as the peer harness's sequential pass: "
+        "ms/turn is then a turn's latency",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -251,7 +294,13 @@ def main() -> None:
                 env["RATCHET_TASK_EVENTS"] = "0"
             agent = write_agent(directory, args.turns)
             baseline = bench_baseline(
-                server.url, env, args.runs, args.turns, args.concurrency, directory / "baseline.log"
+                server.url,
+                env,
+                args.runs,
+                args.turns,
+                args.concurrency,
+                directory / "baseline.log",
+                args.sequential,
             )
             durable, wrong = bench_ratchet(
                 server.url,
@@ -261,12 +310,15 @@ def main() -> None:
                 args.concurrency,
                 directory / "ratchet.log",
                 agent,
+                args.sequential,
             )
         finally:
             server.stop()
     print(
         f"workload: {args.runs} runs x {args.turns} turns, prefork concurrency {args.concurrency}, "
-        "Redis broker and stores on loopback" + (", no task events" if args.no_task_events else "")
+        "Redis broker and stores on loopback"
+        + (", no task events" if args.no_task_events else "")
+        + (", one at a time" if args.sequential else "")
     )
     print(
         f"plain Celery self-chain (no-op tasks): {baseline.turns_per_s:8.1f} turns/s, {baseline.cpu()}"
@@ -274,6 +326,11 @@ def main() -> None:
     print(
         f"ratchet durable turns (model + tool):  {durable.turns_per_s:8.1f} turns/s, {durable.cpu()}"
     )
+    if args.sequential:
+        print(
+            f"latency per turn: self-chain {1000 / baseline.turns_per_s:.2f} ms, "
+            f"ratchet {1000 / durable.turns_per_s:.2f} ms"
+        )
     ratio = durable.turns_per_s / baseline.turns_per_s
     print(f"ratio durable / self-chain:            {ratio:8.2f}   (target >= 0.80)")
     cpu_ratio = (durable.worker_cpu_ms + durable.redis_cpu_ms) / (
