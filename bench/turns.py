@@ -193,20 +193,15 @@ def bench_baseline(
 
         selfchain.app.conf.broker_url = f"{url}/1"
 
+        def ended(chains: int) -> bool:
+            return int(counter.get("bench:chains_done") or 0) >= chains
+
         def run() -> None:
-            if sequential:  # one chain at a time: each waits for the one before to end
-                for chain_id in range(runs):
-                    selfchain.hop.apply_async((chain_id, turns))
-                    done = chain_id + 1
-                    wait_for(
-                        lambda done=done: int(counter.get("bench:chains_done") or 0) >= done,
-                        600,
-                        SEQUENTIAL_POLL_S,
-                    )
-                return
             for chain_id in range(runs):
                 selfchain.hop.apply_async((chain_id, turns))
-            wait_for(lambda: int(counter.get("bench:chains_done") or 0) >= runs, 600)
+                if sequential:  # one chain at a time: the next starts once this one ended
+                    wait_for(lambda n=chain_id + 1: ended(n), 600, SEQUENTIAL_POLL_S)
+            wait_for(lambda: ended(runs), 600)
 
         return measured(worker, counter, runs * turns, run)
     finally:
@@ -245,18 +240,14 @@ def bench_ratchet(
         api = Ratchet(Context(Settings(), open_snapshot_store(stores), open_run_store(stores)))
         ids: list[str] = []
 
+        def completed(run_id: str) -> bool:
+            return api.get(run_id).status == RunStatus.COMPLETED
+
         def run() -> None:
-            if sequential:  # one run at a time: each waits for the one before to complete
-                for i in range(runs):
-                    run_id = api.start(agent, f"bench run {i}")
-                    ids.append(run_id)
-                    wait_for(
-                        lambda run_id=run_id: api.get(run_id).status == RunStatus.COMPLETED,
-                        600,
-                        SEQUENTIAL_POLL_S,
-                    )
-                return
-            ids.extend(api.start(agent, f"bench run {i}") for i in range(runs))
+            for i in range(runs):
+                ids.append(run_id := api.start(agent, f"bench run {i}"))
+                if sequential:  # one run at a time: the next starts once this one completed
+                    wait_for(lambda r=run_id: completed(r), 600, SEQUENTIAL_POLL_S)
             wait_for(lambda: len(api.list(RunStatus.COMPLETED, limit=runs + 1)) >= runs, 600)
 
         result = measured(worker, redis.Redis.from_url(url), runs * turns, run)
