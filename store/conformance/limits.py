@@ -22,15 +22,21 @@ class LimitStoreContract:
     def test_a_store_admits_a_burst_then_reserves_in_order_and_then_denies(
         self, limit_store: LimitStore
     ) -> None:
-        rate = Rate("requests", 60, burst_s=1.0)  # one a second, one ahead
+        # One every 10 s, one ahead: the slots lie 5 s from the horizon's edge, so a slow
+        # store (SQLite's fsyncs on a loaded disk) cannot move one across it.
+        rate = Rate("requests", 6, burst_s=10.0)
         answers = []
         for i in range(6):
-            admission = limit_store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, under_way=True)
+            admission = limit_store.admit(
+                "k", f"run-{i}", 1, 2, [rate], [1], 25_000, under_way=True
+            )
             answers.append(admission.verdict.outcome)
-        # Two go at once, the next two reserve their slots 1 s and 2 s on, the rest are past 2.5 s
+        # Two go at once, the next two reserve their slots 10 s and 20 s on, the rest are past 25 s
         assert answers == ["go", "go", "reserved", "reserved", "denied", "denied"]
         # The denied stand in line in the order they asked
-        again = [limit_store.admit("k", f"run-{i}", 1, 2, [rate], [1], 2500, True) for i in (5, 4)]
+        again = [
+            limit_store.admit("k", f"run-{i}", 1, 2, [rate], [1], 25_000, True) for i in (5, 4)
+        ]
         assert [a.place for a in again] == [1, 0]
 
     def test_a_reservation_is_taken_by_the_turn_it_was_made_for_and_only_once(
