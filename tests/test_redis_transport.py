@@ -1,9 +1,10 @@
 """What ratchet's Redis transport (``ratchet-redis``, worker/transport.py) says to Redis.
 
-It packs a BRPOP once per order of its queues and keeps kombu's unacked bookkeeping
-in plain pipelines: the commands a real Redis receives (read with MONITOR) are shown
-to be kombu's own, less the MULTI/EXEC around each pair, and a message a consumer
-never acknowledged still comes back.
+It packs a BRPOP once per order of its queues and writes kombu's unacked bookkeeping
+without waiting for it: the commands a real Redis receives (read with MONITOR) are
+shown to be kombu's own, less the MULTI/EXEC around each pair — in an event loop
+written on the BRPOP's connection, ahead of the next BRPOP or on their own
+(worker/unacked.py) — and a message a consumer never acknowledged still comes back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from worker.transport import RatchetConnection, RedisTransport
 
 STEPS = {"priority_steps": list(range(MAX_PRIORITY + 1))}
 DONE = "test-monitor-done"
+BOOKKEEPING = ("ZADD", "HSET", "ZREM", "HDEL")
 
 
 class Monitor:
@@ -32,6 +34,7 @@ class Monitor:
         self.client = redis.Redis.from_url(url)
         self.db = self.client.connection_pool.connection_kwargs.get("db", 0)
         self.commands: list[list[str]] = []
+        self.senders: list[str] = []
         self._monitor = self.client.monitor()
         self._monitor.__enter__()
         self._thread = threading.Thread(target=self._listen, daemon=True)
@@ -44,6 +47,7 @@ class Monitor:
                 return
             if int(entry["db"]) == self.db:
                 self.commands.append(words)
+                self.senders.append(f"{entry['client_address']}:{entry['client_port']}")
 
     def stop(self) -> list[list[str]]:
         self.client.echo(DONE)
@@ -55,6 +59,12 @@ class Monitor:
 
     def named(self, *names: str) -> list[list[str]]:
         return [c for c in self.commands if c[0].upper() in names]
+
+    def clients(self, *names: str) -> set[str]:
+        """The clients (address:port) that sent commands named ``names``."""
+        return {
+            who for who, c in zip(self.senders, self.commands, strict=True) if c[0].upper() in names
+        }
 
 
 @contextmanager
@@ -200,3 +210,121 @@ def test_a_message_never_acknowledged_is_restored_once_past_the_visibility_timeo
     client.close()
     dead.default_channel.qos._delivered.clear()  # nothing of its to restore at close
     dead.release()
+
+
+class Loop:
+    """A kombu event loop (Hub) driving ``connection``, a tick at a time, as a worker's does."""
+
+    def __init__(self, connection: Any, wanted: list[Any], prefetch: int = 0) -> None:
+        from kombu.asynchronous import Hub
+
+        self.hub = Hub()
+        self.held: list[Any] = []
+        connection.register_with_event_loop(self.hub)
+        self.consumer = connection.Consumer(
+            wanted, callbacks=[lambda _b, m: self.held.append(m)], accept=["json"]
+        )
+        if prefetch:
+            self.consumer.qos(prefetch_count=prefetch)
+        self.consumer.consume()
+        self.ticks = self.hub.create_loop()
+
+    def tick(self) -> None:
+        next(self.ticks)
+
+    def close(self) -> None:
+        self.ticks.close()
+        self.hub.close()
+
+    def until(self, done: Any, ticks: int = 400) -> None:
+        for _ in range(ticks):
+            if done():
+                return
+            self.tick()
+        raise AssertionError("the loop never got there")
+
+
+def publish(connection: Any, queue: Any, *bodies: Any) -> None:
+    with connection.Producer() as producer:
+        for body in bodies:
+            producer.publish(
+                body, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue],
+                serializer="json",
+            )  # fmt: skip
+
+
+def test_in_an_event_loop_the_bookkeeping_rides_ahead_of_the_next_brpop(redis_url: str) -> None:
+    # Given two messages and a consumer in an event loop that acks each as it comes
+    wanted = queues(f"t{uuid.uuid4().hex[:6]}")
+    client = redis.Redis.from_url(redis_url)
+    with RatchetConnection(redis_url, transport_options=STEPS) as connection:
+        publish(connection, wanted[0], {"n": 1}, {"n": 2})
+        loop = Loop(connection, wanted)
+        with monitored(redis_url) as monitor:
+            # When the loop takes both and acks them
+            def acked_both() -> bool:
+                for message in loop.held:
+                    if not message.acknowledged:
+                        message.ack()
+                return len(loop.held) == 2 and len(monitor.named("HDEL")) == 2
+
+            loop.until(acked_both)
+            monitor.stop()
+        loop.close()
+    client.close()
+    # Then each delivery's and each ack's commands went out on the BRPOP's connection, in
+    # the same write as the next BRPOP and ahead of it, with no pipeline of their own
+    steps = [c[0].upper() for c in monitor.commands if c[0].upper() in BOOKKEEPING + ("BRPOP",)]
+    assert steps[:1] == ["BRPOP"]
+    assert steps[1:] == ["ZADD", "HSET", "ZREM", "HDEL", "BRPOP"] * 2
+    assert len(monitor.clients(*BOOKKEEPING, "BRPOP")) == 1
+
+
+def test_a_delivery_is_written_at_once_even_with_no_brpop_to_carry_it(redis_url: str) -> None:
+    # Given a consumer in an event loop that may hold one message at a time
+    wanted = queues(f"t{uuid.uuid4().hex[:6]}")
+    client = redis.Redis.from_url(redis_url)
+    with RatchetConnection(redis_url, transport_options=STEPS) as connection:
+        publish(connection, wanted[0], {"n": 1}, {"n": 2})
+        loop = Loop(connection, wanted, prefetch=1)
+        with monitored(redis_url) as monitor:
+            loop.until(lambda: loop.held)
+            # When the loop ticks after the delivery (it sends no BRPOP: it holds one)
+            loop.until(lambda: client.hlen("unacked") == 1, ticks=3)
+            # Then the message is in kombu's unacked hash (a worker dying now gives it
+            # back), written on the idle BRPOP connection, with no pipeline waited for
+            assert client.zcard("unacked_index") == 1
+            # And once acknowledged, the next BRPOP carries the ack and the next message comes
+            loop.held[0].ack()
+            loop.until(lambda: len(loop.held) == 2)
+            loop.until(lambda: client.hlen("unacked") == 1 and len(monitor.named("HDEL")) == 1)
+            monitor.stop()
+        assert monitor.clients(*BOOKKEEPING) == monitor.clients("BRPOP")
+        assert len(monitor.clients("BRPOP")) == 1
+        loop.held[1].ack()
+        loop.close()
+    # And closing the channel writes the ack no BRPOP carried
+    assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
+    client.close()
+
+
+def test_a_message_held_at_close_goes_back_on_its_queue_and_an_ack_from_a_thread_is_written(
+    redis_url: str,
+) -> None:
+    wanted = queues(f"t{uuid.uuid4().hex[:6]}")
+    client = redis.Redis.from_url(redis_url)
+    with RatchetConnection(redis_url, transport_options=STEPS) as connection:
+        publish(connection, wanted[0], {"n": 1}, {"n": 2})
+        loop = Loop(connection, wanted, prefetch=2)
+        # Given two messages delivered, the loop's bookkeeping not yet written
+        loop.until(lambda: len(loop.held) == 2)
+        # When one is acknowledged from another thread (a threads pool's), it is written there
+        acking = threading.Thread(target=loop.held[0].ack)
+        acking.start()
+        acking.join()
+        assert client.hget("unacked", loop.held[0].delivery_tag) is None
+        loop.close()
+    # And when the channel closes holding the other, it is back on its queue, as in kombu
+    assert client.llen(wanted[0].name) == 1
+    assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
+    client.close()

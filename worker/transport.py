@@ -36,7 +36,7 @@ polls at the configured interval, as kombu does.
 
 The Redis transport also does less in the worker's main process for each message:
 one client for every publish and ack, the BRPOP packed once per order of its
-queues, and kombu's unacked bookkeeping in plain pipelines (:class:`RedisQoS`).
+queues, and kombu's unacked bookkeeping written with the next BRPOP (worker/unacked.py).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import errno
 import logging
 import os
 import select
+import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from queue import Empty
 from time import monotonic
@@ -71,6 +71,7 @@ from tasks.rejected import (
     set_aside,
     write_atomically,
 )
+from worker.unacked import RedisQoS, RidingPoller
 
 log = logging.getLogger("ratchet.transport")
 
@@ -162,9 +163,21 @@ class SafeRedisReads(SafeEntries):
         return RedisRejected(self._create_client())
 
     def _brpop_read(self, **options: Any) -> bool:
-        # kombu's _brpop_read with one change: the entry goes through accept_entry
-        # instead of straight into loads() and the delivery callback. Kept in step
-        # with kombu 5.7 (the reauth flush in `finally` included).
+        # kombu's _brpop_read with two changes: the replies of the unacked bookkeeping
+        # the BRPOP carried are read first (worker/unacked.py), and the entry goes
+        # through accept_entry instead of straight into loads() and the delivery
+        # callback. Kept in step with kombu 5.7 (the reauth flush in `finally` included).
+        if getattr(self.qos, "riding", 0):
+            connection = self.client.connection
+            try:
+                self.qos.read_riding(connection)
+                waiting = not self._closing and not connection.can_read(timeout=0)
+            except self.connection_errors:
+                connection.disconnect()
+                self._in_poll = None
+                raise
+            if waiting:
+                raise Empty()  # the BRPOP still waits: its reply wakes the loop again
         try:
             try:
                 dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
@@ -207,30 +220,6 @@ class SafeRedisReads(SafeEntries):
 
 BRPOP_COMMANDS_MAX = 64
 """Packed BRPOP commands a channel keeps (one per order of its queues, at most)."""
-
-
-class RedisQoS(redis.QoS):
-    """kombu's unacked bookkeeping, each step one plain pipeline instead of a transaction.
-
-    Every delivery adds the message to the ``unacked`` hash and its tag to the
-    ``unacked_index`` sorted set, every ack removes both: kombu wraps each pair in
-    MULTI/EXEC, which doubles the commands the worker's main process packs and the
-    replies it parses (measured: about a third of the pair's CPU, two pairs a turn).
-    The pair is still sent in one write and run in order. Nothing needs it atomic: the
-    only reader, ``restore_visible``, takes tags older than the visibility timeout and
-    restores each in a transaction that WATCHes the hash, so a half-applied pair reads
-    as a message already acked (nothing restored) or, for a delivery cut short, a tag
-    without a message (its index entry removed) — and the message was taken off its
-    list before either. Restores keep kombu's transactions (they pass their own pipe).
-    """
-
-    @contextmanager
-    def pipe_or_acquire(self, pipe: Any = None, client: Any = None) -> Iterator[Any]:
-        if pipe:
-            yield pipe
-        else:
-            with self.channel.conn_or_acquire(client) as client:
-                yield client.pipeline(transaction=False)
 
 
 class RedisChannel(SafeRedisReads, redis.Channel):
@@ -281,14 +270,36 @@ class RedisChannel(SafeRedisReads, redis.Channel):
             if len(commands) >= BRPOP_COMMANDS_MAX:
                 commands.clear()
             commands[order] = packed
+        riders = self.qos.take_riders(connection) if self.qos.riders else None
         self._in_poll = connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu: None until sent
-        connection.send_packed_command(packed)
+        try:
+            connection.send_packed_command([*riders, *packed] if riders else packed)
+        except BaseException:
+            self.qos.riding = 0
+            raise
+
+    def close(self) -> None:
+        # What the bookkeeping still owes is written while the clients are open (kombu
+        # closes them before it restores what the channel still holds).
+        if not self.closed:
+            self.qos.settle()
+        super().close()
 
 
 class RedisTransport(redis.Transport):
     Channel = RedisChannel
     driver_name = "redis"
+
+    cycle: RidingPoller  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cycle = RidingPoller()
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        self.cycle.loop_thread = threading.get_ident()
+        super().register_with_event_loop(connection, loop)
 
 
 class FilesystemChannel(SafeEntries, filesystem.Channel):

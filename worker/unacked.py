@@ -1,0 +1,217 @@
+# mypy: disable-error-code="no-untyped-call,override,misc,attr-defined"
+# (kombu's transports are untyped, and the classes below use its channel attributes.)
+"""kombu's unacked bookkeeping on Redis, written on the BRPOP connection and not waited for.
+
+kombu's Redis channel emulates acknowledgements: every delivery adds the message
+to the ``unacked`` hash and its tag to the ``unacked_index`` sorted set, every ack
+removes both, so a worker that dies holding a message gives it back once the
+visibility timeout has passed. Each step is a pipeline the worker's main process
+sends and then waits for — two round trips a turn, in the loop that hands the
+next turn to a pool process (py-spy, a chain of turns: about 40% of that loop's
+busy time).
+
+In a worker's event loop these steps become **riders**: their commands are queued
+as the loop handles a delivery or an ack, and at the loop's next tick they are
+written on the channel's BRPOP connection:
+
+- ahead of the BRPOP the tick sends, in the same write, when it sends one: Redis
+  runs them in order before it blocks on the BRPOP, and their replies are read off
+  that connection before the BRPOP's own;
+- on their own when the connection is idle (a channel that may not consume more,
+  so sends no BRPOP: a prefork worker whose processes are all busy), their replies
+  read when the connection turns readable;
+- as kombu sends them, one pipeline waited for, only when that connection has a
+  BRPOP in flight or is not open yet.
+
+Either way a step is written at the next tick, as in kombu a moment after the
+delivery or ack that asked for it, and nothing waits for its reply. Before anything
+reads the hash — a restore, a reject, the channel's close — every queued step is
+written and every reply read. Outside an event loop (a client draining events), and
+from any thread but the loop's (a threads pool acknowledges from its own), nothing
+is queued: kombu's own steps, each a pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from time import time
+from typing import Any
+
+from kombu.transport import redis
+from kombu.utils.json import dumps
+
+log = logging.getLogger("ratchet.transport")
+
+
+class RedisQoS(redis.QoS):
+    """kombu's QoS, with the bookkeeping as riders (see the module docstring) and, where
+    it is still sent on its own, one plain pipeline instead of a transaction.
+
+    Plain pipelines: kombu wraps each pair in MULTI/EXEC, which doubles the commands
+    the worker's main process packs and the replies it parses. The pair is still sent
+    in one write and run in order. Nothing needs it atomic: the only reader,
+    ``restore_visible``, takes tags older than the visibility timeout and restores each
+    in a transaction that WATCHes the hash, so a half-applied pair reads as a message
+    already acked (nothing restored) or, for a delivery cut short, a tag without a
+    message (its index entry removed) — and the message was taken off its list before
+    either. Restores keep kombu's transactions (they pass their own pipe).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.riders: list[tuple[Any, ...]] = []
+        self.riding = 0  # steps written with the BRPOP in flight, their replies not yet read
+        self._riding_on: Any = None  # the socket they were written to
+
+    def _ride(self) -> bool:
+        # Only on the loop's own thread (a threads pool acknowledges from its threads).
+        channel = self.channel
+        return (
+            channel.connection.cycle.loop_thread == threading.get_ident()
+            and not channel.global_keyprefix
+        )
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        if not self._ride():
+            super().append(message, delivery_tag)
+            return
+        delivery = message.delivery_info
+        raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        self.riders.append(("ZADD", self.unacked_index_key, time(), delivery_tag))
+        self.riders.append(("HSET", self.unacked_key, delivery_tag, raw))
+        redis.virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: Any) -> None:
+        if not self._ride():
+            super().ack(delivery_tag)
+            return
+        self.riders.append(("ZREM", self.unacked_index_key, delivery_tag))
+        self.riders.append(("HDEL", self.unacked_key, delivery_tag))
+        redis.virtual.QoS.ack(self, delivery_tag)
+
+    def take_riders(self, connection: Any) -> list[bytes]:
+        """The queued steps, packed for ``connection`` (the BRPOP's), which now carries them
+        ahead of its BRPOP: the chunks to write before the BRPOP's own."""
+        riders, self.riders = self.riders, []
+        if not riders:
+            return []
+        self.riding += len(riders)
+        self._riding_on = connection._sock
+        return [chunk for command in riders for chunk in connection.pack_command(*command)]
+
+    def read_riding(self, connection: Any) -> None:
+        """Read the replies of the steps the BRPOP in flight carried (they come before its own)."""
+        if self.riding and connection._sock is not self._riding_on:
+            # The connection was lost since: so were the replies, and perhaps the steps (an
+            # ack not written is delivered again after the visibility timeout).
+            log.warning(
+                "the broker connection closed before %d step(s) of its unacked bookkeeping "
+                "were confirmed",
+                self.riding,
+            )
+            self.riding = 0
+        while self.riding:
+            self.riding -= 1
+            try:
+                connection.read_response()
+            except redis.redis.ResponseError as exc:
+                log.warning("Redis refused a step of the broker's unacked bookkeeping: %s", exc)
+            except BaseException:
+                self.riding = 0  # the connection is gone, and the other replies with it
+                raise
+
+    def send_riders(self) -> None:
+        """Send what did not ride on a BRPOP as one pipeline, as kombu would."""
+        if not self.riders:
+            return
+        riders, self.riders = self.riders, []
+        with self.pipe_or_acquire() as pipe:
+            for command in riders:
+                pipe.execute_command(*command)
+            pipe.execute()
+
+    def settle(self) -> None:
+        """Every queued step written and every reply read: the hash is up to date."""
+        if self.riding:
+            self.read_riding(self.channel.client.connection)
+        self.send_riders()
+
+    @contextmanager
+    def pipe_or_acquire(self, pipe: Any = None, client: Any = None) -> Iterator[Any]:
+        if pipe:
+            yield pipe
+        else:
+            with self.channel.conn_or_acquire(client) as client:
+                yield client.pipeline(transaction=False)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        self.settle()
+        super().reject(delivery_tag, requeue=requeue)
+
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        self.settle()
+        super().restore_by_tag(tag, client=client, leftmost=leftmost)
+
+    def restore_unacked(self, client: Any = None) -> None:
+        self.settle()
+        super().restore_unacked(client=client)
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
+        self.settle()
+        super().restore_visible(*args, **kwargs)
+
+
+class RidingPoller(redis.MultiChannelPoller):
+    """kombu's poller of a transport's channels, which, at the end of each tick of an event
+    loop, writes the bookkeeping no BRPOP carried on the channel's idle BRPOP connection,
+    and reads its replies when they come (see the module docstring)."""
+
+    loop_thread: int | None = None
+    """The thread of the event loop the transport is registered with, if any."""
+
+    def on_poll_start(self) -> None:
+        super().on_poll_start()
+        for channel in self._channels:
+            qos = channel.qos
+            if not qos.riders:
+                continue
+            connection = self._idle_brpop_connection(channel)
+            if connection is None:
+                qos.send_riders()
+                continue
+            chunks = qos.take_riders(connection)
+            try:
+                connection.send_packed_command(chunks)
+            except BaseException:
+                qos.riding = 0
+                raise
+
+    def _idle_brpop_connection(self, channel: Any) -> Any:
+        """The channel's BRPOP connection, if it is polled and has no BRPOP in flight."""
+        if channel._in_poll:
+            return None
+        sock = self._chan_to_sock.get((channel, channel.client, "BRPOP"))
+        connection = channel.client.connection
+        if sock is None or connection is None or connection._sock is not sock:
+            return None
+        if sock.fileno() in self._paused_brpop:
+            return None
+        return connection
+
+    def on_readable(self, fileno: int) -> Any:
+        chan_type = self._fd_to_chan.get(fileno)
+        if chan_type is not None and fileno not in self._paused_brpop:
+            channel, kind = chan_type
+            if kind == "BRPOP" and not channel._in_poll and channel.qos.riding:
+                # Replies of bookkeeping written with no BRPOP after it.
+                connection = channel.client.connection
+                try:
+                    channel.qos.read_riding(connection)
+                except channel.connection_errors:
+                    connection.disconnect()
+                    raise
+                return None
+        return super().on_readable(fileno)
