@@ -9,6 +9,7 @@ written on the BRPOP's connection, ahead of the next BRPOP or on their own
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -16,9 +17,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import kombu
+import pytest
 import redis
 from kombu import Exchange, Queue
 
+from tests.redis_server import running_redis_server
 from worker.priorities import MAX_PRIORITY
 from worker.transport import RatchetConnection, RedisTransport
 
@@ -328,3 +331,23 @@ def test_a_message_held_at_close_goes_back_on_its_queue_and_an_ack_from_a_thread
     assert client.llen(wanted[0].name) == 1
     assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
     client.close()
+
+
+def test_a_channel_whose_server_went_away_still_closes(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    wanted = queues(f"t{uuid.uuid4().hex[:6]}")
+    with running_redis_server(tmp_path) as server:
+        connection = RatchetConnection(server.url, transport_options=STEPS)
+        publish(connection, wanted[0], {"n": 1})
+        loop = Loop(connection, wanted)
+        # Given a delivery acknowledged in the loop, its bookkeeping not yet written
+        loop.until(lambda: loop.held)
+        loop.held[0].ack()
+        # When the server dies and the connection is closed (as Celery does when it reconnects)
+        server.kill()
+        with caplog.at_level(logging.WARNING, logger="ratchet.transport"):
+            loop.close()
+            connection.release()
+    # Then the close goes through, saying what was not written
+    assert "unacked bookkeeping was not written at close" in caplog.text

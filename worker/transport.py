@@ -283,7 +283,11 @@ class RedisChannel(SafeRedisReads, redis.Channel):
         # What the bookkeeping still owes is written while the clients are open (kombu
         # closes them before it restores what the channel still holds).
         if not self.closed:
-            self.qos.settle()
+            try:
+                self.qos.settle()
+            except self.connection_errors as exc:
+                # A lost connection closes the channel too: kombu's close must still run.
+                log.warning("the broker's unacked bookkeeping was not written at close: %r", exc)
         super().close()
 
 
