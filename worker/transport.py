@@ -274,7 +274,8 @@ class RedisChannel(SafeRedisReads, redis.Channel):
         self._in_poll = connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu: None until sent
         try:
-            connection.send_packed_command([*riders, *packed] if riders else packed)
+            # One send for the bookkeeping and the BRPOP: one write on the wire.
+            connection.send_packed_command([b"".join((riders, *packed))] if riders else packed)
         except BaseException:
             self.qos.riding = 0
             raise

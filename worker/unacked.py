@@ -92,15 +92,16 @@ class RedisQoS(redis.QoS):
         self.riders.append(("HDEL", self.unacked_key, delivery_tag))
         redis.virtual.QoS.ack(self, delivery_tag)
 
-    def take_riders(self, connection: Any) -> list[bytes]:
-        """The queued steps, packed for ``connection`` (the BRPOP's), which now carries them
-        ahead of its BRPOP: the chunks to write before the BRPOP's own."""
+    def take_riders(self, connection: Any) -> bytes:
+        """The queued steps, packed for ``connection`` (the BRPOP's), which now carries them:
+        the bytes to write (ahead of its BRPOP, if it sends one), in one piece so that
+        they go out in one ``send`` with whatever follows."""
         riders, self.riders = self.riders, []
         if not riders:
-            return []
+            return b""
         self.riding += len(riders)
         self._riding_on = connection._sock
-        return [chunk for command in riders for chunk in connection.pack_command(*command)]
+        return b"".join(chunk for command in riders for chunk in connection.pack_command(*command))
 
     def read_riding(self, connection: Any) -> None:
         """Read the replies of the steps the BRPOP in flight carried (they come before its own)."""
@@ -182,9 +183,9 @@ class RidingPoller(redis.MultiChannelPoller):
             if connection is None:
                 qos.send_riders()
                 continue
-            chunks = qos.take_riders(connection)
+            packed = qos.take_riders(connection)
             try:
-                connection.send_packed_command(chunks)
+                connection.send_packed_command([packed])
             except BaseException:
                 qos.riding = 0
                 raise
