@@ -321,6 +321,7 @@ def test_a_message_held_at_close_goes_back_on_its_queue_and_an_ack_from_a_thread
         loop = Loop(connection, wanted, prefetch=2)
         # Given two messages delivered, the loop's bookkeeping not yet written
         loop.until(lambda: len(loop.held) == 2)
+        assert client.hlen("unacked") == 2
         # When one is acknowledged from another thread (a threads pool's), it is written there
         acking = threading.Thread(target=loop.held[0].ack)
         acking.start()

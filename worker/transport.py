@@ -192,7 +192,13 @@ class SafeRedisReads(SafeEntries):
             payload = self.accept_entry(item, dest)
             if payload is None:
                 raise Empty()
-            self.connection._deliver(payload, dest)
+            # The connection is idle until the next BRPOP: the delivery's bookkeeping is
+            # written on it (worker/unacked.py).
+            self.delivering = self.client.connection
+            try:
+                self.connection._deliver(payload, dest)
+            finally:
+                self.delivering = None
             return True
         finally:
             self._in_poll = None
@@ -224,6 +230,8 @@ BRPOP_COMMANDS_MAX = 64
 
 class RedisChannel(SafeRedisReads, redis.Channel):
     QoS = RedisQoS
+    delivering: Any = None
+    """The BRPOP connection while a message read on it is delivered (else None)."""
     _plain_client: Any = None
     _brpop_connection: Any = None
     _brpop_commands: dict[tuple[Any, ...], Any] | None = None
@@ -279,6 +287,12 @@ class RedisChannel(SafeRedisReads, redis.Channel):
         except BaseException:
             self.qos.riding = 0
             raise
+
+    def _flush_brpop_reauth(self) -> None:
+        # kombu sends AUTH on the idle BRPOP connection and reads its reply: not before the
+        # replies of the bookkeeping it carried are read (its timer tries again).
+        if not self.qos.riding:
+            super()._flush_brpop_reauth()
 
     def close(self) -> None:
         # What the bookkeeping still owes is written while the clients are open (kombu

@@ -10,25 +10,23 @@ sends and then waits for — two round trips a turn, in the loop that hands the
 next turn to a pool process (py-spy, a chain of turns: about 40% of that loop's
 busy time).
 
-In a worker's event loop these steps become **riders**: their commands are queued
-as the loop handles a delivery or an ack, and at the loop's next tick they are
-written on the channel's BRPOP connection:
+In a worker's event loop the steps are written on the channel's BRPOP connection
+and their replies read when they come, ahead of the BRPOP's own:
 
-- ahead of the BRPOP the tick sends, in the same write, when it sends one: Redis
-  runs them in order before it blocks on the BRPOP, and their replies are read off
-  that connection before the BRPOP's own;
-- on their own when the connection is idle (a channel that may not consume more,
-  so sends no BRPOP: a prefork worker whose processes are all busy), their replies
-  read when the connection turns readable;
-- as kombu sends them, one pipeline waited for, only when that connection has a
-  BRPOP in flight or is not open yet.
+- a delivery's step at once, as the delivery is read and before it is handed on
+  (where kombu sends its pipeline), since the connection is idle just then;
+- an ack's step at the loop's next tick: ahead of the BRPOP the tick sends, in the
+  same write, or on its own when the connection is idle (a channel that may not
+  consume more, so sends no BRPOP: a prefork worker whose processes are all busy),
+  or, while a BRPOP waits on that connection, as kombu sends it, a pipeline waited
+  for. An ack from another thread (a threads pool acknowledges from its own) is
+  kombu's pipeline, sent from that thread.
 
-Either way a step is written at the next tick, as in kombu a moment after the
-delivery or ack that asked for it, and nothing waits for its reply. Before anything
-reads the hash — a restore, a reject, the channel's close — every queued step is
-written and every reply read. Outside an event loop (a client draining events), and
-from any thread but the loop's (a threads pool acknowledges from its own), nothing
-is queued: kombu's own steps, each a pipeline.
+A delivery's step is written when kombu writes it, an ack's one tick later at most,
+and neither is waited for. Before anything reads
+the hash — a restore, a reject, the channel's close — every queued step is written
+and every reply read. Outside an event loop (a client draining events) kombu's own
+steps are sent, each a pipeline.
 """
 
 from __future__ import annotations
@@ -67,30 +65,45 @@ class RedisQoS(redis.QoS):
         self._riding_on: Any = None  # the socket they were written to
 
     def _ride(self) -> bool:
-        # Only on the loop's own thread (a threads pool acknowledges from its threads).
         channel = self.channel
-        return (
-            channel.connection.cycle.loop_thread == threading.get_ident()
-            and not channel.global_keyprefix
-        )
+        return channel.connection.cycle.loop_thread is not None and not channel.global_keyprefix
+
+    def _on_loop(self) -> bool:
+        return bool(self.channel.connection.cycle.loop_thread == threading.get_ident())
 
     def append(self, message: Any, delivery_tag: Any) -> None:
-        if not self._ride():
+        connection = self.channel.delivering
+        if connection is None or not self._ride():
             super().append(message, delivery_tag)
             return
         delivery = message.delivery_info
         raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         self.riders.append(("ZADD", self.unacked_index_key, time(), delivery_tag))
         self.riders.append(("HSET", self.unacked_key, delivery_tag, raw))
+        self.write_riders(connection)
         redis.virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:
         if not self._ride():
             super().ack(delivery_tag)
             return
+        if not self._on_loop():
+            # A threads pool's thread: kombu's own pipeline, there (the delivery's step
+            # went out on the BRPOP connection as the delivery was read, before the task).
+            super().ack(delivery_tag)
+            return
         self.riders.append(("ZREM", self.unacked_index_key, delivery_tag))
         self.riders.append(("HDEL", self.unacked_key, delivery_tag))
         redis.virtual.QoS.ack(self, delivery_tag)
+
+    def write_riders(self, connection: Any) -> None:
+        """Write the queued steps on ``connection`` (the BRPOP's, idle), replies unread."""
+        packed = self.take_riders(connection)
+        try:
+            connection.send_packed_command([packed])
+        except BaseException:
+            self.riding = 0
+            raise
 
     def take_riders(self, connection: Any) -> bytes:
         """The queued steps, packed for ``connection`` (the BRPOP's), which now carries them:
@@ -104,7 +117,7 @@ class RedisQoS(redis.QoS):
         return b"".join(chunk for command in riders for chunk in connection.pack_command(*command))
 
     def read_riding(self, connection: Any) -> None:
-        """Read the replies of the steps the BRPOP in flight carried (they come before its own)."""
+        """Read the replies of the steps written on ``connection`` (before a BRPOP's own)."""
         if self.riding and connection._sock is not self._riding_on:
             # The connection was lost since: so were the replies, and perhaps the steps (an
             # ack not written is delivered again after the visibility timeout).
@@ -125,9 +138,11 @@ class RedisQoS(redis.QoS):
                 raise
 
     def send_riders(self) -> None:
-        """Send what did not ride on a BRPOP as one pipeline, as kombu would."""
+        """Send what did not ride on a BRPOP as one pipeline, as kombu would (after reading
+        what the BRPOP's connection carried, when no BRPOP waits on it)."""
         if not self.riders:
             return
+        self._read_if_idle()
         riders, self.riders = self.riders, []
         with self.pipe_or_acquire() as pipe:
             for command in riders:
@@ -135,10 +150,19 @@ class RedisQoS(redis.QoS):
             pipe.execute()
 
     def settle(self) -> None:
-        """Every queued step written and every reply read: the hash is up to date."""
-        if self.riding:
-            self.read_riding(self.channel.client.connection)
+        """Every queued step written and every reply read: the hash is up to date. Only on the
+        loop's thread, which owns the riders and the BRPOP connection (elsewhere there is
+        nothing of this thread's to settle)."""
+        if not self._on_loop():
+            return
+        self._read_if_idle()
         self.send_riders()
+
+    def _read_if_idle(self) -> None:
+        # With a BRPOP in flight its reply may come in the same read as theirs, where the
+        # loop would never see it: the BRPOP's read takes them first (transport.py).
+        if self.riding and not self.channel._in_poll:
+            self.read_riding(self.channel.client.connection)
 
     @contextmanager
     def pipe_or_acquire(self, pipe: Any = None, client: Any = None) -> Iterator[Any]:
@@ -166,9 +190,9 @@ class RedisQoS(redis.QoS):
 
 
 class RidingPoller(redis.MultiChannelPoller):
-    """kombu's poller of a transport's channels, which, at the end of each tick of an event
-    loop, writes the bookkeeping no BRPOP carried on the channel's idle BRPOP connection,
-    and reads its replies when they come (see the module docstring)."""
+    """kombu's poller of a transport's channels, which, at each tick of an event loop,
+    writes the acks no BRPOP carried on the channel's idle BRPOP connection, and reads
+    the replies when they come (see the module docstring)."""
 
     loop_thread: int | None = None
     """The thread of the event loop the transport is registered with, if any."""
@@ -183,12 +207,7 @@ class RidingPoller(redis.MultiChannelPoller):
             if connection is None:
                 qos.send_riders()
                 continue
-            packed = qos.take_riders(connection)
-            try:
-                connection.send_packed_command([packed])
-            except BaseException:
-                qos.riding = 0
-                raise
+            qos.write_riders(connection)
 
     def _idle_brpop_connection(self, channel: Any) -> Any:
         """The channel's BRPOP connection, if it is polled and has no BRPOP in flight."""

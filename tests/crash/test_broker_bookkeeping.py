@@ -52,22 +52,30 @@ def held_tasks(client: redis.Redis) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("concurrency", ["1", "2"])
+@pytest.mark.parametrize(
+    "pool",
+    [
+        ("--concurrency", "1"),  # prefork, one process: no BRPOP while it runs
+        ("--concurrency", "2"),
+        ("--pool", "solo"),  # the turn runs inside the delivery, before the loop ticks again
+        ("--pool", "threads", "--concurrency", "2"),
+    ],
+    ids=["prefork-1", "prefork-2", "solo", "threads"],
+)
 def test_a_turn_is_held_in_redis_while_it_runs_and_comes_back_after_a_sigkill(
     worker_processes: WorkerProcesses,
     redis_url: str,
     ledger: Path,
     tmp_path: Path,
-    concurrency: str,
+    pool: tuple[str, ...],
 ) -> None:
     agent = write_agent(
         tmp_path, [{**turn("look", call("lookup_order", order_id="B2")), "sleep_s": 30}]
     )
     ctx = redis_context(redis_url)
     client = redis.Redis.from_url(redis_url)
-    # Given a prefork worker in the middle of a long model call (with one process, it
-    # may take no other message: no BRPOP carries the delivery's bookkeeping)
-    worker = worker_processes.start("--concurrency", concurrency)
+    # Given a worker in the middle of a long model call
+    worker = worker_processes.start(*pool)
     run_id = create_run(ctx, agent, "refund B2").run_id
     enqueue_turn(redis_url, run_id)
     wait_for(
@@ -92,8 +100,17 @@ def test_a_turn_is_held_in_redis_while_it_runs_and_comes_back_after_a_sigkill(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "pool",
+    [("--concurrency", "2"), ("--pool", "threads", "--concurrency", "2")],
+    ids=["prefork", "threads"],
+)
 def test_every_message_of_a_finished_run_is_acknowledged_in_redis(
-    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+    worker_processes: WorkerProcesses,
+    redis_url: str,
+    ledger: Path,
+    tmp_path: Path,
+    pool: tuple[str, ...],
 ) -> None:
     agent = write_agent(
         tmp_path,
@@ -101,8 +118,8 @@ def test_every_message_of_a_finished_run_is_acknowledged_in_redis(
     )
     ctx = redis_context(redis_url)
     client = redis.Redis.from_url(redis_url)
-    worker_processes.start("--concurrency", "2")
-    # Given a run of six turns on a prefork worker
+    worker_processes.start(*pool)
+    # Given a run of six turns on a worker
     run_id = create_run(ctx, agent, "refund B2").run_id
     enqueue_turn(redis_url, run_id)
     # When it completes
