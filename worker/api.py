@@ -224,7 +224,9 @@ class Ratchet:
                 seq = event.seq
                 yield event
             record = self.get(run_id)
-            stopped = record.status in FINISHED_STATUSES or (until_suspended and not record.status.is_live)
+            stopped = record.status in FINISHED_STATUSES or (
+                until_suspended and not record.status.is_live
+            )
             if stopped and record.last_seq <= seq:
                 return
             if deadline is not None and time.monotonic() > deadline:

@@ -263,6 +263,8 @@ EXPECTED_TASKS = (
     "ratchet.reconcile",
 )
 """Every task a worker must have registered before it consumes a message."""
+
+
 def store_problems(settings: Settings) -> list[str]:
     """Open each store and make a real round trip; one line per store that cannot be used.
 

@@ -148,9 +148,7 @@ def run_page(api: Ratchet, run_id: str) -> RunPage:
         usage=usage,
         times=[line.split(None, 1)[1] for line in time_lines(record, time.time_ns() // 10**6)[:1]],
         transcript=state.transcript if state is not None else (),
-        timeline=[
-            TimelineRow(e.seq, when(e.at_ms), e.type, event_summary(e)) for e in events
-        ],
+        timeline=[TimelineRow(e.seq, when(e.at_ms), e.type, event_summary(e)) for e in events],
         open_call=entry,
         open_call_arguments=pretty(entry.arguments) if entry else "",
         suspension_arguments=pretty(suspension.arguments) if suspension else "",
