@@ -30,6 +30,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from runtime.models import RunStatus
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
@@ -81,6 +82,13 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> Non
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.05)
+
+
+def run_status(ctx: Context, run_id: str) -> RunStatus:
+    """The status of run ``run_id``, which must exist."""
+    record = ctx.runs.get(run_id)
+    assert record is not None, f"no run {run_id}"
+    return record.status
 
 
 def redis_context(url: str, **settings: object) -> Context:

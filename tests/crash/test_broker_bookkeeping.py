@@ -5,19 +5,16 @@ SIGKILLed then still gives it back, and every ack reaches Redis."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
 from runtime.models import RunStatus
-from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, redis_context, run_status, wait_for
 from worker.app import make_app
 from worker.priorities import MAX_PRIORITY
 from worker.transport import RatchetConnection
@@ -25,24 +22,10 @@ from worker.transport import RatchetConnection
 pytestmark = pytest.mark.slow
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-        time.sleep(0.05)
-
-
 def enqueue_turn(broker_url: str, run_id: str) -> None:
     app = make_app(Settings(broker_url=broker_url))
     app.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
     app.close()
-
-
-def status(ctx: Context, run_id: str) -> RunStatus:
-    record = ctx.runs.get(run_id)
-    assert record is not None
-    return record.status
 
 
 def held_tasks(client: redis.Redis) -> list[str]:
@@ -123,7 +106,7 @@ def test_every_message_of_a_finished_run_is_acknowledged_in_redis(
     run_id = create_run(ctx, agent, "refund B2").run_id
     enqueue_turn(redis_url, run_id)
     # When it completes
-    wait_for("the run completes", lambda: status(ctx, run_id) == RunStatus.COMPLETED)
+    wait_for("the run completes", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED)
     # Then Redis holds none of its messages: every ack reached it
     wait_for("every message is acknowledged", lambda: client.hlen("unacked") == 0)
     assert client.zcard("unacked_index") == 0

@@ -29,7 +29,7 @@ from tasks.turn import advance
 from tests.drain import join
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import running_redis_server
-from tests.workers import ROOT, WorkerProcesses, redis_context
+from tests.workers import ROOT, WorkerProcesses, redis_context, run_status
 from worker.app import make_app
 
 pytestmark = pytest.mark.slow
@@ -41,12 +41,6 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
         time.sleep(0.05)
-
-
-def status(ctx: Context, run_id: str) -> RunStatus:
-    record = ctx.runs.get(run_id)
-    assert record is not None
-    return record.status
 
 
 def enqueue_turn(broker_url: str, run_id: str, seq: int) -> None:
@@ -141,7 +135,7 @@ def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
         )  # fmt: skip
     try:
         worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
-        wait_for("B completes the run", lambda: status(ctx, run_id) == RunStatus.COMPLETED)
+        wait_for("B completes the run", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED)
     finally:
         os.killpg(beat.pid, signal.SIGKILL)
         beat.wait()
@@ -195,7 +189,7 @@ def test_sigterm_ends_the_turn_at_a_boundary_and_another_worker_goes_on_at_once(
     leaving.signal(signal.SIGTERM)
     worker_processes.start("--pool", "solo", RATCHET_LEASE_S="60")
     # Then the run completes long before the lease could have expired, with no sweeper
-    wait_for("the run completes", lambda: status(ctx, run_id) == RunStatus.COMPLETED, 30)
+    wait_for("the run completes", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED, 30)
     assert time.monotonic() - started < 30
     assert leaving.wait(10) == 0
     assert "worker shutting down; stopping at seq" in leaving.log()
@@ -235,7 +229,7 @@ def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
         # When the snapshot store's server dies while the model answers
         snapshot_server.kill()
         # Then the checkpoint fails after bounded retries: the run is stalled, nothing chained
-        wait_for("the run stalls", lambda: status(ctx, run_id) == RunStatus.STALLED)
+        wait_for("the run stalls", lambda: run_status(ctx, run_id) == RunStatus.STALLED)
         record = ctx.runs.get(run_id)
         assert record is not None and record.error is not None
         assert f"ratchet runs resume {run_id}" in record.error
@@ -251,7 +245,7 @@ def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
         resumed = ratchet_cli(worker.env, "runs", "resume", run_id)
         assert resumed.returncode == 0, resumed.stderr
         # Then the run is rebuilt from its events and completes, the model not asked again
-        wait_for("the run completes", lambda: status(ctx, run_id) == RunStatus.COMPLETED)
+        wait_for("the run completes", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED)
         assert model_calls(call_log) == [1, 2]
         types = [e.type for e in ctx.runs.events(run_id)]
         assert types.count("run.resumed") == 1 and types.count("tool.completed") == 1
@@ -287,7 +281,7 @@ def test_a_failed_snapshot_write_leaves_the_previous_snapshot_intact_and_chains_
                 advance(ctx, run_id, None)
             # Then the previous snapshot is intact and the run is stalled
             assert ctx.snapshots.load_document(run_id) == before
-            assert status(ctx, run_id) == RunStatus.STALLED
+            assert run_status(ctx, run_id) == RunStatus.STALLED
         finally:
             admin.execute_command("REPLICAOF", "NO", "ONE")
             admin.close()
