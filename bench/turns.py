@@ -1,9 +1,10 @@
 """Durable turns/s on a real worker and Redis, against a plain Celery self-chain.
 
     python -m bench.turns [--runs 40] [--turns 10] [--concurrency 2] [--sequential]
+                          [--pool prefork|threads|solo]
 
 Starts its own redis-server on a free port, then, with the same worker options
-(prefork, ``--concurrency``), measures:
+(``--pool``, default prefork as ``celery -A worker worker``; ``--concurrency``), measures:
 
 1. **baseline** — ``--runs`` chains of ``--turns`` no-op tasks, each enqueuing the next;
 2. **ratchet** — ``--runs`` runs of an agent with ``--turns`` turns, each a model call
@@ -57,7 +58,7 @@ def write_agent(directory: Path, turns: int) -> Path:
 
 
 def start_worker(
-    app: str, env: dict[str, str], concurrency: int, log: Path
+    app: str, env: dict[str, str], concurrency: int, log: Path, pool: str = "prefork"
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -70,6 +71,8 @@ def start_worker(
         "WARNING",
         "--concurrency",
         str(concurrency),
+        "--pool",
+        pool,
         "--without-mingle",
         "--without-gossip",
         "--hostname",
@@ -182,11 +185,12 @@ def bench_baseline(
     concurrency: int,
     log: Path,
     sequential: bool = False,
+    pool: str = "prefork",
 ) -> Measured:
     counter = redis.Redis.from_url(f"{url}/15")
     counter.delete("bench:chains_done")
     env = {**env, "RATCHET_BROKER_URL": f"{url}/1", "BENCH_COUNTER_URL": f"{url}/15"}
-    worker = start_worker("bench.selfchain", env, concurrency, log)
+    worker = start_worker("bench.selfchain", env, concurrency, log, pool)
     try:
         warm_up(env)
         from bench import selfchain
@@ -217,6 +221,7 @@ def bench_ratchet(
     log: Path,
     agent: Path,
     sequential: bool = False,
+    pool: str = "prefork",
 ) -> tuple[Measured, int]:
     stores = f"{url}/2"
     env = {
@@ -225,7 +230,7 @@ def bench_ratchet(
         "RATCHET_SNAPSHOT_STORE": stores,
         "RATCHET_RUN_STORE": stores,
     }
-    worker = start_worker("worker", env, concurrency, log)
+    worker = start_worker("worker", env, concurrency, log, pool)
     try:
         warm_up(env)
         from runtime.models import RunStatus
@@ -273,6 +278,12 @@ def main() -> None:
         help="one chain or run at a time, as the peer harness's sequential pass: "
         "ms/turn is then a turn's latency",
     )
+    parser.add_argument(
+        "--pool",
+        choices=["prefork", "threads", "solo"],
+        default="prefork",
+        help="both workers' pool: the hop a turn pays besides its own work differs by pool",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -292,6 +303,7 @@ def main() -> None:
                 args.concurrency,
                 directory / "baseline.log",
                 args.sequential,
+                args.pool,
             )
             durable, wrong = bench_ratchet(
                 server.url,
@@ -302,11 +314,12 @@ def main() -> None:
                 directory / "ratchet.log",
                 agent,
                 args.sequential,
+                args.pool,
             )
         finally:
             server.stop()
     print(
-        f"workload: {args.runs} runs x {args.turns} turns, prefork concurrency {args.concurrency}, "
+        f"workload: {args.runs} runs x {args.turns} turns, {args.pool} concurrency {args.concurrency}, "
         "Redis broker and stores on loopback"
         + (", no task events" if args.no_task_events else "")
         + (", one at a time" if args.sequential else "")
