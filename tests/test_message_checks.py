@@ -27,7 +27,7 @@ from tasks.messages import (
 )
 from tasks.task_base import RatchetTask, _check_parameters, ratchet_task
 from worker.app import app
-from worker.transport import envelope_problem
+from worker.entries import envelope_problem
 
 
 @pytest.fixture

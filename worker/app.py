@@ -47,7 +47,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "data_folder_out": str(folders["queue"]),
             "control_folder": str(folders["control"]),
             "polling_interval": settings.filesystem_polling_interval_s,
-            # worker.transport sets refused messages aside here (the dead-letter folder).
+            # The broker channels set refused messages aside here (worker/entries.py).
             "rejected_folder": str(rejected_folder(settings.resolved_data_dir)),
         }
     elif broker_url.startswith(("redis", "rediss")):

@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
-import worker.transport as transport
+import worker.embedded_broker as transport
 from tasks.settings import Settings
 from worker.app import make_app
+from worker.transport import ListenedEventDispatcher
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,7 +39,7 @@ BODY_BYTES = 3 * 1024 * 1024
 PRODUCER = r"""
 import hashlib, sys
 from kombu import Connection, Exchange, Producer, Queue
-import worker.transport
+import worker.embedded_broker
 
 folder, transport_name, count, size, tag = sys.argv[1:6]
 options = {"data_folder_in": folder, "data_folder_out": folder, "control_folder": folder + "/c",
@@ -233,7 +234,7 @@ def test_task_events_reach_the_folder_once_a_receiver_listens(tmp_path: Path) ->
 
     with Connection("filesystem://", transport=TRANSPORT, transport_options=options(folder)) as c:
         dispatcher = app.events.Dispatcher(c, hostname="w@h")
-        assert isinstance(dispatcher, transport.ListenedEventDispatcher)
+        assert isinstance(dispatcher, ListenedEventDispatcher)
         # When it sends a task event, no message is written for it
         dispatcher.send("task-received", uuid="unheard")
         assert list(folder.glob("*.msg")) == []
