@@ -89,9 +89,7 @@ def slope_us(cpu: list[float]) -> float:
         statistics.median(cpu[i : i + WINDOW]) for i in range(0, len(cpu) - WINDOW + 1, WINDOW)
     ]
     xs = [i * WINDOW + WINDOW / 2 for i in range(len(blocks))]
-    mx, my = statistics.fmean(xs), statistics.fmean(blocks)
-    num = sum((x - mx) * (y - my) for x, y in zip(xs, blocks, strict=True))
-    return num / sum((x - mx) ** 2 for x in xs) * 1e6
+    return statistics.linear_regression(xs, blocks).slope * 1e6
 
 
 def measure(backend: str, turns: int, directory: Path, url: str) -> None:
@@ -103,13 +101,10 @@ def measure(backend: str, turns: int, directory: Path, url: str) -> None:
     )
     store = f"{url}/1" if backend == "redis" else f"sqlite://{directory / 'runs.sqlite3'}"
     settings = Settings(data_dir=directory / "data", allow_volatile_store=True)
-    opened: list[Context] = []
-
-    def context() -> Context:
-        opened.append(Context(settings, open_snapshot_store(store), open_run_store(store)))
-        return opened[-1]
-
-    one, two = context(), [context(), context()]
+    opened = [
+        Context(settings, open_snapshot_store(store), open_run_store(store)) for _ in range(3)
+    ]
+    one, two = opened[0], opened[1:]
     ways: dict[str, Callable[[int], Context]] = {
         "one process": lambda i: one,
         "two processes": lambda i: two[i % 2],
