@@ -29,4 +29,11 @@ def make_provider(model: str, agent_file: Path, settings: dict[str, Any]) -> Pro
         from runtime.providers.openai import OpenAIProvider
 
         return OpenAIProvider.from_settings(model.removeprefix("openai:"), settings)
-    raise ValueError(f"unknown provider `{model}`; known: `scripted`, `openai:<model-name>`")
+    if model.startswith("anthropic:"):
+        from runtime.providers.anthropic import AnthropicProvider
+
+        return AnthropicProvider.from_settings(model.removeprefix("anthropic:"), settings)
+    raise ValueError(
+        f"unknown provider `{model}`; known: `scripted`, `openai:<model-name>`, "
+        "`anthropic:<model-name>`"
+    )

@@ -79,7 +79,7 @@ import random
 import re
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -110,6 +110,9 @@ class ProviderTable(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    KEY_VARIABLES: ClassVar[tuple[str, str]] = (KEY_VARIABLES_ENV, DEFAULT_KEY_VARIABLES)
+    """The operator's allow-list variable for ``api_key_env``, and its default."""
+
     base_url: str | None = None
     """Overrides ``RATCHET_OPENAI_BASE_URL``; ends before ``/chat/completions``."""
     api_key_env: str | None = None
@@ -134,24 +137,30 @@ class ProviderTable(BaseModel):
                 "must be the NAME of an environment variable (letters, digits, `_`), "
                 "not the key itself"
             )
-        if value is not None and not key_variable_allowed(value):
+        setting, default = cls.KEY_VARIABLES
+        if value is not None and not key_variable_allowed(value, setting, default):
             raise ValueError(
                 f"names the variable {value}, which is not one the operator allows as a key "
-                f"({KEY_VARIABLES_ENV}={allowed_key_variables()}); name an allowed variable, "
-                f"or ask the operator to add it to {KEY_VARIABLES_ENV}"
+                f"({setting}={allowed_key_variables(setting, default)}); name an allowed "
+                f"variable, or ask the operator to add it to {setting}"
             )
         return value
 
 
-def allowed_key_variables() -> str:
-    """The operator's list of key variables (names or fnmatch patterns), comma-separated."""
-    return os.environ.get(KEY_VARIABLES_ENV) or DEFAULT_KEY_VARIABLES
+def allowed_key_variables(
+    setting: str = KEY_VARIABLES_ENV, default: str = DEFAULT_KEY_VARIABLES
+) -> str:
+    """The operator's list of key variables (names or fnmatch patterns), comma-separated,
+    from the variable ``setting`` (each provider has its own)."""
+    return os.environ.get(setting) or default
 
 
-def key_variable_allowed(name: str) -> bool:
+def key_variable_allowed(
+    name: str, setting: str = KEY_VARIABLES_ENV, default: str = DEFAULT_KEY_VARIABLES
+) -> bool:
     """Whether ``api_key_env`` may name ``name`` (case-sensitive match of any pattern)."""
-    patterns = [p.strip() for p in allowed_key_variables().split(",") if p.strip()]
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+    patterns = [p.strip() for p in allowed_key_variables(setting, default).split(",")]
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns if pattern)
 
 
 def is_loopback(host: str) -> bool:
@@ -165,7 +174,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def parse_provider_table(settings: dict[str, Any]) -> ProviderTable:
+def parse_provider_table(
+    settings: dict[str, Any], table_type: type[ProviderTable] = ProviderTable
+) -> ProviderTable:
     """Read the ``[provider]`` table of a raw agent file; ``ValueError`` names the bad key."""
     table = settings.get("provider", {})
     if not isinstance(table, dict):
@@ -177,7 +188,7 @@ def parse_provider_table(settings: dict[str, Any]) -> ProviderTable:
             '`api_key_env = "MY_KEY_VAR"`'
         )
     try:
-        return ProviderTable.model_validate(table)
+        return table_type.model_validate(table)
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"]) or "(table)"
@@ -194,11 +205,26 @@ class _RetryableFailure(Exception):
 
 
 class OpenAIProvider:
-    """Chat completions over HTTP. Holds no secret; safe to share between threads."""
+    """Chat completions over HTTP. Holds no secret; safe to share between threads.
+
+    The HTTP call, the key rules, the retry policy and the error texts are shared with
+    other wire formats (:class:`runtime.providers.anthropic.AnthropicProvider`): a
+    subclass names its variables and endpoint below and overrides ``payload``,
+    ``auth_headers`` and ``parse``.
+    """
+
+    NAME: ClassVar[str] = "openai"
+    TABLE: ClassVar[type[ProviderTable]] = ProviderTable
+    DEFAULT_BASE_URL: ClassVar[str] = DEFAULT_BASE_URL
+    BASE_URL_ENV: ClassVar[str] = BASE_URL_ENV
+    API_KEY_ENV: ClassVar[str] = API_KEY_ENV
+    ENDPOINT: ClassVar[str] = "/chat/completions"
+    WIRE: ClassVar[str] = "an OpenAI-compatible API, usually ending in /v1"
+    """What ``base_url`` must point at, for the errors that suspect it does not."""
 
     def __init__(self, model: str, base_url: str, table: ProviderTable | None = None) -> None:
         if not model.strip():
-            raise ValueError('the model name is empty: write `model = "openai:<model-name>"`')
+            raise ValueError(f'the model name is empty: write `model = "{self.NAME}:<model-name>"`')
         try:
             url = httpx.URL(base_url.rstrip("/"))
         except httpx.InvalidURL:
@@ -206,7 +232,8 @@ class OpenAIProvider:
         if url is None or url.scheme not in ("http", "https") or not url.host:
             # Not quoted: a URL may carry credentials.
             raise ValueError(
-                f"`[provider] base_url`: not an http(s) URL with a host, e.g. {DEFAULT_BASE_URL}"
+                "`[provider] base_url`: not an http(s) URL with a host, e.g. "
+                f"{self.DEFAULT_BASE_URL}"
             )
         self.model = model
         self._url = url
@@ -223,8 +250,8 @@ class OpenAIProvider:
     @classmethod
     def from_settings(cls, model: str, settings: dict[str, Any]) -> OpenAIProvider:
         """Build from the raw agent file: ``[provider]`` table first, then the environment."""
-        table = parse_provider_table(settings)
-        base_url = table.base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+        table = parse_provider_table(settings, cls.TABLE)
+        base_url = table.base_url or os.environ.get(cls.BASE_URL_ENV) or cls.DEFAULT_BASE_URL
         return cls(model, base_url, table)
 
     @property
@@ -239,14 +266,15 @@ class OpenAIProvider:
     def limit_key(self) -> str:
         """The default name of this provider's shared rate limit: host, model and key variable
         (the variable's name, never the key)."""
-        return f"openai/{self._host}/{self.model}/{self._table.api_key_env or API_KEY_ENV}"
+        key_variable = self._table.api_key_env or self.API_KEY_ENV
+        return f"{self.NAME}/{self._host}/{self.model}/{key_variable}"
 
     def identity(self) -> dict[str, Any]:
         # The host, not the URL: a URL may carry credentials, and the key never goes here.
-        return {"provider": "openai", "model": self.model, "base_url_host": self._host}
+        return {"provider": self.NAME, "model": self.model, "base_url_host": self._host}
 
     def __repr__(self) -> str:
-        return f"OpenAIProvider(model={self.model!r}, host={self._host!r})"
+        return f"{type(self).__name__}(model={self.model!r}, host={self._host!r})"
 
     # --- one model call -------------------------------------------------------
 
@@ -256,15 +284,13 @@ class OpenAIProvider:
         Raises ProviderError only (and whatever ``observer`` raises, unchanged).
         """
         key = self._api_key()
-        headers = {"Accept": "application/json"}
-        if key:
-            if not self._key_may_travel():
-                raise ProviderError(
-                    f"{self._describe()}: refusing to send the API key over plain http to a "
-                    "host that is not loopback; use an https base_url (or unset the key "
-                    "variable for a server that needs none)"
-                )
-            headers["Authorization"] = f"Bearer {key}"
+        if key and not self._key_may_travel():
+            raise ProviderError(
+                f"{self._describe()}: refusing to send the API key over plain http to a "
+                "host that is not loopback; use an https base_url (or unset the key "
+                "variable for a server that needs none)"
+            )
+        headers = {"Accept": "application/json", **self.auth_headers(key)}
         payload = self.payload(request)
         retrying = Retrying(
             retry=retry_if_exception_type(_RetryableFailure),
@@ -284,7 +310,15 @@ class OpenAIProvider:
                         body = self._post(client, payload, key, headers)
         except _RetryableFailure as last:
             raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
-        return parse_response(body, request.model_call, self._describe())
+        return self.parse(body, request.model_call)
+
+    def auth_headers(self, key: str | None) -> dict[str, str]:
+        """The headers that carry ``key`` (none without one) and name the API's version."""
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def parse(self, body: Any, model_call: int) -> ModelResponse:
+        """A response body as a :class:`ModelResponse`; ProviderError if it is not one."""
+        return parse_response(body, model_call, self._describe())
 
     def payload(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body of ``POST /chat/completions`` for ``request``."""
@@ -304,12 +338,13 @@ class OpenAIProvider:
     def _api_key(self) -> str | None:
         name = self._table.api_key_env
         if name is None:
-            return os.environ.get(API_KEY_ENV) or None
-        if not key_variable_allowed(name):
+            return os.environ.get(self.API_KEY_ENV) or None
+        setting, default = self.TABLE.KEY_VARIABLES
+        if not key_variable_allowed(name, setting, default):
             # Checked again here: the operator's list may have changed since the file loaded.
             raise ProviderError(
                 f"{self._describe()}: `[provider] api_key_env` names {name}, which "
-                f"{KEY_VARIABLES_ENV} does not allow as a key; name an allowed variable"
+                f"{setting} does not allow as a key; name an allowed variable"
             )
         key = os.environ.get(name)
         if not key:
@@ -332,7 +367,7 @@ class OpenAIProvider:
         timeout_s = self._table.timeout_s
         try:
             response = client.post(
-                f"{self._url}/chat/completions", json=payload, headers=headers, timeout=timeout_s
+                f"{self._url}{self.ENDPOINT}", json=payload, headers=headers, timeout=timeout_s
             )
         except httpx.PoolTimeout:
             raise _RetryableFailure(
@@ -375,14 +410,14 @@ class OpenAIProvider:
             raise ProviderError(
                 f"{self._describe()}: HTTP {status} but the body is not JSON "
                 f"(starts {_quote(response.text, key, 80)!r}); check that base_url points at "
-                "an OpenAI-compatible API, usually ending in /v1"
+                f"{self.WIRE}"
             ) from None
 
     def _refusal_text(self, response: httpx.Response, key: str | None) -> str:
         status = response.status_code
         hint = {
-            401: f"check the key in {self._table.api_key_env or API_KEY_ENV}"
-            + ("" if key else f" (none was sent: {API_KEY_ENV} is not set)"),
+            401: f"check the key in {self._table.api_key_env or self.API_KEY_ENV}"
+            + ("" if key else f" (none was sent: {self.API_KEY_ENV} is not set)"),
             403: "the key is not allowed to use this model or endpoint",
             404: "check the model name and base_url",
         }.get(status, "the request was refused; it is not retried")

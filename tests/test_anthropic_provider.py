@@ -1,0 +1,399 @@
+"""The Anthropic Messages-API provider against a real HTTP server on 127.0.0.1.
+
+The server (``tests/openai_server.py``, which answers any POST path from a queue and
+records every request) plays Messages-API bodies shaped as Anthropic documents them;
+the last tests drive whole runs through a Celery worker: the in-process session
+worker, and ``celery -A worker worker`` subprocesses on each pool.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.agent import load_agent
+from runtime.errors import AgentFileError, ProviderError, ProviderRateLimited
+from runtime.models import Message, RunStatus, ToolCall
+from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest
+from runtime.providers.anthropic import API_VERSION, AnthropicProvider
+from runtime.providers.known import make_provider
+from tasks.settings import Settings
+from tasks.start import create_run
+from tests.openai_server import OpenAIServer, serve
+from tests.workers import WorkerProcesses, redis_context
+from worker.api import Ratchet
+from worker.app import make_app
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY_VAR = "ANTHROPIC_TEST_API_KEY"
+LOOKUP = {
+    "name": "lookup_order",
+    "description": "Look up an order by id.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+}
+
+
+def message(*blocks: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A Messages-API response body, as the API documents it."""
+    calls = any(b["type"] == "tool_use" for b in blocks)
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-test",
+        "content": list(blocks),
+        "stop_reason": "tool_use" if calls else "end_turn",
+        "stop_sequence": None,
+        "usage": usage or {"input_tokens": 10, "output_tokens": 5},
+    }
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}
+
+
+def tool_use(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
+
+
+def error(kind: str, text_: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": text_}}
+
+
+@pytest.fixture
+def server() -> Iterator[OpenAIServer]:
+    with serve() as running:
+        yield running
+
+
+@pytest.fixture
+def key(monkeypatch: pytest.MonkeyPatch) -> str:
+    for name in ("RATCHET_ANTHROPIC_BASE_URL", "RATCHET_ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    secret = f"sk-ant-test-{uuid.uuid4().hex}"
+    monkeypatch.setenv(KEY_VAR, secret)
+    return secret
+
+
+def provider(server: OpenAIServer, **table: Any) -> AnthropicProvider:
+    built = AnthropicProvider.from_settings(
+        "claude-test",
+        {"provider": {"base_url": server.url, "api_key_env": KEY_VAR, "max_retry_s": 5, **table}},
+    )
+    assert isinstance(built, AnthropicProvider)
+    return built
+
+
+TRANSCRIPT = (
+    Message(role="system", content="You are a refund desk."),
+    Message(role="user", content="Where are orders B2 and C3?"),
+    Message(
+        role="assistant",
+        content="Looking both up.",
+        tool_calls=(
+            ToolCall(id="toolu_1", name="lookup_order", arguments={"order_id": "B2"}),
+            ToolCall(id="toolu_2", name="lookup_order", arguments={"order_id": "C3"}),
+        ),
+    ),
+    Message(role="tool", tool_call_id="toolu_1", name="lookup_order", content='{"status": "lost"}'),
+    Message(
+        role="tool",
+        tool_call_id="toolu_2",
+        name="lookup_order",
+        content="no such order",
+        is_error=True,
+    ),
+)
+
+
+def test_the_request_speaks_the_messages_api_with_the_key_in_x_api_key(
+    server: OpenAIServer, key: str
+) -> None:
+    # Given a transcript with a system prompt, two parallel calls and their results
+    server.enqueue(200, message(text("B2 is lost; C3 does not exist.")))
+
+    # When the provider asks the model
+    response = provider(server).complete(
+        ModelRequest(messages=TRANSCRIPT, tools=(LOOKUP,), model_call=1)
+    )
+
+    # Then one POST /v1/messages went, with the key and the version, and no bearer token
+    assert response.content == "B2 is lost; C3 does not exist."
+    (request,) = server.requests
+    assert request.path == "/v1/messages"
+    assert request.headers["x-api-key"] == key
+    assert request.headers["anthropic-version"] == API_VERSION
+    assert "authorization" not in request.headers
+    # And the transcript became the API's turns: system apart, the two results in one
+    # user turn right after the assistant's tool_use blocks, the error marked
+    assert request.body == {
+        "model": "claude-test",
+        "max_tokens": 4096,
+        "system": "You are a refund desk.",
+        "tools": [
+            {
+                "name": "lookup_order",
+                "description": "Look up an order by id.",
+                "input_schema": LOOKUP["parameters"],
+            }
+        ],
+        "messages": [
+            {"role": "user", "content": [text("Where are orders B2 and C3?")]},
+            {
+                "role": "assistant",
+                "content": [
+                    text("Looking both up."),
+                    tool_use("toolu_1", "lookup_order", {"order_id": "B2"}),
+                    tool_use("toolu_2", "lookup_order", {"order_id": "C3"}),
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": '{"status": "lost"}',
+                    },
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": "no such order",
+                        "is_error": True,
+                    },
+                ],
+            },
+        ],
+    }
+
+
+def test_parallel_tool_use_blocks_become_calls_in_order_and_cache_tokens_count_as_input(
+    server: OpenAIServer, key: str
+) -> None:
+    server.enqueue(
+        200,
+        message(
+            text("Let me look."),
+            tool_use("toolu_a", "lookup_order", {"order_id": "B2"}),
+            {"type": "thinking", "thinking": "not part of the transcript", "signature": "x"},
+            tool_use("toolu_b", "lookup_order", "not an object"),
+            usage={
+                "input_tokens": 12,
+                "output_tokens": 30,
+                "cache_read_input_tokens": 100,
+                "cache_creation_input_tokens": 7,
+            },
+        ),
+    )
+    response = provider(server, max_tokens=256).complete(
+        ModelRequest(messages=TRANSCRIPT[:2], model_call=0)
+    )
+    assert server.requests[0].body["max_tokens"] == 256
+    assert "tools" not in server.requests[0].body
+    assert response.content == "Let me look."
+    assert [(c.id, c.arguments) for c in response.tool_calls] == [
+        ("toolu_a", {"order_id": "B2"}),
+        ("toolu_b", {INVALID_ARGUMENTS_KEY: "'not an object'"}),
+    ]
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (119, 30)
+
+
+def test_a_529_overloaded_is_retried_and_the_next_answer_returned(
+    server: OpenAIServer, key: str
+) -> None:
+    server.enqueue(529, error("overloaded_error", "Overloaded"), {"retry-after": "0"})
+    server.enqueue(200, message(text("done")))
+    seen: list[dict[str, Any]] = []
+    response = provider(server).complete(
+        ModelRequest(messages=TRANSCRIPT[:2], model_call=0),
+        observer=lambda _type, data: seen.append(data),
+    )
+    assert response.content == "done" and len(server.requests) == 2
+    assert [(s["attempt"], s["status"], s["error"]) for s in seen] == [(1, 529, "Overloaded")]
+
+
+def test_a_429_is_not_retried_in_process_and_hands_its_retry_after_to_the_turn(
+    server: OpenAIServer, key: str
+) -> None:
+    server.enqueue(429, error("rate_limit_error", "slow down"), {"retry-after": "7"})
+    with pytest.raises(ProviderRateLimited) as limited:
+        provider(server).complete(ModelRequest(messages=TRANSCRIPT[:2], model_call=0))
+    assert limited.value.retry_after_s == 7.0 and "slow down" in str(limited.value)
+    assert len(server.requests) == 1
+
+
+def test_a_refusal_quotes_the_server_without_the_key_and_is_not_retried(
+    server: OpenAIServer, key: str
+) -> None:
+    server.enqueue(401, error("authentication_error", f"invalid x-api-key {key}"))
+    with pytest.raises(ProviderError) as refused:
+        provider(server).complete(ModelRequest(messages=TRANSCRIPT[:2], model_call=0))
+    assert "HTTP 401" in str(refused.value) and KEY_VAR in str(refused.value)
+    assert key not in str(refused.value) and len(server.requests) == 1
+
+
+def test_a_body_that_is_not_a_message_is_a_clear_error(server: OpenAIServer, key: str) -> None:
+    server.enqueue(200, {"choices": []})
+    with pytest.raises(ProviderError, match="not a Messages-API message"):
+        provider(server).complete(ModelRequest(messages=TRANSCRIPT[:2], model_call=0))
+
+
+def test_the_key_is_never_sent_over_plain_http_beyond_loopback(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): refused before any request, so nothing is sent.
+    far = {"provider": {"base_url": "http://192.0.2.7:8080/v1", "api_key_env": KEY_VAR}}
+    with pytest.raises(ValueError, match="plain http") as at_load:
+        AnthropicProvider.from_settings("claude-test", far)
+    assert key not in str(at_load.value)
+    # The default variable, set after load: refused at the call, before any request
+    monkeypatch.setenv("RATCHET_ANTHROPIC_API_KEY", key)
+    quiet = AnthropicProvider.from_settings(
+        "claude-test", {"provider": {"base_url": "http://192.0.2.7:8080/v1"}}
+    )
+    with pytest.raises(ProviderError, match="refusing to send the API key over plain http"):
+        quiet.complete(ModelRequest(messages=TRANSCRIPT[:2], model_call=0))
+
+
+def test_the_key_variable_must_be_one_the_operator_allows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RATCHET_ANTHROPIC_KEY_VARIABLES", "DESK_ANTHROPIC_KEY")
+    with pytest.raises(ValueError, match="RATCHET_ANTHROPIC_KEY_VARIABLES"):
+        AnthropicProvider.from_settings("claude-test", {"provider": {"api_key_env": "OTHER_KEY"}})
+    allowed = AnthropicProvider.from_settings(
+        "claude-test", {"provider": {"api_key_env": "DESK_ANTHROPIC_KEY"}}
+    )
+    assert allowed.identity() == {
+        "provider": "anthropic",
+        "model": "claude-test",
+        "base_url_host": "api.anthropic.com",
+    }
+    assert allowed.limit_key() == "anthropic/api.anthropic.com/claude-test/DESK_ANTHROPIC_KEY"
+
+
+def test_make_provider_routes_anthropic_models_and_names_it_among_the_known(
+    tmp_path: Path,
+) -> None:
+    assert isinstance(make_provider("anthropic:claude-x", tmp_path, {}), AnthropicProvider)
+    with pytest.raises(ValueError, match="`anthropic:<model-name>`"):
+        make_provider("gemini:x", tmp_path, {})
+    agent = tmp_path / "empty.toml"
+    agent.write_text('name = "x"\nmodel = "anthropic:"\n', encoding="utf-8")
+    with pytest.raises(AgentFileError, match='model = "anthropic:<model-name>"'):
+        load_agent(agent)
+
+
+# --- whole runs on a worker --------------------------------------------------------------
+
+
+def write_agent(directory: Path, server: OpenAIServer, name: str = "claude-desk") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.toml"
+    path.write_text(
+        "\n".join(
+            [
+                f'name = "{name}"',
+                'model = "anthropic:claude-test"',
+                'system = "You are a refund desk."',
+                'tools = ["examples.refunds:lookup_order"]',
+                "[provider]",
+                f'base_url = "{server.url}"',
+                f'api_key_env = "{KEY_VAR}"',
+                "timeout_s = 5",
+                "max_retry_s = 10",
+            ]
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def queue_two_lookups_then_answer(server: OpenAIServer) -> None:
+    server.enqueue(
+        200,
+        message(
+            tool_use("toolu_b2", "lookup_order", {"order_id": "B2"}),
+            tool_use("toolu_a1", "lookup_order", {"order_id": "A1"}),
+            usage={"input_tokens": 40, "output_tokens": 20, "cache_read_input_tokens": 60},
+        ),
+    )
+    server.enqueue(529, error("overloaded_error", "Overloaded"), {"retry-after": "0"})
+    server.enqueue(
+        200, message(text("Both found."), usage={"input_tokens": 90, "output_tokens": 8})
+    )
+
+
+def test_a_run_with_two_parallel_calls_and_a_529_completes_counting_the_usage(
+    ratchet: Ratchet, server: OpenAIServer, key: str, tmp_path: Path
+) -> None:
+    # Given Claude asks for two look-ups at once, is overloaded once, then answers
+    queue_two_lookups_then_answer(server)
+
+    # When a run of an anthropic: agent goes through the Celery worker
+    run_id = ratchet.start(write_agent(tmp_path, server), "Where are B2 and A1?")
+    record = ratchet.wait(run_id, timeout_s=20)
+
+    # Then it completed, both calls ran in one turn, and the 529 was retried in the turn
+    assert record.status == RunStatus.COMPLETED and record.output == "Both found."
+    types = [e.type for e in ratchet.events(run_id)]
+    assert types.count("tool.completed") == 2 and types.count("model.retrying") == 1
+    assert (record.usage.model_turns, record.usage.tool_calls) == (2, 2)
+    # And usage is what the server reported, cache reads counted as input
+    assert (record.usage.input_tokens, record.usage.output_tokens) == (190, 28)
+    # And the second request carried both results in one user turn
+    last = server.requests[-1].body["messages"][-1]
+    assert last["role"] == "user"
+    assert [b["tool_use_id"] for b in last["content"]] == ["toolu_b2", "toolu_a1"]
+
+
+def test_a_429_waits_on_the_queue_with_its_retry_after_and_is_not_counted_as_an_attempt(
+    ratchet: Ratchet, server: OpenAIServer, key: str, tmp_path: Path
+) -> None:
+    server.enqueue(429, error("rate_limit_error", "slow down"), {"retry-after": "1"})
+    server.enqueue(200, message(text("done")))
+    run_id = ratchet.start(write_agent(tmp_path, server), "hello")
+    record = ratchet.wait(run_id, timeout_s=20)
+    assert record.status == RunStatus.COMPLETED
+    events = ratchet.events(run_id)
+    throttled = next(e for e in events if e.type == "run.throttled")
+    assert throttled.data["reason"] == "429" and throttled.data["wait_s"] == 1.0
+    second = next(e for e in events if e.seq > throttled.seq and e.type == "model.requested")
+    assert second.at_ms - throttled.at_ms >= 950
+    # The refused request is given back: one attempt, one turn
+    assert record.usage.model_attempts == 1 and record.usage.model_turns == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+def test_an_anthropic_run_completes_on_each_pool(
+    worker_processes: WorkerProcesses,
+    server: OpenAIServer,
+    key: str,
+    redis_url: str,
+    tmp_path: Path,
+    pool: str,
+) -> None:
+    # Given a worker of each pool on Redis, and Claude asking for two look-ups at once
+    queue_two_lookups_then_answer(server)
+    worker_processes.start("--pool", pool, "--concurrency", "4", **{KEY_VAR: key})
+    ctx = redis_context(redis_url)
+    sender = make_app(Settings(broker_url=redis_url))
+    try:
+        # When a run starts on that worker's broker
+        state = create_run(ctx, write_agent(tmp_path, server), "Where are B2 and A1?")
+        sender.send_task("ratchet.turn", (state.run_id, state.seq))
+        record = Ratchet(ctx).wait(state.run_id, timeout_s=40)
+        # Then it completed there, with both calls and the 529 retried
+        assert record.status == RunStatus.COMPLETED and record.output == "Both found."
+        assert record.usage.tool_calls == 2 and len(server.requests) == 3
+    finally:
+        sender.close()
+        ctx.close()
