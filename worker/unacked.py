@@ -27,6 +27,14 @@ and neither is waited for. Before anything reads
 the hash — a restore, a reject, the channel's close — every queued step is written
 and every reply read. Outside an event loop (a client draining events) kombu's own
 steps are sent, each a pipeline.
+
+The hash is read defensively: kombu's ``restore_by_tag`` parses an entry as
+``[envelope, exchange, routing_key]`` inside the worker's loop, and one entry that is
+not (``HSET unacked t garbage`` with ``t`` in the index: ``JSONDecodeError``; ``[[1],2]``:
+``ValueError``) ended every worker at its first restore, and stayed to end the next.
+Here an entry that cannot be restored is taken out of the hash and its index in the
+same transaction as any restore, and set aside in the refused-message store
+(:mod:`tasks.rejected`) once, by the one worker whose transaction removed it.
 """
 
 from __future__ import annotations
@@ -39,9 +47,36 @@ from time import time
 from typing import Any
 
 from kombu.transport import redis
-from kombu.utils.json import dumps
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from tasks.rejected import set_aside
+from worker.entries import envelope_problem
 
 log = logging.getLogger("ratchet.transport")
+
+UNACKED_QUEUE = "unacked"
+"""The queue named on an entry set aside from kombu's unacked hash (the hash's key)."""
+
+
+def unacked_problem(raw: bytes, decode_body: Any) -> str | None:
+    """Why ``raw`` (a value of kombu's unacked hash) cannot be restored; None if it can.
+
+    kombu writes ``[envelope, exchange, routing_key]`` and restores the envelope to the
+    queues the exchange and routing key name, so the envelope must be one its channel
+    can deliver (worker/entries.py).
+    """
+    try:
+        entry = loads(bytes_to_str(raw))
+    except (ValueError, TypeError, RecursionError) as exc:
+        return f"not JSON ({type(exc).__name__}: {str(exc)[:200]})"
+    if not (isinstance(entry, list) and len(entry) == 3):
+        return "not a JSON array [envelope, exchange, routing_key]"
+    envelope, exchange, routing_key = entry
+    if not (isinstance(exchange, str) and isinstance(routing_key, str)):
+        return "its exchange and routing key must be strings"
+    problem = envelope_problem(envelope, decode_body)
+    return None if problem is None else f"its message: {problem}"
 
 
 class RedisQoS(redis.QoS):
@@ -177,8 +212,37 @@ class RedisQoS(redis.QoS):
         super().reject(delivery_tag, requeue=requeue)
 
     def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        # kombu's restore_by_tag, with the entry checked before it is parsed for good
+        # (see the module docstring). Kept in step with kombu 5.7.
         self.settle()
-        super().restore_by_tag(tag, client=client, leftmost=leftmost)
+        refused: list[tuple[bytes, str]] = []
+
+        def restore_transaction(pipe: Any) -> None:
+            refused.clear()  # redis-py runs this again when the WATCHed hash changed
+            raw = pipe.hget(self.unacked_key, tag)
+            pipe.multi()
+            self._remove_from_indices(tag, pipe)
+            if not raw:
+                return
+            problem = unacked_problem(raw, self.channel.decode_body)
+            if problem is not None:
+                refused.append((raw, problem))
+                return
+            envelope, exchange, routing_key = loads(bytes_to_str(raw))
+            self.channel._do_restore_message(envelope, exchange, routing_key, pipe, leftmost)
+
+        with self.channel.conn_or_acquire(client) as client:
+            client.transaction(restore_transaction, self.unacked_key)
+        for raw, problem in refused:
+            # After EXEC: only the transaction that removed the entry sets it aside.
+            name = bytes_to_str(tag) if isinstance(tag, bytes) else str(tag)
+            set_aside(
+                raw,
+                f"kombu's unacked entry {name[:80]!r} cannot be restored: {problem}; "
+                "it was removed from the hash and its index",
+                UNACKED_QUEUE,
+                self.channel.rejected_store,
+            )
 
     def restore_unacked(self, client: Any = None) -> None:
         self.settle()
@@ -186,7 +250,18 @@ class RedisQoS(redis.QoS):
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
         self.settle()
-        super().restore_visible(*args, **kwargs)
+        try:
+            super().restore_visible(*args, **kwargs)
+        except redis.redis.ResponseError as exc:
+            # A key of the wrong type (`SET unacked_index x`): nothing here can be restored
+            # until an operator removes it, but the worker goes on (its next try logs again).
+            log.error(
+                "kombu's unacked bookkeeping cannot be read (%s); the broker's Redis holds "
+                "something else under %s or %s: delete it (messages it held are lost)",
+                exc,
+                self.unacked_key,
+                self.unacked_index_key,
+            )
 
 
 class RidingPoller(redis.MultiChannelPoller):
