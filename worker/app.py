@@ -108,9 +108,12 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
     import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
     from tasks import failpoints
+    from worker.compression import bound_decompression
     from worker.consumer import ContinuationConsumer
 
     failpoints.check()
+    # No message body inflates past 4 MiB in the consumer loop (kombu's registry is global).
+    bound_decompression()
     # RatchetAMQP picks worker.transport's kombu transports for redis:// and filesystem://
     # URLs (they survive a bad queue entry); other brokers keep kombu's own.
     app = Celery(
