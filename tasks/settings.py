@@ -47,8 +47,13 @@ class Settings(BaseSettings):
     """filesystem:// broker only: how often a worker looks for new messages."""
     continuations_queue: str = Field(default="ratchet.continuations", min_length=1)
     """Queue of plain-JSON continuation messages from non-Celery producers (same broker)."""
-    turn_time_limit_s: int = Field(default=1800, gt=0)
-    """Celery's hard time limit for one turn task; must stay below `visibility_timeout_s`."""
+    turn_time_limit_s: int = Field(default=1500, gt=0)
+    """Celery's hard time limit for one turn task; must stay below `visibility_timeout_s` (and,
+    on RabbitMQ, `amqp_consumer_timeout_s`)."""
+    amqp_consumer_timeout_s: int = Field(default=1800, gt=0)
+    """RabbitMQ only: the server's `consumer_timeout` (rabbitmq.conf; its default is 30 min).
+    A delivery unacknowledged this long closes the worker's channel: every turn and every
+    wake-up a worker holds must fit in it."""
     sweep_interval_s: float = Field(default=1.0, gt=0)
     """How often the crash sweeper (`celery -A worker beat`, `ratchet sweep`) looks for orphans."""
     liveness_s: float = Field(default=3.0, gt=0)
@@ -107,6 +112,18 @@ class Settings(BaseSettings):
                 "raise the one or lower the other"
             )
         return self
+
+    @property
+    def redelivery_horizon_s(self) -> float | None:
+        """How long the broker lets a worker hold a message unacknowledged before it gives it
+        to another (Redis: the visibility timeout; RabbitMQ: the consumer timeout, which
+        closes the channel); None for a broker that never does (``filesystem://``)."""
+        scheme = self.resolved_broker_url.split("://", 1)[0].split("+", 1)[0]
+        if scheme in ("redis", "rediss", "sentinel"):
+            return float(self.visibility_timeout_s)
+        if scheme in ("amqp", "amqps", "pyamqp"):
+            return float(self.amqp_consumer_timeout_s)
+        return None
 
     @property
     def resolved_data_dir(self) -> Path:

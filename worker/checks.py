@@ -1,7 +1,8 @@
 """Checks a worker makes before it consumes anything: ``worker_init`` refuses a bad fleet config.
 
-Two checks: the broker's visibility timeout against the longest turn (below), and
-that every Redis store keeps an append-only file (at the end of this module).
+Two checks: the broker's visibility timeout (RabbitMQ: its consumer timeout) against
+the longest turn (below), and that every Redis store keeps an append-only file (at the
+end of this module).
 
 **The broker check.** A Redis broker redelivers a message whose task has run
 longer than ``visibility_timeout`` — while the first copy still runs (a 35 s task
@@ -85,6 +86,8 @@ def broker_problem(
     settings: Settings, broker_url: str, pool: str, time_limit_s: float | None
 ) -> str | None:
     """One line saying why this worker must not start, or None."""
+    if broker_url.startswith(("amqp", "amqps", "pyamqp")):
+        return _consumer_timeout_problem(settings, pool, time_limit_s)
     if not broker_url.startswith(("redis", "rediss", "sentinel")):
         return None
     turn = longest_turn(settings, pool, time_limit_s)
@@ -104,6 +107,33 @@ def broker_problem(
         f"longer than the longest turn, {turn.seconds:g} s ({turn.because}, {pool} pool); "
         "Redis would deliver such a turn again while it still runs. Raise "
         f"RATCHET_VISIBILITY_TIMEOUT_S above {turn.seconds:g}, or lower the agent's timeouts"
+    )
+
+
+def _consumer_timeout_problem(
+    settings: Settings, pool: str, time_limit_s: float | None
+) -> str | None:
+    # RabbitMQ closes a channel holding a delivery unacknowledged past its consumer_timeout:
+    # the worker exits (Celery 5.7, RabbitMQ 3.10) and the turn, with every other it held, runs again.
+    turn = longest_turn(settings, pool, time_limit_s)
+    timeout_s = settings.amqp_consumer_timeout_s
+    if turn.seconds is None:
+        log.warning(
+            "cannot tell the longest turn: %s and RATCHET_AGENTS names no agent; a turn "
+            "longer than RabbitMQ's consumer_timeout (%s s) closes the worker's channel",
+            turn.because,
+            timeout_s,
+        )
+        return None
+    if turn.seconds < timeout_s:
+        return None
+    return (
+        f"ratchet: refusing to start: RATCHET_AMQP_CONSUMER_TIMEOUT_S ({timeout_s} s, RabbitMQ's "
+        f"consumer_timeout) is not longer than the longest turn, {turn.seconds:g} s "
+        f"({turn.because}, {pool} pool); RabbitMQ would close the worker's channel and deliver "
+        "the turn again. Raise consumer_timeout in rabbitmq.conf, and "
+        f"RATCHET_AMQP_CONSUMER_TIMEOUT_S with it, above {turn.seconds:g} s, or lower "
+        "RATCHET_TURN_TIME_LIMIT_S"
     )
 
 

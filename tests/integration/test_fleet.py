@@ -39,8 +39,19 @@ def test_the_longest_turn_is_the_time_limit_in_prefork_and_the_agents_own_otherw
     assert longest_turn(Settings(), "solo", 1800).seconds is None
     problem = broker_problem(settings, "redis://127.0.0.1:6379/0", "threads", 1800)
     assert problem is not None and "RATCHET_VISIBILITY_TIMEOUT_S (3600 s)" in problem
-    assert broker_problem(settings, "amqp://guest@127.0.0.1//", "threads", 1800) is None
     assert broker_problem(settings, "redis://127.0.0.1:6379/0", "prefork", 1800) is None
+
+
+def test_on_rabbitmq_the_longest_turn_must_fit_in_the_servers_consumer_timeout() -> None:
+    # RabbitMQ closes a channel that holds a delivery past its consumer_timeout (30 min)
+    settings = Settings(agents=str(EXAMPLE_AGENT))
+    problem = broker_problem(settings, "amqp://guest@127.0.0.1//", "threads", 1500)
+    assert problem is not None and "RATCHET_AMQP_CONSUMER_TIMEOUT_S (1800 s" in problem
+    assert f"longest turn, {EXAMPLE_LONGEST_TURN_S} s" in problem
+    # the default time limit fits in the default consumer timeout, in prefork
+    assert Settings().turn_time_limit_s < Settings().amqp_consumer_timeout_s
+    assert broker_problem(settings, "amqp://guest@127.0.0.1//", "prefork", 1500) is None
+    assert broker_problem(settings, "amqp://guest@127.0.0.1//", "prefork", 1800) is not None
 
 
 @pytest.mark.timeout(60)
