@@ -22,8 +22,9 @@ from store.runs.memory import MemoryRunStore
 from tasks.context import Context
 from tasks.control import apply_continuation, cancel, expire_suspended
 from tasks.recovery import sweep_orphans
+from tasks.settings import Settings
 from tasks.start import create_run
-from tasks.timers import wake
+from tasks.timers import eta_horizon_s, wake
 from tests.helpers import call, drive, memory_context, turn, write_agent
 
 WAIT_2S = turn("Waiting for the courier.", call("wait", seconds=2, reason="courier scan"))
@@ -209,3 +210,12 @@ def test_a_cancel_ends_a_wait_and_max_suspended_s_does_not(tmp_path: Path) -> No
     cancel(ctx, run_id, "parcel found")
     assert state_of(ctx, run_id).status == RunStatus.CANCELLED
     assert wake(ctx, run_id, state_of(ctx, run_id).seq, no_enqueue) == "stale"
+
+
+def test_a_wake_up_is_an_eta_message_only_within_half_the_brokers_redelivery_horizon() -> None:
+    redis_broker = Settings(broker_url="redis://127.0.0.1:6379/0", visibility_timeout_s=3600)
+    rabbitmq = Settings(broker_url="amqp://guest@127.0.0.1//", amqp_consumer_timeout_s=1800)
+    assert eta_horizon_s(redis_broker) == 1800
+    assert eta_horizon_s(rabbitmq) == 900
+    # filesystem:// gives nothing to another worker: any wait may be held
+    assert eta_horizon_s(Settings(broker_url="filesystem://localhost//")) is None
