@@ -28,10 +28,11 @@ from worker.compression import MAX_DECOMPRESSED_BYTES
 
 pytestmark = pytest.mark.slow
 
-GARBAGE = {
-    "t-garbage": b"garbage",  # JSONDecodeError in kombu's restore_by_tag
-    "t-short": b"[[1],2]",  # ValueError: not enough values to unpack
-    "t-not-a-message": b'[1, "ratchet.turns", "ratchet.turns"]',  # kombu logged and lost it
+GARBAGE: dict[bytes, bytes] = {
+    b"t-garbage": b"garbage",  # JSONDecodeError in kombu's restore_by_tag
+    b"t-short": b"[[1],2]",  # ValueError: not enough values to unpack
+    b"t-not-a-message": b'[1, "ratchet.turns", "ratchet.turns"]',  # kombu logged and lost it
+    b"t-\xff": b"\xff\xfe not UTF-8",  # neither the tag nor the entry is UTF-8
 }
 
 
