@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from runtime.children import MAX_CHILD_DEPTH, MAX_TREE_RUNS
 from runtime.errors import AgentFileError, ToolError
 from runtime.limits import LimitsTable
 from runtime.models import Budgets, Policy
@@ -81,6 +82,12 @@ class AgentSpec(BaseModel):
     """How long a suspended run may wait for an answer before it expires; ``None``: forever."""
     children: dict[str, str] = {}
     """Agents this one may start with `run_child`: a name for the model, a file (relative)."""
+    max_child_depth: int | None = Field(default=None, ge=0, le=MAX_CHILD_DEPTH)
+    """As a root: how deep its run tree may grow (root 0); ``None``: the fleet's default."""
+    max_tree_runs: int | None = Field(default=None, ge=1, le=MAX_TREE_RUNS)
+    """As a root: the most runs its run tree may hold, itself included; ``None``: the fleet's."""
+    # The tree limits stay out of the binding: they are fixed in each run's run.created
+    # (runtime/children.py), so editing them changes new trees, never a live one.
     wake_on_input: bool = False
     """A run in a `wait` may be woken early by an answer (`runs continue --input`)."""
     limits: LimitsTable = LimitsTable()

@@ -27,20 +27,42 @@ child's output (or its failure) is the call's result. The rules:
 - **Cancel.** Cancelling a parent cancels the child it waits for.
 - A parent starts its children one at a time: calls a response asks for run
   in order, so two ``run_child`` calls run the second child after the first.
+- **Bounded trees.** A root and its descendants are one run tree, with a
+  depth limit and a size limit fixed when the root is created (its agent's
+  ``max_child_depth`` and ``max_tree_runs``, else the fleet's defaults) and
+  carried in each run's ``run.created`` as its :class:`~runtime.models.Tree`.
+  A ``run_child`` call past either is refused as a tool error the model reads
+  (:func:`tree_problem`); the run goes on. The size is counted without a
+  store: because a parent waits for one child at a time, it hands that child
+  its whole unspent **share** of the tree, and the child, when it ends, tells
+  back how much of it its own subtree used (:func:`runs_used`) — so the runs of
+  a tree can never add up past the root's limit. A child that ended while a
+  child of its own may still exist counts as its whole share.
+- **Reserved ids.** Ids of the child shape (:func:`is_child_run_id`) are for
+  children only: a start or fork from outside that names one is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.models import RunState, Suspension, Usage
+from runtime.models import RunState, Suspension, Tree, Usage
 
 RUN_CHILD = "run_child"
 MAX_INPUT_BYTES = 8192
+CHILD_ID_PREFIX = "child-"
+_CHILD_ID = re.compile(r"child-[0-9a-f]{40}")
+DEFAULT_MAX_CHILD_DEPTH = 5
+"""How deep a run tree may grow when neither its root's agent nor the fleet says (root: 0)."""
+DEFAULT_MAX_TREE_RUNS = 100
+"""How many runs a run tree may hold when neither its root's agent nor the fleet says."""
+MAX_CHILD_DEPTH = 1000
+MAX_TREE_RUNS = 100_000
 
 
 class ChildArguments(BaseModel):
@@ -52,7 +74,85 @@ class ChildArguments(BaseModel):
 def child_run_id(parent_id: str, call_id: str) -> str:
     """The child's id: the same on every attempt at the call, valid as a run id."""
     digest = hashlib.sha256(f"{parent_id}\0{call_id}".encode()).hexdigest()[:40]
-    return f"child-{digest}"
+    return f"{CHILD_ID_PREFIX}{digest}"
+
+
+def is_child_run_id(run_id: str) -> bool:
+    """Whether ``run_id`` has the shape :func:`child_run_id` gives: reserved for children."""
+    return _CHILD_ID.fullmatch(run_id) is not None
+
+
+def squatted_child(child_id: str) -> str:
+    """The ``run_child`` call's error when its child's id is held by a run it did not make."""
+    return (
+        f"`run_child` refused: the child's id {child_id} is taken by a run this call did not "
+        "start; nothing was started — call `run_child` again for a new child"
+    )
+
+
+def root_tree(max_depth: int, max_runs: int) -> dict[str, Any]:
+    """The ``tree`` of a root's ``run.created``: the limits its whole tree keeps."""
+    return {"depth": 0, "max_depth": max_depth, "max_runs": max_runs, "share": max_runs}
+
+
+def tree_of(state: RunState) -> Tree:
+    """The run's place in its tree; a run recorded before trees were bounded gets the defaults."""
+    if state.tree is not None:
+        return state.tree
+    return Tree(
+        depth=int(state.parent is not None),
+        max_depth=DEFAULT_MAX_CHILD_DEPTH,
+        max_runs=DEFAULT_MAX_TREE_RUNS,
+        share=DEFAULT_MAX_TREE_RUNS,
+    )
+
+
+def tree_problem(state: RunState) -> str | None:
+    """Why the run may not start another child (its tree's limits), or None; told to the model."""
+    tree = tree_of(state)
+    if tree.depth >= tree.max_depth:
+        return (
+            f"`run_child` refused: this run is at depth {tree.depth} of its run tree, the "
+            f"deepest the tree allows (max_child_depth = {tree.max_depth}); do the work here"
+        )
+    if tree.runs >= tree.share:
+        return (
+            f"`run_child` refused: its run tree has no room for another run "
+            f"(max_tree_runs = {tree.max_runs}); do the work here"
+        )
+    return None
+
+
+def child_tree(parent: RunState) -> dict[str, Any]:
+    """The ``tree`` of a child's ``run.created``: one deeper, the parent's unspent share."""
+    tree = tree_of(parent)
+    return {
+        "depth": tree.depth + 1,
+        "max_depth": tree.max_depth,
+        "max_runs": tree.max_runs,
+        "share": tree.share - tree.runs,
+    }
+
+
+def runs_used(child: RunState) -> int:
+    """The runs the ended ``child``'s subtree used, for its parent's count: its whole share
+    if a child of its own may still exist (a ``run_child`` call without an outcome)."""
+    tree = tree_of(child)
+    if any(call.name == RUN_CHILD for call in child.pending):
+        return tree.share
+    return tree.runs
+
+
+def with_child_runs(tree: Tree | None, data: dict[str, Any]) -> Tree | None:
+    """The parent's tree after a child told back how many runs it used: at least 1, at most
+    the share it was handed. None stays None: a run recorded before trees were bounded
+    folds as it always did (its golden log holds it)."""
+    if tree is None:
+        return None
+    used = data.get("tree_runs", 1)
+    used = used if isinstance(used, int) and not isinstance(used, bool) else 1
+    spare = max(0, tree.share - tree.runs)
+    return tree.model_copy(update={"runs": tree.runs + min(max(1, used), spare)})
 
 
 def child_problem(arguments: dict[str, Any], children: dict[str, str]) -> str | None:
@@ -71,6 +171,12 @@ def child_problem(arguments: dict[str, Any], children: dict[str, str]) -> str | 
 def awaiting_delivery(state: RunState) -> bool:
     """A child that ended and whose parent has not been told yet."""
     return state.parent is not None and state.status.is_terminal and not state.parent_told
+
+
+def possible_children(state: RunState) -> list[str]:
+    """The ids of the children ``state`` may have made that have not ended for it: those of
+    its ``run_child`` calls without an outcome (a parent makes them one at a time)."""
+    return [child_run_id(state.run_id, c.id) for c in state.pending if c.name == RUN_CHILD]
 
 
 def waits_for(parent: RunState, child_id: str) -> bool:
@@ -92,6 +198,7 @@ def woken_by_child(child: RunState) -> dict[str, Any]:
         data["error"] = child.error
     u = child.usage
     data["usage"] = {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens}
+    data["tree_runs"] = runs_used(child)
     return data
 
 

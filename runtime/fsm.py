@@ -40,6 +40,8 @@ from runtime.children import (
     child_problem,
     child_result,
     child_run_id,
+    tree_problem,
+    with_child_runs,
     with_child_usage,
 )
 from runtime.errors import BudgetExhausted, BudgetUnenforceable, EventsDoNotFold
@@ -69,9 +71,13 @@ def created_event(
     now_ms: int,
     priority: int | None = None,
     concurrency_key: str | None = None,
+    tree: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The data of a run's first event, `run.created` (a start's priority and key if given)."""
+    """The data of a run's first event, `run.created` (a start's priority and key if given,
+    and its place in its run tree: runtime/children.py)."""
     extra: dict[str, Any] = {}
+    if tree is not None:
+        extra["tree"] = tree
     if priority is not None:
         extra["priority"] = priority
     if concurrency_key is not None:
@@ -185,6 +191,7 @@ def _initial(event: Event) -> RunState:
             "parent": (d.get("parent") or {}).get("run_id"),
             "priority": d.get("priority"),
             "concurrency_key": d.get("concurrency_key"),
+            "tree": d.get("tree"),
         }
     )
 
@@ -283,7 +290,11 @@ def _woken(state: RunState, event: Event) -> RunState:
     )
     if event.data.get("by") == "child":
         ok, content = child_result(suspension, event.data)
-        state = state.model_copy(update={"usage": with_child_usage(state.usage, event.data)})
+        usage, tree = (
+            with_child_usage(state.usage, event.data),
+            with_child_runs(state.tree, event.data),
+        )
+        state = state.model_copy(update={"usage": usage, "tree": tree})
         return _tool_result(state, suspension.call_id, ok, content, counts=False)
     content = woken_content(suspension, event.at_ms)
     return _tool_result(state, suspension.call_id, True, content, counts=False)
@@ -489,7 +500,7 @@ def _next_call(state: RunState, agent: Agent, now_ms: int) -> Action:
     call = state.pending[0]
     spec = agent.tools.get(call.name)
     if spec is not None and spec.control and call.name == RUN_CHILD:
-        problem = child_problem(call.arguments, agent.spec.children)
+        problem = child_problem(call.arguments, agent.spec.children) or tree_problem(state)
         if problem is not None:
             return RefuseCall(call, problem)
         return StartChild(call, child_run_id(state.run_id, call.id))

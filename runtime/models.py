@@ -152,6 +152,22 @@ class Suspension(Strict):
     since_ms: int
 
 
+class Tree(Strict):
+    """Where a run stands in its run tree (runtime/children.py): fixed when it is created,
+    but for ``runs``, which grows as its children are told back."""
+
+    depth: int = Field(default=0, ge=0)
+    """0 for the root; a child is one deeper than its parent."""
+    max_depth: int = Field(ge=0)
+    """The deepest a run of this tree may be (the root's ``max_child_depth``)."""
+    max_runs: int = Field(ge=1)
+    """The most runs the whole tree may hold (the root's ``max_tree_runs``)."""
+    share: int = Field(ge=1)
+    """The most runs this run's own subtree may hold, itself included."""
+    runs: int = Field(default=1, ge=1)
+    """Runs counted in this run's subtree so far: itself and each child told back."""
+
+
 class Event(Strict):
     """One entry in a run's append-only event log."""
 
@@ -205,6 +221,8 @@ class RunState(Strict):
     """The priority its start gave the run (0-4, higher first); else the agent's."""
     concurrency_key: str | None = None
     """The key its start named (a tenant): at most the agent's max_runs_per_key at once."""
+    tree: Tree | None = None
+    """A run that may start children, or is one: its place in its run tree."""
 
     @model_serializer(mode="wrap")
     def _omit_unset_lineage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -215,7 +233,7 @@ class RunState(Strict):
             data.pop("parent", None)
             if not data.get("parent_told"):
                 data.pop("parent_told", None)
-        for name in ("throttled_since_ms", "priority", "concurrency_key"):
+        for name in ("throttled_since_ms", "priority", "concurrency_key", "tree"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data

@@ -430,7 +430,11 @@ def invoke(
         parsed[spec.context_parameter] = context
     try:
         value = spec.fn(**parsed)
-    except Exception as exc:  # a tool's failure is the model's to handle, not the run's
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        # A tool's failure is the model's to handle, not the run's. A tool runs on a caller
+        # thread (tasks/calls.py), so its `sys.exit()` or KeyboardInterrupt is its own
+        # failure, never a signal to this worker: re-raised, it would end the pool process
+        # and the tool, whose call is journaled, would run again on the retry.
         return ToolOutcome(False, f"`{spec.name}` raised {type(exc).__name__}: {exc}")
     try:
         return ToolOutcome(True, to_jsonable_python(value))
@@ -456,7 +460,7 @@ def ask_probe(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -
         kwargs[spec.probe_context_parameter] = context
     try:
         answer = spec.probe(**kwargs)
-    except Exception as exc:  # the probe's failure leaves the outcome unknown
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the outcome stays unknown
         return Probed(Answer.FAILED, detail=f"raised {_short(exc)}")
     if isinstance(answer, Ran):
         try:

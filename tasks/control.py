@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from runtime.children import RUN_CHILD, child_run_id
+from runtime.children import RUN_CHILD, child_run_id, possible_children
 from runtime.continuation import (
     Continuation,
     check_pinned,
@@ -41,6 +42,7 @@ from runtime.errors import (
     RunMoving,
     RunNotFound,
     RunRefused,
+    RunStateLost,
     SnapshotError,
     StaleWrite,
     StoreUnavailable,
@@ -200,48 +202,80 @@ MAX_REASON_CHARS = 2000
 
 
 def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
-    """Make the run terminal (`run.cancelled`), delete its snapshot; return the new record.
+    """Make the run terminal (`run.cancelled`), delete its snapshot, and do the same to
+    every live run of its subtree; return the run's new record.
 
     Fenced by seq only, never waiting for a lease: a turn in progress loses its
-    next write and stops. Raises RunNotFound, RunRefused for a finished run.
+    next write and stops. The subtree is walked with a queue, not a recursion, so
+    its depth costs no stack: each run cancelled names the children that may exist
+    (its ``run_child`` calls without an outcome, runtime/children.py), and a child
+    its parent's turn creates after that look is cancelled by that turn at once
+    (tasks/children.py reads the parent after creating a child). Raises RunNotFound,
+    RunRefused for a finished run.
     """
     run_id = validate_run_id(run_id)
     reason = " ".join((reason or "").split())[:MAX_REASON_CHARS] or "cancelled by an operator"
+    cancelled, children = _cancel_one(ctx, run_id, reason)
+    queue = deque((child, run_id) for child in children)
+    while queue:
+        child, parent = queue.popleft()
+        try:
+            _, more = _cancel_one(ctx, child, f"its parent run {parent} was cancelled", parent)
+        except (RunNotFound, RunRefused) as exc:
+            log.info("run %s: child %s not cancelled: %s", parent, child, exc)
+            continue
+        queue.extend((grandchild, child) for grandchild in more)
+    return cancelled
+
+
+def _cancel_one(
+    ctx: Context, run_id: str, reason: str, parent_ended: str | None = None
+) -> tuple[RunRecord, list[str]]:
+    """Cancel one run; (its new record, the ids its children may have). ``parent_ended``:
+    its parent, already cancelled, so the child records it is told (no delivery)."""
     for _ in range(STALE_ATTEMPTS):
-        record = ctx.runs.get(run_id)
-        if record is None:
-            raise RunNotFound(run_id)
+        record, children = _children_of(ctx, run_id)
         if record.status.is_terminal:
             raise RunRefused(
                 run_id, record.status.value, "it has already finished; there is nothing to cancel"
             )
-        first = ctx.runs.events(run_id, after_seq=0, limit=1)
-        is_child = bool(first and first[0].data.get("parent"))
+        is_child = parent_ended is not None
+        if not is_child:
+            first = ctx.runs.events(run_id, after_seq=0, limit=1)
+            is_child = bool(first and first[0].data.get("parent"))
         data = {"reason": reason, "status_before": record.status.value}
         try:
             # A child stays due until its parent is told (runtime/children.py).
-            cancelled = append_ending(ctx, record, "run.cancelled", data, None, stays_due=is_child)
+            cancelled = append_ending(
+                ctx, record, "run.cancelled", data, None, is_child, parent_ended
+            )
         except StaleWrite:
             continue  # a turn appended first; read the new tail and try again
         ctx.snapshots.delete(run_id)
         log.info("run %s: cancelled (%s) at seq %s", run_id, reason, cancelled.last_seq)
-        _cancel_child(ctx, record, run_id)
-        if is_child:
+        if parent_ended is None and is_child:
             tell_parent_soon(run_id)
-        return cancelled
+        return cancelled, children
     raise RunMoving(run_id, STALE_ATTEMPTS)
 
 
-def _cancel_child(ctx: Context, record: RunRecord, run_id: str) -> None:
-    """Cancelling a parent cancels the child run it waits for."""
-    suspension = record.suspension
-    if suspension is None or suspension.tool != RUN_CHILD:
-        return
-    child = child_run_id(run_id, suspension.call_id)
+def _children_of(ctx: Context, run_id: str) -> tuple[RunRecord, list[str]]:
+    """The run's record and the ids of the children that may be live under it."""
+    record = ctx.runs.get(run_id)
+    if record is None:
+        raise RunNotFound(run_id)
+    if record.status.is_suspended or record.status.is_terminal:
+        # Children run one at a time: a suspended run's only live child is the one its
+        # suspension waits for, and a finished run's do not matter here.
+        suspension = record.suspension
+        if suspension is None or suspension.tool != RUN_CHILD:
+            return record, []
+        return record, [child_run_id(run_id, suspension.call_id)]
     try:
-        cancel(ctx, child, f"its parent run {run_id} was cancelled")
-    except (RunNotFound, RunRefused) as exc:
-        log.info("run %s: child %s not cancelled: %s", run_id, child, exc)
+        loaded = load(ctx, run_id, set_aside=False, record=record)
+    except RunStateLost:
+        return record, []  # no state to read; a turn cannot advance it to a child either
+    return record, possible_children(loaded.state)
 
 
 @control_task(name="ratchet.cancel")

@@ -368,26 +368,31 @@ def append_ending(
     data: dict[str, Any],
     owner: str | None,
     stays_due: bool = False,
+    parent_ended: str | None = None,
 ) -> RunRecord:
     """End a run by one event of :data:`runtime.fsm.ENDINGS` without reading its state: the
     record changed as the fold changes the state (status, error), fenced like
     :func:`append_events`. For a run :func:`load` raises RunStateLost on, and a cancel,
     which must not wait for a snapshot. ``stays_due``: the run stays in the due index (a
-    child whose parent is not told yet).
+    child whose parent is not told yet). ``parent_ended``: a child whose parent (that id)
+    has ended, so waits for it no more: ``run.parent_told`` is recorded with the ending.
     """
     now = ctx.runs.clock()
-    event = Event(seq=record.last_seq + 1, type=kind, at_ms=now, data=data)
+    events = [Event(seq=record.last_seq + 1, type=kind, at_ms=now, data=data)]
+    if parent_ended is not None:
+        told = {"parent": parent_ended, "outcome": "not waiting"}
+        events.append(Event(seq=record.last_seq + 2, type="run.parent_told", at_ms=now, data=told))
     status = ENDINGS[kind]
     ended = record.model_copy(
         update={
             "status": status,
             "error": str(data.get("reason") or kind),
-            "last_seq": event.seq,
+            "last_seq": events[-1].seq,
             "updated_at_ms": now,
-            "due_at_ms": now if stays_due else None,
+            "due_at_ms": now if stays_due and parent_ended is None else None,
             "suspension": None,
         }
     )
-    ctx.runs.append(ended, [event], owner)
-    metrics.recorded(record.status, status, [event])
+    ctx.runs.append(ended, events, owner)
+    metrics.recorded(record.status, status, events)
     return ended

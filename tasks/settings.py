@@ -18,6 +18,12 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime.children import (
+    DEFAULT_MAX_CHILD_DEPTH,
+    DEFAULT_MAX_TREE_RUNS,
+    MAX_CHILD_DEPTH,
+    MAX_TREE_RUNS,
+)
 from runtime.errors import ConfigInvalid
 
 ENV_PREFIX = "RATCHET_"
@@ -85,6 +91,10 @@ class Settings(BaseSettings):
     """The queue `notify_task` is sent to."""
     broker_start_retries: int = Field(default=10, ge=0, le=1000)
     """A worker starting tries the broker this many more times (about 1-5 s apart), then refuses."""
+    max_child_depth: int = Field(default=DEFAULT_MAX_CHILD_DEPTH, ge=0, le=MAX_CHILD_DEPTH)
+    """How deep a run tree may grow (root 0) when its root's agent file sets no `max_child_depth`."""
+    max_tree_runs: int = Field(default=DEFAULT_MAX_TREE_RUNS, ge=1, le=MAX_TREE_RUNS)
+    """The most runs a run tree may hold when its root's agent file sets no `max_tree_runs`."""
 
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:

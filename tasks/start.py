@@ -22,6 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from runtime.agent import Agent
+from runtime.children import is_child_run_id, root_tree
 from runtime.errors import InvalidInput, InvalidRequest, StaleWrite, StartConflict
 from runtime.fsm import apply, created_event
 from runtime.limits import check_key
@@ -67,18 +69,43 @@ def create_run(
     priority outside 0-4 or a malformed concurrency key), StaleWrite if ``run_id``
     is already taken.
     """
-    run_id = validate_run_id(run_id or uuid.uuid4().hex)
+    run_id = check_new_run_id(run_id or uuid.uuid4().hex)
     agent = ctx.agent(agent_file)
     text = check_input(text)
     check_limits(priority, concurrency_key)
     now = ctx.runs.clock()
-    data = created_event(run_id, agent, text, now, priority, concurrency_key)
+    data = created_event(run_id, agent, text, now, priority, concurrency_key, tree_for(ctx, agent))
     first = Event(seq=1, type="run.created", at_ms=now, data=data)
     state = apply(None, first)
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.create(RunRecord.from_state(state, now, due), first)
     ctx.snapshots.save(state, None)
     return state
+
+
+def check_new_run_id(run_id: object) -> str:
+    """The id a start or a fork from outside names: valid, and not one reserved for children
+    (a run squatting on a child's id would stand where the parent's call expects its own
+    child). Raises InvalidRunId, InvalidRequest."""
+    run_id = validate_run_id(run_id)
+    if is_child_run_id(run_id):
+        raise InvalidRequest(
+            f"run id {run_id} is reserved: ids of the shape child-<40 hex digits> are the ids "
+            "child runs get; choose another id"
+        )
+    return run_id
+
+
+def tree_for(ctx: Context, agent: Agent) -> dict[str, Any] | None:
+    """A root's run tree limits: its agent file's, else the fleet's; None for an agent that
+    starts no children (a run pays for what it uses)."""
+    if not agent.spec.children:
+        return None
+    spec, settings = agent.spec, ctx.settings
+    return root_tree(
+        settings.max_child_depth if spec.max_child_depth is None else spec.max_child_depth,
+        settings.max_tree_runs if spec.max_tree_runs is None else spec.max_tree_runs,
+    )
 
 
 def check_limits(priority: object, concurrency_key: object) -> None:

@@ -206,7 +206,10 @@ def perform(held: HeldRun, action: Action) -> TurnOutcome | None:
             schedule_wake(held.ctx, held.state)
         return TurnOutcome.SUSPENDED
     if isinstance(action, StartChild):
-        start_child(held.ctx, held.state, action.call, action.child_id)
+        problem = start_child(held.ctx, held.state, action.call, action.child_id)
+        if problem is not None:
+            held.checkpointed(tool_events(action.call, ToolOutcome(False, problem)))
+            return None
         wait = Suspend(RunStatus.WAITING, action.call, f"waiting for child run {action.child_id}")
         held.record([suspension_event(wait)])
         held.checkpoint()
