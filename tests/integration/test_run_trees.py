@@ -7,13 +7,17 @@ time; an id squatted on a child's is refused at start and never wedges the paren
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from runtime.children import DEFAULT_MAX_CHILD_DEPTH, child_run_id
@@ -26,6 +30,7 @@ from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, redis_context, wait_for, worker_env
 from worker.api import Ratchet
+from worker.console.app import make_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,16 +105,23 @@ def test_a_self_starting_agent_stops_at_its_size_bound(ratchet: Ratchet, tmp_pat
     assert refused and all("max_tree_runs = 6" in e for e in refused)
 
 
-@pytest.fixture
-def roomy(redis_url: str) -> Iterator[Ratchet]:
-    """A fleet whose default tree limits are far above this test's trees (the agent says none)."""
-    context = redis_context(redis_url, max_child_depth=1000, max_tree_runs=5000)
+@contextmanager
+def fleet(redis_url: str, **settings: int) -> Iterator[Ratchet]:
+    """The session worker's context with these fleet-wide tree limits (RATCHET_MAX_…)."""
+    context = redis_context(redis_url, **settings)
     set_context(context)
     try:
         yield Ratchet(context)
     finally:
         set_context(None)
         context.close()
+
+
+@pytest.fixture
+def roomy(redis_url: str) -> Iterator[Ratchet]:
+    """A fleet whose default tree limits are far above this test's trees (the agent says none)."""
+    with fleet(redis_url, max_child_depth=1000, max_tree_runs=5000) as ratchet:
+        yield ratchet
 
 
 DEEP = 520
@@ -240,3 +252,53 @@ def test_the_cli_refuses_a_child_id_in_one_line(
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"ratchet: run id {squatted} is reserved"), done.stderr
+
+
+def asking_chain(directory: Path) -> Path:
+    """An agent that starts itself once; refused at the depth bound, it asks a person."""
+    return write_agent(
+        directory,
+        [turn("Deeper.", call("run_child", agent="me", input="go")),
+         turn("Ask.", call("request_user_input", prompt="Which?")), turn("done")],
+        name="asker",
+        tools=["run_child", "request_user_input"],
+        extra='[children]\nme = "asker.toml"',
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("session_worker", "ledger")
+def test_the_consoles_cancel_ends_a_deep_tree(redis_url: str, tmp_path: Path) -> None:
+    with fleet(redis_url, max_child_depth=DEEP, max_tree_runs=DEEP + 1) as ratchet:
+        console_cancels_a_deep_tree(ratchet, tmp_path)
+
+
+def console_cancels_a_deep_tree(ratchet: Ratchet, tmp_path: Path) -> None:
+    token = "trees-test-token-0123456789"
+    # Given a tree DEEP runs deep (the fleet's bound) whose runs wait: the deepest for a person
+    root = ratchet.start(asking_chain(tmp_path), "go")
+    wait_for(
+        f"the tree holds {DEEP + 1} runs",
+        lambda: len(ratchet.ctx.runs.list(limit=10_000)) >= DEEP + 1,
+        timeout_s=90,
+    )
+
+    # When an operator cancels the root from the console
+    async def cancel() -> httpx.Response:
+        transport = httpx.ASGITransport(app=make_app(ratchet, token))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            logged_in = await client.post("/login", data={"token": token, "next": "/"})
+            assert logged_in.status_code == 303
+            page = await client.get(f"/runs/{root}")
+            csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+            assert csrf is not None
+            form = {"confirmed": "yes", "csrf": csrf.group(1), "reason": "stop"}
+            return await client.post(f"/runs/{root}/cancel", data=form)
+
+    started = time.monotonic()
+    response = asyncio.run(cancel())
+    took_s = time.monotonic() - started
+    # Then it answers at once, and every run of the tree is cancelled
+    assert response.status_code == 303, response.text[-500:]
+    statuses = {r.status for r in ratchet.ctx.runs.list(limit=10_000)}
+    assert statuses == {RunStatus.CANCELLED}
+    assert took_s < 10 + DEEP / 25, f"{took_s:.1f}s for {DEEP + 1} runs"
