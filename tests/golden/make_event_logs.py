@@ -296,6 +296,37 @@ def parent_woken(ctx: Context, home: Path) -> str:
     return "golden-parent"
 
 
+def _bounded_tree(ctx: Context, home: Path) -> str:
+    """A self-starting agent in a tree one deep: each child's calls are refused there."""
+    agent = write_agent(
+        home,
+        [turn("Again.", call("run_child", agent="me", input="go"),
+              call("run_child", agent="me", input="go")),
+         turn("Done.")],
+        name="looper",
+        tools=["run_child"],
+        extra='max_child_depth = 1\nmax_tree_runs = 3\n[children]\nme = "looper.toml"',
+    )  # fmt: skip
+    run = create_run(ctx, agent, INPUT, "golden-tree")
+    drive(ctx, run.run_id)
+    for call_id in ("call_1_1", "call_1_2"):
+        child = child_run_id(run.run_id, call_id)
+        drive(ctx, child)
+        deliver(ctx, child, _no_enqueue)
+        drive(ctx, run.run_id)
+    return run.run_id
+
+
+def tree_bounded(ctx: Context, home: Path) -> str:
+    """The root's log: run.created with its tree, run.woken with each child's tree_runs."""
+    return _bounded_tree(ctx, home)
+
+
+def tree_child(ctx: Context, home: Path) -> str:
+    """A child's log: its tree one deep, its own run_child calls refused at the bound."""
+    return child_run_id(_bounded_tree(ctx, home), "call_1_1")
+
+
 def resume_refused(ctx: Context, home: Path) -> str:
     agent = write_agent(
         home,
@@ -447,6 +478,8 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "refused-429": refused_429,
     "parallel-tools": parallel_tools,
     "probed-parallel": probed_parallel,
+    "tree-bounded": tree_bounded,
+    "tree-child": tree_child,
 }
 
 
