@@ -48,7 +48,7 @@ from runtime.errors import (
     StoreUnavailable,
     SuspensionExpired,
 )
-from runtime.models import SUSPENDED_STATUSES, Event, RunState, validate_run_id
+from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.lease import holding
@@ -207,38 +207,47 @@ def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
 
     Fenced by seq only, never waiting for a lease: a turn in progress loses its
     next write and stops. The subtree is walked with a queue, not a recursion, so
-    its depth costs no stack: each run cancelled names the children that may exist
+    its depth costs no stack: each run names the children that may exist under it
     (its ``run_child`` calls without an outcome, runtime/children.py), and a child
     its parent's turn creates after that look is cancelled by that turn at once
-    (tasks/children.py reads the parent after creating a child). Raises RunNotFound,
-    RunRefused for a finished run.
+    (tasks/children.py reads the parent after creating a child). The walk goes on
+    through runs that ended already, so a cancel cut short (its process died
+    mid-walk) is finished by the next cancel of the same run. Raises RunNotFound,
+    RunRefused for a run that had finished with nothing left to cancel under it.
     """
     run_id = validate_run_id(run_id)
     reason = " ".join((reason or "").split())[:MAX_REASON_CHARS] or "cancelled by an operator"
-    cancelled, children = _cancel_one(ctx, run_id, reason)
+    record, children, ended = _cancel_one(ctx, run_id, reason)
     queue = deque((child, run_id) for child in children)
+    seen, descendants = {run_id}, 0
     while queue:
         child, parent = queue.popleft()
+        if child in seen:
+            continue  # ids are hashes of their parent's: only a forged one could loop
+        seen.add(child)
         try:
-            _, more = _cancel_one(ctx, child, f"its parent run {parent} was cancelled", parent)
-        except (RunNotFound, RunRefused) as exc:
-            log.info("run %s: child %s not cancelled: %s", parent, child, exc)
-            continue
+            _, more, now = _cancel_one(ctx, child, f"its parent run {parent} was cancelled", parent)
+        except RunNotFound:
+            continue  # its parent's call never made it
+        descendants += now
         queue.extend((grandchild, child) for grandchild in more)
-    return cancelled
+    if not ended and not descendants:
+        raise RunRefused(
+            run_id, record.status.value, "it has already finished; there is nothing to cancel"
+        )
+    return record
 
 
 def _cancel_one(
     ctx: Context, run_id: str, reason: str, parent_ended: str | None = None
-) -> tuple[RunRecord, list[str]]:
-    """Cancel one run; (its new record, the ids its children may have). ``parent_ended``:
-    its parent, already cancelled, so the child records it is told (no delivery)."""
+) -> tuple[RunRecord, list[str], bool]:
+    """Cancel one run unless it ended already; (its record, the ids its children may have,
+    whether this cancelled it). ``parent_ended``: its parent, already ended, so the child
+    records that it is told with its ending (no delivery)."""
     for _ in range(STALE_ATTEMPTS):
         record, children = _children_of(ctx, run_id)
         if record.status.is_terminal:
-            raise RunRefused(
-                run_id, record.status.value, "it has already finished; there is nothing to cancel"
-            )
+            return record, children, False
         is_child = parent_ended is not None
         if not is_child:
             first = ctx.runs.events(run_id, after_seq=0, limit=1)
@@ -255,7 +264,7 @@ def _cancel_one(
         log.info("run %s: cancelled (%s) at seq %s", run_id, reason, cancelled.last_seq)
         if parent_ended is None and is_child:
             tell_parent_soon(run_id)
-        return cancelled, children
+        return cancelled, children, True
     raise RunMoving(run_id, STALE_ATTEMPTS)
 
 
@@ -264,13 +273,15 @@ def _children_of(ctx: Context, run_id: str) -> tuple[RunRecord, list[str]]:
     record = ctx.runs.get(run_id)
     if record is None:
         raise RunNotFound(run_id)
-    if record.status.is_suspended or record.status.is_terminal:
+    if record.status.is_suspended:
         # Children run one at a time: a suspended run's only live child is the one its
-        # suspension waits for, and a finished run's do not matter here.
+        # suspension waits for.
         suspension = record.suspension
         if suspension is None or suspension.tool != RUN_CHILD:
             return record, []
         return record, [child_run_id(run_id, suspension.call_id)]
+    if record.status == RunStatus.COMPLETED:
+        return record, []  # it answered: every call it made has its outcome
     try:
         loaded = load(ctx, run_id, set_aside=False, record=record)
     except RunStateLost:

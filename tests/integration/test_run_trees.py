@@ -21,11 +21,12 @@ import httpx
 import pytest
 
 from runtime.children import DEFAULT_MAX_CHILD_DEPTH, child_run_id
-from runtime.errors import InvalidRequest
+from runtime.errors import InvalidRequest, RunRefused
 from runtime.fsm import created_event, rebuild
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
 from tasks.context import Context, set_context
+from tasks.persistence import append_ending
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, redis_context, wait_for, worker_env
@@ -302,3 +303,43 @@ def console_cancels_a_deep_tree(ratchet: Ratchet, tmp_path: Path) -> None:
     statuses = {r.status for r in ratchet.ctx.runs.list(limit=10_000)}
     assert statuses == {RunStatus.CANCELLED}
     assert took_s < 10 + DEEP / 25, f"{took_s:.1f}s for {DEEP + 1} runs"
+
+
+def three_generations(directory: Path) -> Path:
+    """A root that starts a middle agent, which starts one that asks a person."""
+    write_agent(
+        directory,
+        [turn("Ask.", call("request_user_input", prompt="Which?")), turn("done")],
+        name="leaf",
+        tools=["request_user_input"],
+    )
+    for name, child in (("middle", "leaf"), ("top", "middle")):
+        write_agent(
+            directory,
+            [turn("Deeper.", call("run_child", agent=child, input="go")), turn("done")],
+            name=name,
+            tools=["run_child"],
+            extra=f'[children]\n{child} = "{child}.toml"',
+        )
+    return directory / "top.toml"
+
+
+def test_a_cancel_cut_short_is_finished_by_the_next(ratchet: Ratchet, tmp_path: Path) -> None:
+    # Given three generations of waiting runs whose root alone was cancelled (the
+    # process cancelling the tree died after its first write)
+    root = ratchet.start(three_generations(tmp_path), "go")
+    wait_for(
+        "the grandchild asks",
+        lambda: len(ratchet.ctx.runs.list(RunStatus.NEEDS_USER_INPUT, limit=10)) == 1,
+    )
+    record = ratchet.ctx.runs.get(root)
+    assert record is not None and record.status == RunStatus.WAITING
+    append_ending(ratchet.ctx, record, "run.cancelled", {"reason": "cut short"}, None)
+    assert len([r for r in ratchet.ctx.runs.list() if not r.status.is_terminal]) == 2
+    # When the root is cancelled again
+    again = ratchet.cancel(root, "again")
+    # Then the rest of its tree is cancelled, and a third cancel has nothing left to do
+    assert again.status == RunStatus.CANCELLED
+    assert {r.status for r in ratchet.ctx.runs.list()} == {RunStatus.CANCELLED}
+    with pytest.raises(RunRefused, match="nothing to cancel"):
+        ratchet.cancel(root, "once more")
