@@ -244,9 +244,9 @@ def main() -> int:  # noqa: C901 - a script read top to bottom
     sys.path.insert(0, str(ROOT))
     import redis
 
+    from tasks.delivery import redis_lists
     from tasks.queues import TURNS_QUEUE
     from worker.api import Ratchet
-    from worker.priorities import redis_lists
 
     celery = [sys.executable, "-m", "celery", "-A", "worker"]
     workers = [

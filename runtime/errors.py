@@ -586,6 +586,16 @@ class RunNotQueued(RatchetError):
         self.run_id, self.problem = run_id, problem
 
 
+class AnswerNotQueued(RatchetError):
+    def __init__(self, run_id: str, seq: int, problem: str) -> None:
+        super().__init__(
+            f"run {run_id}: the answer is recorded (seq {seq}) but its next turn could not be "
+            f"queued ({problem}); the run goes on by itself once the broker is back (the crash "
+            f"sweeper, `celery -A worker beat`, queues it), or `ratchet runs resume {run_id}` then",
+        )
+        self.run_id, self.seq, self.problem = run_id, seq, problem
+
+
 class ToolModuleChanged(RatchetError):
     def __init__(self, module: str, path: str, worker: str) -> None:
         super().__init__(self.naming("RUN", module, path, worker))

@@ -96,7 +96,9 @@ def plan_fork(
     _check_forkable(base, seq)
     created = events[0].data
     if agent.binding != created["binding"] and not rebind:
-        change = describe_binding_change(created.get("binding_document", {}), agent.binding_document)
+        change = describe_binding_change(
+            created.get("binding_document", {}), agent.binding_document
+        )
         raise BindingChanged(original, agent.name, f"{change}; fork with --rebind to run under it")
     data = {
         "run_id": new_run_id,

@@ -100,7 +100,11 @@ def due_at_ms(state: RunState, lead_ms: int) -> int | None:
 def prompt(arguments: dict[str, Any], since_ms: int) -> str:
     """The suspension's line for operators: until when, and what for."""
     probe = Suspension(
-        reason=RunStatus.WAITING, call_id="-", tool=WAIT, arguments=arguments, seq=0,
+        reason=RunStatus.WAITING,
+        call_id="-",
+        tool=WAIT,
+        arguments=arguments,
+        seq=0,
         since_ms=since_ms,
     )
     when = datetime.fromtimestamp(wake_at_ms(probe) / 1000, UTC).isoformat(timespec="seconds")

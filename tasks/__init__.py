@@ -10,14 +10,16 @@ the sweeper's beat entry, to the Celery app it is given — ratchet's own
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from tasks.children import deliver_run
 from tasks.control import cancel_run, continue_run
+from tasks.delivery import apply_delivery, delivery_refusal, delivery_settings
 from tasks.messages import send_through
-from tasks.queues import ROUTES, beat_schedule, queues, route
+from tasks.queues import ROUTES, beat_schedule
 from tasks.recovery import reconcile_run, resume_run, sweep
-from tasks.settings import Settings, get_settings
+from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from tasks.start import start_run
 from tasks.timers import wake_run
 from tasks.turn import run_turn
@@ -37,29 +39,33 @@ __all__ = [
 
 
 def install(app: Any, settings: Settings | None = None) -> None:
-    """Add ratchet to the Celery app ``app``: its tasks, queues, routes and beat entry.
+    """Configure the Celery app ``app`` to carry ratchet: tasks, queues, routes, beat entry.
 
-    What the app already has is kept: its own queues, routes (ratchet's win for
-    ``ratchet.*`` names only), beat entries and accepted content types
-    (``json`` is added: ratchet's messages are JSON). Each ratchet task gets, by
-    annotation, what ratchet's own app sets for every task: late acknowledgement,
-    a requeue when the worker is lost, no result, and the turn time limit.
+    ``app`` gets the one table ratchet's own app is built from (:mod:`tasks.delivery`):
+    queues with their arguments, routes with their priorities, the Redis priority steps
+    and visibility timeout, json accepted, prefetch 1, task events, and the plain-JSON
+    continuations consumer. What the app already has is kept: its own queues, routes
+    (ratchet's win for ``ratchet.*`` names only), beat entries, accepted content, and any
+    value it chose; a worker of the app refuses to start, naming the setting, when a
+    value it chose is one ratchet cannot take (:func:`tasks.delivery.delivery_problems`).
+    Each ratchet task gets, by annotation, what ratchet's own app sets for every task:
+    late acknowledgement, a requeue when the worker is lost, no result, the time limit.
 
-    What ratchet sends outside a running task (the API's starts) goes through ``app``
-    from now on. The app's workers run ratchet's tasks when they consume its queues:
-    ``celery -A proj worker -Q ratchet.turns,ratchet.control --prefetch-multiplier 1``.
+    What ratchet sends outside a running task (the API's, the CLI's with ``--app``)
+    goes through ``app`` from now on. The app's workers run ratchet's tasks when they
+    consume its queues: ``celery -A proj worker -Q ratchet.turns,ratchet.control``.
     """
+    from celery.signals import worker_init
+
+    from tasks.continuations import ContinuationConsumer
+
     settings = settings or get_settings()
     conf = app.conf
-    known = {queue.name for queue in conf.task_queues or ()}
-    conf.task_queues = (
-        *(conf.task_queues or ()),
-        *(queue for queue in queues() if queue.name not in known),
+    apply_delivery(
+        conf, delivery_settings(conf.broker_url or settings.resolved_broker_url, settings)
     )
-    route(app)
-    send_through(app)
     conf.beat_schedule = {**(conf.beat_schedule or {}), **beat_schedule(settings.sweep_interval_s)}
-    conf.accept_content = sorted({*(conf.accept_content or ()), "json"})
+    conf.ratchet_installed = True
     annotation = {
         "acks_late": True,
         "reject_on_worker_lost": True,
@@ -69,3 +75,16 @@ def install(app: Any, settings: Settings | None = None) -> None:
     theirs = conf.task_annotations
     annotations = list(theirs) if isinstance(theirs, list | tuple) else [theirs] if theirs else []
     conf.task_annotations = ({name: dict(annotation) for name in ROUTES}, *annotations)
+    app.steps["consumer"].add(ContinuationConsumer)
+    send_through(app)
+
+    def refuse_what_it_cannot_take(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        problem = delivery_refusal(app, settings, getattr(sender, "prefetch_multiplier", None))
+        if problem is not None:
+            # SystemExit passes through Celery's signal dispatch (it catches Exception only).
+            print(f"ratchet: refusing to start: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_CONFIG_INVALID)
+
+    worker_init.connect(refuse_what_it_cannot_take, weak=False)

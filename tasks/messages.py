@@ -353,6 +353,9 @@ def send(
     options["queue"] = queue or options.get("queue") or message.queue()
     headers = {**(options.pop("headers", None) or {}), VERSION_HEADER: VERSION}
     app = app or sending_app()
+    if app.conf.task_serializer != "json":
+        # ratchet's messages are JSON whatever an application's own tasks are sent as.
+        options.setdefault("serializer", "json")
     kwargs = message.model_dump()
     if message.task == lean.TASK and set(options) <= {"queue", "priority"}:
         # A turn chained from a running turn: the same message, less of Celery's work.

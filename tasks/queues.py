@@ -15,7 +15,7 @@ from kombu.entity import Exchange, Queue
 
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
-"""Brokers with priorities (worker/priorities.py): Redis's lists, RabbitMQ's x-max-priority."""
+"""Brokers with priorities (tasks/delivery.py): Redis's lists, RabbitMQ's x-max-priority."""
 
 TURNS_QUEUE = "ratchet.turns"
 CONTROL_QUEUE = "ratchet.control"
@@ -33,33 +33,19 @@ ROUTES: dict[str, str] = {
 }
 """The queue of each ratchet task (an app's ``task_routes``)."""
 
+
 def scheme_of(broker_url: str) -> str:
     return broker_url.split("://", 1)[0].split("+", 1)[0]
 
 
-def route(app: Any) -> None:
-    """Route ``app``'s ratchet tasks to ratchet's queues, before any route it already has."""
-    ours = task_routes()
-    existing = app.conf.task_routes
-    if existing is None:
-        app.conf.task_routes = ours
-    elif isinstance(existing, dict):
-        app.conf.task_routes = {**existing, **ours}
-    else:  # a list or tuple of routers: ours first
-        app.conf.task_routes = (ours, *existing)
-
-
-def queues() -> tuple[Any, ...]:
-    """ratchet's kombu queues (an app's ``task_queues``)."""
+def queues(max_priority: int | None = None) -> tuple[Any, ...]:
+    """ratchet's kombu queues (an app's ``task_queues``); with ``max_priority``, declared
+    with ``x-max-priority`` (RabbitMQ: tasks/delivery.py)."""
+    arguments = {"x-max-priority": max_priority} if max_priority is not None else None
     return tuple(
-        Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+        Queue(name, Exchange(name, type="direct"), routing_key=name, queue_arguments=arguments)  # type: ignore[no-untyped-call]
         for name in (TURNS_QUEUE, CONTROL_QUEUE)
     )
-
-
-def task_routes() -> dict[str, dict[str, str]]:
-    """:data:`ROUTES` in Celery's ``task_routes`` form."""
-    return {name: {"queue": queue} for name, queue in ROUTES.items()}
 
 
 def beat_schedule(sweep_interval_s: float) -> dict[str, dict[str, Any]]:

@@ -365,7 +365,9 @@ class _Tracing:
             else SimpleSpanProcessor(self.exporter)
         )
         self.provider = TracerProvider(
-            resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "ratchet")}),
+            resource=Resource.create(
+                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "ratchet")}
+            ),
             id_generator=_DerivedIds(),
         )
         self.provider.add_span_processor(processor)

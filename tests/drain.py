@@ -25,8 +25,8 @@ import redis
 from celery import Celery
 from kombu import Connection
 
+from tasks.delivery import redis_lists
 from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE, scheme_of
-from worker.priorities import redis_lists
 
 QUEUES = (TURNS_QUEUE, CONTROL_QUEUE, "ratchet.continuations")
 UNACKED = "unacked"

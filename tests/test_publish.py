@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime.models import RunStatus
+from tasks.delivery import redis_lists
 from tasks.messages import VERSION, VERSION_HEADER
 from tasks.publish import _kwargsrepr, lean_turns
 from tasks.queues import TURNS_QUEUE
@@ -34,7 +35,6 @@ from tasks.start import create_run
 from tests.helpers import turn, write_agent
 from tests.workers import WorkerProcesses, redis_context, wait_for
 from worker.app import make_app
-from worker.priorities import redis_lists
 
 KWARGS = {"run_id": "lean-1", "expected_seq": 3}
 PER_MESSAGE = ("id", "correlation_id", "delivery_tag")

@@ -21,8 +21,8 @@ import pytest
 import redis
 from kombu import Exchange, Queue
 
+from tasks.delivery import MAX_PRIORITY
 from tests.redis_server import running_redis_server
-from worker.priorities import MAX_PRIORITY
 from worker.transport import RatchetConnection, RedisTransport
 
 STEPS = {"priority_steps": list(range(MAX_PRIORITY + 1))}

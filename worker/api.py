@@ -24,14 +24,22 @@ from typing import Any
 from kombu.exceptions import OperationalError
 
 from runtime.continuation import check_pinned, make_continuation
-from runtime.errors import InvalidRequest, RunNotFound, RunNotQueued, RunRefused
+from runtime.errors import (
+    AnswerNotQueued,
+    ConfigInvalid,
+    InvalidRequest,
+    RatchetError,
+    RunNotFound,
+    RunNotQueued,
+    RunRefused,
+)
 from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from runtime.recovery import OPERATOR
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
 from tasks.lease import holding
-from tasks.messages import Start, enqueue_resume, enqueue_turn
+from tasks.messages import Start, enqueue_resume, enqueue_turn, sending_app
 from tasks.persistence import Loaded, load
 from tasks.start import start
 
@@ -88,6 +96,11 @@ class Ratchet:
             priority=priority,
             concurrency_key=concurrency_key,
         )
+        from worker.senders import misdirected
+
+        refusal = misdirected(self.ctx.settings, sending_app())
+        if refusal is not None:
+            raise ConfigInvalid("RATCHET_BROKER_URL", refusal)
         started = start(self.ctx, request)
         if started.awaits_first_turn:
             from tasks.limits import first_turn_priority
@@ -135,7 +148,26 @@ class Ratchet:
             deny=deny,
             suspension_seq=suspension_seq,
         )
-        return apply_continuation(self.ctx, continuation)
+        from worker.senders import check_broker
+
+        # The answer is taken only when its next turn can be queued: recorded, and then
+        # not queued, the run would move on and wait for the sweeper.
+        check_broker(self.ctx.settings, sending_app())
+        chained: list[int] = []
+
+        def chain(run_id: str, seq: int) -> None:
+            chained.append(seq)
+            enqueue_turn(run_id=run_id, expected_seq=seq)
+
+        try:
+            return apply_continuation(self.ctx, continuation, enqueue=chain)
+        except RatchetError:
+            raise
+        except Exception as exc:  # the broker's, of whatever kind (kombu's, py-amqp's, OSError)
+            if not chained:
+                raise
+            problem = " ".join(str(exc).split()) or type(exc).__name__
+            raise AnswerNotQueued(run_id, chained[-1], f"broker: {problem}") from exc
 
     def cancel(self, run_id: str, reason: str | None = None) -> RunRecord:
         """Stop a live, suspended or parked run at its next boundary; returns its record.

@@ -18,8 +18,9 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 
 from runtime.errors import ConfigInvalid
+from tasks.delivery import MAX_PRIORITY, delivery_settings
 from tasks.messages import send_through
-from tasks.queues import CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, queues, task_routes
+from tasks.queues import AMQP_SCHEMES, CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, scheme_of
 from tasks.rejected import rejected_folder
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from worker.startup import on_a_command_line
@@ -50,9 +51,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # The broker channels set refused messages aside here (worker/entries.py).
             "rejected_folder": str(rejected_folder(settings.resolved_data_dir)),
         }
-    elif broker_url.startswith(("redis", "rediss")):
-        transport_options = {"visibility_timeout": settings.visibility_timeout_s}
-    return {
+    # What decides where messages go and how they are read: the table a team's app gets
+    # from tasks.install too (tasks/delivery.py).
+    delivery = delivery_settings(broker_url, settings)
+    transport_options.update(delivery.pop("broker_transport_options"))
+    config = {
         "broker_url": broker_url,
         "worker_consumer": "worker.consumer:RatchetConsumer",
         "broker_transport_options": transport_options,
@@ -61,19 +64,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # (worker.checks, RATCHET_BROKER_START_RETRIES) before Celery connects.
         "task_serializer": "json",
         "result_serializer": "json",
-        "accept_content": ["json"],
         "event_serializer": "json",
         "result_accept_content": ["json"],
         "task_ignore_result": True,
         "result_backend": None,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
-        "worker_prefetch_multiplier": 1,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_hijack_root_logger": False,
         "task_default_queue": TURNS_QUEUE,
-        "task_queues": queues(),
-        "task_routes": task_routes(),
         # `celery -A worker beat` sends the crash sweeper.
         "beat_schedule": beat_schedule(settings.sweep_interval_s),
         # Beat's schedule files (celerybeat-schedule.*) live with the rest of ratchet's state.
@@ -81,19 +79,16 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "beat_scheduler": "worker.app:Scheduler",
         "task_time_limit": settings.turn_time_limit_s,
         "imports": ("tasks",),
-        # Read by worker.consumer.ContinuationConsumer (plain-JSON continuations).
-        "ratchet_continuations_queue": settings.continuations_queue,
-        # Flower and `celery events` see every task without `-E` (RATCHET_TASK_EVENTS=0: off);
-        # worker.observe gives the tasks readable arguments and names runs in the logs.
-        "worker_send_task_events": settings.task_events,
-        "task_send_sent_event": settings.task_events,
+        # Flower and `celery events` see every task without `-E` (RATCHET_TASK_EVENTS=0: off,
+        # in the table); worker.observe gives the tasks readable arguments and names runs.
+        **delivery,
     }
-
-
-def celery_config_with_priorities(settings: Settings) -> dict[str, Any]:
-    from worker.priorities import with_priorities
-
-    return with_priorities(celery_config(settings), CONTROL_QUEUE)
+    if scheme_of(broker_url) in AMQP_SCHEMES:
+        # Every other queue this app declares (RATCHET_NOTIFY_QUEUE's, one made by `-Q`)
+        # with priorities too, as earlier releases declared them: RabbitMQ refuses a
+        # second declaration of a queue with other arguments.
+        config["task_queue_max_priority"] = MAX_PRIORITY
+    return config
 
 
 def make_app(settings: Settings | None = None, *, set_as_current: bool = False) -> Celery:
@@ -108,8 +103,8 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
     import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
     from tasks import failpoints
+    from tasks.continuations import ContinuationConsumer
     from worker.compression import bound_decompression
-    from worker.consumer import ContinuationConsumer
 
     failpoints.check()
     # No message body inflates past 4 MiB in the consumer loop (kombu's registry is global).
@@ -123,7 +118,7 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
         task_cls="tasks.task_base:RatchetTask",
         set_as_current=set_as_current,
     )
-    app.conf.update(celery_config_with_priorities(settings or get_settings()))
+    app.conf.update(celery_config(settings or get_settings()))
     app.steps["consumer"].add(ContinuationConsumer)
     return app
 

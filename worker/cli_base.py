@@ -73,9 +73,29 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
 
 
 @click.group()
+@click.option(
+    "-A",
+    "--app",
+    "app_name",
+    envvar="RATCHET_APP",
+    default=None,
+    metavar="MODULE",
+    help="Your Celery app with ratchet installed, as for `celery -A` (env RATCHET_APP): "
+    "what is sent goes through it, to the broker and queues its workers read.",
+)
 @click.version_option(package_name="ratchet")
-def main() -> None:
+def main(app_name: str | None) -> None:
     """Durable LLM-agent runs on Celery."""
+    if app_name:
+        from runtime.errors import ConfigInvalid
+        from tasks.settings import EXIT_CONFIG_INVALID
+        from worker.senders import use_app
+
+        try:
+            use_app(app_name)
+        except ConfigInvalid as exc:
+            click.echo(f"ratchet: {exc}", err=True)
+            sys.exit(EXIT_CONFIG_INVALID)
 
 
 @main.group()

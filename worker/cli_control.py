@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
+from runtime.errors import AnswerNotQueued
 from runtime.models import Suspension
 from tasks.control import new_continuation_id
 from worker.cli_base import _api, _dump, _record_json, flag, json_flag, refusals, runs
+from worker.exits import Exit
 from worker.render import record_lines
 
 
@@ -42,20 +46,26 @@ def runs_continue(
     It answers the suspension `runs show` shows (or the one --suspension-seq names)
     and says which: if the run has moved on to another question meanwhile, the
     answer is refused rather than applied to a question it was not written for.
+    An answer whose next turn the broker cannot take is not recorded (exit status 1);
+    exit status 7: it was recorded, but the turn was not queued (the sweeper queues it).
     """
     api = _api()
     continuation_id = continuation_id or new_continuation_id()
     shown = api.suspension(run_id) if suspension_seq is None else None
     if shown is not None:
         suspension_seq = shown.seq
-    outcome = api.continue_run(
-        run_id,
-        input=text,
-        approve=approve or None,
-        deny=deny,
-        continuation_id=continuation_id,
-        suspension_seq=suspension_seq,
-    )
+    try:
+        outcome = api.continue_run(
+            run_id,
+            input=text,
+            approve=approve or None,
+            deny=deny,
+            continuation_id=continuation_id,
+            suspension_seq=suspension_seq,
+        )
+    except AnswerNotQueued as exc:
+        click.echo(f"ratchet: {exc}", err=True)
+        sys.exit(Exit.NOT_ENQUEUED)
     if as_json:
         _dump(
             {

@@ -26,8 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.errors import InvalidRequest
+from tasks.delivery import MERGED, apply_delivery, delivery_settings
 from tasks.messages import enqueue_cancel, enqueue_continue, enqueue_start
-from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE, route
+from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE
+from tasks.settings import get_settings
 
 __all__ = [
     "CONTROL_QUEUE",
@@ -41,6 +43,19 @@ __all__ = [
 
 QUEUES = ROUTES
 """The queue of each ratchet task (the workers' ``task_routes``)."""
+
+
+def route(app: Any) -> None:
+    """Route ``app``'s ratchet messages as ratchet's workers read them, keeping its own routes.
+
+    ratchet's queues (declared as the workers declare them: with ``x-max-priority`` on
+    RabbitMQ, which refuses a queue declared twice with other arguments), ratchet's
+    routes ahead of the app's, the Redis priority steps, and ``json`` accepted — the
+    sending half of the table the workers are configured from (:mod:`tasks.delivery`).
+    """
+    conf = app.conf
+    table = delivery_settings(conf.broker_url or get_settings().resolved_broker_url, get_settings())
+    apply_delivery(conf, {name: table[name] for name in MERGED})
 
 
 def start_run(app: Any, agent_file: str, text: str, *, run_id: str, **options: Any) -> str:

@@ -59,9 +59,7 @@ def refusal_of(html: str) -> str:
     return found.group(1).replace("&#39;", "'").replace("&quot;", '"').replace("&amp;", "&")
 
 
-async def act(
-    client: httpx.AsyncClient, run_id: str, action: str, **fields: str
-) -> httpx.Response:
+async def act(client: httpx.AsyncClient, run_id: str, action: str, **fields: str) -> httpx.Response:
     page = await client.get(f"/runs/{run_id}")
     form = {"csrf": csrf_of(page.text), **fields}
     shown = re.search(r'name="suspension_seq" value="(\d*)"', page.text)
@@ -103,8 +101,11 @@ def test_each_refusal_reads_as_the_cli_prints_it(ratchet: Ratchet, tmp_path: Pat
             {"call_id": "call_1_1", "decision": "retry"},
             ["runs", "reconcile", run_id, "call_1_1", "--retry"],
         ),
-        ("approve", {"suspension_seq": "2"}, ["runs", "continue", run_id, "--approve",
-                                               "--suspension-seq", "2"]),
+        (
+            "approve",
+            {"suspension_seq": "2"},
+            ["runs", "continue", run_id, "--approve", "--suspension-seq", "2"],
+        ),
         (
             "reconcile",
             {"call_id": "c", "decision": "result", "result": "{not json"},
@@ -142,7 +143,11 @@ def test_answer_deny_and_cancel_go_through_the_api(ratchet: Ratchet, tmp_path: P
         continuation_id = hidden(page.text, "action-answer", "continuation_id")
         # When each is answered, denied, cancelled from the console
         done = await act(
-            client, asked, "answer", input="The Visa card", suspension_seq=seq,
+            client,
+            asked,
+            "answer",
+            input="The Visa card",
+            suspension_seq=seq,
             continuation_id=continuation_id,
         )
         assert done.status_code == 303
@@ -150,7 +155,11 @@ def test_answer_deny_and_cancel_go_through_the_api(ratchet: Ratchet, tmp_path: P
         assert f"run {asked}: continued ({continuation_id}); its next turn is queued" in flash
         # (the same form sent twice is applied once, as the CLI's continuation id is)
         again = await act(
-            client, asked, "answer", input="The Visa card", suspension_seq=seq,
+            client,
+            asked,
+            "answer",
+            input="The Visa card",
+            suspension_seq=seq,
             continuation_id=continuation_id,
         )
         assert again.status_code in (303, 409)
@@ -163,9 +172,7 @@ def test_answer_deny_and_cancel_go_through_the_api(ratchet: Ratchet, tmp_path: P
     answers = [e.data for e in ratchet.events(asked) if e.type == "run.continued"]
     assert [a["input"] for a in answers] == ["The Visa card"]
     assert ratchet.wait(denied, 30).status == RunStatus.COMPLETED
-    tool_results = [
-        e.data for e in ratchet.events(denied) if e.type == "run.continued"
-    ]
+    tool_results = [e.data for e in ratchet.events(denied) if e.type == "run.continued"]
     assert tool_results[0]["reason"] == "over the limit" and not tool_results[0].get("approved")
     record = ratchet.get(cancelled)
     assert record.status == RunStatus.CANCELLED and record.error == "customer left"
@@ -240,5 +247,3 @@ def test_run_data_is_shown_as_text_and_pages_forbid_other_scripts(
         assert missing.status_code == 404 and "no-such-run" in missing.text
 
     run_console(ratchet, scenario)
-
-

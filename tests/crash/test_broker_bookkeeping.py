@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from runtime.models import RunStatus
+from tasks.delivery import MAX_PRIORITY
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcesses, redis_context, run_status, wait_for
 from worker.app import make_app
-from worker.priorities import MAX_PRIORITY
 from worker.transport import RatchetConnection
 
 pytestmark = pytest.mark.slow

@@ -24,6 +24,7 @@ from celery import Celery
 from runtime.actions import TurnOutcome
 from runtime.models import RunStatus
 from store.runs.redis import RedisRunStore
+from tasks.delivery import redis_lists
 from tasks.messages import VERSION, VERSION_HEADER
 from tasks.publish import lean_turns
 from tasks.queues import TURNS_QUEUE
@@ -35,7 +36,6 @@ from tests.redis_server import RedisServer
 from tests.test_publish import sent_in_a_task, without_ids
 from tests.workers import WorkerProcess, redis_context, wait_for, worker_env
 from worker.app import make_app
-from worker.priorities import redis_lists
 
 STORES_DB, BROKER_DB = 3, 4
 HEADERS = {VERSION_HEADER: VERSION}

@@ -414,7 +414,10 @@ def throttled(ctx: Context, home: Path) -> str:
     use_limit_store(ctx, MemoryLimitStore(clock=lambda: now[0]))
     agent = write_agent(
         home,
-        [turn("Looking it up.", call("lookup_order", order_id="B2")), turn("Order B2 is on its way.")],
+        [
+            turn("Looking it up.", call("lookup_order", order_id="B2")),
+            turn("Order B2 is on its way."),
+        ],
         name="throttled",
         extra='[limits]\nkey = "golden-key"\nrequests_per_minute = 60\nburst_s = 0.001',
     )

@@ -269,8 +269,10 @@ def test_plain_json_continuations_on_rabbitmq_are_applied_by_a_worker_process(
         publish_with_kombu(rabbitmq_vhost, {"run_id": run_id, "approve": "yes"})
         worker_wait_for(
             "the worker refused both malformed continuations",
-            lambda: "the body is a JSON array" in worker.log()
-            and "`approve` must be bool" in worker.log(),
+            lambda: (
+                "the body is a JSON array" in worker.log()
+                and "`approve` must be bool" in worker.log()
+            ),
         )
         assert ctx.runs.events(run_id) == before
         answer = {"run_id": run_id, "input": "Order B2", "continuation_id": "amqp-1"}

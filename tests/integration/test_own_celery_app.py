@@ -57,8 +57,10 @@ def test_a_run_completes_on_a_worker_of_another_app_with_ratchet_installed(
         # Then the team's worker takes it through every turn to the end
         wait_for(
             "the run completes",
-            lambda: (record := ctx.runs.get(run_id)) is not None
-            and record.status == RunStatus.COMPLETED,
+            lambda: (
+                (record := ctx.runs.get(run_id)) is not None
+                and record.status == RunStatus.COMPLETED
+            ),
         )
         assert ctx.runs.get(run_id).output == "Refunded B2."  # type: ignore[union-attr]
         # and the team's beat sends ratchet's sweeper, which that worker runs

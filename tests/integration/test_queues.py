@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import redis
 
+from tasks.delivery import redis_lists
 from tasks.messages import enqueue_continue, enqueue_turn
 from worker.app import CONTROL_QUEUE, TURNS_QUEUE, app
-from worker.priorities import redis_lists
 
 
 def messages_in(client: redis.Redis, queue: str) -> int:
-    """Messages waiting in ``queue``, over all its priority lists (worker/priorities.py)."""
+    """Messages waiting in ``queue``, over all its priority lists (tasks/delivery.py)."""
     return sum(int(client.llen(name)) for name in redis_lists(queue))
 
 
