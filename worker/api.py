@@ -26,7 +26,6 @@ from kombu.exceptions import OperationalError
 from runtime.continuation import check_pinned, make_continuation
 from runtime.errors import (
     AnswerNotQueued,
-    ConfigInvalid,
     InvalidRequest,
     RatchetError,
     RunNotFound,
@@ -96,11 +95,12 @@ class Ratchet:
             priority=priority,
             concurrency_key=concurrency_key,
         )
-        from worker.senders import misdirected
+        from worker.senders import BrokerUnready, check_broker
 
-        refusal = misdirected(self.ctx.settings, sending_app())
-        if refusal is not None:
-            raise ConfigInvalid("RATCHET_BROKER_URL", refusal)
+        try:
+            check_broker(self.ctx.settings, sending_app())
+        except BrokerUnready:
+            pass  # recorded all the same: RunNotQueued says so, and the sweeper queues it
         started = start(self.ctx, request)
         if started.awaits_first_turn:
             from tasks.limits import first_turn_priority
