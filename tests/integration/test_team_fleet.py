@@ -5,19 +5,21 @@ The team's app is a ``proj`` package written here (its own ``celery.py`` and
 ``celery -A proj worker``; the same matrix runs on ``celery -A worker worker``. No
 beat runs anywhere: a run whose message went where no worker reads never moves, so
 each case completes only if what its sender sent reached the worker — and none of
-its events is a sweeper's ``run.resumed``. One worker per (app, broker) serves every
-case of the matrix.
+its events is a sweeper's ``run.resumed`` (but the one run a sweep is asked to resume,
+whose resume must reach the worker too). One worker per (app, broker) serves every
+sender of the matrix, all sending at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,18 +30,20 @@ from celery import Celery
 from kombu import Connection, Queue
 
 from runtime.models import RunStatus
+from store.runs.redis import RedisRunStore
 from tasks import messages
 from tasks.context import Context
+from tasks.recovery import sweep_orphans
 from tasks.settings import Settings
+from tasks.start import create_run
 from tests.console.test_console_pages import TOKEN, act
 from tests.helpers import call, turn, write_agent
-from tests.redis_server import RedisServer, _databases
 from tests.workers import (
     ROOT,
     WorkerProcess,
     WorkerProcesses,
-    _rabbitmqctl,
     redis_context,
+    run_status,
     wait_for,
     worker_env,
 )
@@ -96,6 +100,7 @@ class Fleet:
     app_name: str
     """``proj`` (the team's) or ``worker`` (ratchet's own)."""
     broker_url: str
+    store_url: str
     ctx: Context
     worker: WorkerProcess
     sender_app: Any
@@ -104,9 +109,9 @@ class Fleet:
     agents: Path
 
     def agent(self, script: list[dict[str, Any]], name: str) -> str:
+        """The agent ``name`` (written by the fixture, before any sender runs)."""
         path = self.agents / f"{name}.toml"
-        if not path.exists():
-            write_agent(self.agents, script, name=name)
+        assert path.exists(), path
         return str(path)
 
     def cli(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -150,46 +155,6 @@ class Fleet:
         return run_id
 
 
-@pytest.fixture(scope="module")
-def module_redis_url(redis_server: RedisServer) -> Iterator[str]:
-    """A Redis database for one module's stores (the workers' and the senders')."""
-    db = next(_databases)
-    redis_server.flush_db(db)
-    yield f"{redis_server.url}/{db}"
-    redis_server.flush_db(db)
-
-
-@pytest.fixture(scope="module")
-def module_vhost(_vhosts_deleted: list[tuple[str, subprocess.Popen[bytes]]]) -> Iterator[str]:
-    """A RabbitMQ virtual host for one module (tests/workers.py ``rabbitmq_vhost``)."""
-    vhost = f"ratchet-test-{uuid.uuid4().hex[:12]}"
-    permissions = {"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}
-    subprocess.run(
-        _rabbitmqctl("import_definitions", "--format", "json"),
-        input=json.dumps({"vhosts": [{"name": vhost}], "permissions": [permissions]}).encode(),
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
-    _vhosts_deleted.append(
-        (
-            vhost,
-            subprocess.Popen(
-                _rabbitmqctl("delete_vhost", vhost),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            ),
-        )
-    )
-
-
-@pytest.fixture(scope="module")
-def fleet_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_proj(tmp_path_factory.mktemp("team"))
-
-
 def _import_proj(root: Path, broker_url: str) -> Any:
     """The team's app, imported in this process as its own modules are (PROJ_BROKER_URL)."""
     for name in [name for name in sys.modules if name == "proj" or name.startswith("proj.")]:
@@ -205,24 +170,16 @@ def _import_proj(root: Path, broker_url: str) -> Any:
 
 
 @pytest.fixture(
-    scope="module",
     params=[("proj", "redis"), ("proj", "rabbitmq"), ("worker", "redis"), ("worker", "rabbitmq")],
     ids=["proj-redis", "proj-rabbitmq", "worker-redis", "worker-rabbitmq"],
 )
-def fleet(
-    request: pytest.FixtureRequest,
-    fleet_root: Path,
-    module_redis_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest, redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
+    """One worker of the app on the broker (stores: the test's Redis database), and no beat."""
     app_name, broker = request.param
-    broker_url = (
-        request.getfixturevalue("module_vhost") if broker == "rabbitmq" else module_redis_url
-    )
-    here = tmp_path_factory.mktemp(f"{app_name}-{broker}")
-    ledger = here / "refunds.ledger"
-    base = worker_env(module_redis_url, ledger, here / "data")
-    base["PYTHONPATH"] = f"{fleet_root}{os.pathsep}{ROOT}"
+    broker_url = request.getfixturevalue("rabbitmq_vhost") if broker == "rabbitmq" else redis_url
+    team = write_proj(tmp_path / "team")
+    base = worker_env(redis_url, tmp_path / "refunds.ledger", tmp_path / "data")
+    base["PYTHONPATH"] = f"{team}{os.pathsep}{ROOT}"
     queues = "ratchet.turns,ratchet.control"
     if app_name == "proj":
         # The team's workers know the broker from their app alone.
@@ -231,26 +188,27 @@ def fleet(
         queues += ",proj.work"
     else:
         base["RATCHET_BROKER_URL"] = broker_url
-    processes = WorkerProcesses(base, here)
+    processes = WorkerProcesses(base, tmp_path)
     before = messages._sending_app
     sender: Any = None
+    ctx = redis_context(redis_url)
     try:
         worker = processes.start(
-            "-Q", queues, "--pool", "threads", "--concurrency", "4", app=app_name
+            "-Q", queues, "--pool", "threads", "--concurrency", "8", app=app_name
         )
         if app_name == "proj":
-            sender = _import_proj(fleet_root, broker_url)
+            sender = _import_proj(team, broker_url)
         else:
             sender = make_app(Settings(broker_url=broker_url))
             messages.send_through(sender)
+        write_agent(tmp_path / "agents", LOOKUP, name="lookup")
+        write_agent(tmp_path / "agents", ASK, name="ask")
         wait_for("the worker is ready", lambda: "ready." in worker.log(), timeout_s=60)
-        ctx = redis_context(module_redis_url)
-        cli_env = {**base, "PYTHONPATH": base["PYTHONPATH"]}
-        yield Fleet(app_name, broker_url, ctx, worker, sender, cli_env, here / "agents")
-        ctx.close()
+        yield Fleet(app_name, broker_url, redis_url, ctx, worker, sender, base, tmp_path / "agents")
     finally:
         processes.stop_all()
         messages.send_through(before)
+        ctx.close()
         if sender is not None:
             sender.close()
 
@@ -340,20 +298,56 @@ SENDERS: dict[str, Callable[[Fleet], str]] = {
 }
 
 
-@pytest.mark.parametrize("sender", list(SENDERS))
+def sweeper_resume(fleet: Fleet) -> str:
+    """A run recorded with no turn queued (its first turn lost), found by a sweep an hour on."""
+    state = create_run(fleet.ctx, fleet.agent(LOOKUP, "lookup"), "B2")
+    hour_later = Context(
+        settings=Settings(),
+        snapshots=fleet.ctx.snapshots,
+        runs=RedisRunStore.from_url(
+            fleet.store_url, clock=lambda: int(time.time() * 1000) + 3_600_000
+        ),
+    )
+    try:
+        # The sweep beat would send, run here to name the hour; it resumes through the app.
+        assert state.run_id in sweep_orphans(hour_later)
+    finally:
+        hour_later.runs.close()
+    return state.run_id
+
+
 def test_what_each_sender_sends_is_taken_by_the_fleets_worker_at_once(
-    fleet: Fleet, sender: str
+    fleet: Fleet, tmp_path: Path
 ) -> None:
     # Given a worker of the app, and no beat (no sweeper to rescue a stranded message)
-    # When the sender starts or answers a run
-    run_id = SENDERS[sender](fleet)
-    # Then the worker takes every turn of it, with no resume by a sweeper
-    fleet.completes_by_the_worker_alone(run_id)
-
-
-def test_the_teams_own_task_keeps_working(fleet: Fleet, tmp_path: Path) -> None:
-    if fleet.app_name != "proj":
-        pytest.skip("ratchet's own app has no task of the team's")  # the matrix's other half
-    marker = tmp_path / "touched"
-    fleet.sender_app.send_task("proj.touch", args=(str(marker),))
-    wait_for("the team's own task ran", marker.exists)
+    # When each sender starts or answers a run of its own, all at once
+    with ThreadPoolExecutor(len(SENDERS)) as pool:
+        sent = {name: pool.submit(send, fleet) for name, send in SENDERS.items()}
+    failed: dict[str, str] = {}
+    run_ids = {}
+    for name, future in sent.items():
+        try:
+            run_ids[name] = future.result()
+        except Exception as exc:  # noqa: BLE001  (every sender's outcome is reported)
+            failed[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+    # Then the worker takes every turn of each run, with no resume by a sweeper
+    for name, run_id in run_ids.items():
+        try:
+            fleet.completes_by_the_worker_alone(run_id)
+        except AssertionError as exc:
+            failed[name] = str(exc).splitlines()[0]
+    assert not failed, "\n".join(
+        [*(f"{name}: {why}" for name, why in failed.items()), fleet.worker.log()[-1500:]]
+    )
+    # And the sweeper's resume reaches the worker too (the one resume of its run; swept
+    # once the others are done, since an hour on every run in flight is overdue)
+    run_id = sweeper_resume(fleet)
+    wait_for(f"run {run_id} completes", lambda: run_status(fleet.ctx, run_id).is_terminal)
+    assert run_status(fleet.ctx, run_id) == RunStatus.COMPLETED
+    resumed = [e.data.get("by") for e in fleet.ctx.runs.events(run_id) if e.type == "run.resumed"]
+    assert resumed == ["sweeper"]
+    # And on the team's app, its own task keeps working beside ratchet's
+    if fleet.app_name == "proj":
+        marker = tmp_path / "touched"
+        fleet.sender_app.send_task("proj.touch", args=(str(marker),))
+        wait_for("the team's own task ran", marker.exists)
