@@ -29,12 +29,12 @@ from runtime.models import RunStatus
 from runtime.timers import wake_at_ms
 from store.runs import RunStore
 from tasks.context import Context
+from tasks.delivery import MAX_PRIORITY
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, wait_for
 from worker.app import make_app
-from worker.priorities import MAX_PRIORITY
 from worker.transport import RatchetConnection
 
 pytestmark = pytest.mark.slow
