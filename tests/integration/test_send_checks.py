@@ -11,13 +11,16 @@
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
+import redis
 from kombu import Connection, Exchange, Queue
 
 from runtime.models import RunStatus
 from tests.helpers import call, turn, write_agent
+from tests.redis_server import RedisServer
 from tests.workers import ROOT, WorkerProcesses, wait_for, worker_env
 from worker.api import Ratchet
 
@@ -119,3 +122,33 @@ def test_a_start_on_a_rabbitmq_nobody_consumes_says_so(
     assert started.returncode == 0, started.stderr
     assert "no worker consumes ratchet.turns on amqp://guest:**@127.0.0.1:5672/" in started.stderr
     assert started.stderr.count("\n") == 1, started.stderr
+
+
+def test_an_answer_recorded_whose_turn_the_broker_then_refuses_says_so_and_exits_7(
+    ratchet: Ratchet, redis_server: RedisServer, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    # Given a suspended run, and a broker account that may connect and declare queues but
+    # not push a message (Redis ACL): the send fails only after the answer is recorded
+    run_id = ratchet.start(write_agent(tmp_path, ASK), "refund my order")
+    wait_for("the run waits for a person", lambda: ratchet.get(run_id).status.is_suspended)
+    user = f"nopush{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-lpush", "-rpush",
+        "-eval", "-evalsha",
+    )  # fmt: skip
+    try:
+        broker = redis_url.replace("redis://", f"redis://{user}:pw@")
+        env = {**worker_env(redis_url, ledger, tmp_path / "data"), "RATCHET_BROKER_URL": broker}
+        # When the CLI answers it through that broker
+        answered = ratchet_cli(env, "runs", "continue", run_id, "--input", "Order B2")
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+    # Then exit status 7 and one line say the answer is recorded and the sweeper goes on
+    assert answered.returncode == 7, answered.stderr
+    lines = answered.stderr.strip().splitlines()
+    assert len(lines) == 1, answered.stderr
+    assert f"run {run_id}: the answer is recorded" in lines[0]
+    assert "the crash sweeper" in lines[0] and "'lpush'" in lines[0], lines[0]
+    assert [e.type for e in ratchet.events(run_id)].count("run.continued") == 1
