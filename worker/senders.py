@@ -18,6 +18,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
+from kombu.common import maybe_declare
 from kombu.exceptions import OperationalError
 
 from runtime.errors import ConfigInvalid, RatchetError
@@ -101,32 +102,31 @@ def check_broker(settings: Settings, app: Any) -> None:
     if refusal is not None:
         raise ConfigInvalid("RATCHET_BROKER_URL", refusal)
     queue = app.amqp.queues[TURNS_QUEUE]
-    connection = app.connection_for_write()
-    try:
-        connection.ensure_connection(max_retries=1)
-        channel = connection.channel()
+    # The app's own pooled connection: the send that follows reuses it, and a queue this
+    # connection declared once is not declared again (kombu's maybe_declare), as Celery's.
+    with app.pool.acquire(block=True) as connection:
         try:
-            queue.bind(channel).declare()
+            connection.ensure_connection(max_retries=1)
+            channel = connection.default_channel
+            maybe_declare(queue, channel)  # type: ignore[no-untyped-call]
             consumers = None
             if scheme_of(str(app.conf.broker_url or "")) in AMQP_SCHEMES:
                 consumers = channel.queue_declare(queue=queue.name, passive=True).consumer_count
-        finally:
-            _close_quietly(channel)
-    except (
-        OperationalError,
-        OSError,
-        *connection.connection_errors,
-        *connection.channel_errors,
-    ) as exc:
-        raise BrokerUnready(f"{connection.as_uri()}: {' '.join(str(exc).split())}") from exc
-    finally:
-        _close_quietly(connection)
+        except (
+            OperationalError,
+            OSError,
+            *connection.connection_errors,
+            *connection.channel_errors,
+        ) as exc:
+            _close_quietly(connection)  # its channel may be closed: the next use reconnects
+            raise BrokerUnready(f"{connection.as_uri()}: {' '.join(str(exc).split())}") from exc
+        where = connection.as_uri()
     if consumers == 0:
         log.warning(
             "ratchet: no worker consumes %s on %s yet: what is sent waits there until one "
             "does (celery -A <your app> worker -Q ratchet.turns,ratchet.control)",
             queue.name,
-            connection.as_uri(),
+            where,
         )
 
 
