@@ -51,7 +51,7 @@ from runtime.providers import ModelRequest, ModelResponse
 from store.limits import LimitStore, open_limit_store
 from tasks import metrics
 from tasks.context import Context
-from tasks.messages import chain_turn
+from tasks.messages import chain_turn, sending_app
 from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
 log = logging.getLogger("ratchet.limits")
@@ -303,7 +303,10 @@ def first_turn_priority(ctx: Context, agent: Agent, run_priority: int | None) ->
 
 
 def _on_broker(ctx: Context, run_priority: int, under_way: bool) -> int | None:
-    scheme = scheme_of(ctx.settings.resolved_broker_url)
+    # Without RATCHET_BROKER_URL the broker is the sending app's: a team's app names its own
+    # (tasks.install), and the turn goes where that app sends it.
+    broker = ctx.settings.broker_url or sending_app().conf.broker_url
+    scheme = scheme_of(str(broker or ctx.settings.resolved_broker_url))
     if scheme not in REDIS_SCHEMES + AMQP_SCHEMES:
         return None
     return broker_priority(run_priority, under_way, reversed_scale=scheme in REDIS_SCHEMES)
