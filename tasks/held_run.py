@@ -39,10 +39,13 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.fsm import decide, requested_event, requested_with_response, response_events
-from runtime.models import RunState
+from runtime.models import Message, RunState
 from runtime.probes import Probed
+from runtime.providers import checked_response
+from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
 from store.runs import RunRecord
 from store.snapshots import Prefetched
+from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context
@@ -108,6 +111,8 @@ class HeldRun:
         """Calls journaled as requested with the model's response, not started yet: the
         turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
         self._beat: tuple[str, str] | None = None
+        self._measured = (0, 0)
+        """How many of the transcript's messages :meth:`snapshot_room` measured, and their bytes."""
 
     @classmethod
     def open(
@@ -171,7 +176,7 @@ class HeldRun:
         timeout_s = self.agent.spec.model_timeout_s
         try:
             response = bounded(
-                lambda: self.agent.provider.complete(request, observer=observe),
+                lambda: checked_response(self.agent.provider.complete(request, observer=observe)),
                 timeout_s,
                 f"model call for turn {model_calls}",
             )
@@ -191,6 +196,14 @@ class HeldRun:
             return self.end(model_failed(self.state.run_id, model_calls, str(exc), exc.retryable))
         failpoints.hit("model.response.received", model_calls)
         limits.settle(self.ctx, gate, response)
+        message = Message(
+            role="assistant", content=response.content, tool_calls=response.tool_calls
+        )
+        # Twice: its calls are in the transcript and pending, until each has its outcome.
+        size = 2 * len(snapshot_format.encode_fragment(message))
+        too_large = overflow("the model's answer", size, self.snapshot_room())
+        if too_large is not None:
+            return self.end(model_failed(self.state.run_id, model_calls, too_large, False))
         self.checkpointed(response_events(response), requesting=True)
         failpoints.hit("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
@@ -315,6 +328,16 @@ class HeldRun:
             and not stopping()
             and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
         )
+
+    def snapshot_room(self) -> int:
+        """Bytes the run's snapshot may still take before its reserve (runtime/tools.py
+        ``overflow``): measured as the snapshot encodes it, each message once per turn."""
+        transcript = self.state.transcript
+        counted, size = self._measured
+        size += sum(len(snapshot_format.encode_fragment(m)) + 2 for m in transcript[counted:])
+        self._measured = (len(transcript), size)
+        head = len(snapshot_format.encode_head(self.state))
+        return self.ctx.snapshots.max_bytes - head - size - SNAPSHOT_RESERVE_BYTES
 
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
