@@ -16,8 +16,8 @@ Two halves, one rule about what a stored value may hold:
   hands back is checked where it crosses into ratchet, before it is journaled, so
   that it can always be saved and folded as it is. It refuses what the codec
   refuses or would change (NaN, infinities), a value over ``max_bytes`` and one
-  nested deeper than :data:`MAX_DEPTH`, saying
-  why in one line for the model to read. Whether a lone surrogate is replaced
+  nested deeper than :data:`MAX_DEPTH`, saying why in one line for the model to
+  read. Whether a lone surrogate is replaced
   (a result, a model's text) or refused (a tool's arguments: the tool would act on
   a value the model did not send) is the caller's choice.
 """

@@ -17,10 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import json_values
+from runtime import Ran, ToolContext, json_values, tool
 from runtime.errors import NotStorable, SnapshotMalformed, StoreError
 from runtime.json_values import MAX_DEPTH, MAX_INT_DIGITS, MAX_OUTPUT_BYTES, checked
 from runtime.models import Event, Message, ToolCall
+from runtime.probes import Answer, probed_event
+from runtime.tools import ask_probe, spec_from_function
 from store.runs.redis import _packed, _unpacked
 from store.runs.sqlite import _decoded, _encoded
 from store.snapshots import format as snapshot_format
@@ -186,3 +188,26 @@ def test_the_boundary_refuses_nesting_deeper_than_its_limit_and_takes_the_limit_
         checked(nested(MAX_DEPTH + 1))
     with pytest.raises(NotStorable, match="nests deeper"):
         checked(nested(100_000))
+
+
+def test_a_probe_that_found_the_call_ran_with_a_result_that_cannot_be_stored_records_an_error() -> (
+    None
+):
+    # Given a probe that says the call ran, with a result of 5,001 digits
+    def found(order_id: str) -> Ran:
+        return Ran(10**5000)
+
+    @tool(probe=found)
+    def refund(order_id: str) -> str:
+        return order_id
+
+    spec = spec_from_function(refund, "mine:refund")
+    context = ToolContext(run_id="r", call_id="c", idempotency_key="k")
+    # When it is asked, its answer is still "ran" — the call is never run again —
+    probed = ask_probe(spec, {"order_id": "A1"}, context)
+    assert probed.answer == Answer.RAN and probed.result is None
+    assert "its result holds an integer of about 5000 digits" in probed.detail
+    # And it is journaled with the error, which the fold makes the call's error result
+    kind, data = probed_event("c", "refund", probed)
+    assert kind == "tool.probed" and "result" not in data and data["error"] == probed.detail
+    assert json_values.dumps(data)
