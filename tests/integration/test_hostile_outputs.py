@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,10 @@ import pytest
 from runtime.fsm import rebuild
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
+from tasks.context import Context
 from tests.helpers import call, turn, write_agent
 from tests.openai_server import OpenAIServer, load_fixture, serve
-from tests.workers import ROOT
+from tests.workers import ROOT, WorkerProcesses, redis_context, wait_for
 from worker.api import Ratchet
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +57,12 @@ def cli(redis_url: str, *args: str) -> str:
     """``ratchet ARGS`` in a process of its own, on the test's stores; its stdout. It must exit 0
     and write nothing to stderr (a traceback)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_RUN_STORE=redis_url, RATCHET_SNAPSHOT_STORE=redis_url, PYTHONPATH=str(ROOT))
+    env.update(
+        RATCHET_RUN_STORE=redis_url,
+        RATCHET_SNAPSHOT_STORE=redis_url,
+        RATCHET_BROKER_URL=redis_url,
+        PYTHONPATH=str(ROOT),
+    )
     done = subprocess.run(
         [sys.executable, "-m", "worker", *args],
         env=env,
@@ -249,3 +256,38 @@ def test_a_model_answer_over_the_limit_fails_the_run_cleanly_after_one_request(
     assert types_of(events)[-2:] == ["model.failed", "run.failed"]
     text, _, _ = shown_by_the_cli(redis_url, record.run_id)
     assert "status     failed" in text
+
+
+# --- on `celery -A worker worker` processes, as an operator runs them ---------------------
+
+
+def test_on_a_worker_process_each_hostile_result_ends_its_run_with_the_tool_run_once(
+    worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    # Given a prefork worker process with its stores on Redis, and one run per hostile tool,
+    # started by the CLI in a process of its own
+    worker = worker_processes.start("--concurrency", "2")
+    ctx = redis_context(redis_url)
+    try:
+        run_ids = {}
+        for tool in ("partial_emoji", "forty_mib", "googol_power"):
+            arguments = {"order_id": "A1"} if tool == "partial_emoji" else {}
+            agent = tool_agent(tmp_path / tool, tool, **arguments)
+            started = cli(redis_url, "runs", "start", str(agent), "--input", "go", "--json")
+            run_ids[tool] = json.loads(started)["run_id"]
+        # When the worker has taken them, each ends by itself: completed, its tool run once
+        for tool, run_id in run_ids.items():
+            wait_for(f"run {run_id} ({tool}) to finish", partial(finished_on, ctx, run_id))
+            record = ctx.runs.get(run_id)
+            assert record is not None and record.status == RunStatus.COMPLETED, worker.log()
+            assert rebuild(ctx.runs.events(run_id)) is not None
+            assert cli(redis_url, "runs", "show", run_id).startswith(f"run        {run_id}")
+        assert sorted(booked(ledger)) == ["forty_mib", "googol_power", "partial_emoji"]
+        assert "Traceback" not in worker.log()
+    finally:
+        ctx.close()
+
+
+def finished_on(ctx: Context, run_id: str) -> bool:
+    record = ctx.runs.get(run_id)
+    return record is not None and not record.status.is_live
