@@ -490,15 +490,16 @@ def overflow(what: str, size: int, room_bytes: int) -> str | None:
     )
 
 
-def fitted(outcome: ToolOutcome, name: str, room_bytes: int) -> ToolOutcome:
+def fitted(outcome: ToolOutcome, name: str, room: Callable[[int], int]) -> ToolOutcome:
     """``outcome``, or an error result if its result does not fit in the run's snapshot
-    (:func:`overflow`): saved, the next checkpoint would fail, and the call run again."""
+    (:func:`overflow`): saved, the next checkpoint would fail, and the call run again.
+    ``room(size)``: the bytes the snapshot has left, told exactly when ``size`` is near it."""
     if not outcome.ok:
         return outcome
     result = outcome.result
     content = result if isinstance(result, str) else json.dumps(result, sort_keys=True)
     size = len(json.dumps(content, ensure_ascii=False).encode()) + MESSAGE_BYTES
-    why = overflow(f"`{name}` ran, but its result", size, room_bytes)
+    why = overflow(f"`{name}` ran, but its result", size, room(size))
     return outcome if why is None else ToolOutcome(False, why)
 
 

@@ -48,7 +48,7 @@ from store.snapshots import Prefetched
 from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
-from tasks.context import Context
+from tasks.context import Context, TranscriptSize
 from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
@@ -62,6 +62,9 @@ from tasks.persistence import (
 )
 
 log = logging.getLogger("ratchet.turn")
+
+HEAD_BYTES = 64 * 1024
+"""More than a snapshot's head takes besides the run's texts, pending calls and suspension."""
 
 _stopping = threading.Event()
 
@@ -111,8 +114,6 @@ class HeldRun:
         """Calls journaled as requested with the model's response, not started yet: the
         turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
         self._beat: tuple[str, str] | None = None
-        self._measured = (0, 0)
-        """How many of the transcript's messages :meth:`snapshot_room` measured, and their bytes."""
 
     @classmethod
     def open(
@@ -201,7 +202,7 @@ class HeldRun:
         )
         # Twice: its calls are in the transcript and pending, until each has its outcome.
         size = 2 * len(snapshot_format.encode_fragment(message))
-        too_large = overflow("the model's answer", size, self.snapshot_room())
+        too_large = overflow("the model's answer", size, self.snapshot_room(size))
         if too_large is not None:
             return self.end(model_failed(self.state.run_id, model_calls, too_large, False))
         self.checkpointed(response_events(response), requesting=True)
@@ -329,15 +330,34 @@ class HeldRun:
             and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
         )
 
-    def snapshot_room(self) -> int:
+    def snapshot_room(self, size: int) -> int:
         """Bytes the run's snapshot may still take before its reserve (runtime/tools.py
-        ``overflow``): measured as the snapshot encodes it, each message once per turn."""
-        transcript = self.state.transcript
-        counted, size = self._measured
-        size += sum(len(snapshot_format.encode_fragment(m)) + 2 for m in transcript[counted:])
-        self._measured = (len(transcript), size)
-        head = len(snapshot_format.encode_head(self.state))
-        return self.ctx.snapshots.max_bytes - head - size - SNAPSHOT_RESERVE_BYTES
+        ``overflow``), for deciding whether ``size`` more fit: its transcript measured as the
+        snapshot encodes it, each message once in this process; the rest of the document
+        bounded from above, and encoded only when ``size`` comes near that bound."""
+        run_id, transcript = self.state.run_id, self.state.transcript
+        known = self.ctx.transcript_size(run_id)
+        if (
+            known is None
+            or known.messages > len(transcript)
+            or (known.messages and transcript[known.messages - 1] != known.last)
+        ):
+            known = TranscriptSize(0, 0, None)
+        if known.messages < len(transcript):
+            more = sum(
+                len(snapshot_format.encode_fragment(m)) + 2 for m in transcript[known.messages :]
+            )
+            known = TranscriptSize(len(transcript), known.bytes + more, transcript[-1])
+            self.ctx.remember_transcript_size(run_id, known)
+        room = self.ctx.snapshots.max_bytes - known.bytes - SNAPSHOT_RESERVE_BYTES
+        # The head holds the pending calls and a suspension (its arguments and its prompt:
+        # each at most the fragment of the message that asked: thrice the transcript), and the
+        # run's texts, JSON-escaped (at most six bytes a character).
+        state = self.state
+        texts = len(state.input) + len(state.output or "") + len(state.error or "")
+        if size <= room - 3 * known.bytes - 6 * texts - HEAD_BYTES:
+            return room - 3 * known.bytes - 6 * texts - HEAD_BYTES
+        return room - len(snapshot_format.encode_head(state))
 
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -182,7 +183,7 @@ def _outcome(started: Started[ToolOutcome], call: ToolCall) -> ToolOutcome:
 def _record(held: HeldRun, call: ToolCall, outcome: ToolOutcome) -> None:
     """Journal one call's outcome and checkpoint it: from here on it never runs again."""
     with held.recording:
-        outcome = fitted(outcome, call.name, held.snapshot_room())
+        outcome = fitted(outcome, call.name, held.snapshot_room)
         held.checkpointed(tool_events(call, outcome))
 
 
@@ -202,7 +203,7 @@ def resolve(held: HeldRun, action: Unresolved) -> Park | None:
         if not probes_left(held.timed_out.get(call.id, 0)):
             stuck.append((call, held.last_probed.get(call.id)))
             continue
-        probed = _fitted(_probe(held, spec, call), call, held.snapshot_room())
+        probed = _fitted(_probe(held, spec, call), call, held.snapshot_room)
         held.record([probed_event(call.id, call.name, probed)])
         asked = True
         held.last_probed[call.id] = probed
@@ -229,11 +230,11 @@ def resolve(held: HeldRun, action: Unresolved) -> Park | None:
     return None
 
 
-def _fitted(probed: Probed, call: ToolCall, room_bytes: int) -> Probed:
+def _fitted(probed: Probed, call: ToolCall, room: Callable[[int], int]) -> Probed:
     """A probe's ``ran``, with its result as an error result if it does not fit the snapshot."""
     if probed.answer != Answer.RAN or probed.detail:
         return probed
-    outcome = fitted(ToolOutcome(True, probed.result), call.name, room_bytes)
+    outcome = fitted(ToolOutcome(True, probed.result), call.name, room)
     return probed if outcome.ok else Probed(Answer.RAN, detail=str(outcome.result))
 
 
