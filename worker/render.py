@@ -71,8 +71,10 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
     if kind == "tool.failed":
         return f"{d['name']} ✗ {_clip(d.get('error', ''), 55)}"
     if kind == "tool.probed":
-        found = f" → {_clip(shown_json(d.get('result')), 40)}" if d.get("answer") == "ran" else ""
-        why = f" ({_clip(d['detail'], 40)})" if d.get("detail") else ""
+        ran = d.get("answer") == "ran" and "error" not in d
+        found = f" → {_clip(shown_json(d.get('result')), 40)}" if ran else ""
+        told = d.get("detail") or d.get("error")  # error: it ran, its result was not stored
+        why = f" ({_clip(str(told), 40)})" if told else ""
         return f"{d['name']} [{d['call_id']}] probe: {d['answer']}{found}{why}"
     if kind == "run.completed":
         return _clip(d.get("output", ""), 70)
