@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from runtime.errors import NotStorable
 
@@ -42,7 +42,6 @@ UTF-8 JSON (docs/tools.md). A snapshot holds the whole transcript in 16 MiB."""
 
 _INT_LIMIT: Final = 10**MAX_INT_DIGITS
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
-REPLACEMENT: Final = "\ufffd"
 
 
 def without_surrogates(text: str) -> str:
@@ -150,7 +149,10 @@ def _why(exc: BaseException) -> str:
 
 
 def checked(
-    value: Any, *, max_bytes: int = MAX_OUTPUT_BYTES, surrogates: str = "replace"
+    value: Any,
+    *,
+    max_bytes: int = MAX_OUTPUT_BYTES,
+    surrogates: Literal["replace", "refuse"] = "replace",
 ) -> tuple[Any, int]:
     """``value`` as it may be stored, and its size as UTF-8 JSON; NotStorable saying why not.
 
