@@ -32,7 +32,7 @@ from runtime.errors import BindingChanged
 from runtime.models import Message, RunState, RunStatus, ToolCall
 from runtime.probes import Answer, Probed, Rule, park_cause
 from runtime.providers import ModelRequest
-from runtime.tools import ToolOutcome
+from runtime.tools import ToolOutcome, error_text
 
 Items = tuple[tuple[str, dict[str, Any]], ...]
 """Events to record, as (type, data)."""
@@ -279,6 +279,7 @@ def model_failed(run_id: str, model_calls: int, error: str, retryable: bool) -> 
     """A provider error after its own retries: a retryable one (the provider is down for
     longer than they cover) stalls the run for a resume, since nothing about the run is
     wrong; any other fails it. ``model_calls``: the run's model calls, this one included."""
+    error = error_text(error)  # a provider's error may quote anything its server sent
     what = f"model call for turn {model_calls} failed: {error}"
     failed: Items = (("model.failed", {"turn": model_calls, "error": error}),)
     if retryable:

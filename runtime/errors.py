@@ -27,6 +27,7 @@
     ├── BindingChanged            the agent changed since the run started
     ├── RunStateLost              no usable snapshot, and the events cannot rebuild the state
     ├── EventsDoNotFold           an event cannot follow the run's state (also a ValueError)
+    ├── NotStorable               a value cannot be stored as JSON (also a ValueError)
     ├── ToolModuleChanged         a tool module changed on disk after this worker imported it
     ├── SnapshotError             a snapshot document cannot be used
     │   ├── SnapshotMalformed
@@ -392,6 +393,17 @@ class EventsDoNotFold(RatchetError, ValueError):
         )
         self.run_id, self.seq, self.problem = run_id, seq, problem
         self.where = f"event at seq {seq}: {problem}"
+
+
+class NotStorable(RatchetError, ValueError):
+    """A value cannot be stored as JSON (runtime/json_values.py); ``problem`` says why.
+
+    Also a ``ValueError``: what ``json`` raised for most of the same values.
+    """
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem, problem)
+        self.problem = problem
 
 
 class SnapshotError(RatchetError):

@@ -223,6 +223,8 @@ def _tool_requested(state: RunState, event: Event) -> RunState:
 def _tool_probed(state: RunState, event: Event) -> RunState:
     """A probe answered for a call cut short: ``ran`` is its outcome; any other answer is not."""
     d = event.data
+    if d["answer"] == Answer.RAN.value and "error" in d:
+        return _tool_result(state, d["call_id"], False, d["error"])
     if d["answer"] == Answer.RAN.value:
         return _tool_result(state, d["call_id"], True, d.get("result"))
     return state

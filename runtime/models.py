@@ -77,6 +77,10 @@ among them."""
 INVALID_ARGUMENTS_KEY = "__invalid_json__"
 """A provider that receives tool arguments it cannot parse puts the raw text under this
 key; the runtime answers the model with a tool error instead of running the tool."""
+UNUSABLE_ARGUMENTS_KEY = "__unusable_arguments__"
+"""Arguments that parse but cannot be stored or given to a tool (a lone surrogate, NaN, an
+integer of more than 4300 digits, too large: runtime/json_values.py) are replaced by this key,
+saying why; the runtime answers the model with a tool error instead of running the tool."""
 
 
 class ToolCall(Strict):

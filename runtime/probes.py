@@ -122,7 +122,8 @@ class Probed:
     result: Any = None
     """The call's result when ``answer`` is ``ran``."""
     detail: str = ""
-    """Why, for every answer but ``ran`` and ``not_run``."""
+    """Why, for every answer but ``ran`` and ``not_run``; for ``ran``, why its result is an
+    error result instead (it could not be stored: runtime/json_values.py)."""
 
     @property
     def resolves(self) -> bool:
@@ -132,7 +133,9 @@ class Probed:
 
 def probed_event(call_id: str, name: str, probed: Probed) -> tuple[str, dict[str, Any]]:
     data: dict[str, Any] = {"call_id": call_id, "name": name, "answer": probed.answer.value}
-    if probed.answer == Answer.RAN:
+    if probed.answer == Answer.RAN and probed.detail:
+        data["error"] = probed.detail  # it ran, and its result could not be stored
+    elif probed.answer == Answer.RAN:
         data["result"] = probed.result
     elif probed.detail:
         data["detail"] = probed.detail

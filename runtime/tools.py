@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -40,9 +41,11 @@ from typing import Any, TypeVar, overload
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
+from runtime import json_values
 from runtime.children import RUN_CHILD, ChildArguments
-from runtime.errors import ToolError
-from runtime.models import INVALID_ARGUMENTS_KEY
+from runtime.errors import NotStorable, ToolError
+from runtime.json_values import without_surrogates
+from runtime.models import INVALID_ARGUMENTS_KEY, UNUSABLE_ARGUMENTS_KEY
 from runtime.probes import Answer, NotRun, Probed, Ran, ToolContext, Unknown
 from runtime.timers import WAIT, WaitArguments
 
@@ -399,8 +402,11 @@ def _import(reference: str, module_name: str) -> Any:
 def _parsed(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any] | str:
     """The validated arguments by name, or why they do not validate (for the model)."""
     if INVALID_ARGUMENTS_KEY in arguments:
-        raw = str(arguments[INVALID_ARGUMENTS_KEY])[:200]
+        raw = error_text(str(arguments[INVALID_ARGUMENTS_KEY])[:200])
         return f"arguments for `{spec.name}` were not valid JSON: {raw}"
+    if UNUSABLE_ARGUMENTS_KEY in arguments:
+        why = error_text(str(arguments[UNUSABLE_ARGUMENTS_KEY])[:300])
+        return f"arguments for `{spec.name}` cannot be used: they {why}; the tool did not run"
     try:
         parsed = spec.arguments_model.model_validate(arguments)
     except ValidationError as exc:
@@ -435,11 +441,66 @@ def invoke(
         # thread (tasks/calls.py), so its `sys.exit()` or KeyboardInterrupt is its own
         # failure, never a signal to this worker: re-raised, it would end the pool process
         # and the tool, whose call is journaled, would run again on the retry.
-        return ToolOutcome(False, f"`{spec.name}` raised {type(exc).__name__}: {exc}")
+        return ToolOutcome(False, error_text(f"`{spec.name}` raised {type(exc).__name__}: {exc}"))
+    return result_outcome(spec.name, value)
+
+
+MAX_ERROR_CHARS = 4000
+"""The longest error message a tool result holds (a tool's exception can be any size)."""
+
+
+def error_text(text: str) -> str:
+    """An error result as it is journaled: no lone surrogate, at most MAX_ERROR_CHARS."""
+    text = without_surrogates(text)
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
+def result_outcome(name: str, value: Any) -> ToolOutcome:
+    """What tool ``name`` returned, checked where it crosses into ratchet (runtime/json_values.py):
+    a value that cannot be stored and folded becomes an error result the model reads, so the
+    call is journaled once and never run again for it. A lone surrogate is replaced by U+FFFD."""
     try:
-        return ToolOutcome(True, to_jsonable_python(value))
-    except Exception as exc:
-        return ToolOutcome(False, f"`{spec.name}` returned a value that is not JSON: {exc}")
+        # Surrogates first: to_jsonable_python refuses them in an object's keys.
+        checked, _ = json_values.checked(to_jsonable_python(json_values.replaced(value)))
+    except NotStorable as exc:
+        return ToolOutcome(False, error_text(f"`{name}` ran, but its result {exc.problem}"))
+    except Exception as exc:  # to_jsonable_python refuses types it does not know
+        return ToolOutcome(
+            False, error_text(f"`{name}` ran, but returned a value that is not JSON: {_short(exc)}")
+        )
+    return ToolOutcome(True, checked)
+
+
+SNAPSHOT_RESERVE_BYTES = 64 * 1024
+"""What a run's snapshot keeps free for error results: a result or a model's answer that
+would take the snapshot into it is refused; the error result that says so is not."""
+MESSAGE_BYTES = 512
+"""What a tool message takes in a snapshot besides its content, at most."""
+
+
+def overflow(what: str, size: int, room_bytes: int) -> str | None:
+    """Why ``what`` of ``size`` bytes cannot join the run's transcript, whose snapshot has
+    ``room_bytes`` left before its reserve; None if it fits."""
+    if size <= room_bytes:
+        return None
+    return (
+        f"{what} ({size} bytes in the run's snapshot) does not fit: the snapshot has "
+        f"{max(room_bytes, 0)} bytes left of what it may hold; the run's transcript is full — "
+        "start a new run"
+    )
+
+
+def fitted(outcome: ToolOutcome, name: str, room: Callable[[int], int]) -> ToolOutcome:
+    """``outcome``, or an error result if its result does not fit in the run's snapshot
+    (:func:`overflow`): saved, the next checkpoint would fail, and the call run again.
+    ``room(size)``: the bytes the snapshot has left, told exactly when ``size`` is near it."""
+    if not outcome.ok:
+        return outcome
+    result = outcome.result
+    content = result if isinstance(result, str) else json.dumps(result, sort_keys=True)
+    size = len(json.dumps(content, ensure_ascii=False).encode()) + MESSAGE_BYTES
+    why = overflow(f"`{name}` ran, but its result", size, room(size))
+    return outcome if why is None else ToolOutcome(False, why)
 
 
 def ask_probe(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -> Probed:
@@ -461,16 +522,17 @@ def ask_probe(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -
     try:
         answer = spec.probe(**kwargs)
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the outcome stays unknown
-        return Probed(Answer.FAILED, detail=f"raised {_short(exc)}")
+        return Probed(Answer.FAILED, detail=error_text(f"raised {_short(exc)}"))
     if isinstance(answer, Ran):
-        try:
-            return Probed(Answer.RAN, to_jsonable_python(answer.result))
-        except Exception as exc:
-            return Probed(Answer.FAILED, detail=f"its result is not JSON ({_short(exc)})")
+        # The call ran: a result that cannot be stored is its outcome as an error result.
+        outcome = result_outcome(spec.name, answer.result)
+        if outcome.ok:
+            return Probed(Answer.RAN, outcome.result)
+        return Probed(Answer.RAN, detail=str(outcome.result))
     if isinstance(answer, NotRun):
         return Probed(Answer.NOT_RUN)
     if isinstance(answer, Unknown):
-        return Probed(Answer.UNKNOWN, detail=" ".join(str(answer.why).split())[:300])
+        return Probed(Answer.UNKNOWN, detail=error_text(" ".join(str(answer.why).split())[:300]))
     return Probed(
         Answer.FAILED, detail=f"returned {type(answer).__name__}, not Ran, NotRun or Unknown"
     )

@@ -12,12 +12,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from runtime.actions import RequestOrder
 from runtime.agent import Agent, load_agent
 from runtime.errors import AgentFileError
-from runtime.models import RunState
+from runtime.models import Message, RunState
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks import agent_cache, liveness
@@ -26,6 +26,16 @@ from tasks.pool import connections_per_process as connections
 from tasks.settings import Settings, get_settings
 
 T = TypeVar("T")
+
+
+class TranscriptSize(NamedTuple):
+    """The bytes the first ``messages`` messages of a run's transcript take in its snapshot."""
+
+    messages: int
+    bytes: int
+    last: Message | None
+    """The last of them: a transcript that does not hold it there is another one."""
+
 
 SETTLED_NS = 2_000_000_000
 """A file last modified this long before a read began was not written during it (the
@@ -41,6 +51,7 @@ class Context:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
     _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
+    _transcript_sizes: OrderedDict[str, TranscriptSize] = field(default_factory=OrderedDict)
 
     CHECKPOINTS_KEPT = 256
     """Runs whose last checkpoint (and last request order) this process remembers (least
@@ -58,6 +69,15 @@ class Context:
     def request_order(self, run_id: str) -> RequestOrder | None:
         with self._lock:
             return self._request_orders.get(run_id)
+
+    def remember_transcript_size(self, run_id: str, size: TranscriptSize) -> None:
+        """Keep what the run's transcript takes in its snapshot, as far as it was measured
+        (tasks/held_run.py ``snapshot_room``): a turn measures only the messages after it."""
+        _keep(self._lock, self._transcript_sizes, run_id, size, self.CHECKPOINTS_KEPT)
+
+    def transcript_size(self, run_id: str) -> TranscriptSize | None:
+        with self._lock:
+            return self._transcript_sizes.get(run_id)
 
     def recall_checkpoint(self, record: RunRecord) -> RunState | None:
         """The remembered snapshot of the run ``record`` shows, if the run is still exactly there.
@@ -91,6 +111,7 @@ class Context:
         with self._lock:
             self._checkpoints.pop(run_id, None)
             self._request_orders.pop(run_id, None)
+            self._transcript_sizes.pop(run_id, None)
 
     def agent(self, path: str | Path) -> Agent:
         """The agent at ``path``, loaded again when any file its binding covers changes.

@@ -39,13 +39,16 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.fsm import decide, requested_event, requested_with_response, response_events
-from runtime.models import RunState
+from runtime.models import Message, RunState
 from runtime.probes import Probed
+from runtime.providers import checked_response
+from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
 from store.runs import RunRecord
 from store.snapshots import Prefetched
+from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
-from tasks.context import Context
+from tasks.context import Context, TranscriptSize
 from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
@@ -59,6 +62,9 @@ from tasks.persistence import (
 )
 
 log = logging.getLogger("ratchet.turn")
+
+HEAD_BYTES = 64 * 1024
+"""More than a snapshot's head takes besides the run's texts, pending calls and suspension."""
 
 _stopping = threading.Event()
 
@@ -171,7 +177,7 @@ class HeldRun:
         timeout_s = self.agent.spec.model_timeout_s
         try:
             response = bounded(
-                lambda: self.agent.provider.complete(request, observer=observe),
+                lambda: checked_response(self.agent.provider.complete(request, observer=observe)),
                 timeout_s,
                 f"model call for turn {model_calls}",
             )
@@ -191,6 +197,14 @@ class HeldRun:
             return self.end(model_failed(self.state.run_id, model_calls, str(exc), exc.retryable))
         failpoints.hit("model.response.received", model_calls)
         limits.settle(self.ctx, gate, response)
+        message = Message(
+            role="assistant", content=response.content, tool_calls=response.tool_calls
+        )
+        # Twice: its calls are in the transcript and pending, until each has its outcome.
+        size = 2 * len(snapshot_format.encode_fragment(message))
+        too_large = overflow("the model's answer", size, self.snapshot_room(size))
+        if too_large is not None:
+            return self.end(model_failed(self.state.run_id, model_calls, too_large, False))
         self.checkpointed(response_events(response), requesting=True)
         failpoints.hit("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
@@ -315,6 +329,35 @@ class HeldRun:
             and not stopping()
             and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
         )
+
+    def snapshot_room(self, size: int) -> int:
+        """Bytes the run's snapshot may still take before its reserve (runtime/tools.py
+        ``overflow``), for deciding whether ``size`` more fit: its transcript measured as the
+        snapshot encodes it, each message once in this process; the rest of the document
+        bounded from above, and encoded only when ``size`` comes near that bound."""
+        run_id, transcript = self.state.run_id, self.state.transcript
+        known = self.ctx.transcript_size(run_id)
+        if (
+            known is None
+            or known.messages > len(transcript)
+            or (known.messages and transcript[known.messages - 1] != known.last)
+        ):
+            known = TranscriptSize(0, 0, None)
+        if known.messages < len(transcript):
+            more = sum(
+                len(snapshot_format.encode_fragment(m)) + 2 for m in transcript[known.messages :]
+            )
+            known = TranscriptSize(len(transcript), known.bytes + more, transcript[-1])
+            self.ctx.remember_transcript_size(run_id, known)
+        room = self.ctx.snapshots.max_bytes - known.bytes - SNAPSHOT_RESERVE_BYTES
+        # The head holds the pending calls and a suspension (its arguments and its prompt:
+        # each at most the fragment of the message that asked: thrice the transcript), and the
+        # run's texts, JSON-escaped (at most six bytes a character).
+        state = self.state
+        texts = len(state.input) + len(state.output or "") + len(state.error or "")
+        if size <= room - 3 * known.bytes - 6 * texts - HEAD_BYTES:
+            return room - 3 * known.bytes - 6 * texts - HEAD_BYTES
+        return room - len(snapshot_format.encode_head(state))
 
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""

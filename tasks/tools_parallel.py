@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ from runtime.actions import (
 from runtime.fsm import RunTool, Unresolved, requested_event, tool_events, unknown_tool_outcome
 from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
-from runtime.tools import ToolOutcome, ToolSpec, ask_probe, invoke
+from runtime.tools import ToolOutcome, ToolSpec, ask_probe, fitted, invoke
 from tasks import failpoints
 from tasks.calls import CallTimedOut, Started, bounded, start
 
@@ -182,6 +183,7 @@ def _outcome(started: Started[ToolOutcome], call: ToolCall) -> ToolOutcome:
 def _record(held: HeldRun, call: ToolCall, outcome: ToolOutcome) -> None:
     """Journal one call's outcome and checkpoint it: from here on it never runs again."""
     with held.recording:
+        outcome = fitted(outcome, call.name, held.snapshot_room)
         held.checkpointed(tool_events(call, outcome))
 
 
@@ -201,7 +203,7 @@ def resolve(held: HeldRun, action: Unresolved) -> Park | None:
         if not probes_left(held.timed_out.get(call.id, 0)):
             stuck.append((call, held.last_probed.get(call.id)))
             continue
-        probed = _probe(held, spec, call)
+        probed = _fitted(_probe(held, spec, call), call, held.snapshot_room)
         held.record([probed_event(call.id, call.name, probed)])
         asked = True
         held.last_probed[call.id] = probed
@@ -226,6 +228,14 @@ def resolve(held: HeldRun, action: Unresolved) -> Park | None:
     if again:
         run_tools(held, RunTool(again[0], tuple(again[1:])))
     return None
+
+
+def _fitted(probed: Probed, call: ToolCall, room: Callable[[int], int]) -> Probed:
+    """A probe's ``ran``, with its result as an error result if it does not fit the snapshot."""
+    if probed.answer != Answer.RAN or probed.detail:
+        return probed
+    outcome = fitted(ToolOutcome(True, probed.result), call.name, room)
+    return probed if outcome.ok else Probed(Answer.RAN, detail=str(outcome.result))
 
 
 def _probe(held: HeldRun, spec: ToolSpec, call: ToolCall) -> Probed:

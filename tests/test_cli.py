@@ -7,6 +7,7 @@ subprocess on a pseudo-terminal where the command must know it talks to a person
 from __future__ import annotations
 
 import json
+import math
 import os
 import pty
 import select
@@ -15,11 +16,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
 from runtime.errors import InvalidContinuation, SuspensionAlreadyAnswered
+from runtime.models import Event
 from store.runs import RunRecord
 from store.runs.memory import MemoryRunStore
 from store.runs.sqlite import SqliteRunStore
@@ -415,3 +418,46 @@ def test_snapshots_show_prints_the_embedded_defaults_document_byte_for_byte(
     assert state is not None and state.usage.model_turns == 3
     assert shown.output.encode() == snapshot_format.encode(state)
     assert not (tmp_path / "data" / "snapshots").exists()
+
+
+# --- any stored event prints (issue 30) ---------------------------------------------------
+
+
+def test_show_and_events_print_any_stored_event_text_and_json_without_a_traceback(
+    ctx: Context, tmp_path: Path
+) -> None:
+    # Given a finished run whose log holds what a store may hand back from older builds and
+    # odd writers: lone surrogates, an integer too long for text, NaN, missing keys
+    run_id = finished_run(ctx, write_agent(tmp_path, [turn("Done.")]))
+    record = ctx.runs.get(run_id)
+    assert record is not None
+    odd: list[tuple[str, dict[str, Any]]] = [
+        ("tool.completed", {"call_id": "c1", "name": "t\ud800", "result": {"k\udc00": "\ud83d"}}),
+        ("tool.completed", {"call_id": "c2", "name": "big", "result": 10**5000}),
+        ("tool.probed", {"call_id": "c3", "name": "p", "answer": "ran", "result": math.nan}),
+        ("tool.requested", {"call_id": "c4", "name": "q", "arguments": {"id": "\ud800"}}),
+        ("run.created", {"input": 7}),
+        ("something.new", {"note": "partial emoji \ud83d", "when": math.inf}),
+    ]
+    events = [
+        Event(seq=record.last_seq + i, type=kind, at_ms=record.updated_at_ms, data=data)
+        for i, (kind, data) in enumerate(odd, start=1)
+    ]
+    last = record.model_copy(update={"last_seq": events[-1].seq, "output": "Done \ud83d"})
+    ctx.runs.append(last, events, None)
+    # When the CLI shows the run and its events, as text and as JSON
+    shown = cli("runs", "show", run_id)
+    as_json = cli("runs", "show", run_id, "--json")
+    listed = cli("runs", "events", run_id)
+    listed_json = cli("runs", "events", run_id, "--json")
+    # Then each prints, with U+FFFD for a lone surrogate and a note for the integer
+    for result in (shown, as_json, listed, listed_json):
+        assert result.exit_code == 0 and result.exception is None, result.output
+    assert "output     Done \ufffd" in shown.output
+    assert json.loads(as_json.output)["output"] == "Done \ufffd"
+    lines = listed.output.splitlines()
+    assert len(lines) == events[-1].seq
+    assert "t\ufffd → " in lines[-6] and "<an integer of about 5000 digits>" in lines[-5]
+    documents = [json.loads(line) for line in listed_json.output.splitlines()]
+    assert documents[-6]["data"]["result"] == {"k\ufffd": "\ufffd"}
+    assert documents[-4]["data"]["result"] == "nan" and documents[-1]["data"]["when"] == "inf"

@@ -209,6 +209,9 @@ EXEMPT = {
     "RunBusy": "rewritten with the lease",
     # A worker-wide fault, found while loading an agent that many runs share.
     "ToolModuleChanged": "no run in scope where it is raised",
+    # Why a value cannot be stored: the boundary that checks it (a tool's result, a model's
+    # arguments) or the store that refuses it writes the sentence around it.
+    "NotStorable": "a clause for another message: tests/test_json_values.py checks it",
 }
 
 
@@ -265,6 +268,7 @@ def test_domain_refusals_are_ratchet_errors_and_still_value_errors() -> None:
     for name in ("InvalidRequest", "EventsDoNotFold", "StoreUrlInvalid"):
         error = CASES[name][0]
         assert isinstance(error, RatchetError) and isinstance(error, ValueError)
+    assert issubclass(errors.NotStorable, ValueError)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from worker.render import (
     event_line,
     lineage_lines,
     open_call_lines,
+    printable,
     record_lines,
     run_times,
     when_utc,
@@ -26,7 +27,8 @@ from worker.render import (
 
 
 def _event_json(event: Event) -> dict[str, Any]:
-    return event.model_dump(mode="json")
+    # Python's dump, not pydantic's JSON one: _dump prints whatever the data holds.
+    return event.model_dump()
 
 
 def _given_run_id(value: str | None) -> str | None:
@@ -230,7 +232,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
         )
     if entry is not None:
         lines += open_call_lines(entry)
-    click.echo("\n".join(lines))
+    click.echo(printable("\n".join(lines)))
 
 
 @runs.command("events")

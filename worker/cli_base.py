@@ -7,7 +7,6 @@ register on these groups; :mod:`worker.cli` imports the command modules, so
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +17,7 @@ import click
 
 from runtime.errors import RatchetError
 from store.runs import RunRecord
+from worker.render import shown_json
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,7 +65,7 @@ def _api() -> Any:
 
 
 def _dump(value: Any) -> None:
-    click.echo(json.dumps(value, sort_keys=True, ensure_ascii=False))
+    click.echo(shown_json(value, sort_keys=True))
 
 
 def _record_json(record: RunRecord) -> dict[str, Any]:

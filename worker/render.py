@@ -7,12 +7,45 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from runtime.json_values import MAX_INT_DIGITS, without_surrogates
 from runtime.models import Event
 from store.runs import JournalEntry, RunRecord
 
+_INT_LIMIT = 10**MAX_INT_DIGITS
+
+
+def displayable(value: Any) -> Any:
+    """``value`` as JSON can always print it, whatever a store held: a lone surrogate as
+    U+FFFD, an integer too long for text, NaN, an infinity or any other object as a string."""
+    if isinstance(value, str):
+        return without_surrogates(value)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if -_INT_LIMIT < value < _INT_LIMIT:
+            return value
+        return f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
+    if isinstance(value, float):
+        return value if value - value == 0 else repr(value)  # NaN and infinities: text
+    if isinstance(value, dict):
+        return {without_surrogates(str(k)): displayable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [displayable(v) for v in value]
+    return without_surrogates(repr(value))
+
+
+def shown_json(value: Any, **options: Any) -> str:
+    """``json.dumps`` of any stored value, never raising (:func:`displayable`)."""
+    return json.dumps(displayable(value), ensure_ascii=False, **options)
+
+
+def printable(text: str) -> str:
+    """Text a terminal can take: a lone surrogate in a stored string is shown as U+FFFD."""
+    return without_surrogates(text)
+
 
 def _clip(text: str, width: int = 70) -> str:
-    text = " ".join(text.split())
+    text = " ".join(printable(text).split())
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -32,14 +65,16 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
         said = _clip(d.get("content", ""), 50)
         return f"{said!r}" + (f" → calls {calls}" if calls else "")
     if kind == "tool.requested":
-        return f"{d['name']}({_clip(json.dumps(d.get('arguments', {})), 50)}) [{d['call_id']}]"
+        return f"{d['name']}({_clip(shown_json(d.get('arguments', {})), 50)}) [{d['call_id']}]"
     if kind == "tool.completed":
-        return f"{d['name']} → {_clip(json.dumps(d.get('result')), 55)}"
+        return f"{d['name']} → {_clip(shown_json(d.get('result')), 55)}"
     if kind == "tool.failed":
         return f"{d['name']} ✗ {_clip(d.get('error', ''), 55)}"
     if kind == "tool.probed":
-        found = f" → {_clip(json.dumps(d.get('result')), 40)}" if d.get("answer") == "ran" else ""
-        why = f" ({_clip(d['detail'], 40)})" if d.get("detail") else ""
+        ran = d.get("answer") == "ran" and "error" not in d
+        found = f" → {_clip(shown_json(d.get('result')), 40)}" if ran else ""
+        told = d.get("detail") or d.get("error")  # error: it ran, its result was not stored
+        why = f" ({_clip(str(told), 40)})" if told else ""
         return f"{d['name']} [{d['call_id']}] probe: {d['answer']}{found}{why}"
     if kind == "run.completed":
         return _clip(d.get("output", ""), 70)
@@ -63,11 +98,21 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
         return _clip(f"resume by {d.get('by')} refused: {d.get('reason', '')}", 90)
     if kind == "run.suspended":
         return f"{d['reason']}: {_clip(d.get('prompt', ''), 60)}"
-    return _clip(json.dumps(d, sort_keys=True), 70)
+    return _clip(shown_json(d, sort_keys=True), 70)
+
+
+def summary(event: Event) -> str:
+    """What an event says, in a line; any stored data, whatever its shape, prints."""
+    try:
+        return printable(_summary(event))
+    except (KeyError, TypeError, AttributeError, ValueError):
+        # An event of an older or a damaged shape: its data as it is.
+        return _clip(shown_json(event.data, sort_keys=True), 70)
 
 
 def event_line(event: Event) -> str:
-    return f"{event.seq:>5}  {_when(event.at_ms)}  {event.type:<16}  {_summary(event)}"
+    """One event as `runs events` prints it."""
+    return printable(f"{event.seq:>5}  {_when(event.at_ms)}  {event.type:<16}  {summary(event)}")
 
 
 def _seconds(ms: int) -> str:
@@ -103,10 +148,10 @@ def time_lines(record: RunRecord, now_ms: int) -> list[str]:
             f"(seq {waiting.seq}, {_seconds(now_ms - waiting.since_ms)})"
         )
         if waiting.reason.value == "awaiting_approval":
-            arguments = json.dumps(waiting.arguments, sort_keys=True, ensure_ascii=False)
+            arguments = shown_json(waiting.arguments, sort_keys=True)
             lines.append(f"tool       {waiting.tool}({_clip(arguments, 80)})")
         else:
-            lines.append(f"prompt     {waiting.prompt}")
+            lines.append(f"prompt     {printable(waiting.prompt)}")
     return lines
 
 
@@ -127,9 +172,9 @@ def record_lines(record: RunRecord, now_ms: int | None = None) -> list[str]:
     ]
     lines.extend(time_lines(record, now_ms))
     if record.output is not None:
-        lines.append(f"output     {record.output}")
+        lines.append(f"output     {printable(record.output)}")
     if record.error:
-        lines.append(f"last error {record.error}")
+        lines.append(f"last error {printable(record.error)}")
     return lines
 
 
@@ -148,7 +193,7 @@ def lineage_lines(lineage: dict[str, Any]) -> list[str]:
 
 def open_call_lines(entry: JournalEntry) -> list[str]:
     """The tool call a run has open: what an operator checks before reconciling it."""
-    arguments = json.dumps(entry.arguments, sort_keys=True, ensure_ascii=False)
+    arguments = shown_json(entry.arguments, sort_keys=True)
     return [
         f"open call  {entry.call_id}  {entry.tool}({_clip(arguments, 200)})",
         f"           requested {_day(entry.requested_at_ms)} (seq {entry.requested_seq}); "

@@ -16,8 +16,10 @@ from typing import Any, Protocol
 
 from pydantic import Field
 
+from runtime import json_values
+from runtime.errors import NotStorable, ProviderError
 from runtime.models import INVALID_ARGUMENTS_KEY as INVALID_ARGUMENTS_KEY
-from runtime.models import Message, Strict, TokenUsage, ToolCall
+from runtime.models import UNUSABLE_ARGUMENTS_KEY, Message, Strict, TokenUsage, ToolCall
 
 Observer = Callable[[str, dict[str, Any]], None]
 
@@ -48,3 +50,54 @@ class Provider(Protocol):
         run's event log shows every attempt.
         """
         ...
+
+
+MAX_CALL_ID_CHARS = 256
+MAX_TOKENS = 10**15
+"""More tokens than any response reports: a usage beyond it is the provider's mistake."""
+
+
+def checked_response(response: ModelResponse) -> ModelResponse:
+    """A provider's response as it may be journaled, checked where it crosses into ratchet
+    (runtime/json_values.py), whatever provider made it.
+
+    A lone surrogate in the text, a call's id or name is replaced by U+FFFD; a call whose
+    arguments hold one, or cannot be stored otherwise (NaN, an integer of more than 4300
+    digits, over :data:`~runtime.json_values.MAX_OUTPUT_BYTES`), keeps only
+    ``{UNUSABLE_ARGUMENTS_KEY: why}``, which the runtime answers with a tool error instead
+    of running the tool. Text over that size, an id over :data:`MAX_CALL_ID_CHARS` or a
+    usage beyond :data:`MAX_TOKENS` is a ProviderError (not retryable): the model answered,
+    and asking again costs another answer that may be as large.
+    """
+    content = json_values.without_surrogates(response.content)
+    size = len(content.encode())
+    if size > json_values.MAX_OUTPUT_BYTES:
+        raise ProviderError(
+            f"the model's answer is {size} bytes, over the "
+            f"{json_values.MAX_OUTPUT_BYTES}-byte limit a response may hold; ask for a "
+            "shorter answer (the system prompt) or a lower max_tokens"
+        )
+    usage = response.usage
+    if usage is not None and not all(
+        0 <= n < MAX_TOKENS for n in (usage.input_tokens, usage.output_tokens)
+    ):
+        raise ProviderError("the response reports a token usage out of range")
+    calls = []
+    for call in response.tool_calls:
+        if len(call.id) > MAX_CALL_ID_CHARS:
+            raise ProviderError(
+                f"a tool call id of {len(call.id)} characters, over "
+                f"{MAX_CALL_ID_CHARS}; the provider is not one ratchet can record"
+            )
+        try:
+            arguments, _ = json_values.checked(call.arguments, surrogates="refuse")
+        except NotStorable as exc:
+            arguments = {UNUSABLE_ARGUMENTS_KEY: exc.problem}
+        calls.append(
+            ToolCall(
+                id=json_values.without_surrogates(call.id),
+                name=json_values.without_surrogates(call.name),
+                arguments=arguments,
+            )
+        )
+    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)

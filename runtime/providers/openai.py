@@ -554,6 +554,7 @@ def parse_arguments(raw: Any) -> dict[str, Any]:
         return {}
     text = raw if isinstance(raw, str) else json.dumps(raw)
     try:
+        # NaN, a lone surrogate pass here: checked_response refuses them, whatever provider.
         value = json.loads(text)
     except ValueError:
         value = None

@@ -44,6 +44,7 @@ from typing import Any, cast
 
 import redis
 
+from runtime import json_values
 from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
 from store.packing import pack, unpack
@@ -101,12 +102,14 @@ _SCRIPTS = {
 
 def _packed(event: Event) -> bytes:
     # A tool result of a few KiB is most of a turn's bytes; the event log keeps every one.
-    return pack(event.model_dump_json().encode())
+    # The codec every store writes with (runtime/json_values.py): what it writes, it reads.
+    document = {"seq": event.seq, "type": event.type, "at_ms": event.at_ms, "data": event.data}
+    return pack(json_values.dumps(document))
 
 
 def _unpacked(data: bytes, store: str) -> Event:
     try:
-        return Event.model_validate_json(unpack(data, MAX_EVENT_BYTES))
+        return Event.model_validate(json_values.loads(unpack(data, MAX_EVENT_BYTES)))
     except ValueError as exc:
         raise StoreError(
             f"{store} holds an unreadable event ({exc}); the log is damaged — restore the "

@@ -8,13 +8,14 @@ prefork pool forks, and a SQLite connection must not cross a fork).
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
-from runtime.errors import LeaseLost, StaleWrite, StoreUnavailable
+from runtime import json_values
+from runtime.errors import LeaseLost, NotStorable, StaleWrite, StoreError, StoreUnavailable
 from runtime.models import Event, RunStatus
 from store.runs import (
     FINISHED_STATUSES,
@@ -133,7 +134,7 @@ class SqliteRunStore(RunStore):
     def _insert_events(conn: sqlite3.Connection, run_id: str, events: list[Event]) -> None:
         conn.executemany(
             "INSERT INTO events (run_id, seq, type, at_ms, data) VALUES (?, ?, ?, ?, ?)",
-            [(run_id, e.seq, e.type, e.at_ms, json.dumps(e.data, sort_keys=True)) for e in events],
+            [(run_id, e.seq, e.type, e.at_ms, _encoded(e.data)) for e in events],
         )
 
     @staticmethod
@@ -260,7 +261,10 @@ class SqliteRunStore(RunStore):
                 "ORDER BY seq LIMIT ?",
                 (run_id, after_seq, -1 if limit is None else limit),
             ).fetchall()
-        return [Event(seq=s, type=t, at_ms=a, data=json.loads(d)) for s, t, a, d in rows]
+        return [
+            Event(seq=s, type=t, at_ms=a, data=_decoded(self.path, run_id, s, d))
+            for s, t, a, d in rows
+        ]
 
     def _acquire(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         with self._tx() as conn:
@@ -384,6 +388,25 @@ class SqliteRunStore(RunStore):
 
     def close(self) -> None:
         self._connection.close()
+
+
+def _encoded(data: dict[str, Any]) -> str:
+    """An event's data as its column holds it (the text ``json.dumps`` wrote before)."""
+    return json_values.dumps(data, sort_keys=True, separators=None).decode()
+
+
+def _decoded(path: object, run_id: str, seq: int, data: str) -> dict[str, Any]:
+    """An event's data column read back; StoreError if it is not what :func:`_encoded` writes."""
+    try:
+        value = json_values.loads(data)
+    except NotStorable as exc:
+        raise StoreError(
+            f"run store {path}: run {run_id}'s event at seq {seq} is unreadable "
+            f"({exc.problem}); the log is damaged — restore the file from a backup"
+        ) from exc
+    if not isinstance(value, dict):
+        raise StoreError(f"run store {path}: run {run_id}'s event at seq {seq} is not an object")
+    return value
 
 
 def _alive_until(conn: sqlite3.Connection, process: str) -> int | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import json
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import cast
 
+from runtime import json_values
 from runtime.errors import SnapshotMalformed, SnapshotTooLarge, StaleWrite
 from runtime.models import Message, RunState, validate_run_id
 from store.retry import with_retries
@@ -266,7 +266,7 @@ class SnapshotStore(ABC):
         if state.run_id != run_id or state.transcript:
             return None
         try:
-            messages = tuple(Message.model_validate(json.loads(f)) for f in fragments)
+            messages = tuple(Message.model_validate(json_values.loads(f)) for f in fragments)
         except (ValueError, RecursionError):
             return None
         state = state.model_copy(update={"transcript": known.transcript + messages})

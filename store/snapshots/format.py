@@ -28,9 +28,12 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 
+from runtime import json_values
 from runtime.errors import (
+    NotStorable,
     SnapshotMalformed,
     SnapshotTooLarge,
     SnapshotUnsupportedVersion,
@@ -73,14 +76,39 @@ def _upgrade_v1(value: dict[str, object], where: str) -> dict[str, object]:
 
 
 def encode(state: RunState, max_bytes: int = MAX_BYTES) -> bytes:
-    """The document for ``state``; raises SnapshotTooLarge over ``max_bytes``."""
-    data = (pretty(SnapshotV2(run=state).model_dump(mode="json")) + "\n").encode()
+    """The document for ``state``; raises SnapshotTooLarge over ``max_bytes``, NotStorable
+    for a value :func:`decode` would not read back (runtime/json_values.py)."""
+    data = _document(_plain(SnapshotV2(run=state)))
     if len(data) > max_bytes:
         raise SnapshotTooLarge(state.run_id, len(data), max_bytes)
     return data
 
 
-def pretty(value: object) -> str:
+def _plain(model: BaseModel, exclude: set[str] | None = None) -> dict[str, Any]:
+    """``model.model_dump(mode="json")``; a lone surrogate in an object's key, which pydantic
+    cannot encode there, is U+FFFD (as in a value: :func:`_document`)."""
+    try:
+        return model.model_dump(mode="json", exclude=exclude)
+    except (PydanticSerializationError, UnicodeEncodeError):
+        clean = type(model).model_validate(json_values.replaced(model.model_dump()))
+        return clean.model_dump(mode="json", exclude=exclude)
+
+
+def _document(value: object, end: str = "\n") -> bytes:
+    """``value`` as :func:`pretty` writes it, in UTF-8, by the rules of the store's codec
+    (runtime/json_values.py): a lone surrogate is written as U+FFFD and NaN or an infinity
+    as null (as they are read back); an integer Python cannot write as text is NotStorable."""
+    try:
+        return (pretty(value, allow_nan=False) + end).encode()
+    except (UnicodeEncodeError, ValueError) as exc:
+        if not isinstance(exc, UnicodeEncodeError) and "Out of range float" not in str(exc):
+            raise NotStorable(f"a snapshot cannot hold it ({exc})"[:200]) from None
+        return (pretty(json_values.canonical(value), allow_nan=False) + end).encode()
+    except (TypeError, RecursionError) as exc:
+        raise NotStorable(f"a snapshot cannot hold it ({type(exc).__name__})") from None
+
+
+def pretty(value: object, *, allow_nan: bool = True) -> str:
     """``json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False)``, the same text, faster.
 
     Python's indenting encoder is pure Python (only the compact one is in C), and a
@@ -95,7 +123,7 @@ def pretty(value: object) -> str:
     try:
         _pretty(value, "\n", out)
     except _NotPlain:
-        return json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False)
+        return json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=allow_nan)
     return "".join(out)
 
 
@@ -213,15 +241,15 @@ def encode_head(state: RunState) -> bytes:
     """The document of ``state`` with an empty transcript (not size-checked)."""
     # What SnapshotV2(run=<state without transcript>) dumps, without copying the state and
     # wrapping it at every checkpoint (tests/test_pretty_encoding.py holds the two equal).
-    run = state.model_dump(mode="json", exclude={"transcript"})
+    run = _plain(state, exclude={"transcript"})
     run["transcript"] = []
-    return (pretty({"kind": KIND, "run": run, "version": 2}) + "\n").encode()
+    return _document({"kind": KIND, "run": run, "version": 2})
 
 
 def encode_fragment(message: Message) -> bytes:
     """``message`` exactly as :func:`encode` lays it out inside the transcript array."""
-    text = pretty(message.model_dump(mode="json"))
-    return _INDENT + text.replace("\n", _NEWLINE_INDENTED).encode()
+    text = _document(_plain(message), end="")
+    return _INDENT + text.replace(b"\n", _NEWLINE_INDENTED.encode())
 
 
 def chain(before: str, fragments: Iterable[bytes]) -> str:
@@ -263,14 +291,14 @@ def decode(data: bytes, where: str, max_bytes: int = MAX_BYTES) -> RunState:
     if not data.strip():
         raise SnapshotMalformed(where, "the file is empty")
     try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SnapshotMalformed(where, f"not JSON ({_position(exc)})") from exc
-    except RecursionError as exc:
-        raise SnapshotMalformed(where, "not JSON this build reads (nested too deeply)") from exc
-    except ValueError as exc:
-        # Python refuses integers of more than sys.get_int_max_str_digits() digits.
-        raise SnapshotMalformed(where, f"not JSON this build reads ({_first_clause(exc)})") from exc
+        value = json_values.loads(data)
+    except NotStorable as exc:
+        # What the encoder would not write: not UTF-8, not JSON, NaN, an integer of more
+        # than MAX_INT_DIGITS digits (Python refuses them), nested too deeply.
+        problem = exc.problem
+        if not problem.startswith("not "):
+            problem = f"not JSON this build reads ({problem})"
+        raise SnapshotMalformed(where, problem) from exc
     if not isinstance(value, dict):
         raise SnapshotMalformed(where, "the document is not a JSON object")
     kind = value.get("kind")
@@ -293,17 +321,6 @@ def decode(data: bytes, where: str, max_bytes: int = MAX_BYTES) -> RunState:
         # pydantic reports what it can as ValidationError; a value it cannot even
         # walk (nested deeper than the interpreter allows) is refused the same way.
         raise SnapshotMalformed(where, f"cannot be validated ({type(exc).__name__})") from exc
-
-
-def _position(exc: UnicodeDecodeError | json.JSONDecodeError) -> str:
-    """Where the bytes stop being JSON, without quoting them."""
-    if isinstance(exc, json.JSONDecodeError):
-        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
-    return f"not UTF-8 at byte {exc.start}"
-
-
-def _first_clause(exc: Exception) -> str:
-    return str(exc).split(":", 1)[0][:120]
 
 
 def _shown(value: object) -> str:

@@ -20,8 +20,8 @@ from store.runs import JournalEntry, RunRecord
 from tasks.control import new_continuation_id
 from tasks.tracing import trace_id_of
 from worker.api import Ratchet
-from worker.render import _summary as event_summary
-from worker.render import time_lines
+from worker.render import shown_json, time_lines
+from worker.render import summary as event_summary
 
 PAGE_SIZE = 25
 COUNT_CAP = 500
@@ -37,7 +37,7 @@ def when(at_ms: int | None) -> str:
 
 
 def pretty(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, indent=2)
+    return shown_json(value, sort_keys=True, indent=2)
 
 
 @dataclass
