@@ -152,6 +152,9 @@ def park_cause(probed: Probed | None, timed_out_s: float | None) -> str:
     if probed is None:
         return f"{cause} and is not idempotent, so it may or may not have run"
     said = {
+        # A probe said so after each earlier try, but the call is out of tries and the
+        # last one, abandoned too, may yet take effect.
+        Answer.NOT_RUN: "answered not run, but the call was out of tries",
         Answer.UNKNOWN: "answered unknown",
         Answer.FAILED: "failed",
         Answer.TIMED_OUT: "did not answer in time",

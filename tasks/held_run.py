@@ -163,6 +163,10 @@ class HeldRun:
         request = action.request(self.ctx.request_order(run_id))
         self.ctx.remember_request_order(run_id, RequestOrder(action.transcript, request.messages))
         model_calls = request.model_call + 1
+        prepare = getattr(self.agent.provider, "prepare", None)
+        if callable(prepare):
+            # Before the limiter decides: a call it lets go must not then wait on setup.
+            prepare()
         gate = limits.admit(self.ctx, self.agent, self.state, request)
         if isinstance(gate, limits.Wait):
             return self.wait_on_limit(gate)

@@ -66,6 +66,8 @@ class ModelServer:
     accepted_at: list[float] = field(default_factory=list)
     """``time.time()`` of each request accepted (within the limits)."""
     accepted_tokens: int = 0
+    arrived_at: list[float] = field(default_factory=list)
+    """``time.time()`` of each chat completion as its request was read, limits or none."""
     _buckets: dict[str, list[float]] = field(default_factory=dict, repr=False)
     _server: asyncio.Server | None = field(default=None, repr=False)
     _connections: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
@@ -164,6 +166,7 @@ class ModelServer:
                 except ValueError:
                     await self._send(writer, 400, {"error": {"message": "body is not JSON"}})
                     continue
+                self.arrived_at.append(time.time())
                 if self.rpm or self.tpm:
                     usage = self.answer(body)["usage"]
                     cost = usage["prompt_tokens"] + usage["completion_tokens"]

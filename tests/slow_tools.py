@@ -44,6 +44,19 @@ def counted_lookup(sleep_s: float, fast_after: int = 0) -> dict[str, object]:
     return {"found": True}
 
 
+@tool(idempotent=True)
+def lookup_by_try(first_s: float, second_s: float) -> dict[str, object]:
+    """Look something up: the first try takes ``first_s``, the second ``second_s``, any
+    later one returns at once; each answers which try it was (RATCHET_TEST_CALLS counts)."""
+    path = os.environ["RATCHET_TEST_CALLS"]
+    with open(path, "a+", encoding="utf-8") as handle:
+        handle.seek(0)
+        tries = len(handle.read().splitlines()) + 1
+        handle.write("lookup\n")
+    time.sleep({1: first_s, 2: second_s}.get(tries, 0.0))
+    return {"try": tries}
+
+
 @tool
 def counted_charge(sleep_s: float) -> dict[str, object]:
     """Charge a card, slowly. Not idempotent."""

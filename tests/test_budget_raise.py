@@ -144,6 +144,9 @@ def test_a_run_past_its_deadline_needs_a_limit_beyond_the_time_it_has_run(tmp_pa
         InvalidRequest, match="the run has used 500; a limit of 160 leaves it nothing"
     ):
         raise_budgets(ctx, run_id, {"timeout_seconds": "+100"}, "ana", "x", no_enqueue)
+    # and a limit of exactly the 500 s it has used leaves it nothing either
+    with pytest.raises(InvalidRequest, match="a limit of 500 leaves it nothing"):
+        raise_budgets(ctx, run_id, {"timeout_seconds": "500"}, "ana", "x", no_enqueue)
     state = raise_budgets(ctx, run_id, {"timeout_seconds": "+600"}, "ana", "x", no_enqueue)
     assert state.status.is_live
     assert drive(ctx, run_id).outcome == "completed"

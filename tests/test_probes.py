@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from runtime import NotRun, ToolContext, tool
+from runtime.actions import TOOL_TIMEOUT_ATTEMPTS
 from runtime.errors import ToolError
 from runtime.models import RunStatus
 from runtime.probes import idempotency_key
@@ -121,6 +122,29 @@ def test_a_call_that_times_out_with_a_probe_that_cannot_tell_parks_naming_it(
     # The call that finished is recorded once and stays so
     done = [e.data["call_id"] for e in ctx.runs.events(run_id) if e.type == "tool.completed"]
     assert done == ["call_1_1"]
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_call_whose_probe_says_not_run_gets_exactly_the_documented_tries(
+    tmp_path: Path, effects: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a non-idempotent call that hangs before its effect on every try, and a probe
+    # that truthfully answers "not run" each time
+    monkeypatch.setenv("RATCHET_TEST_HANG_LABEL", "hangs")
+    agent = write_agent(tmp_path, [turn("go", call("effect", label="hangs")), turn("Done.")],
+                        tools=TOOLS, extra="tool_timeout_s = 0.2")  # fmt: skip
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "go").run_id
+    # When the run is driven
+    assert drive(ctx, run_id).outcome == "parked"
+    # Then the call was tried TOOL_TIMEOUT_ATTEMPTS times in all, probed between tries
+    # (each abandoned try is free to take effect later: the count is the bound on that)
+    events = ctx.runs.events(run_id)
+    probed = [e.data["answer"] for e in events if e.type == "tool.probed"]
+    assert probed == ["not_run"] * (TOOL_TIMEOUT_ATTEMPTS - 1)
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.NEEDS_RECONCILIATION
+    assert "its probe answered not run, but the call was out of tries" in (record.error or "")
 
 
 def test_a_cancel_during_parallel_calls_stops_the_turn_before_it_records_another_outcome(

@@ -494,6 +494,29 @@ def test_an_idempotent_tool_that_answers_on_a_later_try_completes_its_call(
     ]
 
 
+def test_a_late_finish_of_an_abandoned_try_is_not_taken_for_the_retrys(
+    ctx: Context, tmp_path: Path, calls: Path
+) -> None:
+    # Given an idempotent tool whose first try finishes after its timeout, while the
+    # second (started when the first was abandoned) is still running, and the third is quick
+    agent = write_agent(
+        tmp_path,
+        [turn("x", call("lookup_by_try", first_s=0.8, second_s=3.0)), turn("found")],
+        tools=["tests.slow_tools:lookup_by_try"],
+        extra="tool_timeout_s = 0.5",
+    )
+    run_id = create_run(ctx, agent, "look").run_id
+
+    assert drive(ctx, run_id).outcome == "completed"
+
+    # Then the outcome recorded is the third try's: the first's late answer was dropped,
+    # and the second, abandoned in its turn, was not waited for
+    journal = ctx.runs.journal(run_id)
+    assert [(j.tool, j.status, j.result) for j in journal] == [
+        ("lookup_by_try", "completed", {"try": 3})
+    ]
+
+
 # --- the sweeper's resume of a run that is not live -------------------------------
 
 

@@ -62,24 +62,40 @@ def shared_client() -> httpx.Client:
     pid = os.getpid()
     shard = getattr(_shard_of_thread, "shard", None)
     with _clients_lock:
-        clients = _clients.get(pid)
-        if clients is None:
-            count = max(1, math.ceil(_http_size / SHARD_CONNECTIONS))
-            # A share each, plus a little: threads draw shards evenly but not exactly.
-            each = math.ceil(_http_size / count) + (SHARD_CONNECTIONS // 4 if count > 1 else 0)
-            limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
-            # One TLS context for every shard: each costs ~1 MiB of loaded CA certificates.
-            tls = ssl.create_default_context(cafile=certifi.where())
-            clients = _clients[pid] = [
-                httpx.Client(
-                    limits=limits,
-                    verify=tls,
-                    cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
-                )
-                for _ in range(count)
-            ]
+        clients = _process_clients(pid)
         if shard is None or shard[0] != pid:
             shard = (pid, _next_shard)
             _next_shard += 1
             _shard_of_thread.shard = shard
         return clients[shard[1] % len(clients)]
+
+
+def build_shared_client() -> None:
+    """Build this process's client now, if it is not built yet, without drawing a shard.
+
+    A fresh process's first build loads the CA certificates (0.3-0.9 s on a loaded
+    machine): done before a rate limit admits a call, so the admitted request goes at once.
+    """
+    with _clients_lock:
+        _process_clients(os.getpid())
+
+
+def _process_clients(pid: int) -> list[httpx.Client]:
+    """The shards of ``pid``'s client, built on first use; call with ``_clients_lock`` held."""
+    clients = _clients.get(pid)
+    if clients is None:
+        count = max(1, math.ceil(_http_size / SHARD_CONNECTIONS))
+        # A share each, plus a little: threads draw shards evenly but not exactly.
+        each = math.ceil(_http_size / count) + (SHARD_CONNECTIONS // 4 if count > 1 else 0)
+        limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
+        # One TLS context for every shard: each costs ~1 MiB of loaded CA certificates.
+        tls = ssl.create_default_context(cafile=certifi.where())
+        clients = _clients[pid] = [
+            httpx.Client(
+                limits=limits,
+                verify=tls,
+                cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+            )
+            for _ in range(count)
+        ]
+    return clients

@@ -88,7 +88,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import Message, TokenUsage
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
-from runtime.providers.http import pool_size, shared_client
+from runtime.providers.http import build_shared_client, pool_size, shared_client
 from runtime.providers.redaction import guard_http_logs, redacted_in_logs
 
 log = logging.getLogger("ratchet.providers.openai")
@@ -268,6 +268,11 @@ class OpenAIProvider:
         (the variable's name, never the key)."""
         key_variable = self._table.api_key_env or self.API_KEY_ENV
         return f"{self.NAME}/{self._host}/{self.model}/{key_variable}"
+
+    def prepare(self) -> None:
+        """Build what a request needs before it can go (the process's HTTP client), so that
+        one a rate limit lets through is sent at once, not after a fresh process's setup."""
+        build_shared_client()
 
     def identity(self) -> dict[str, Any]:
         # The host, not the URL: a URL may carry credentials, and the key never goes here.

@@ -77,6 +77,44 @@ class LimitStoreContract:
         assert 59_000 < admission.verdict.wait_ms <= 60_000
         assert limit_store.use("k").blocked_s > 59
 
+    def test_after_an_idle_spell_a_burst_gets_no_more_than_burst_s_allows(
+        self, limit_store: LimitStore
+    ) -> None:
+        # One each 100 ms, 200 ms ahead: three at once at most, however long it was idle
+        rate = Rate("requests", 600, burst_s=0.2)
+        first = limit_store.admit("k", "first", 1, 2, [rate], [1], 0, True)
+        assert first.verdict.outcome == "go"
+        time.sleep(1.0)  # ten intervals unused: capacity past the burst is not saved up
+        burst = [limit_store.admit("k", f"run-{i}", 1, 2, [rate], [1], 0, True)
+                 for i in range(12)]  # fmt: skip
+        went = sum(a.verdict.outcome == "go" for a in burst)
+        # The store's own clock: as many more as the rate refilled while the burst asked
+        refilled = int((burst[-1].now_ms - burst[0].now_ms) / rate.interval_ms)
+        assert 3 <= went <= 3 + refilled, (went, refilled)
+
+    def test_a_run_let_through_leaves_the_waiting_line(self, limit_store: LimitStore) -> None:
+        rate = Rate("requests", 600, burst_s=0.001)  # one each 100 ms
+        limit_store.admit("k", "first", 1, 2, [rate], [1], 0, True)
+        waiting = [limit_store.admit("k", run, 1, 2, [rate], [1], 0, True) for run in ("a", "b")]
+        assert [w.verdict.outcome for w in waiting] == ["denied", "denied"]
+        assert [w.place for w in waiting] == [0, 1]
+        deadline = time.monotonic() + 10
+        while limit_store.admit("k", "a", 1, 2, [rate], [1], 0, True).verdict.outcome != "go":
+            assert time.monotonic() < deadline, "the rate never let `a` go"
+            time.sleep(0.02)
+        # `a` went: it is out of the line, and `b` is first in it now
+        assert limit_store.use("k").waiting == (1, 0)
+        assert limit_store.admit("k", "b", 1, 2, [rate], [1], 0, True).place == 0
+
+    def test_a_shorter_retry_after_does_not_shorten_a_longer_block(
+        self, limit_store: LimitStore
+    ) -> None:
+        limit_store.block("k", 60_000)
+        limit_store.block("k", 1_000)
+        assert limit_store.use("k").blocked_s > 59
+        admission = limit_store.admit("k", "run", 1, 2, [], [], 0, True)
+        assert admission.verdict.binding == "blocked" and admission.verdict.wait_ms > 59_000
+
     def test_settling_moves_the_token_schedule_and_the_minute_count(
         self, limit_store: LimitStore
     ) -> None:
