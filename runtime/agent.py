@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,9 @@ class AgentSpec(BaseModel):
     limits: LimitsTable = LimitsTable()
     """Fleet-wide rate limits, concurrency caps and priority (runtime/limits.py). Not in the
     binding: they decide when a run's calls go, not what the run does."""
+    mcp: dict[str, Any] = {}
+    """MCP servers by name (runtime/mcp/): their tools are named `mcp:<server>/<tool>`. How
+    a server is reached is not in the binding; each tool's schema and policy are."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ class Agent:
     provider: Provider
     binding: str
     binding_document: dict[str, Any]
+    listed_at_s: float | None = None
+    """When its MCP servers listed their tools (``time.monotonic()``); None without MCP.
+    A cached copy is listed again after ``RATCHET_MCP_RELIST_S`` (tasks/context.py): a server's
+    tools can change with no file changing."""
 
     @property
     def name(self) -> str:
@@ -143,6 +151,13 @@ def _binding_document(
 def describe_binding_change(before: dict[str, Any], after: dict[str, Any]) -> str:
     """Name the parts of a binding document that differ, for an operator's message."""
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    if "tools" in changed:
+        # Name the tools, not just `tools`: an MCP server's tool can change under a run.
+        old = {t.get("name"): t for t in before.get("tools", ()) if isinstance(t, dict)}
+        new = {t.get("name"): t for t in after.get("tools", ()) if isinstance(t, dict)}
+        names = sorted(str(n) for n in set(old) | set(new) if old.get(n) != new.get(n))
+        if names:
+            changed[changed.index("tools")] = "tools (" + ", ".join(f"`{n}`" for n in names) + ")"
     return "changed: " + ", ".join(changed) if changed else "changed"
 
 
@@ -276,7 +291,16 @@ def _load(path: Path) -> Agent:
                 "(RATCHET_OPENAI_API_KEY, or name your variable with `[provider] api_key_env`)"
             )
         raise AgentFileError(str(path), key, problem) from exc
-    tools = _load_tools(path, spec)
+    tools, approvals = _load_tools(path, spec)
+    if approvals:
+        # MCP tools whose annotations (or the file) ask for approval join the file's list.
+        wanted = (
+            *spec.policy.require_approval,
+            *sorted(approvals - set(spec.policy.require_approval)),
+        )
+        spec = spec.model_copy(
+            update={"policy": spec.policy.model_copy(update={"require_approval": wanted})}
+        )
     for name in spec.policy.require_approval:
         if name not in tools:
             raise AgentFileError(
@@ -295,7 +319,8 @@ def _load(path: Path) -> Agent:
         raise AgentFileError(str(path), "script", "only the `scripted` provider plays a script")
     document = _binding_document(spec, provider, tools)
     binding = "sha256:" + hashlib.sha256(canonical_json(document)).hexdigest()
-    return Agent(spec, path, tools, provider, binding, document)
+    listed = time.monotonic() if any(t.mcp is not None for t in tools.values()) else None
+    return Agent(spec, path, tools, provider, binding, document, listed)
 
 
 def _provider_key(problem: str) -> str:
@@ -305,16 +330,63 @@ def _provider_key(problem: str) -> str:
     return "script" if problem.startswith("script ") else "model"
 
 
-def _load_tools(path: Path, spec: AgentSpec) -> dict[str, ToolSpec]:
+def _load_tools(path: Path, spec: AgentSpec) -> tuple[dict[str, ToolSpec], set[str]]:
+    """The agent's tools by name, and the MCP tools that await approval."""
     tools: dict[str, ToolSpec] = {}
+    approvals: set[str] = set()
+    servers = (
+        _mcp_servers(path, spec)
+        if spec.mcp or any(r.startswith("mcp:") for r in spec.tools)
+        else {}
+    )
     for index, reference in enumerate(spec.tools):
         try:
-            tool_spec = load_tool(reference)
+            if reference.startswith("mcp:"):
+                loaded = _mcp_tools(path, spec, servers, reference)
+            else:
+                loaded = [(load_tool(reference), False)]
         except ToolError as exc:
             raise AgentFileError(str(path), f"tools[{index}]", str(exc)) from exc
-        if tool_spec.name in tools:
-            raise AgentFileError(
-                str(path), f"tools[{index}]", f"two tools named `{tool_spec.name}`"
-            )
-        tools[tool_spec.name] = tool_spec
-    return tools
+        for tool_spec, approval in loaded:
+            if tool_spec.name in tools:
+                raise AgentFileError(
+                    str(path), f"tools[{index}]", f"two tools named `{tool_spec.name}`"
+                )
+            tools[tool_spec.name] = tool_spec
+            if approval:
+                approvals.add(tool_spec.name)
+    return tools, approvals
+
+
+def _mcp_servers(path: Path, spec: AgentSpec) -> dict[str, Any]:
+    from runtime.mcp import Server, parse_servers
+
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        raise AgentFileError(
+            str(path), "mcp", "MCP tools need the `mcp` extra: pip install 'ratchet[mcp]'"
+        ) from None
+
+    try:
+        tables = parse_servers(spec.mcp)
+    except ValueError as exc:
+        raise AgentFileError(str(path), "mcp", str(exc)) from exc
+    return {name: Server(name, table, path.parent) for name, table in tables.items()}
+
+
+def _mcp_tools(
+    path: Path, spec: AgentSpec, servers: dict[str, Any], reference: str
+) -> list[tuple[ToolSpec, bool]]:
+    from runtime.mcp import parse_reference
+    from runtime.mcp.sessions import ServerUnavailable
+    from runtime.mcp.tools import specs
+
+    name, wanted = parse_reference(reference)
+    server = servers.get(name)
+    if server is None:
+        raise ToolError(reference, f"no `[mcp.{name}]` table in the agent file names the server")
+    try:
+        return specs(server, wanted, spec.tool_timeout_s)
+    except ServerUnavailable as exc:
+        raise ToolError(reference, f"{exc}; start the server, or fix `[mcp.{name}]`") from None

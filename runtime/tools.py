@@ -117,6 +117,11 @@ class ToolSpec:
     probe_parameters: tuple[str, ...] = ()
     """The tool's parameters the probe takes."""
     probe_context_parameter: str | None = None
+    remote: Callable[[dict[str, Any], ToolContext | None], Any] | None = None
+    """A tool another process runs (an MCP server's, runtime/mcp/): called with the
+    model's arguments as they are (the server validates them) and the call's context."""
+    mcp: dict[str, Any] | None = None
+    """An MCP tool's server, annotations and where its policy came from (in the binding)."""
 
     def declaration(self) -> dict[str, Any]:
         """What the model is told about the tool; part of the run's binding."""
@@ -129,6 +134,8 @@ class ToolSpec:
         if self.probe is not None:
             # Only when set: tools without a probe keep the binding their runs started with.
             declaration["probe"] = True
+        if self.mcp is not None:
+            declaration["mcp"] = self.mcp
         return declaration
 
 
@@ -425,6 +432,8 @@ def invoke(
 
     ``context`` goes to the tool's ToolContext parameter, if it has one (required then).
     """
+    if spec.remote is not None:
+        return _invoke_remote(spec, arguments, context)
     if spec.fn is None:
         raise ToolError(spec.name, "control tools suspend the run; they are never invoked")
     parsed = _parsed(spec, arguments)
@@ -501,6 +510,23 @@ def fitted(outcome: ToolOutcome, name: str, room: Callable[[int], int]) -> ToolO
     size = len(json.dumps(content, ensure_ascii=False).encode()) + MESSAGE_BYTES
     why = overflow(f"`{name}` ran, but its result", size, room(size))
     return outcome if why is None else ToolOutcome(False, why)
+
+
+def _invoke_remote(
+    spec: ToolSpec, arguments: dict[str, Any], context: ToolContext | None
+) -> ToolOutcome:
+    assert spec.remote is not None
+    if INVALID_ARGUMENTS_KEY in arguments:
+        raw = str(arguments[INVALID_ARGUMENTS_KEY])[:200]
+        return ToolOutcome(False, f"arguments for `{spec.name}` were not valid JSON: {raw}")
+    try:
+        value = spec.remote(arguments, context)
+    except Exception as exc:  # the server's failure is the model's to handle, not the run's
+        return ToolOutcome(False, f"`{spec.name}` failed: {exc}")
+    try:
+        return ToolOutcome(True, to_jsonable_python(value))
+    except Exception as exc:
+        return ToolOutcome(False, f"`{spec.name}` returned a value that is not JSON: {exc}")
 
 
 def ask_probe(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -> Probed:

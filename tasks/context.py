@@ -127,12 +127,20 @@ class Context:
         given = os.fspath(path)
         with self._lock:
             cached = self._agents.get(given)
-        if cached is not None and cached[0] == agent_cache.version_of([f for f, _ in cached[0]]):
+        if (
+            cached is not None
+            and cached[0] == agent_cache.version_of([f for f, _ in cached[0]])
+            and _listing_fresh(cached[1], self.settings.mcp_relist_s)
+        ):
             return cached[1]
         key = os.path.realpath(given)  # what str(Path(path).resolve()) gives, without the objects
         with self._lock:
             cached = self._agents.get(key)
-        if cached is not None and cached[0] == agent_cache.version_of([f for f, _ in cached[0]]):
+        if (
+            cached is not None
+            and cached[0] == agent_cache.version_of([f for f, _ in cached[0]])
+            and _listing_fresh(cached[1], self.settings.mcp_relist_s)
+        ):
             self._keep_agent(given, cached[0], cached[1])
             return cached[1]
         files = [f for f, _ in cached[0]] if cached is not None else [key]
@@ -217,3 +225,9 @@ def set_context(context: Context | None) -> None:
     global _context, _context_pid
     with _context_lock:
         _context, _context_pid = context, os.getpid() if context else None
+
+
+def _listing_fresh(agent: Agent, relist_s: float) -> bool:
+    """Whether a cached agent's MCP tool listing (if it has one) is recent enough to use."""
+    listed = agent.listed_at_s
+    return listed is None or time.monotonic() - listed < relist_s

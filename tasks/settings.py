@@ -85,6 +85,8 @@ class Settings(BaseSettings):
     """`json`: a worker logs one JSON object per line, with a `run_id` field."""
     allow_unpinned_continuations: bool = False
     """Accept answers that name neither a continuation_id nor a suspension_seq (unsafe)."""
+    mcp_relist_s: float = Field(default=10.0, ge=0, le=86_400, allow_inf_nan=False)
+    """How long a process uses an agent's MCP tool listing before asking the servers again."""
     notify_task: str | None = None
     """A Celery task name a worker sends (run_id, status) to when a run stops (ends, suspends, parks)."""
     notify_queue: str = "celery"

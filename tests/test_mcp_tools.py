@@ -1,0 +1,427 @@
+"""MCP servers as durable tools, against real servers built with the ``mcp`` SDK.
+
+The server is ``tests/mcp_servers.py`` (stdio, started by each worker process that
+calls it, or streamable HTTP on a port of this test's): its ledger records every call
+with the ``_meta`` idempotency key it carried and the server's pid. The runs go
+through real Celery workers: the in-process session worker, ``celery -A worker worker``
+subprocesses on each pool, and the crash rig of tests/crash/test_failpoints.py, whose
+dying worker is SIGKILLed mid-call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.errors import BindingChanged
+from runtime.mcp import parse_servers
+from runtime.models import RunStatus
+from runtime.probes import idempotency_key
+from tasks.recovery import sweep_orphans
+from tasks.settings import Settings
+from tasks.start import create_run
+from tests.crash.test_failpoints import Rig, rig
+from tests.helpers import call, turn, write_agent
+from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for
+from worker.api import Ratchet
+from worker.app import make_app
+
+__all__ = ["rig"]  # the crash rig's module-scoped fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVER = Path(__file__).parent / "mcp_servers.py"
+
+
+def ledger_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def calls_of(path: Path, tool: str) -> list[dict[str, Any]]:
+    return [line for line in ledger_lines(path) if line.get("tool") == tool]
+
+
+def stdio_table(name: str, ledger: Path, hold: Path | None = None, schema: str = "1") -> str:
+    argv = [sys.executable, str(SERVER), "stdio", "--ledger", str(ledger), "--schema", schema]
+    if hold is not None:
+        argv += ["--hold", str(hold)]
+    return f"[mcp.{name}]\ncommand = {json.dumps(argv)}\n"
+
+
+@dataclass
+class HttpServer:
+    port: int
+    ledger: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def start(self, *extra: str) -> HttpServer:
+        argv = [sys.executable, str(SERVER), "http", str(self.port), "--ledger", str(self.ledger)]
+        self.process = subprocess.Popen(
+            [*argv, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for(f"the MCP server on port {self.port} listens", self._listening, timeout_s=60)
+        return self
+
+    def _listening(self) -> bool:
+        assert self.process is not None and self.process.poll() is None, "the MCP server exited"
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def table(self, name: str) -> str:
+        return f'[mcp.{name}]\nurl = "{self.url}"\n'
+
+
+def pending(ratchet: Ratchet, run_id: str) -> int:
+    """The seq of what the run waits for, as an answer names it."""
+    suspension = ratchet.suspension(run_id)
+    assert suspension is not None, f"run {run_id} waits for nothing"
+    return suspension.seq
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def http_server(tmp_path: Path) -> Iterator[HttpServer]:
+    server = HttpServer(free_port(), tmp_path / "http.ledger").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- the agent file ---------------------------------------------------------------------
+
+
+def test_a_server_table_is_checked_at_load_in_one_line_naming_the_key() -> None:
+    cases = {
+        "neither": ({"billing": {}}, "exactly one of `command`"),
+        "both": ({"billing": {"command": ["x"], "url": "https://h/mcp"}}, "exactly one"),
+        "plain http": ({"b": {"url": "http://192.0.2.7/mcp"}}, "plain http to 192.0.2.7"),
+        "variable": ({"b": {"command": ["x"], "env": ["AWS_SECRET_ACCESS_KEY"]}}, "does not allow"),
+        "header variable": (
+            {"b": {"url": "https://h/mcp", "headers": {"Authorization": "Bearer ${HOME}"}}},
+            "RATCHET_MCP_VARIABLES",
+        ),
+        "unknown key": ({"b": {"command": ["x"], "shell": True}}, "unknown key"),
+    }
+    for name, (raw, expected) in cases.items():
+        with pytest.raises(ValueError) as refused:
+            parse_servers(raw)
+        message = str(refused.value)
+        assert expected in message and "\n" not in message, (name, message)
+        assert not message.startswith("Value error"), message
+
+
+def test_a_missing_tool_or_server_is_refused_naming_the_reference(tmp_path: Path) -> None:
+    from runtime.agent import load_agent
+    from runtime.errors import AgentFileError
+
+    ledger = tmp_path / "ledger"
+    agent = write_agent(
+        tmp_path,
+        [turn("Done.")],
+        tools=["mcp:billing/no_such_tool"],
+        extra=stdio_table("billing", ledger),
+    )
+    with pytest.raises(AgentFileError, match="lists no tool `no_such_tool`.*lookup_order"):
+        load_agent(agent)
+    other = write_agent(tmp_path / "b", [turn("Done.")], tools=["mcp:nowhere/lookup_order"])
+    with pytest.raises(AgentFileError, match=r"no `\[mcp.nowhere\]` table"):
+        load_agent(other)
+
+
+# --- runs on the session worker ---------------------------------------------------------
+
+
+def test_a_run_calls_tools_on_a_stdio_and_an_http_server_and_completes(
+    ratchet: Ratchet, http_server: HttpServer, tmp_path: Path
+) -> None:
+    # Given an agent with a stdio server and an HTTP one, and a model that calls both at once
+    ledger = tmp_path / "stdio.ledger"
+    agent = write_agent(
+        tmp_path,
+        [
+            turn(
+                "Looking up and refunding.",
+                call("lookup_order", order_id="B2"),
+                call("issue_refund", order_id="B2", amount_cents=2900),
+            ),
+            turn("Refunded."),
+        ],
+        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
+        extra=stdio_table("billing", ledger) + http_server.table("remote"),
+    )
+    # When the run goes through the worker
+    run_id = ratchet.start(agent, "refund B2")
+    record = ratchet.wait(run_id, timeout_s=60)
+
+    # Then it completed with each tool's result, each server called once
+    assert record.status == RunStatus.COMPLETED, record.error
+    results = {
+        e.data["name"]: e.data["result"]
+        for e in ratchet.events(run_id)
+        if e.type == "tool.completed"
+    }
+    assert results["lookup_order"]["status"] == "lost in transit"
+    assert results["issue_refund"] == {"result": "refunded 2900 on B2"}
+    # And each call carried its idempotency key in `_meta`
+    (refund,) = calls_of(ledger, "issue_refund")
+    (lookup,) = calls_of(http_server.ledger, "lookup_order")
+    assert refund["key"] == idempotency_key(run_id, 1, "call_1_2")
+    assert lookup["key"] == idempotency_key(run_id, 1, "call_1_1")
+
+
+def test_a_destructive_tool_awaits_approval_and_an_error_result_reaches_the_model(
+    ratchet: Ratchet, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "stdio.ledger"
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("Trying.", call("always_fails")),
+            turn("Wiping.", call("wipe_account", account="acme")),
+            turn("Wiped."),
+        ],
+        tools=["mcp:billing/*"],
+        extra=stdio_table("billing", ledger),
+    )
+    run_id = ratchet.start(agent, "wipe acme")
+    wait_for(
+        "the run awaits approval",
+        lambda: ratchet.get(run_id).status == RunStatus.AWAITING_APPROVAL,
+        timeout_s=60,
+    )
+    events = ratchet.events(run_id)
+    failed = [e.data for e in events if e.type == "tool.failed"]
+    assert [f["name"] for f in failed] == ["always_fails"]
+    # The server's isError text, not a traceback of ours
+    assert "always_fails" in failed[0]["error"]
+    assert calls_of(ledger, "wipe_account") == []
+    # And approved, it runs once
+    ratchet.continue_run(run_id, approve=True, suspension_seq=pending(ratchet, run_id))
+    assert ratchet.wait(run_id, timeout_s=60).status == RunStatus.COMPLETED
+    assert len(calls_of(ledger, "wipe_account")) == 1
+
+
+def test_a_stdio_server_killed_between_turns_is_started_again_for_the_next_call(
+    ratchet: Ratchet, tmp_path: Path
+) -> None:
+    # Given a run that called the server, then waits for a person
+    ledger = tmp_path / "stdio.ledger"
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("Looking.", call("issue_refund", order_id="A1", amount_cents=1)),
+            turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
+            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
+            turn("Done."),
+        ],
+        tools=["mcp:billing/issue_refund", "request_user_input"],
+        extra=stdio_table("billing", ledger),
+    )
+    run_id = ratchet.start(agent, "refunds")
+    wait_for(
+        "the run asks",
+        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
+        timeout_s=60,
+    )
+    (first,) = calls_of(ledger, "issue_refund")
+    # When the server dies while the run waits
+    os.kill(first["pid"], signal.SIGKILL)
+    # Then the answer's turn starts a new server and the call goes through once
+    ratchet.continue_run(run_id, input="yes", suspension_seq=pending(ratchet, run_id))
+    record = ratchet.wait(run_id, timeout_s=60)
+    assert record.status == RunStatus.COMPLETED, record.error
+    calls = calls_of(ledger, "issue_refund")
+    assert [c["order_id"] for c in calls] == ["A1", "B2"]
+    assert calls[1]["pid"] != first["pid"]
+
+
+def test_a_changed_tool_schema_refuses_the_answer_naming_the_tool(
+    ratchet: Ratchet, http_server: HttpServer, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a run of an HTTP server's tools, waiting for a person
+    agent = write_agent(
+        tmp_path,
+        [turn("Asking.", call("request_user_input", prompt="Refund?")), turn("Done.")],
+        tools=["mcp:remote/issue_refund", "mcp:remote/lookup_order", "request_user_input"],
+        extra=http_server.table("remote"),
+    )
+    run_id = ratchet.start(agent, "refund")
+    wait_for(
+        "the run asks",
+        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
+        timeout_s=60,
+    )
+    # When the server comes back with `issue_refund` taking another parameter
+    http_server.stop()
+    http_server.start("--schema", "2")
+    # Then an answer (from a process that lists the tools again at once) is refused,
+    # naming that tool and only it
+    fresh = redis_context(redis_url, mcp_relist_s=0)
+    try:
+        with pytest.raises(BindingChanged) as refused:
+            Ratchet(fresh).continue_run(
+                run_id, input="yes", suspension_seq=pending(ratchet, run_id)
+            )
+    finally:
+        fresh.close()
+    assert "`issue_refund`" in str(refused.value) and "lookup_order" not in str(refused.value)
+
+
+def test_the_example_mcp_agent_refunds_through_its_server(ratchet: Ratchet) -> None:
+    example = Path(__file__).parents[1] / "examples" / "mcp-desk.toml"
+    run_id = ratchet.start(example, "My toaster (order B2) never came.")
+    record = ratchet.wait(run_id, timeout_s=90)
+    assert record.status == RunStatus.COMPLETED, record.error
+    results = [e.data["result"] for e in ratchet.events(run_id) if e.type == "tool.completed"]
+    assert results[1] == {"result": "refunded 2900 on B2"}
+
+
+# --- a worker SIGKILLed mid-call --------------------------------------------------------
+
+MCP_DYING_DB, MCP_HEALTHY_DB = 3, 4
+"""Broker databases of the crash rig's redis-server that its own workers leave alone."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("tool", "arguments", "status"),
+    [
+        ("lookup_order", {"order_id": "B2"}, RunStatus.COMPLETED),
+        ("issue_refund", {"order_id": "B2", "amount_cents": 2900}, RunStatus.NEEDS_RECONCILIATION),
+    ],
+    ids=["read-only-runs-again", "unannotated-parks"],
+)
+def test_a_call_cut_off_by_a_sigkill_runs_again_only_when_the_server_says_it_may(
+    rig: Rig, tmp_path: Path, tool: str, arguments: dict[str, Any], status: RunStatus
+) -> None:
+    # Given a stdio server whose call waits while the hold file exists, and two workers
+    # whose leases outlast a first listing of the server's tools (seconds on a busy box;
+    # the crash rig's 1 s lease does not); a dead worker's runs move on its liveness
+    ledger, hold = tmp_path / "stdio.ledger", tmp_path / "hold"
+    hold.touch()
+    agent = write_agent(
+        tmp_path,
+        [turn("Calling.", call(tool, **arguments)), turn("Done.")],
+        tools=[f"mcp:billing/{tool}"],
+        extra=stdio_table("billing", ledger, hold),
+    )
+
+    def worker(name: str, db: int) -> WorkerProcess:
+        env = {**rig.env(db), "RATCHET_LEASE_S": "60"}
+        return WorkerProcess(env, tmp_path / f"{name}.log", ("--pool", "solo")).start()
+
+    dying, healthy = worker("dying", MCP_DYING_DB), worker("healthy", MCP_HEALTHY_DB)
+    to_dying = make_app(Settings(broker_url=f"{rig.server.url}/{MCP_DYING_DB}"))
+    to_healthy = make_app(Settings(broker_url=f"{rig.server.url}/{MCP_HEALTHY_DB}"))
+    try:
+        run_id = create_run(rig.ctx, agent, "go").run_id
+        to_dying.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
+        # When the worker is SIGKILLed while the call is on the server
+        deadline = time.monotonic() + 150
+        while not any(line.get("started") == tool for line in ledger_lines(ledger)):
+            assert time.monotonic() < deadline, dying.log()[-3000:]
+            time.sleep(0.05)
+        dying.kill()
+        hold.unlink()
+        # And the sweeper (as beat would) hands the run to the healthy worker
+        deadline = time.monotonic() + 150
+        while (record := rig.ctx.runs.get(run_id)) is not None and record.status.is_live:
+            assert time.monotonic() < deadline, healthy.log()[-3000:]
+            sweep_orphans(
+                rig.ctx,
+                lambda run, seq: to_healthy.send_task(
+                    "ratchet.resume", (run, "sweeper", seq), queue="ratchet.turns"
+                ),
+            )
+            time.sleep(0.2)
+    finally:
+        dying.kill()
+        healthy.kill()
+        to_dying.close()
+        to_healthy.close()
+    assert record is not None
+    key = idempotency_key(run_id, 1, "call_1_1")
+    assert record.status == status, (record.error, healthy.log()[-2000:])
+    if status == RunStatus.COMPLETED:
+        # Then the read-only call ran again on a new server, with the same idempotency key
+        pids = {line["pid"] for line in ledger_lines(ledger) if line.get("key") == key}
+        assert len(pids) == 2, ledger_lines(ledger)
+    else:
+        # Then the run is parked naming the call, and the server ran it at most once (the
+        # first attempt may finish after the worker died; the healthy worker never calls)
+        assert "call_1_1" in (record.error or "") and tool in (record.error or "")
+        assert len(calls_of(ledger, tool)) <= 1
+        assert {line["pid"] for line in ledger_lines(ledger)} == {
+            line["pid"] for line in ledger_lines(ledger) if line.get("started")
+        }
+
+
+# --- every pool -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+def test_mcp_tools_work_on_each_pool(
+    worker_processes: WorkerProcesses,
+    http_server: HttpServer,
+    redis_url: str,
+    tmp_path: Path,
+    pool: str,
+) -> None:
+    ledger = tmp_path / "stdio.ledger"
+    agent = write_agent(
+        tmp_path,
+        [
+            turn(
+                "Both.",
+                call("lookup_order", order_id="B2"),
+                call("issue_refund", order_id="B2", amount_cents=5),
+            ),
+            turn("Done."),
+        ],
+        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
+        extra=stdio_table("billing", ledger) + http_server.table("remote"),
+    )
+    worker = worker_processes.start("--pool", pool, "--concurrency", "2")
+    ctx = redis_context(redis_url)
+    sender = make_app(Settings(broker_url=redis_url))
+    try:
+        state = create_run(ctx, agent, "go")
+        sender.send_task("ratchet.turn", (state.run_id, state.seq))
+        record = Ratchet(ctx).wait(state.run_id, timeout_s=150)
+        log = worker.log()
+        where = log.find("tool `mcp:")
+        assert record.status == RunStatus.COMPLETED, (record.error, log[where : where + 700])
+        assert len(calls_of(ledger, "issue_refund")) == 1
+        assert len(calls_of(http_server.ledger, "lookup_order")) == 1
+    finally:
+        sender.close()
+        ctx.close()
