@@ -406,14 +406,22 @@ def _import(reference: str, module_name: str) -> Any:
         ) from exc
 
 
-def _parsed(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any] | str:
-    """The validated arguments by name, or why they do not validate (for the model)."""
+def _refused_arguments(spec: ToolSpec, arguments: dict[str, Any]) -> str | None:
+    """Why arguments the provider marked as unusable cannot reach the tool, or None."""
     if INVALID_ARGUMENTS_KEY in arguments:
         raw = error_text(str(arguments[INVALID_ARGUMENTS_KEY])[:200])
         return f"arguments for `{spec.name}` were not valid JSON: {raw}"
     if UNUSABLE_ARGUMENTS_KEY in arguments:
         why = error_text(str(arguments[UNUSABLE_ARGUMENTS_KEY])[:300])
         return f"arguments for `{spec.name}` cannot be used: they {why}; the tool did not run"
+    return None
+
+
+def _parsed(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any] | str:
+    """The validated arguments by name, or why they do not validate (for the model)."""
+    refused = _refused_arguments(spec, arguments)
+    if refused is not None:
+        return refused
     try:
         parsed = spec.arguments_model.model_validate(arguments)
     except ValidationError as exc:
@@ -516,17 +524,14 @@ def _invoke_remote(
     spec: ToolSpec, arguments: dict[str, Any], context: ToolContext | None
 ) -> ToolOutcome:
     assert spec.remote is not None
-    if INVALID_ARGUMENTS_KEY in arguments:
-        raw = str(arguments[INVALID_ARGUMENTS_KEY])[:200]
-        return ToolOutcome(False, f"arguments for `{spec.name}` were not valid JSON: {raw}")
+    refused = _refused_arguments(spec, arguments)
+    if refused is not None:
+        return ToolOutcome(False, refused)
     try:
         value = spec.remote(arguments, context)
     except Exception as exc:  # the server's failure is the model's to handle, not the run's
-        return ToolOutcome(False, f"`{spec.name}` failed: {exc}")
-    try:
-        return ToolOutcome(True, to_jsonable_python(value))
-    except Exception as exc:
-        return ToolOutcome(False, f"`{spec.name}` returned a value that is not JSON: {exc}")
+        return ToolOutcome(False, error_text(f"`{spec.name}` failed: {exc}"))
+    return result_outcome(spec.name, value)
 
 
 def ask_probe(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -> Probed:
