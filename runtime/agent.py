@@ -37,6 +37,7 @@ from runtime.children import MAX_CHILD_DEPTH, MAX_TREE_RUNS
 from runtime.errors import AgentFileError, ToolError
 from runtime.limits import LimitsTable
 from runtime.models import Budgets, Policy
+from runtime.numbers import Finite
 from runtime.providers import Provider
 from runtime.providers.known import make_provider
 from runtime.tools import ToolSpec, load_tool
@@ -68,13 +69,13 @@ class AgentSpec(BaseModel):
     tools: list[str] = []
     budgets: Budgets = Budgets()
     policy: Policy = Policy()
-    model_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    model_timeout_s: Finite = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S)
     """Longest wait for one model call (with its retries); then the attempt is abandoned."""
-    tool_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    tool_timeout_s: Finite = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S)
     """Longest wait for one tool call; then its outcome is unknown (runtime/actions.py)."""
     max_parallel_tools: int = Field(default=4, ge=1, le=64)
     """Tool calls of one model response run at the same time, at most (tasks/tools_parallel.py)."""
-    probe_timeout_s: float = Field(default=30.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    probe_timeout_s: Finite = Field(default=30.0, gt=0, le=MAX_TIMEOUT_S)
     """Longest wait for a tool's outcome probe; then the call's outcome stays unknown."""
     # The timeouts and max_parallel_tools stay out of the binding on purpose: they bound how long a worker
     # waits, not what the run does, and raising one is how an operator lets a slow

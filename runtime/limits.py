@@ -41,6 +41,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.errors import InvalidRequest
+from runtime.numbers import Finite, finite
 
 UNDER_WAY_HORIZON_MS = 10_000
 """How far ahead a turn of a run under way may reserve its call."""
@@ -72,11 +73,11 @@ class LimitsTable(BaseModel):
     """The shared limit's name; default: provider, host, model and key variable."""
     requests_per_minute: int | None = Field(default=None, ge=1, le=10_000_000)
     tokens_per_minute: int | None = Field(default=None, ge=1, le=10_000_000_000)
-    burst_s: float = Field(default=1.0, gt=0, le=60, allow_inf_nan=False)
+    burst_s: Finite = Field(default=1.0, gt=0, le=60)
     """How far ahead of the rate's even spacing calls may run (seconds' worth of it)."""
     completion_tokens: int = Field(default=256, ge=0, le=1_000_000)
     """Tokens a completion is expected to cost when ``[provider] max_tokens`` is unset."""
-    max_wait_s: float = Field(default=900.0, gt=0, le=7 * 86_400, allow_inf_nan=False)
+    max_wait_s: Finite = Field(default=900.0, gt=0, le=7 * 86_400)
     """A run over its rate limit (or refused with 429) this long in a row is stalled."""
     max_runs: int | None = Field(default=None, ge=1, le=1_000_000)
     """At most this many runs of the agent in progress at once; the rest wait queued."""
@@ -214,3 +215,14 @@ def broker_priority(run_priority: int, under_way: bool, reversed_scale: bool) ->
     """
     level = max(0, min(4, run_priority)) + (5 if under_way else 0)
     return 9 - level if reversed_scale else level
+
+
+def checked_run_time(values: dict[str, Any]) -> dict[str, Any]:
+    """A limit's run-time values (``ratchet limits set``), each a finite number.
+
+    InvalidRequest otherwise: a NaN burst once switched an embedded limit off and
+    failed every check of a Redis one inside Lua.
+    """
+    for name, value in values.items():
+        finite(f"the limit's {name}", value)
+    return values

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from runtime.errors import StoreUnavailable
-from runtime.limits import Rate, Verdict, corrected_tat, schedule
+from runtime.limits import Rate, Verdict, checked_run_time, corrected_tat, schedule
 from store.snapshots.sqlite import enable_wal
 
 RESERVATION_EARLY_MS = 5
@@ -278,7 +278,7 @@ class LocalLimitStore(LimitStore):
         return self._run_time("limits")
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
-        self._set_run_time("limits", key, values)
+        self._set_run_time("limits", key, None if values is None else checked_run_time(values))
 
     def cap_overrides(self) -> dict[str, int]:
         return self._run_time("caps")
@@ -523,7 +523,7 @@ class RedisLimitStore(LimitStore):
         return {_s(k): json.loads(v) for k, v in raw.items()}
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
-        encoded = None if values is None else json.dumps(values, sort_keys=True)
+        encoded = None if values is None else json.dumps(checked_run_time(values), sort_keys=True)
         self._set_run_time(self._config, self._known, key, encoded)
 
     def cap_overrides(self) -> dict[str, int]:

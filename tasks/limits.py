@@ -47,6 +47,7 @@ from runtime.limits import (
     spacing_ms,
 )
 from runtime.models import RunState
+from runtime.numbers import is_finite
 from runtime.providers import ModelRequest, ModelResponse
 from store.limits import LimitStore, open_limit_store
 from tasks import metrics
@@ -117,7 +118,8 @@ def rates(store: LimitStore, agent: Agent) -> tuple[str | None, tuple[Rate, ...]
     if key is None:
         return None, ()
     table = agent.spec.limits
-    now = overrides(store).limits.get(key, {})
+    # A value that is not a finite number (set before they were refused) is ignored.
+    now = {k: v for k, v in overrides(store).limits.get(key, {}).items() if is_finite(v)}
     rpm = now.get("requests_per_minute", table.requests_per_minute)
     tpm = now.get("tokens_per_minute", table.tokens_per_minute)
     return key, rates_of(rpm, tpm, float(now.get("burst_s", table.burst_s)))

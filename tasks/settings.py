@@ -25,6 +25,7 @@ from runtime.children import (
     MAX_TREE_RUNS,
 )
 from runtime.errors import ConfigInvalid
+from runtime.numbers import Finite
 
 ENV_PREFIX = "RATCHET_"
 EXIT_CONFIG_INVALID = 2
@@ -45,11 +46,11 @@ class Settings(BaseSettings):
     """memory://, sqlite:///path or redis://…; default sqlite://<data_dir>/runs.sqlite3."""
     redis_prefix: str = Field(default="ratchet", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     """First part of every key the Redis stores write; deployments sharing a server differ here."""
-    lease_s: float = Field(default=10.0, gt=0)
+    lease_s: Finite = Field(default=10.0, gt=0)
     """How long a worker's claim on a run lasts without a heartbeat."""
     visibility_timeout_s: int = Field(default=3600, gt=0)
     """Redis broker only: must exceed the longest turn, or Celery delivers a turn twice."""
-    filesystem_polling_interval_s: float = Field(default=0.01, gt=0)
+    filesystem_polling_interval_s: Finite = Field(default=0.01, gt=0)
     """filesystem:// broker only: how often a worker looks for new messages."""
     continuations_queue: str = Field(default="ratchet.continuations", min_length=1)
     """Queue of plain-JSON continuation messages from non-Celery producers (same broker)."""
@@ -60,11 +61,11 @@ class Settings(BaseSettings):
     """RabbitMQ only: the server's `consumer_timeout` (rabbitmq.conf; its default is 30 min).
     A delivery unacknowledged this long closes the worker's channel: every turn and every
     wake-up a worker holds must fit in it."""
-    sweep_interval_s: float = Field(default=1.0, gt=0)
+    sweep_interval_s: Finite = Field(default=1.0, gt=0)
     """How often the crash sweeper (`celery -A worker beat`, `ratchet sweep`) looks for orphans."""
-    liveness_s: float = Field(default=3.0, gt=0)
+    liveness_s: Finite = Field(default=3.0, gt=0)
     """A worker process not heard from for this long is dead: its runs are taken at once."""
-    heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    heartbeat_interval_s: Finite = Field(default=0.5, gt=0)
     """How often each worker process renews its liveness (a thread of its own)."""
     max_recovery_attempts: int = Field(default=5, ge=1)
     """Sweeper resumes in a row without progress before a run is dead-lettered."""

@@ -33,6 +33,7 @@ from runtime.errors import (
     RunRefused,
 )
 from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
+from runtime.numbers import finite
 from runtime.recovery import OPERATOR
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
@@ -249,7 +250,8 @@ class Ratchet:
         A suspended or parked run is followed on: a person or an operator may move it.
         ``until_suspended``: stop as soon as it is not live (suspended, parked, stalled).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        finite("poll_s", poll_s)
+        deadline = None if timeout_s is None else time.monotonic() + finite("timeout_s", timeout_s)
         seq = 0
         while True:
             for event in self.ctx.runs.events(run_id, after_seq=seq):
@@ -270,7 +272,8 @@ class Ratchet:
 
         A run in a `wait` or waiting for a child run goes on by itself: it is waited for.
         """
-        deadline = time.monotonic() + timeout_s
+        finite("poll_s", poll_s)
+        deadline = time.monotonic() + finite("timeout_s", timeout_s)
         while True:
             record = self.get(run_id)
             going_on = record.status.is_live or record.status == RunStatus.WAITING
@@ -344,6 +347,7 @@ class Ratchet:
         with what it sees (its own agent files and tool modules) and records why in a
         ``run.resume_refused`` event.
         """
+        finite("timeout_s", timeout_s)
         before = self.get(run_id).last_seq
         status = self.resume(run_id)
         deadline = time.monotonic() + timeout_s

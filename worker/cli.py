@@ -13,7 +13,7 @@ import click
 
 from runtime.errors import RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus, validate_run_id
-from worker.cli_base import _api, _dump, _record_json, flag, json_flag, main, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, finite, flag, json_flag, main, refusals, runs
 from worker.exits import Exit, wait_exit
 from worker.render import (
     event_line,
@@ -70,7 +70,12 @@ EXIT_NOT_QUEUED = Exit.NOT_ENQUEUED
     "(0 completed, 3 failed, 4 waits for a person, 5 needs an operator, 6 timed out).",
 )
 @click.option(
-    "--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds --wait waits."
+    "--timeout",
+    "timeout_s",
+    default=300.0,
+    show_default=True,
+    type=finite(min=0),
+    help="Seconds --wait waits.",
 )
 @json_flag("Print the run record as JSON.")
 @refusals

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from runtime.errors import RatchetError
+from runtime.numbers import NOT_FINITE, is_finite
 from store.runs import RunRecord
 from worker.render import shown_json
 
@@ -30,6 +31,31 @@ def flag(name: str, help: str) -> Callable[[F], F]:
 def json_flag(help: str | None = None) -> Callable[[F], F]:
     """``--json``: the command prints JSON instead of lines (its parameter ``as_json``)."""
     return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+class NotFinite(click.BadParameter):
+    """A number option given NaN or an infinity: one line on stderr, exit status 2."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"ratchet: {self.format_message()}", err=True)
+
+
+class FiniteFloat(click.FloatRange):
+    """click's ``FloatRange`` that refuses NaN and infinities (``FloatRange`` lets NaN
+    through: it compares false with both bounds). See runtime/numbers.py."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not is_finite(number):
+            raise NotFinite(f"{value} {NOT_FINITE}; give a number such as 1.5", ctx, param)
+        return super().convert(number, param, ctx)
+
+
+def finite(
+    min: float | None = None, max: float | None = None, min_open: bool = False
+) -> FiniteFloat:
+    """The type of a float option: a finite number, optionally within bounds."""
+    return FiniteFloat(min=min, max=max, min_open=min_open)
 
 
 def refusals(fn: F) -> F:

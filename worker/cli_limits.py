@@ -15,8 +15,9 @@ from typing import Any
 import click
 
 from runtime.limits import check_key
+from runtime.numbers import is_finite
 from store.limits import LimitStore
-from worker.cli_base import _dump, json_flag, main, refusals
+from worker.cli_base import _dump, finite, json_flag, main, refusals
 
 
 def _store() -> Any:
@@ -93,7 +94,7 @@ def limits(context: click.Context, as_json: bool) -> None:
 @click.option("--rpm", type=click.IntRange(min=1), default=None, help="Requests a minute.")
 @click.option("--tpm", type=click.IntRange(min=1), default=None, help="Tokens a minute.")
 @click.option(
-    "--burst-s", type=click.FloatRange(min=0, min_open=True, max=60), default=None,
+    "--burst-s", type=finite(min=0, min_open=True, max=60), default=None,
     help="How far ahead of even spacing calls may run, in seconds of the rate.",
 )  # fmt: skip
 @refusals
@@ -110,7 +111,9 @@ def limits_set(key: str, rpm: int | None, tpm: int | None, burst_s: float | None
     if not values:
         raise click.UsageError("give --rpm, --tpm or --burst-s")
     store = _store()
-    store.set_override(key, {**store.overrides().get(key, {}), **values})
+    # A stored value that is not a finite number (set before they were refused) is dropped.
+    kept = {k: v for k, v in store.overrides().get(key, {}).items() if is_finite(v)}
+    store.set_override(key, {**kept, **values})
     click.echo(f"{key}: " + ", ".join(f"{k}={v}" for k, v in sorted(values.items())))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from runtime.errors import RatchetError
-from worker.cli_base import _api, _dump, _record_json, flag, json_flag, main, refusals, runs
+from worker.cli_base import _api, _dump, _record_json, finite, flag, json_flag, main, refusals, runs
 from worker.exits import Exit
 from worker.render import record_lines, when_utc
 
@@ -27,6 +27,7 @@ from worker.render import record_lines, when_utc
     "wait_s",
     default=10.0,
     show_default=True,
+    type=finite(),
     help="Seconds to wait for a worker to take the resume (0: do not wait).",
 )
 @json_flag("Print the outcome as JSON.")

@@ -87,6 +87,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import Message, TokenUsage
+from runtime.numbers import Finite
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
 from runtime.providers.http import build_shared_client, pool_size, shared_client
 from runtime.providers.redaction import guard_http_logs, redacted_in_logs
@@ -117,13 +118,13 @@ class ProviderTable(BaseModel):
     """Overrides ``RATCHET_OPENAI_BASE_URL``; ends before ``/chat/completions``."""
     api_key_env: str | None = None
     """Name of the environment variable holding the key; overrides ``RATCHET_OPENAI_API_KEY``."""
-    timeout_s: float = Field(default=60.0, gt=0)
+    timeout_s: Finite = Field(default=60.0, gt=0)
     """Per request: the longest wait to connect, send, or for the next bytes of the answer."""
     max_attempts: int = Field(default=4, ge=1)
     """Requests per model call, the first included."""
-    max_retry_s: float = Field(default=60.0, ge=0)
+    max_retry_s: Finite = Field(default=60.0, ge=0)
     """No retry sleeps past this many seconds after the first request."""
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: Finite | None = Field(default=None, ge=0, le=2)
     """Sampling temperature; the server's default when unset."""
     max_tokens: int | None = Field(default=None, ge=1)
     """The completion's length limit, sent when set (and the rate limiter's estimate)."""

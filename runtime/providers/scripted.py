@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from runtime.errors import ProviderError
 from runtime.models import TokenUsage
+from runtime.numbers import Finite
 from runtime.providers import ModelRequest, ModelResponse, Observer
 
 
@@ -35,7 +36,7 @@ class _ScriptTurn(BaseModel):
     content: str = ""
     tool_calls: list[_ScriptCall] = []
     usage: TokenUsage | None = None
-    sleep_s: float = 0.0
+    sleep_s: Finite = 0.0
     """Seconds to wait before answering: stands in for a slow model in tests and demos."""
 
 
