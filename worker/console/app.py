@@ -14,6 +14,7 @@ POST needs the session's CSRF token and a same-origin ``Origin`` when one is sen
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from pathlib import Path
@@ -31,7 +32,7 @@ from runtime.errors import InvalidRunId, RatchetError, RunNotFound
 from runtime.models import RunStatus, validate_run_id
 from worker.api import Ratchet
 from worker.console import actions, views
-from worker.console.auth import COOKIE, Session, Sessions, same_secret
+from worker.console.auth import COOKIE, LoginThrottle, Session, Sessions, same_secret
 
 POLL_MS = 1500
 """How often a run page asks whether its run moved (cheap: one record read)."""
@@ -56,6 +57,7 @@ class Console:
         self.api = api
         self.token = token
         self.sessions = Sessions()
+        self.throttle = LoginThrottle()
 
     # --- responses ------------------------------------------------------------
 
@@ -86,10 +88,33 @@ class Console:
     def session(self, request: Request) -> Session | None:
         return self.sessions.get(request.cookies.get(COOKIE))
 
-    def bearer(self, request: Request) -> bool:
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        return scheme.lower() == "bearer" and same_secret(value.strip(), self.token)
+    def unless_bearer(self, request: Request) -> Response | None:
+        """None for a request with the right bearer token; else its refusal: 429 while
+        its address must wait, or the login page (a wrong token counts as a failure)."""
+        refused = self.throttled(request)
+        if refused is not None:
+            return refused
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            if same_secret(value.strip(), self.token):
+                return None
+            self.throttle.failed(_address(request))
+        return self.login_redirect(request)
+
+    def throttled(self, request: Request) -> Response | None:
+        """429 while the client's address has sent too many wrong tokens lately; else None."""
+        wait_s = self.throttle.wait_s(_address(request))
+        if not wait_s:
+            return None
+        seconds = max(1, math.ceil(wait_s))
+        response = self.page(
+            "login.html",
+            429,
+            next="/",
+            error=f"too many wrong tokens from this address: try again in {seconds} s",
+        )
+        response.headers["Retry-After"] = str(seconds)
+        return response
 
     def login_redirect(self, request: Request) -> Response:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -115,13 +140,18 @@ class Console:
         return self.page("login.html", next=_local(request.query_params.get("next")), error="")
 
     async def login(self, request: Request) -> Response:
+        refused = self.throttled(request)
+        if refused is not None:
+            return refused
         async with request.form(max_files=0, max_fields=4) as form:
             token = form.get("token")
             target = _local(str(form.get("next") or "/"))
         if not isinstance(token, str) or not same_secret(token, self.token):
+            self.throttle.failed(_address(request))
             return self.page(
                 "login.html", 401, next=target, error="wrong token: the console refused it"
             )
+        self.throttle.succeeded(_address(request))
         session_id, _ = self.sessions.open()
         response = RedirectResponse(target, 303)
         response.set_cookie(
@@ -144,8 +174,9 @@ class Console:
 
     async def runs(self, request: Request) -> Response:
         session = self.session(request)
-        if session is None and not self.bearer(request):
-            return self.login_redirect(request)
+        denied = None if session is not None else self.unless_bearer(request)
+        if denied is not None:
+            return denied
         params = request.query_params
         status = params.get("status", "")
         if status and status not in RunStatus.__members__.values():
@@ -165,8 +196,9 @@ class Console:
 
     async def run(self, request: Request) -> Response:
         session = self.session(request)
-        if session is None and not self.bearer(request):
-            return self.login_redirect(request)
+        denied = None if session is not None else self.unless_bearer(request)
+        if denied is not None:
+            return denied
         live = bool(request.query_params.get("live"))
         seen = request.query_params.get("version")
         if live and seen:
@@ -234,6 +266,11 @@ class Console:
             )
         session.flashes.append(outcome)
         return RedirectResponse(f"/runs/{run_id}", 303)
+
+
+def _address(request: Request) -> str:
+    """The client's address as the socket sees it (a proxy's, behind one)."""
+    return request.client.host if request.client is not None else "unknown"
 
 
 def _headers(nonce: str) -> dict[str, str]:

@@ -6,6 +6,10 @@
   cookie, held in this process's memory (a restart logs everyone out), with a CSRF
   token of its own that every action form carries and every POST must return.
 - Scripts may send ``Authorization: Bearer TOKEN`` instead of a cookie, for reads.
+- Wrong tokens are rate-limited per client address (:class:`LoginThrottle`): past
+  ``MAX_FAILURES`` in ``FAILURE_WINDOW_S`` the address is answered 429 until the
+  oldest failure leaves the window, right token or not. Behind a reverse proxy every
+  client is the proxy's address: limit logins there too.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import Field, SecretStr
@@ -25,6 +31,11 @@ COOKIE = "ratchet_console"
 SESSION_S = 12 * 3600
 """How long a login lasts."""
 MIN_TOKEN_CHARS = 16
+MAX_FAILURES = 10
+"""Wrong tokens an address may send in ``FAILURE_WINDOW_S`` before it must wait."""
+FAILURE_WINDOW_S = 60.0
+MAX_ADDRESSES = 10_000
+"""Addresses whose failures are remembered; past it the one that failed least lately goes."""
 
 
 class ConsoleSettings(BaseSettings):
@@ -97,3 +108,54 @@ class Sessions:
     def close(self, session_id: str | None) -> None:
         with self._lock:
             self._sessions.pop(session_id or "", None)
+
+
+class LoginThrottle:
+    """Wrong tokens per client address, in bounded memory. Thread-safe.
+
+    An address that sent ``max_failures`` wrong tokens within ``window_s`` is refused
+    until the oldest of them is ``window_s`` old: a guesser gets ``max_failures`` tries
+    a window. At most ``max_addresses`` addresses are remembered (each with at most
+    ``max_failures`` times); a new one pushes out the one whose last failure is oldest.
+    """
+
+    def __init__(
+        self,
+        max_failures: int = MAX_FAILURES,
+        window_s: float = FAILURE_WINDOW_S,
+        max_addresses: int = MAX_ADDRESSES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_failures, self.window_s, self.max_addresses = max_failures, window_s, max_addresses
+        self._clock = clock
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def wait_s(self, address: str) -> float:
+        """How long ``address`` must wait before its next try; 0 when it may try now."""
+        with self._lock:
+            times = self._failures.get(address)
+            if times is None or len(times) < self.max_failures:
+                return 0.0
+            return max(0.0, times[0] + self.window_s - self._clock())
+
+    def failed(self, address: str) -> None:
+        """``address`` sent a wrong token."""
+        with self._lock:
+            now = self._clock()
+            times = self._failures.pop(address, None) or deque(maxlen=self.max_failures)
+            while times and times[0] + self.window_s <= now:
+                times.popleft()
+            times.append(now)
+            self._failures[address] = times  # last: the most recent failure
+            while len(self._failures) > self.max_addresses:
+                self._failures.popitem(last=False)
+
+    def succeeded(self, address: str) -> None:
+        """``address`` logged in: its failures are forgotten."""
+        with self._lock:
+            self._failures.pop(address, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._failures)
