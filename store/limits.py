@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from runtime.errors import StoreUnavailable
 from runtime.limits import Rate, Verdict, checked_run_time, corrected_tat, schedule
+from store.private import private_dir, private_files
 from store.snapshots.sqlite import enable_wal
 
 RESERVATION_EARLY_MS = 5
@@ -358,9 +359,12 @@ class SqliteLimitStore(LocalLimitStore):
         held = getattr(self._local, "connection", None)
         if held is not None and held[0] == os.getpid():
             return held[1]  # type: ignore[no-any-return]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent, tighten=False)
         connection = sqlite3.connect(self.path, timeout=10, isolation_level=None)
         enable_wal(connection, patience_s=10)
+        private_files(
+            self.path, *(self.path.with_name(self.path.name + s) for s in ("-wal", "-shm"))
+        )
         connection.execute(
             "CREATE TABLE IF NOT EXISTS limits (name TEXT PRIMARY KEY, doc TEXT NOT NULL)"
         )

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RatchetError, RejectedEntryNotFound
+from store.private import private_dir
 
 log = logging.getLogger("ratchet.rejected")
 
@@ -208,7 +209,7 @@ class FolderRejected(RejectedStore):
         self.where = f"the folder {folder}"
 
     def _ensure(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_dir(self.folder)
         if self.folder.is_symlink():
             # Entries are written into this folder: never into one someone pointed elsewhere.
             raise OSError(f"{self.folder} is a symlink; make it a plain directory")

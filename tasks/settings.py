@@ -26,6 +26,7 @@ from runtime.children import (
 )
 from runtime.errors import ConfigInvalid
 from runtime.numbers import Finite
+from store.private import private_dir, writable_by_others
 
 ENV_PREFIX = "RATCHET_"
 EXIT_CONFIG_INVALID = 2
@@ -276,8 +277,16 @@ def _uses_data_dir(settings: Settings) -> bool:
 
 def _check_data_dir(settings: Settings) -> None:
     path = settings.resolved_data_dir
+    if writable_by_others(path):
+        # Another user could have put files there already (messages, links, a database).
+        raise ConfigInvalid(
+            "RATCHET_DATA_DIR",
+            f"RATCHET_DATA_DIR={settings.data_dir}: {path} can be written by other users "
+            f"(mode {path.stat().st_mode & 0o777:o}), who could plant messages or runs in it; "
+            f"`chmod 700 {path}` (ratchet makes its data dir 0700), or point it elsewhere",
+        )
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         writable = os.access(path, os.W_OK | os.X_OK)
     except OSError as exc:
         problem = exc.strerror or type(exc).__name__

@@ -18,6 +18,7 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 
 from runtime.errors import ConfigInvalid
+from store.private import private_dir, private_files
 from tasks.delivery import MAX_PRIORITY, delivery_settings
 from tasks.messages import send_through
 from tasks.queues import AMQP_SCHEMES, CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, scheme_of
@@ -35,7 +36,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         folders = settings.broker_folders
         for folder in folders.values():
             try:
-                folder.mkdir(parents=True, exist_ok=True)
+                private_dir(folder)
             except OSError as exc:
                 raise ConfigInvalid(
                     "RATCHET_DATA_DIR",
@@ -152,7 +153,7 @@ class Scheduler(PersistentScheduler):  # type: ignore[misc]  # celery is untyped
     def setup_schedule(self) -> None:
         folder = Path(self.schedule_filename).parent
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(folder, tighten=False)
         except OSError as exc:
             print(
                 f"ratchet: refusing to start beat: cannot create {folder} for its schedule "
@@ -162,6 +163,8 @@ class Scheduler(PersistentScheduler):  # type: ignore[misc]  # celery is untyped
             )
             raise SystemExit(EXIT_CONFIG_INVALID) from None
         super().setup_schedule()
+        # The schedule is a dbm file (one or several, by the dbm module) made with the umask.
+        private_files(*folder.glob(Path(self.schedule_filename).name + "*"))
 
 
 app = _app_or_exit()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from store.private import private_dir, private_file
 from tasks.settings import get_settings
 from worker.render import event_line
 
@@ -42,11 +43,11 @@ def _start_worker(log_path: Path) -> subprocess.Popen[bytes]:
         "--hostname",
         f"demo-{os.getpid()}@%h",
     ]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(log_path.parent)
     # One demo's log at a time (and the one before, as .1): it must not grow forever.
     if log_path.exists():
         log_path.replace(log_path.with_name(log_path.name + ".1"))
-    with log_path.open("wb") as log:
+    with open(private_file(log_path), "wb") as log:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
 

@@ -43,6 +43,7 @@ from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.json import dumps
 
+from store.private import private_dir, private_files
 from tasks.rejected import (
     FolderRejected,
     RejectedStore,
@@ -73,7 +74,7 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
         # the file to the system temp dir, which may be another file system and full).
         folder = os.path.join(self.data_folder_in, ".claimed")
         if self._claimed != folder or not os.path.isdir(folder):
-            os.makedirs(folder, exist_ok=True)
+            private_dir(Path(folder))
             self._claimed = folder
         return folder
 
@@ -114,7 +115,7 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
         the rename, not also when the temporary file is closed."""
         folder = os.path.join(self.data_folder_out, ".staging")
         if self._staging != folder:
-            os.makedirs(folder, exist_ok=True)
+            private_dir(Path(folder))
             self._staging = folder
         return Path(folder)
 
@@ -196,6 +197,8 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
             )  # fmt: skip
             file.unlink(missing_ok=True)
             super()._queue_bind(exchange, routing_key, pattern, queue)
+        # kombu writes the exchange's table with the umask; its folder is 0700 already.
+        private_files(self._exchange_file(exchange))
 
 
 class FolderWake:

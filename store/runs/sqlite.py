@@ -17,6 +17,7 @@ from typing import Any
 from runtime import json_values
 from runtime.errors import LeaseLost, NotStorable, StaleWrite, StoreError, StoreUnavailable
 from runtime.models import Event, RunStatus
+from store.private import private_dir, private_files
 from store.runs import (
     FINISHED_STATUSES,
     PROCESS_SEPARATOR,
@@ -82,10 +83,13 @@ class SqliteRunStore(RunStore):
         self.path = Path(path).resolve()
         self._connection = Connections(self.path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent, tighten=False)
             self._refuse_links()
             conn = self._connection()
             conn.executescript(SCHEMA)
+            private_files(
+                self.path, *(self.path.with_name(self.path.name + s) for s in SQLITE_FILES)
+            )
             self._migrate(conn)
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc

@@ -71,6 +71,7 @@ from pathlib import Path
 
 from runtime.errors import SnapshotMalformed, StaleWrite, StoreUnavailable
 from runtime.models import RUN_ID_PATTERN, RunState
+from store.private import FILE_MODE, private_dir
 from store.snapshots import KNOWN_RUNS, Parts, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
@@ -119,7 +120,7 @@ class FileSnapshotStore(SnapshotStore):
         self._ends: dict[str, tuple[str, TranscriptTip, int]] = {}
         """Per run last loaded or saved: its transcript file, tip, and the tip's byte offset."""
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self.directory)
             with self._dir() as dir_fd:
                 self._clean(dir_fd)
         except OSError as exc:
@@ -203,7 +204,7 @@ class FileSnapshotStore(SnapshotStore):
         """``name`` opened without following a link, and its stat; a link or anything but a
         regular file is SnapshotMalformed (``what`` names it), FileNotFoundError passes through."""
         try:
-            fd = os.open(name, flags | os.O_NONBLOCK | _NOFOLLOW, 0o666, dir_fd=dir_fd)
+            fd = os.open(name, flags | os.O_NONBLOCK | _NOFOLLOW, FILE_MODE, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise SnapshotMalformed(
@@ -407,7 +408,9 @@ class FileSnapshotStore(SnapshotStore):
         """Replace ``name`` by ``data``: temp file (O_EXCL, unpredictable name), rename
         (with ``sync``: fsync the file before, the directory after)."""
         tmp = f".{run_id}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666, dir_fd=dir_fd)
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, FILE_MODE, dir_fd=dir_fd
+        )
         try:
             try:
                 _write_all(fd, data, 0)

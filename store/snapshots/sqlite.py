@@ -40,6 +40,7 @@ from pathlib import Path
 
 from runtime.errors import SnapshotMalformed, StaleWrite, StoreUnavailable
 from runtime.models import RunState
+from store.private import private_dir, private_files
 from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
@@ -301,7 +302,7 @@ class SqliteSnapshotStore(SnapshotStore):
         self.bytes_written = 0
         """Payload bytes saves wrote (heads and transcript rows): what checkpoints cost."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent, tighten=False)
             for suffix in _SQLITE_FILES:
                 sibling = self.path.with_name(self.path.name + suffix)
                 if sibling.is_symlink():
@@ -311,6 +312,9 @@ class SqliteSnapshotStore(SnapshotStore):
                         "(a database's -wal, -shm and -journal files are SQLite's own)",
                     )
             self._connection().executescript(SCHEMA)
+            private_files(
+                self.path, *(self.path.with_name(self.path.name + s) for s in _SQLITE_FILES)
+            )
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(self._where, str(exc)) from exc
 
