@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import builtins
 import functools
+import math
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -56,8 +58,24 @@ from store.retry import with_retries
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 
 
+def _test_clock_offset_ms() -> int:
+    """``RATCHET_TEST_CLOCK_OFFSET_S``, for tests only: this process's wall clock is shifted
+    by it, as on a host whose time sync broke (tests/crash/test_clock_skew.py)."""
+    text = os.environ.get("RATCHET_TEST_CLOCK_OFFSET_S", "0")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise SystemExit(f"ratchet: RATCHET_TEST_CLOCK_OFFSET_S={text} is not a number of seconds")
+    return int(seconds * 1000)
+
+
+_TEST_OFFSET_MS = _test_clock_offset_ms()
+
+
 def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
+    return time.time_ns() // 1_000_000 + _TEST_OFFSET_MS
 
 
 class RunRecord(Strict):
