@@ -43,6 +43,7 @@
     ├── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
     ├── RejectedEntryNotFound     no message with this id in the dead-letter store
     ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
+    ├── ClockSkewed               this host's clock is too far from the run store's
     ├── StartConflict             a start's key names a run of another agent or input
     ├── RunNotQueued              a run is recorded but its first turn could not be queued
     └── MessageRefused            a task message is not its task's (argument, type, version)
@@ -575,6 +576,22 @@ class ConfigInvalid(RatchetError):
     def __init__(self, variable: str, message: str) -> None:
         super().__init__(message, variable, message)
         self.variable = variable
+
+
+class ClockSkewed(RatchetError):
+    """This host's clock is further from the run store's than ``RATCHET_MAX_CLOCK_SKEW_S``."""
+
+    def __init__(self, offset_ms: int, max_s: float, source: str) -> None:
+        way = "ahead of" if offset_ms < 0 else "behind"
+        super().__init__(
+            f"this host's clock is {abs(offset_ms) / 1000:.1f} s {way} the run store's "
+            f"({source}), past RATCHET_MAX_CLOCK_SKEW_S={max_s:g}; sync this host's clock "
+            "(chrony, systemd-timesyncd), or raise the bound (docs/recovery.md)",
+            offset_ms,
+            max_s,
+            source,
+        )
+        self.offset_ms, self.max_s, self.source = offset_ms, max_s, source
 
 
 class StartConflict(RatchetError):

@@ -16,6 +16,14 @@ its own writes are then refused (fencing): nothing is lost or done twice by
 ratchet, but a non-idempotent tool call it had in flight parks its run for an
 operator. The worst lateness a beat saw is kept in :attr:`Beats.stats`.
 
+Every beat first measures the run store's clock against this host's
+(:meth:`store.runs.RunStore.measure_clock`: Redis ``TIME``; a SQLite or memory store
+is on this host, whose clock is the store's): leases, liveness records and deadlines
+are decided on the store's clock, so hosts whose clocks disagree still agree on them.
+A host further off than ``max_clock_skew_s`` is taken to be broken: it beats on (its
+turns in progress finish) but takes no lease (:class:`runtime.errors.ClockSkewed`)
+until the clocks agree again, and says so once in its log.
+
 The process id is ``host:pid:token`` — the token is random per process, so a
 restarted worker that gets the same pid (pid 1 in a container) is a new process.
 A lease owner id is ``<process id>/<attempt>`` (:func:`tasks.persistence.new_owner`).
@@ -34,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from runtime.errors import ClockSkewed
+from store.clock import ClockReading
 from store.runs import Claim, RunStore
 from tasks.settings import Settings
 
@@ -153,10 +163,13 @@ class _Store:
     """Weak: a store nobody uses any more (a test's, a closed context's) is not kept open."""
     liveness_s: float
     interval_s: float
+    max_skew_s: float
     beaten_at: float | None = None
     """Monotonic time of the last beat that reached the store."""
     failing: int = 0
     """Beats that failed in a row."""
+    skewed: ClockReading | None = None
+    """The last clock reading, while it is past ``max_skew_s``: no lease is taken."""
 
 
 class Beats:
@@ -183,6 +196,7 @@ class Beats:
                     weakref.ref(ctx.runs),
                     ctx.settings.liveness_s,
                     ctx.settings.heartbeat_interval_s,
+                    ctx.settings.max_clock_skew_s,
                 )
                 self._changed.notify()
             fresh = (
@@ -191,6 +205,9 @@ class Beats:
             )
         if not fresh:
             self._beat(store, 0.0)
+        skewed = store.skewed
+        if skewed is not None:
+            raise ClockSkewed(skewed.offset_ms, store.max_skew_s, skewed.source)
 
     def forget(self, runs: RunStore) -> None:
         """Stop beating in ``runs`` (it is being closed); its record then lapses."""
@@ -218,6 +235,8 @@ class Beats:
         if runs is None:
             return
         try:
+            # First: the record's expiry is then on the store's clock as measured now.
+            _check_clock(store, runs.measure_clock())
             was_alive = runs.renew_liveness(process_id(), store.liveness_s)
         except Exception as exc:  # a store error of any backend: try again next period
             self.stats.failed += 1
@@ -258,6 +277,19 @@ class Beats:
             # Beats on time, yet no live record: the store lost it (a flush, a restart
             # without its append-only file), not this process; the beat has put it back.
             log.info("liveness: this process's record was gone from the run store; renewed")
+
+
+def _check_clock(store: _Store, reading: ClockReading | None) -> None:
+    if reading is None or abs(reading.offset_ms) <= store.max_skew_s * 1000:
+        if store.skewed is not None:
+            log.warning("liveness: this host's clock agrees with the run store's again; "
+                        "taking leases again")  # fmt: skip
+        store.skewed = None
+        return
+    if store.skewed is None:  # once, not every beat
+        skew = ClockSkewed(reading.offset_ms, store.max_skew_s, reading.source)
+        log.error("liveness: taking no lease until the clocks agree: %s", skew)
+    store.skewed = reading
 
 
 _beats = PerProcess(Beats)

@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     """A worker process not heard from for this long is dead: its runs are taken at once."""
     heartbeat_interval_s: Finite = Field(default=0.5, gt=0)
     """How often each worker process renews its liveness (a thread of its own)."""
+    max_clock_skew_s: Finite = Field(default=60.0, gt=0)
+    """A worker whose clock is further than this from the run store's refuses to start and,
+    found on a liveness round, takes no lease until they agree (docs/recovery.md)."""
     max_recovery_attempts: int = Field(default=5, ge=1)
     """Sweeper resumes in a row without progress before a run is dead-lettered."""
     retention_s: int = Field(default=604_800, gt=0)

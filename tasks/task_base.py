@@ -24,7 +24,7 @@ from celery import Task, shared_task
 from celery.exceptions import Ignore
 from celery.local import Proxy
 
-from runtime.errors import InvalidRunId, MessageRefused, RunBusy, StoreUnavailable
+from runtime.errors import ClockSkewed, InvalidRunId, MessageRefused, RunBusy, StoreUnavailable
 from tasks.messages import MESSAGES, VERSION_HEADER, call_form, decode, sending_app
 from tasks.queues import CONTROL_QUEUE, ROUTES
 from tasks.rejected import set_aside, store_for_app
@@ -141,7 +141,7 @@ CONTROL_TASK_OPTIONS: dict[str, Any] = {
     "reject_on_worker_lost": True,
     "ignore_result": True,
     # A run busy with a turn, or a store briefly away: ask again, backing off up to 30 s.
-    "autoretry_for": (RunBusy, StoreUnavailable),
+    "autoretry_for": (RunBusy, StoreUnavailable, ClockSkewed),
     "retry_backoff": 1,
     "retry_backoff_max": 30,
     "max_retries": 20,

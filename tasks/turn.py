@@ -40,7 +40,7 @@ from runtime.actions import (
     TurnOutcome,
     Unresolved,
 )
-from runtime.errors import LeaseLost, StaleWrite
+from runtime.errors import ClockSkewed, LeaseLost, StaleWrite
 from runtime.fsm import decide, suspension_event, tool_events
 from runtime.models import RunStatus, validate_run_id
 from runtime.tools import ToolOutcome
@@ -55,6 +55,9 @@ from tasks.tools_parallel import resolve, run_tools
 
 log = logging.getLogger("ratchet.turn")
 
+SKEWED_COUNTDOWN_S = 5.0
+"""How long a turn refused for this host's clock waits on the queue before it is tried again."""
+
 
 @ratchet_task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_turn(*, run_id: str, expected_seq: int | None) -> str:
@@ -66,7 +69,13 @@ def run_turn(*, run_id: str, expected_seq: int | None) -> str:
     ctx = get_context()
     redelivered = bool((run_turn.request.delivery_info or {}).get("redelivered"))
     started = time.perf_counter()
-    done = advance(ctx, validate_run_id(run_id), expected_seq, redelivered=redelivered)
+    try:
+        done = advance(ctx, validate_run_id(run_id), expected_seq, redelivered=redelivered)
+    except ClockSkewed:
+        # This host takes no lease (tasks/liveness.py logged why): the turn goes back on
+        # the queue for a worker whose clock agrees with the store's, or for this one later.
+        enqueue_turn(run_id=run_id, expected_seq=expected_seq, countdown_s=SKEWED_COUNTDOWN_S)
+        return TurnOutcome.LEASED.value
     metrics.turn_timed(time.perf_counter() - started, throttled=done.countdown_s > 0)
     metrics.turn_done(done.outcome)
     if done.outcome == TurnOutcome.NEXT:

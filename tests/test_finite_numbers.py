@@ -72,7 +72,8 @@ def test_limits_set_still_takes_a_finite_burst(ctx: Context) -> None:
 @pytest.mark.parametrize(
     "variable",
     ["RATCHET_LEASE_S", "RATCHET_LIVENESS_S", "RATCHET_HEARTBEAT_INTERVAL_S",
-     "RATCHET_SWEEP_INTERVAL_S", "RATCHET_FILESYSTEM_POLLING_INTERVAL_S"],
+     "RATCHET_SWEEP_INTERVAL_S", "RATCHET_FILESYSTEM_POLLING_INTERVAL_S",
+     "RATCHET_MAX_CLOCK_SKEW_S"],
 )  # fmt: skip
 def test_a_setting_that_is_not_finite_is_refused_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str, value: str

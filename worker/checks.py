@@ -311,7 +311,11 @@ def store_problems(settings: Settings) -> list[str]:
     problems = []
     checks = (
         ("RATCHET_SNAPSHOT_STORE", settings.resolved_snapshot_store, _snapshot_round_trip),
-        ("RATCHET_RUN_STORE", settings.resolved_run_store, _run_store_round_trip),
+        (
+            "RATCHET_RUN_STORE",
+            settings.resolved_run_store,
+            lambda store, probe: _run_store_round_trip(store, probe, settings.max_clock_skew_s),
+        ),
     )
     opener: dict[str, Callable[..., SnapshotStore | RunStore]] = {
         "RATCHET_SNAPSHOT_STORE": open_snapshot_store,
@@ -337,7 +341,13 @@ def _snapshot_round_trip(store: Any, probe: str) -> None:
     store.delete(probe)
 
 
-def _run_store_round_trip(store: Any, probe: str) -> None:
+def _run_store_round_trip(store: Any, probe: str, max_skew_s: float) -> None:
+    from runtime.errors import ClockSkewed
+
+    # First: the probe lease is then taken on the store's clock.
+    reading = store.measure_clock()
+    if reading is not None and abs(reading.offset_ms) > max_skew_s * 1000:
+        raise ClockSkewed(reading.offset_ms, max_skew_s, reading.source)
     store.get(probe)
     if not store.acquire_lease(probe, probe, 5.0):
         raise OSError(f"the probe lease {probe} is held by someone else")

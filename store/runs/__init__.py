@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import math
-import os
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -54,28 +51,10 @@ from runtime.models import (
     Usage,
     validate_run_id,
 )
+from store.clock import ClockReading, StoreClock
+from store.clock import wall_ms as wall_ms  # re-exported: tasks and tests import it here
 from store.retry import with_retries
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
-
-
-def _test_clock_offset_ms() -> int:
-    """``RATCHET_TEST_CLOCK_OFFSET_S``, for tests only: this process's wall clock is shifted
-    by it, as on a host whose time sync broke (tests/crash/test_clock_skew.py)."""
-    text = os.environ.get("RATCHET_TEST_CLOCK_OFFSET_S", "0")
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds):
-        raise SystemExit(f"ratchet: RATCHET_TEST_CLOCK_OFFSET_S={text} is not a number of seconds")
-    return int(seconds * 1000)
-
-
-_TEST_OFFSET_MS = _test_clock_offset_ms()
-
-
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000 + _TEST_OFFSET_MS
 
 
 class RunRecord(Strict):
@@ -250,9 +229,27 @@ class RunStore(ABC):
 
     name: str = "run store"
 
+    clock_source = "this host's clock"
+    """Whose clock the store's is; a backend with a clock of its own names it."""
+
     def __init__(self, clock: Callable[[], int] | None = None) -> None:
-        """``clock``: milliseconds now, for leases and liveness (default: the wall clock)."""
-        self.clock = clock or wall_ms
+        """``clock``: milliseconds now, for leases, liveness and deadlines (default: the
+        store's clock, :class:`store.clock.StoreClock`; a test may inject its own)."""
+        self.clock: Callable[[], int] = clock or StoreClock(self._server_ms, self.clock_source)
+
+    def measure_clock(self) -> ClockReading | None:
+        """Measure the store's clock against this host's now, and decide on it from now on.
+
+        None when the clock was injected (a test's). StoreUnavailable if the store
+        cannot be reached.
+        """
+        if not isinstance(self.clock, StoreClock):
+            return None
+        return self.clock.measure()
+
+    def _server_ms(self) -> int | None:
+        """The store's own clock in ms; None: it has none (it lives on this host)."""
+        return None
 
     # --- records and events -------------------------------------------------
 

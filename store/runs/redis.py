@@ -471,6 +471,13 @@ class RedisRunStore(RunStore):
             )
         return bool(was)
 
+    clock_source = "Redis TIME"
+
+    def _server_ms(self) -> int | None:
+        with translated(self._where):
+            seconds, micros = self._client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
     def _liveness(self, process: str) -> int | None:
         with translated(self._where):
             score = self._client.zscore(self._procs, process)
