@@ -65,14 +65,27 @@ class StoreClock:
         self.offset_ms = 0
         self.last: ClockReading | None = None
         self._lock = threading.Lock()
+        self._first = threading.Lock()
+        self._first_tried = False
 
     def __call__(self) -> int:
-        if self.last is None:
-            try:
-                self.measure()
-            except Exception:  # noqa: BLE001 - a store error: measured again at the next round
-                pass
+        if self.last is None and not self._first_tried:
+            self._measure_first()
         return wall_ms() + self.offset_ms
+
+    def _measure_first(self) -> None:
+        # One caller measures; the others go on with the host's clock meanwhile rather than
+        # each take a connection for it (a pool sized for the calls has none to spare).
+        if not self._first.acquire(blocking=False):
+            return
+        try:
+            if not self._first_tried:
+                self._first_tried = True
+                self.measure()
+        except Exception:  # noqa: BLE001 - a store error: measured again at the next round
+            pass
+        finally:
+            self._first.release()
 
     def measure(self) -> ClockReading:
         """Measure the offset now (one round trip to the store, if it has a clock) and use it."""
