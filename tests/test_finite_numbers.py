@@ -103,11 +103,12 @@ def test_an_agent_file_refuses_a_number_that_is_not_finite(
 
 @pytest.mark.parametrize("value", NOT_FINITE)
 @pytest.mark.parametrize("key", ["timeout_s", "max_retry_s", "temperature"])
+@pytest.mark.parametrize("model", ["openai:gpt", "anthropic:claude"])
 def test_an_agent_files_provider_table_refuses_a_number_that_is_not_finite(
-    tmp_path: Path, key: str, value: str
+    tmp_path: Path, model: str, key: str, value: str
 ) -> None:
     path = tmp_path / "agent.toml"
-    path.write_text(f'name = "x"\nmodel = "openai:gpt"\n[provider]\n{key} = {value}\n')
+    path.write_text(f'name = "x"\nmodel = "{model}"\n[provider]\n{key} = {value}\n')
     with pytest.raises(AgentFileError, match="finite number"):
         load_agent(path)
 
