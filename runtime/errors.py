@@ -12,6 +12,7 @@
     │   └── BudgetUnenforceable   a token budget with responses that reported no usage
     ├── InvalidInput              a run's input (or its idempotency key) is refused
     ├── InvalidRequest            a command, option or call is refused before anything changes
+    │   └── InvalidOption         an option or argument is malformed (exit status 2)
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
@@ -43,6 +44,7 @@
     ├── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
     ├── RejectedEntryNotFound     no message with this id in the dead-letter store
     ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
+    ├── ExtraMissing              a command needs an optional extra that is not installed
     ├── StartConflict             a start's key names a run of another agent or input
     ├── RunNotQueued              a run is recorded but its first turn could not be queued
     └── MessageRefused            a task message is not its task's (argument, type, version)
@@ -182,6 +184,14 @@ class InvalidRequest(RatchetError, ValueError):
             "(`--help` lists a command's options)",
         )
         self.problem, self.run_id = problem, run_id
+
+
+class InvalidOption(InvalidRequest):
+    """An option or argument of a command or call is malformed, whatever the run's state:
+    a value that does not parse, or a combination of options that cannot go together.
+    The ``ratchet`` command exits 2 on it (worker/exits.py); an InvalidRequest that
+    depends on the run (nothing to raise, not stopped there) exits 1.
+    """
 
 
 class InvalidRunId(RatchetError):
@@ -575,6 +585,17 @@ class ConfigInvalid(RatchetError):
     def __init__(self, variable: str, message: str) -> None:
         super().__init__(message, variable, message)
         self.variable = variable
+
+
+class ExtraMissing(RatchetError):
+    """A command needs an optional extra: names the missing module and the install line."""
+
+    def __init__(self, extra: str, module: str | None) -> None:
+        super().__init__(
+            f"this needs the `{extra}` extra ({module or 'a module'} is missing): "
+            f"pip install 'ratchet[{extra}]'",
+        )
+        self.extra, self.module = extra, module
 
 
 class StartConflict(RatchetError):

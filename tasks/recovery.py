@@ -26,7 +26,7 @@ from typing import Any
 from runtime.actions import Advanced, TurnOutcome
 from runtime.agent import describe_binding_change
 from runtime.errors import (
-    InvalidRequest,
+    InvalidOption,
     LeaseLost,
     RatchetError,
     RunRefused,
@@ -379,11 +379,11 @@ def reconcile(
     """
     run_id = validate_run_id(run_id)
     if decision not in DECISIONS:
-        raise InvalidRequest(
+        raise InvalidOption(
             f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}", run_id
         )
     if decision == "fail" and not (reason or "").strip():
-        raise InvalidRequest(
+        raise InvalidOption(
             "--fail needs a reason: what the model will read as the call's error", run_id
         )
     # A run that just parked may still be held by its worker, finishing the turn: wait

@@ -140,7 +140,7 @@ def test_the_cli_refuses_an_unparseable_base_url_in_one_line(tmp_path: Path) -> 
         timeout=50,
     )
     # Then the CLI says so in one line, with no traceback
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr  # a bad agent file: README's exit table
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert str(path) in lines[0] and "base_url" in lines[0]

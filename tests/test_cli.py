@@ -32,6 +32,7 @@ from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main
+from worker.exits import Exit
 
 ROOT = Path(__file__).resolve().parents[1]
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
@@ -119,7 +120,7 @@ def test_runs_list_filters_by_agent_and_age_pages_with_a_cursor_and_shows_times(
     assert "more: ratchet runs list --cursor " in table.stderr
 
     bad = cli("runs", "list", "--cursor", "nonsense")
-    assert bad.exit_code == 1 and "is not a cursor a previous page printed" in bad.output
+    assert bad.exit_code == Exit.USAGE and "is not a cursor a previous page printed" in bad.output
 
 
 # --- runs show (items 16, 18) ---------------------------------------------------
@@ -243,7 +244,7 @@ def test_purge_dry_run_lists_and_deletes_nothing_and_an_absurd_age_is_named_as_t
     assert sorted(as_json["would_purge"]) == sorted(old)
 
     absurd = cli("runs", "purge", "--older-than", "99999999999999d")
-    assert absurd.exit_code == 1
+    assert absurd.exit_code == Exit.USAGE
     assert "--older-than 99999999999999d reaches back before 1970" in absurd.output
     assert "before_ms" not in absurd.output
 
@@ -349,7 +350,7 @@ def test_every_command_that_prints_has_json(ratchet: Ratchet, tmp_path: Path) ->
 def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
     assert cli("sweep", "--once").output == "sweep: no orphaned runs\n"
     missing = cli("runs", "start", str(tmp_path / "nope.toml"), "--input", "hi")
-    assert missing.exit_code == 1
+    assert missing.exit_code == Exit.USAGE  # the agent file argument is bad
     assert "Errno" not in missing.output and "nope.toml" in missing.output
     assert "check the path" in missing.output or "no such file" in missing.output
     empty = cli("runs", "start", str(tmp_path / "nope.toml"), "--input", "hi", "--run-id", "")
@@ -357,7 +358,7 @@ def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
     keyed = tmp_path / "keyed.toml"
     keyed.write_text('name = "k"\nmodel = "scripted"\nscript = "k.json"\napi_key = "sk-x"\n')
     refused = cli("runs", "start", str(keyed), "--input", "hi")
-    assert refused.exit_code == 1 and "RATCHET_OPENAI_API_KEY" in refused.output
+    assert refused.exit_code == Exit.USAGE and "RATCHET_OPENAI_API_KEY" in refused.output
     assert "sk-x" not in refused.output
     for package in ("runtime", "store", "tasks", "worker"):
         assert (ROOT / package / "py.typed").is_file()

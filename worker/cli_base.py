@@ -17,6 +17,7 @@ import click
 
 from runtime.errors import RatchetError
 from store.runs import RunRecord
+from worker.exits import exit_for
 from worker.render import shown_json
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,7 +34,8 @@ def json_flag(help: str | None = None) -> Callable[[F], F]:
 
 
 def refusals(fn: F) -> F:
-    """Turn ratchet's errors into one line on stderr and exit status 1."""
+    """Turn ratchet's errors into one line on stderr and the exit status the table gives
+    (:func:`worker.exits.exit_for`: 2 for a bad option, argument or setting, else 1)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -53,7 +55,7 @@ def refusals(fn: F) -> F:
         except (RatchetError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
-            sys.exit(1)
+            sys.exit(exit_for(exc))
 
     return wrapper  # type: ignore[return-value]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from runtime.errors import RatchetError
+from runtime.errors import InvalidOption
 from worker.cli_base import _api, _dump, _record_json, flag, json_flag, main, refusals, runs
 from worker.exits import Exit
 from worker.render import record_lines, when_utc
@@ -82,13 +82,13 @@ def runs_reconcile(
     """Decide the outcome of CALL_ID, the call a parked run has open; the run then goes on."""
     chosen = [result_json is not None, retry, fail_reason is not None]
     if sum(chosen) != 1:
-        raise RatchetError("give exactly one of --result JSON, --retry or --fail REASON")
+        raise InvalidOption("give exactly one of --result JSON, --retry or --fail REASON")
     result: Any = None
     if result_json is not None:
         try:
             result = json.loads(result_json)
         except json.JSONDecodeError as exc:
-            raise RatchetError(f"--result is not valid JSON: {exc}") from exc
+            raise InvalidOption(f"--result is not valid JSON: {exc}") from exc
         decision = "result"
     else:
         decision = "retry" if retry else "fail"
@@ -132,17 +132,17 @@ def cutoff_ms(
     ``option`` names the option in messages when it is neither (``--since``).
     """
     if (before is None) == (older_than is None):
-        raise RatchetError("give exactly one of --before DATE or --older-than AGE (e.g. 7d)")
+        raise InvalidOption("give exactly one of --before DATE or --older-than AGE (e.g. 7d)")
     if older_than is not None:
         name = option or "--older-than"
         match = re.fullmatch(r"(\d+)([smhdw])", older_than.strip())
         if match is None:
-            raise RatchetError(
+            raise InvalidOption(
                 f"{name} {older_than!r} is not an age: a number and one of s, m, h, d, w (7d)"
             )
         cutoff = now_ms - int(match[1]) * _UNITS_S[match[2]] * 1000
         if cutoff < 0:
-            raise RatchetError(
+            raise InvalidOption(
                 f"{name} {older_than} reaches back before 1970; nothing is that old, "
                 "give a smaller age (e.g. 3650d)"
             )
@@ -152,14 +152,14 @@ def cutoff_ms(
     try:
         moment = datetime.fromisoformat(before)
     except ValueError as exc:
-        raise RatchetError(
+        raise InvalidOption(
             f"{name} {before!r} is not an ISO date or datetime (2025-01-31 or 2025-01-31T12:00)"
         ) from exc
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     cutoff = int(moment.timestamp() * 1000)
     if cutoff < 0:
-        raise RatchetError(f"{name} {before} is before 1970; give a later date")
+        raise InvalidOption(f"{name} {before} is before 1970; give a later date")
     return cutoff
 
 
