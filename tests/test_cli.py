@@ -248,8 +248,13 @@ def test_purge_dry_run_lists_and_deletes_nothing_and_an_absurd_age_is_named_as_t
     assert "--older-than 99999999999999d reaches back before 1970" in absurd.output
     assert "before_ms" not in absurd.output
 
-    # Not on a terminal (a script): no question, and --json says how many.
-    done = cli("runs", "purge", "--older-than", "1d", "--json")
+    # Not on a terminal (a script) and no --yes: refused in one line, nothing deleted
+    unasked = cli("runs", "purge", "--older-than", "1d")
+    assert unasked.exit_code == Exit.REFUSED, unasked.output
+    assert unasked.stderr.count("\n") == 1 and "no terminal to ask on; add --yes" in unasked.stderr
+    assert all(ctx.runs.get(run_id) is not None for run_id in old)
+    # With --yes: no question, and --json says how many.
+    done = cli("runs", "purge", "--older-than", "1d", "--yes", "--json")
     assert json.loads(done.output)["purged"] == 3
     assert all(ctx.runs.get(run_id) is None for run_id in old) and ctx.runs.get(fresh)
 

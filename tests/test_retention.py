@@ -74,7 +74,7 @@ def test_runs_purge_from_the_cli_counts_what_it_purged(
     finished_run(ctx, agent, "d")
     runner = CliRunner()
 
-    purged = runner.invoke(main, ["runs", "purge", "--older-than", "2d"])
+    purged = runner.invoke(main, ["runs", "purge", "--older-than", "2d", "--yes"])
 
     assert purged.exit_code == 0, purged.output
     assert purged.output.strip() == "purged 3 finished run(s)"

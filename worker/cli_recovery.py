@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from runtime.errors import InvalidOption
+from runtime.errors import InvalidOption, RatchetError
 from worker.cli_base import _api, _dump, _record_json, flag, json_flag, main, refusals, runs
 from worker.exits import Exit
 from worker.render import record_lines, when_utc
@@ -167,7 +167,7 @@ def cutoff_ms(
 @click.option("--before", default=None, help="Purge runs finished before this ISO date/datetime.")
 @click.option("--older-than", default=None, help="Purge runs finished longer ago than this (7d).")
 @flag("--dry-run", "List what would be purged; delete nothing.")
-@flag("--yes", "Do not ask for confirmation on a terminal.")
+@flag("--yes", "Do not ask for confirmation (needed where there is no terminal to ask on).")
 @json_flag("Print the outcome as JSON.")
 @refusals
 def runs_purge(
@@ -175,8 +175,9 @@ def runs_purge(
 ) -> None:
     """Delete finished runs (completed, failed, cancelled, dead-lettered): records and events.
 
-    Irreversible. On a terminal it says how many and asks first (--yes skips the
-    question); --dry-run lists them and deletes nothing.
+    Irreversible. It says how many and asks first (--yes skips the question; without
+    a terminal to ask on, it refuses unless --yes is given); --dry-run lists them and
+    deletes nothing.
     """
     from tasks.recovery import PURGE_BATCH, purge_finished
 
@@ -184,7 +185,7 @@ def runs_purge(
     ctx = api.ctx
     before_ms = cutoff_ms(before, older_than, ctx.runs.clock())
     cutoff = datetime.fromtimestamp(before_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    if dry_run or (not yes and sys.stdin.isatty()):
+    if dry_run or not yes:
         candidates = api.purge_candidates(before_ms)
         if dry_run:
             if as_json:
@@ -209,12 +210,17 @@ def runs_purge(
                 "purged 0 finished run(s)"
             )
             return
-        click.confirm(
+        question = (
             f"delete {len(candidates)} finished run(s) last updated before {cutoff}, "
-            "records and events, for good?",
-            abort=True,
-            err=True,
+            "records and events, for good?"
         )
+        if not sys.stdin.isatty():
+            # A script that forgot --yes must not delete what it was never asked about.
+            raise RatchetError(
+                f"not purged: this would {question[:-1]}, and there is no terminal to ask on; "
+                "add --yes to purge, or --dry-run to list them"
+            )
+        click.confirm(question, abort=True, err=True)
     total = 0
     while True:
         purged = purge_finished(ctx, before_ms, PURGE_BATCH)
