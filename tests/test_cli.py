@@ -467,3 +467,21 @@ def test_show_and_events_print_any_stored_event_text_and_json_without_a_tracebac
     documents = [json.loads(line) for line in listed_json.output.splitlines()]
     assert documents[-6]["data"]["result"] == {"k\ufffd": "\ufffd"}
     assert documents[-4]["data"]["result"] == "nan" and documents[-1]["data"]["when"] == "inf"
+
+
+def test_limits_cap_refuses_a_negative_count_by_its_range_and_unset_keys_are_not_listed(
+    ctx: Context,
+) -> None:
+    # A negative count is a count out of range, not an option `-1`
+    negative = cli("limits", "cap", "key:tenant-a", "-1")
+    assert negative.exit_code == Exit.USAGE
+    assert "-1 is not in the range x>=1" in negative.output, negative.output
+    # A key set at run time is listed while it is set, and not once it is unset
+    assert cli("limits", "set", "tenant-a", "--rpm", "60").exit_code == 0
+    assert cli("limits", "cap", "key:tenant-a", "3").exit_code == 0
+    listed = cli("limits").output
+    assert "tenant-a:" in listed and "key:tenant-a:" in listed
+    assert cli("limits", "unset", "tenant-a").exit_code == 0
+    assert cli("limits", "uncap", "key:tenant-a").exit_code == 0
+    assert cli("limits", "--json").output.strip() == '{"caps": [], "limits": []}'
+    assert cli("limits").output.startswith("no limits used yet")
