@@ -297,6 +297,17 @@ def suspended_for_ms(suspension: Suspension, now_ms: int) -> int:
     return max(0, now_ms - suspension.since_ms)
 
 
+def cancelled_event_data(
+    status_before: RunStatus, suspension: Suspension | None, reason: str, now_ms: int
+) -> dict[str, Any]:
+    """``run.cancelled``'s data: the reason, the status it ended, and, for a suspended run,
+    how long this suspension lasted (counted as suspended, not running: the fold, :mod:`runtime.fsm`, adds it)."""
+    data: dict[str, Any] = {"reason": reason, "status_before": status_before.value}
+    if suspension is not None and status_before.is_suspended:
+        data["suspended_ms"] = max(0, now_ms - suspension.since_ms)
+    return data
+
+
 def max_suspended_s_of(first_events: list[Event]) -> int | None:
     """The run's own ``max_suspended_s``, from the binding its ``run.created`` recorded
     (immune to later edits of the agent file); ``first_events`` starts with that event."""

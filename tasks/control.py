@@ -28,6 +28,7 @@ from typing import Any
 from runtime.children import RUN_CHILD, child_run_id, possible_children
 from runtime.continuation import (
     Continuation,
+    cancelled_event_data,
     check_pinned,
     check_suspended,
     continued_event_data,
@@ -246,7 +247,7 @@ def _cancel_one(
         if not is_child:
             first = ctx.runs.events(run_id, after_seq=0, limit=1)
             is_child = bool(first and first[0].data.get("parent"))
-        data = {"reason": reason, "status_before": record.status.value}
+        data = cancelled_event_data(record.status, record.suspension, reason, ctx.runs.clock())
         try:
             # A child stays due until its parent is told (runtime/children.py).
             cancelled = append_ending(

@@ -417,6 +417,10 @@ def append_ending(
             "updated_at_ms": now,
             "due_at_ms": now if stays_due and parent_ended is None else None,
             "suspension": None,
+            # As the fold counts it: the suspension an ending says it ended (run.cancelled).
+            "suspended_ms": record.suspended_ms + int(data.get("suspended_ms", 0))
+            if kind == "run.cancelled"
+            else record.suspended_ms,
         }
     )
     ctx.runs.append(ended, events, owner)

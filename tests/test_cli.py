@@ -485,3 +485,26 @@ def test_limits_cap_refuses_a_negative_count_by_its_range_and_unset_keys_are_not
     assert cli("limits", "uncap", "key:tenant-a").exit_code == 0
     assert cli("limits", "--json").output.strip() == '{"caps": [], "limits": []}'
     assert cli("limits").output.startswith("no limits used yet")
+
+
+def test_a_run_cancelled_while_suspended_counts_its_wait_as_suspended_not_running(
+    ctx: Context, clock: Clock, tmp_path: Path
+) -> None:
+    from runtime.fsm import rebuild
+
+    # Given a run that has waited 1.35 s for an answer
+    run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund it").run_id
+    drive(ctx, run_id)
+    clock.now_ms += 1350
+    waiting = json.loads(cli("runs", "show", run_id, "--json").output)
+    assert waiting["suspended_ms"] == 1350
+    # When it is cancelled, and looked at a while later
+    assert cli("runs", "cancel", run_id, "--reason", "hung up").exit_code == 0
+    clock.now_ms += 5000
+    shown = json.loads(cli("runs", "show", run_id, "--json").output)
+    # Then its wait counts as suspended, and its running time is what it was
+    assert shown["status"] == "cancelled"
+    assert (shown["running_ms"], shown["suspended_ms"]) == (waiting["running_ms"], 1350)
+    # and the fold of its events agrees with the record
+    state = rebuild(ctx.runs.events(run_id))
+    assert state is not None and state.suspended_ms == 1350 and state.suspension is None
