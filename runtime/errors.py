@@ -68,6 +68,18 @@ def redacted(text: str) -> str:
     return _QUERY_SECRET.sub(r"\1=***", _URL_PASSWORD.sub(r"\1:***@", text))
 
 
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def plain_problem(message: str) -> str:
+    """Pydantic's message of a validator's error without the prefix it adds (``Value
+    error, ``): the validator's own words are the message."""
+    for prefix in _PYDANTIC_PREFIXES:
+        if message.startswith(prefix):
+            return message[len(prefix) :]
+    return message
+
+
 def _of_run(run_id: str | None) -> str:
     return f"run {run_id}: " if run_id else ""
 
@@ -95,21 +107,27 @@ class RatchetError(Exception):
 
 
 class AgentFileError(RatchetError):
-    def __init__(self, path: str, key: str, problem: str) -> None:
-        super().__init__(
-            f"{path}: `{key}`: {problem} (fix the agent file, then run the command again)",
-        )
-        self.path, self.key, self.problem = path, key, problem
+    """The agent file at ``path`` is refused: ``key`` names the key at fault, or is empty
+    when the file as a whole is (missing, unreadable, not TOML); ``fix`` says what to do."""
+
+    def __init__(
+        self,
+        path: str,
+        key: str,
+        problem: str,
+        fix: str = "fix the agent file, then run the command again",
+    ) -> None:
+        where = f"{path}: `{key}`" if key else path
+        super().__init__(f"{where}: {problem} ({fix})")
+        self.path, self.key, self.problem, self.fix = path, key, problem, fix
 
 
 class ToolError(RatchetError):
+    FIX = "fix the tool or the agent file's `tools`, then run the command again"
+
     def __init__(self, reference: str, problem: str) -> None:
-        super().__init__(
-            f"tool `{reference}`: {problem} (fix the tool or the agent file's `tools`, then "
-            "run the command again)",
-            reference,
-            problem,
-        )
+        super().__init__(f"tool `{reference}`: {problem} ({self.FIX})")
+        self.reference, self.problem = reference, problem
 
 
 class ProviderError(RatchetError):
