@@ -139,3 +139,13 @@ def test_the_conformance_doc_names_every_capability_the_suite_reports() -> None:
     assert set(table) == set(reported)
     for name, capability in reported.items():
         assert all(method in table[name] for method in capability.methods), (name, table[name])
+
+
+def test_the_readme_exit_table_is_the_code_table() -> None:
+    from worker.exits import MEANINGS, Exit
+
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", readme.split("**Exit statuses**", 1)[1], re.M)
+    table = {int(status): meaning for status, meaning in rows[: len(MEANINGS)]}
+    assert table == {int(status): meaning for status, meaning in MEANINGS.items()}
+    assert set(MEANINGS) == set(Exit)
