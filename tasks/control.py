@@ -326,16 +326,29 @@ def expire_if_due(ctx: Context, run_id: str) -> bool:
         return True
 
 
+def expires_now(record: RunRecord | None, now_ms: int) -> bool:
+    """The record is of a run waiting for a person whose due time (its expiry) has come."""
+    return (
+        record is not None
+        and record.status.is_suspended
+        and record.status != RunStatus.WAITING
+        and record.due_at_ms is not None
+        and record.due_at_ms <= now_ms
+    )
+
+
 def expire_suspended(ctx: Context, limit: int = 1000) -> list[str]:
-    """Expire every run the due index shows past its ``max_suspended_s``; their ids.
+    """Expire every run the due index shows past its ``max_suspended_s`` (and any such
+    run whose lease a dead process still holds); their ids.
 
     What one sweep does for expiry (:func:`tasks.recovery.sweep_orphans` does it along
     with the rest), for callers that want only this.
     """
     expired = []
-    for run_id in ctx.runs.overdue(limit):
-        record = ctx.runs.get(run_id)
-        if record is None or not record.status.is_suspended or record.status == RunStatus.WAITING:
+    now = ctx.runs.clock()
+    candidates = [*ctx.runs.overdue(limit), *(o.run_id for o in ctx.runs.orphaned(limit))]
+    for run_id in dict.fromkeys(candidates):
+        if not expires_now(ctx.runs.get(run_id), now):
             continue
         try:
             if expire_if_due(ctx, run_id):
@@ -351,6 +364,7 @@ __all__ = [
     "cancel_run",
     "continue_run",
     "expire_if_due",
+    "expires_now",
     "expire_suspended",
     "new_continuation_id",
 ]

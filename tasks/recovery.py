@@ -48,7 +48,7 @@ from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks import lease, metrics
 from tasks.context import Context, get_context
-from tasks.control import expire_if_due
+from tasks.control import expire_if_due, expires_now
 from tasks.lease import recover_takeovers_with
 from tasks.messages import (
     chain_turn,
@@ -315,10 +315,15 @@ def sweep_orphans(
 
 def _enqueue_dead_holders(ctx: Context, enqueue: Enqueue, limit: int) -> list[str]:
     found = []
+    now = ctx.runs.clock()
     for orphan in ctx.runs.orphaned(limit):
         record = ctx.runs.get(orphan.run_id)
         if record is not None and record.status.is_live:
             enqueue(orphan.run_id, record.last_seq)
+            found.append(orphan.run_id)
+        elif expires_now(record, now) and _expire(ctx, orphan.run_id):
+            # Past its max_suspended_s, its lease a dead process's: the overdue index
+            # leaves out a run with an unexpired lease, so it is expired from here.
             found.append(orphan.run_id)
     return found
 

@@ -137,3 +137,20 @@ def test_an_answer_racing_the_expiry_resolves_exactly_once(
                        for o in outcomes[run_id]), outcomes[run_id]  # fmt: skip
     finally:
         ctx.close()
+
+
+def test_the_sweep_expires_a_run_whose_lease_a_dead_process_still_holds(
+    tmp_path: Path, ledger: Path
+) -> None:
+    clock = Clock()
+    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    run_id = suspended(ctx, tmp_path)
+    # Given a process that took the run's lease for 10 minutes, then died
+    ctx.runs.renew_liveness("gone-host:4242:deadbeef", 0.05)
+    assert ctx.runs.claim_lease(run_id, "gone-host:4242:deadbeef/a", 600).taken
+    # When the run has waited past its max_suspended_s, the lease still unexpired
+    clock.now_ms += 60_001
+    assert [o.run_id for o in ctx.runs.orphaned()] == [run_id]
+    # Then the sweep expires it now, not once the dead process's lease runs out
+    assert sweep(ctx) == [run_id]
+    assert ctx.runs.get(run_id).status == RunStatus.FAILED  # type: ignore[union-attr]
