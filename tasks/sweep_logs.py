@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import logging
 
-LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery.beat")
+LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery.beat", "celery.worker.request")
 
 
 class QuietSweeps(logging.Filter):
     """Celery's lines about a sweep that found nothing: DEBUG, not INFO.
 
     The worker's received/succeeded lines (succeeded stays INFO when it found
-    runs), and beat's "Sending due task ratchet.sweep" every interval.
+    runs), its "Discarding revoked task" of a sweep that expired unrun (the next one
+    was due), and beat's "Sending due task ratchet.sweep" every interval.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO:
             return True
         data = getattr(record, "data", None)
-        if record.name == "celery.beat":
+        if record.name in ("celery.beat", "celery.worker.request"):
+            # Beat's "Sending due task", and a sweep discarded unrun because the next one
+            # was due (its message expires after one interval): nothing happened either.
             if not (isinstance(record.args, tuple) and "ratchet.sweep" in record.args):
                 return True
         elif not isinstance(data, dict) or data.get("name") != "ratchet.sweep":
