@@ -49,6 +49,18 @@ def leaf_commands(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[
 
 COMMANDS = dict(leaf_commands(main))
 
+
+def groups(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[
+    tuple[tuple[str, ...], click.Group]
+]:  # fmt: skip
+    yield path, group
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            yield from groups(command, (*path, name))
+
+
+GROUPS = dict(groups(main))
+
 # A well-formed value for each argument and required option, by parameter name.
 VALID = {
     "agent_file": str(ROOT / "examples" / "refund-desk.toml"),
@@ -81,6 +93,7 @@ BAD = {
     "max_tool_calls": {"not-a-raise": "0"},
     "timeout_seconds": {"not-a-raise": "1.5"},
     "key": {"not-a-key": "bad key!"},
+    "app_name": {"no-such-module": "no_such_module_of_anyones", "no-such-app": "json:nothing"},
 }
 # Text taken as it is: an input, a reason, a name, an id looked up as given.
 FREE_TEXT = {
@@ -190,7 +203,7 @@ def assert_usage(result: Result, what: str) -> None:
 
 
 def test_every_parameter_is_checked_here() -> None:
-    for path, command in COMMANDS.items():
+    for path, command in [*COMMANDS.items(), *GROUPS.items()]:
         for param in command.params:
             typed = bool(typed_bad_values(param)) or getattr(param, "is_flag", False)
             assert typed or param.name in BAD or param.name in FREE_TEXT, (
@@ -209,6 +222,32 @@ def test_a_bad_value_exits_2(
     result = invoke(path, with_value(command, param, value.format(agents=agents)))
     assert_usage(result, case)
     assert store.runs.events(RUN) == before  # refused before anything changed
+
+
+def group_cases() -> Iterator[tuple[str, tuple[str, ...], str, str]]:
+    for path, group in GROUPS.items():
+        for param in group.params:
+            assert param.name is not None
+            values = {**typed_bad_values(param), **BAD.get(param.name, {})}
+            for kind, value in values.items():
+                yield f"{' '.join(path) or 'ratchet'}-{param.name}-{kind}", path, param.name, value
+
+
+GROUP_CASES = list(group_cases())
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "name", "value"), GROUP_CASES, ids=[c[0] for c in GROUP_CASES]
+)
+def test_a_bad_value_of_a_group_option_exits_2(
+    store: Context, case: str, path: tuple[str, ...], name: str, value: str
+) -> None:
+    # The group's option, then the first of its commands, well formed
+    group = GROUPS[path]
+    param = next(p for p in group.params if p.name == name)
+    leaf = next(p for p in COMMANDS if p[: len(path)] == path)
+    args = [*path, param.opts[0], value, *leaf[len(path) :], *valid_args(COMMANDS[leaf])]
+    assert_usage(CliRunner().invoke(main, args), case)
 
 
 @pytest.mark.parametrize("path", list(COMMANDS), ids=[" ".join(p) for p in COMMANDS])
