@@ -253,8 +253,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "C9",
         "runtime/continuation.py",
-        "    if waited_ms <= max_suspended_s * 1000:\n",
-        "    if waited_ms < max_suspended_s * 1000:\n",
+        "    if expires_at is None or now_ms < expires_at:\n",
+        "    if expires_at is None or now_ms <= expires_at:\n",
         ("tests/test_continuation.py",),
     ),
     Mutant(
@@ -690,8 +690,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "V7",
         "tasks/recovery.py",
-        "        if record is None or not record.status.is_live:\n            continue\n",
-        "        if record is None:\n            continue\n",
+        "        elif record.status.is_live:\n",
+        "        else:\n",
         RECOVERY,
         harmless="the overdue index holds live runs only (a run leaves it when it suspends, "
         "parks or finishes: run store contract), and a resume of a run that is not live is "

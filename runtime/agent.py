@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.children import MAX_CHILD_DEPTH, MAX_TREE_RUNS
-from runtime.errors import AgentFileError, ToolError
+from runtime.errors import AgentFileError, ToolError, plain_problem
 from runtime.limits import LimitsTable
 from runtime.models import Budgets, Policy
 from runtime.numbers import Finite
@@ -183,26 +183,26 @@ def _load_toml(path: Path) -> dict[str, Any]:
     try:
         data = _read_regular_file(path, MAX_AGENT_FILE_BYTES)
     except FileNotFoundError as exc:
-        raise AgentFileError(where, "(file)", "no such file") from exc
+        raise AgentFileError(where, "", "no such file") from exc
     except OSError as exc:
-        raise AgentFileError(where, "(file)", f"cannot be read: {exc.strerror}") from exc
+        raise AgentFileError(where, "", f"cannot be read: {exc.strerror}") from exc
     except ValueError as exc:
-        raise AgentFileError(where, "(file)", str(exc)) from exc
+        raise AgentFileError(where, "", str(exc)) from exc
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise AgentFileError(
-            where, "(file)", f"not UTF-8 text (invalid byte at offset {exc.start})"
+            where, "", f"not UTF-8 text (invalid byte at offset {exc.start})"
         ) from exc
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         # tomllib's messages name a position (and at most one offending character).
-        raise AgentFileError(where, "(file)", f"not valid TOML: {exc}") from exc
+        raise AgentFileError(where, "", f"not valid TOML: {exc}") from exc
     except RecursionError as exc:
-        raise AgentFileError(where, "(file)", "not valid TOML: nested too deeply") from exc
+        raise AgentFileError(where, "", "not valid TOML: nested too deeply") from exc
     except ValueError as exc:  # e.g. an integer over Python's digit limit
-        raise AgentFileError(where, "(file)", f"not valid TOML: {_first_line(exc)}") from exc
+        raise AgentFileError(where, "", f"not valid TOML: {_first_line(exc)}") from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -214,7 +214,7 @@ def _resolve(path: str | Path) -> Path:
     try:
         return Path(path).resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte
-        raise AgentFileError(str(path)[:200], "(file)", f"not a usable path: {exc}") from exc
+        raise AgentFileError(str(path)[:200], "", f"not a usable path: {exc}") from exc
 
 
 def _script_path(path: Path, script: str) -> Path:
@@ -245,8 +245,8 @@ def _script_path(path: Path, script: str) -> Path:
 def _validation_problem(exc: ValidationError) -> tuple[str, str]:
     """The key and the problem of pydantic's first error, never quoting the value."""
     err = exc.errors(include_input=False, include_url=False)[0]
-    key = ".".join(str(p) for p in err["loc"]) or "(file)"
-    problem = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+    key = ".".join(str(p) for p in err["loc"]) or ""
+    problem = "unknown key" if err["type"] == "extra_forbidden" else plain_problem(err["msg"])
     return key, problem
 
 
@@ -277,7 +277,7 @@ def load_agent(path: str | Path) -> Agent:
     except AgentFileError:
         raise
     except RecursionError as exc:
-        raise AgentFileError(str(path), "(file)", "nested too deeply") from exc
+        raise AgentFileError(str(path), "", "nested too deeply") from exc
 
 
 def _load(path: Path) -> Agent:
@@ -347,7 +347,9 @@ def _load_tools(path: Path, spec: AgentSpec) -> tuple[dict[str, ToolSpec], set[s
             else:
                 loaded = [(load_tool(reference), False)]
         except ToolError as exc:
-            raise AgentFileError(str(path), f"tools[{index}]", str(exc)) from exc
+            raise AgentFileError(
+                str(path), f"tools[{index}]", f"tool `{exc.reference}`: {exc.problem}", ToolError.FIX
+            ) from exc
         for tool_spec, approval in loaded:
             if tool_spec.name in tools:
                 raise AgentFileError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from runtime.errors import InvalidRequest, RunRefused
+from runtime.errors import InvalidOption, InvalidRequest, RunRefused
 from runtime.models import Event, RunState, RunStatus
 
 RAISABLE = ("max_turns", "max_total_tokens", "max_tool_calls", "timeout_seconds")
@@ -30,11 +30,11 @@ def parse_change(budget: str, text: str, run_id: str | None = None) -> tuple[boo
     """``"+5"`` → (relative, 5); ``"30"`` → (absolute, 30). InvalidRequest naming the budget."""
     found = _CHANGE.fullmatch(text.strip())
     if budget not in RAISABLE:
-        raise InvalidRequest(
+        raise InvalidOption(
             f"`{budget}` is not a budget; budgets are {', '.join(RAISABLE)}", run_id
         )
     if found is None or int(found.group(2)) == 0:
-        raise InvalidRequest(
+        raise InvalidOption(
             f"`{budget}`: {text!r} is not a raise: give `+N` (N more) or `N` (the new limit), "
             "N a positive whole number",
             run_id,
@@ -83,9 +83,9 @@ def plan_raise(
             "only a run that is live, suspended, or stopped on a budget can be given more",
         )
     if not changes:
-        raise InvalidRequest("name at least one budget to raise, e.g. --max-turns +5", run_id)
+        raise InvalidOption("name at least one budget to raise, e.g. --max-turns +5", run_id)
     if not reason.strip():
-        raise InvalidRequest(
+        raise InvalidOption(
             "say why the budget is raised (--reason): it is kept in the run's events", run_id
         )
     current = state.budgets.model_dump()

@@ -297,14 +297,43 @@ def suspended_for_ms(suspension: Suspension, now_ms: int) -> int:
     return max(0, now_ms - suspension.since_ms)
 
 
-def expiry_reason(suspension: Suspension, max_suspended_s: int | None, now_ms: int) -> str | None:
-    """Why the run expires instead of continuing, or None while it may still wait."""
+def cancelled_event_data(
+    status_before: RunStatus, suspension: Suspension | None, reason: str, now_ms: int
+) -> dict[str, Any]:
+    """``run.cancelled``'s data: the reason, the status it ended, and, for a suspended run,
+    how long this suspension lasted (counted as suspended, not running: the fold, :mod:`runtime.fsm`, adds it)."""
+    data: dict[str, Any] = {"reason": reason, "status_before": status_before.value}
+    if suspension is not None and status_before.is_suspended:
+        data["suspended_ms"] = max(0, now_ms - suspension.since_ms)
+    return data
+
+
+def max_suspended_s_of(first_events: list[Event]) -> int | None:
+    """The run's own ``max_suspended_s``, from the binding its ``run.created`` recorded
+    (immune to later edits of the agent file); ``first_events`` starts with that event."""
+    document = (first_events[0].data.get("binding_document") or {}) if first_events else {}
+    value = document.get("max_suspended_s")
+    return int(value) if value is not None else None
+
+
+def expires_at_ms(suspension: Suspension, max_suspended_s: int | None) -> int | None:
+    """The first instant the run has waited longer than ``max_suspended_s``; None: never.
+
+    The sweeper finds the run at this time through the due index
+    (:func:`runtime.recovery.sweep_due_ms`), and :func:`expiry_reason` agrees with it.
+    """
     if max_suspended_s is None or suspension.reason == RunStatus.WAITING:
         # max_suspended_s bounds a wait for a person; a timer's length is its own.
         return None
-    waited_ms = suspended_for_ms(suspension, now_ms)
-    if waited_ms <= max_suspended_s * 1000:
+    return suspension.since_ms + max_suspended_s * 1000 + 1
+
+
+def expiry_reason(suspension: Suspension, max_suspended_s: int | None, now_ms: int) -> str | None:
+    """Why the run expires instead of continuing, or None while it may still wait."""
+    expires_at = expires_at_ms(suspension, max_suspended_s)
+    if expires_at is None or now_ms < expires_at:
         return None
+    waited_ms = suspended_for_ms(suspension, now_ms)
     return (
         f"suspended ({suspension.reason.value}) for {waited_ms / 1000:g}s waiting for an "
         f"answer, over the agent's max_suspended_s of {max_suspended_s}; start a new run"

@@ -12,6 +12,7 @@
     │   └── BudgetUnenforceable   a token budget with responses that reported no usage
     ├── InvalidInput              a run's input (or its idempotency key) is refused
     ├── InvalidRequest            a command, option or call is refused before anything changes
+    │   └── InvalidOption         an option or argument is malformed (exit status 2)
     ├── InvalidRunId              a run id from outside is not a valid id
     ├── RunNotFound               no run with this id
     ├── RunRefused                an operation is refused for the run's current status
@@ -44,6 +45,7 @@
     ├── RejectedEntryNotFound     no message with this id in the dead-letter store
     ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
     ├── ClockSkewed               this host's clock is too far from the run store's
+    ├── ExtraMissing              a command needs an optional extra that is not installed
     ├── StartConflict             a start's key names a run of another agent or input
     ├── RunNotQueued              a run is recorded but its first turn could not be queued
     └── MessageRefused            a task message is not its task's (argument, type, version)
@@ -65,6 +67,18 @@ _QUERY_SECRET = re.compile(r"\b(password|secret|token|key)=[^&\s]*", re.IGNORECA
 def redacted(text: str) -> str:
     """``text`` with every URL's password, and every ``password=…`` query value, masked."""
     return _QUERY_SECRET.sub(r"\1=***", _URL_PASSWORD.sub(r"\1:***@", text))
+
+
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def plain_problem(message: str) -> str:
+    """Pydantic's message of a validator's error without the prefix it adds (``Value
+    error, ``): the validator's own words are the message."""
+    for prefix in _PYDANTIC_PREFIXES:
+        if message.startswith(prefix):
+            return message[len(prefix) :]
+    return message
 
 
 def _of_run(run_id: str | None) -> str:
@@ -94,21 +108,27 @@ class RatchetError(Exception):
 
 
 class AgentFileError(RatchetError):
-    def __init__(self, path: str, key: str, problem: str) -> None:
-        super().__init__(
-            f"{path}: `{key}`: {problem} (fix the agent file, then run the command again)",
-        )
-        self.path, self.key, self.problem = path, key, problem
+    """The agent file at ``path`` is refused: ``key`` names the key at fault, or is empty
+    when the file as a whole is (missing, unreadable, not TOML); ``fix`` says what to do."""
+
+    def __init__(
+        self,
+        path: str,
+        key: str,
+        problem: str,
+        fix: str = "fix the agent file, then run the command again",
+    ) -> None:
+        where = f"{path}: `{key}`" if key else path
+        super().__init__(f"{where}: {problem} ({fix})")
+        self.path, self.key, self.problem, self.fix = path, key, problem, fix
 
 
 class ToolError(RatchetError):
+    FIX = "fix the tool or the agent file's `tools`, then run the command again"
+
     def __init__(self, reference: str, problem: str) -> None:
-        super().__init__(
-            f"tool `{reference}`: {problem} (fix the tool or the agent file's `tools`, then "
-            "run the command again)",
-            reference,
-            problem,
-        )
+        super().__init__(f"tool `{reference}`: {problem} ({self.FIX})")
+        self.reference, self.problem = reference, problem
 
 
 class ProviderError(RatchetError):
@@ -183,6 +203,14 @@ class InvalidRequest(RatchetError, ValueError):
             "(`--help` lists a command's options)",
         )
         self.problem, self.run_id = problem, run_id
+
+
+class InvalidOption(InvalidRequest):
+    """An option or argument of a command or call is malformed, whatever the run's state:
+    a value that does not parse, or a combination of options that cannot go together.
+    The ``ratchet`` command exits 2 on it (worker/exits.py); an InvalidRequest that
+    depends on the run (nothing to raise, not stopped there) exits 1.
+    """
 
 
 class InvalidRunId(RatchetError):
@@ -592,6 +620,17 @@ class ClockSkewed(RatchetError):
             source,
         )
         self.offset_ms, self.max_s, self.source = offset_ms, max_s, source
+
+
+class ExtraMissing(RatchetError):
+    """A command needs an optional extra: names the missing module and the install line."""
+
+    def __init__(self, extra: str, module: str | None) -> None:
+        super().__init__(
+            f"this needs the `{extra}` extra ({module or 'a module'} is missing): "
+            f"pip install 'ratchet[{extra}]'",
+        )
+        self.extra, self.module = extra, module
 
 
 class StartConflict(RatchetError):

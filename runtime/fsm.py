@@ -377,6 +377,21 @@ ENDINGS: dict[str, RunStatus] = {
 """Events that end a run's course, with the status each leaves it in: the fold sets it, and
 the ``reason`` as the run's error (the ``output`` of ``run.completed``)."""
 
+def _cancelled(state: RunState, event: Event) -> RunState:
+    """Cancelled: a suspension it ends counts as suspended up to the cancel.
+
+    The cancel says how long (``suspended_ms``, as an answer does); a cancel recorded
+    before it said so leaves the suspension as it was (old logs fold as they did).
+    """
+    state = _ended(RunStatus.CANCELLED, "reason")(state, event)
+    waited = event.data.get("suspended_ms")
+    if waited is None or state.suspension is None:
+        return state
+    return state.model_copy(
+        update={"suspension": None, "suspended_ms": state.suspended_ms + int(waited)}
+    )
+
+
 FOLDS: dict[str, Fold] = {
     "model.requested": _model_requested,
     "model.retrying": _model_retrying,
@@ -395,6 +410,7 @@ FOLDS: dict[str, Fold] = {
         kind: _ended(status, "output" if status == RunStatus.COMPLETED else "reason")
         for kind, status in ENDINGS.items()
     },
+    "run.cancelled": _cancelled,
     "run.budget_raised": lambda state, event: fold_raise(state, event.data, _live_status(state)),
     "run.throttled": _throttled,
 }

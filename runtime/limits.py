@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.errors import InvalidRequest
+from runtime.errors import InvalidOption
 from runtime.numbers import Finite, finite
 
 UNDER_WAY_HORIZON_MS = 10_000
@@ -198,9 +198,9 @@ def estimate_tokens(messages: Sequence[Any], tools: Sequence[Any], completion_to
 
 
 def check_key(value: object, what: str) -> str:
-    """A limit or concurrency key as given, or InvalidRequest saying what one may be."""
+    """A limit or concurrency key as given, or InvalidOption saying what one may be."""
     if not isinstance(value, str) or not KEY_PATTERN.fullmatch(value):
-        raise InvalidRequest(
+        raise InvalidOption(
             f"{what} must be 1-200 letters, digits or `_ . : @ / + -` (e.g. `tenant-a`), "
             f"not {str(value)[:40]!r}"
         )

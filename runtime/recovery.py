@@ -36,6 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from runtime.children import awaiting_delivery
+from runtime.continuation import expires_at_ms
 from runtime.errors import BindingChanged, BudgetError, RatchetError, RunRefused
 
 # Budget rules live in the FSM; the classification asks the same questions.
@@ -223,17 +224,25 @@ def dead_letter(
     return DeadLetter(data)
 
 
-def sweep_due_ms(state: RunState, now_ms: int, lease_ms: int, lead_ms: int) -> int | None:
+def sweep_due_ms(
+    state: RunState, now_ms: int, lease_ms: int, lead_ms: int, max_suspended_s: int | None = None
+) -> int | None:
     """When the sweeper next looks at the run (its place in the due index); None: never.
 
     A live run is overdue if nothing happens within one lease (``lease_ms``); a run
     waiting for a time is due ``lead_ms`` before it wakes, so the sweeper schedules its
-    wake-up; a child that ended is due now (its parent is told now, or by the sweeper).
-    Any other run (finished, or suspended on a person) is not swept.
+    wake-up; a run waiting for a person under its agent's ``max_suspended_s`` is due when
+    it expires (:func:`runtime.continuation.expires_at_ms`), so the sweeper expires it; a
+    child that ended is due now (its parent is told now, or by the sweeper). Any other
+    run (finished, or suspended on a person with no limit) is not swept.
     """
     due = due_at_ms(state, lead_ms)
     if due is not None:
         return due
+    if state.status.is_suspended and state.suspension is not None:
+        expires = expires_at_ms(state.suspension, max_suspended_s)
+        if expires is not None:
+            return expires
     if awaiting_delivery(state):
         return now_ms
     if state.status.is_live:

@@ -152,7 +152,8 @@ class LimitStore(ABC):
 
     @abstractmethod
     def known(self) -> tuple[list[str], list[str]]:
-        """Limit keys and concurrency keys ever used (for ``ratchet limits``)."""
+        """Limit keys and concurrency keys runs have used, and those set at run time now
+        (for ``ratchet limits``): a key only set at run time goes once it is unset."""
 
 
 # --- the embedded default and tests: the arithmetic in Python, on documents -------
@@ -292,19 +293,21 @@ class LocalLimitStore(LimitStore):
             return dict(docs["config"].get(kind, {}))
 
     def _set_run_time(self, kind: str, key: str, value: Any) -> None:
-        """Set (``None``: remove) a run-time value of ``kind``; a key once set stays known."""
-        with self._documents("config", "known") as docs:
+        """Set (``None``: remove) a run-time value of ``kind``."""
+        with self._documents("config") as docs:
             table = docs["config"].setdefault(kind, {})
             if value is None:
                 table.pop(key, None)
             else:
                 table[key] = value
-                docs["known"].setdefault(kind, {})[key] = 1
 
     def known(self) -> tuple[list[str], list[str]]:
-        with self._documents("known") as docs:
-            known = docs["known"]
-            return sorted(known.get("limits", {})), sorted(known.get("caps", {}))
+        with self._documents("known", "config") as docs:
+            known, config = docs["known"], docs["config"]
+            return (
+                sorted({*known.get("limits", {}), *config.get("limits", {})}),
+                sorted({*known.get("caps", {}), *config.get("caps", {})}),
+            )
 
 
 def _take_reservation(doc: dict[str, Any], name: str, now: float) -> Verdict | None:
@@ -528,7 +531,7 @@ class RedisLimitStore(LimitStore):
 
     def set_override(self, key: str, values: dict[str, Any] | None) -> None:
         encoded = None if values is None else json.dumps(checked_run_time(values), sort_keys=True)
-        self._set_run_time(self._config, self._known, key, encoded)
+        self._set_run_time(self._config, key, encoded)
 
     def cap_overrides(self) -> dict[str, int]:
         with self._translated():
@@ -536,21 +539,26 @@ class RedisLimitStore(LimitStore):
         return {_s(k): int(v) for k, v in raw.items()}
 
     def set_cap_override(self, cap_key: str, cap: int | None) -> None:
-        self._set_run_time(self._caps, self._known_caps, cap_key, cap)
+        self._set_run_time(self._caps, cap_key, cap)
 
-    def _set_run_time(self, table: str, known: str, key: str, value: str | int | None) -> None:
-        """Set (``None``: remove) ``key`` in hash ``table``; a key once set stays in ``known``."""
+    def _set_run_time(self, table: str, key: str, value: str | int | None) -> None:
+        """Set (``None``: remove) ``key`` in hash ``table``."""
         with self._translated():
             if value is None:
                 self._client.hdel(table, key)
             else:
                 self._client.hset(table, key, value)
-                self._client.sadd(known, key)
 
     def known(self) -> tuple[list[str], list[str]]:
         with self._translated():
-            limits = sorted(_s(k) for k in self._client.smembers(self._known))
-            caps = sorted(_s(k) for k in self._client.smembers(self._known_caps))
+            pipe = self._client.pipeline(transaction=False)
+            for name in (self._known, self._known_caps):
+                pipe.smembers(name)
+            pipe.hkeys(self._config)
+            pipe.hkeys(self._caps)
+            used, used_caps, set_now, caps_now = pipe.execute()
+        limits = sorted({_s(k) for k in used} | {_s(k) for k in set_now})
+        caps = sorted({_s(k) for k in used_caps} | {_s(k) for k in caps_now})
         return limits, caps
 
 

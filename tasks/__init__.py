@@ -21,6 +21,7 @@ from tasks.queues import ROUTES, beat_schedule
 from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from tasks.start import start_run
+from tasks.sweep_logs import quiet_sweeps
 from tasks.timers import wake_run
 from tasks.turn import run_turn
 
@@ -66,6 +67,7 @@ def install(app: Any, settings: Settings | None = None) -> None:
     )
     conf.beat_schedule = {**(conf.beat_schedule or {}), **beat_schedule(settings.sweep_interval_s)}
     conf.ratchet_installed = True
+    quiet_sweeps()  # an empty sweep's Celery lines at DEBUG, as on ratchet's own app
     annotation = {
         "acks_late": True,
         "reject_on_worker_lost": True,

@@ -28,12 +28,14 @@ from typing import Any
 from runtime.children import RUN_CHILD, child_run_id, possible_children
 from runtime.continuation import (
     Continuation,
+    cancelled_event_data,
     check_pinned,
     check_suspended,
     continued_event_data,
     expiry_reason,
     find_applied,
     make_continuation,
+    max_suspended_s_of,
     suspended_for_ms,
 )
 from runtime.errors import (
@@ -48,7 +50,7 @@ from runtime.errors import (
     StoreUnavailable,
     SuspensionExpired,
 )
-from runtime.models import SUSPENDED_STATUSES, Event, RunState, RunStatus, validate_run_id
+from runtime.models import RunState, RunStatus, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.lease import holding
@@ -64,13 +66,6 @@ STALE_ATTEMPTS = 5
 
 def new_continuation_id() -> str:
     return uuid.uuid4().hex
-
-
-def _max_suspended_s(events: list[Event]) -> int | None:
-    """The run's own limit, from the binding it started with (immune to later agent edits)."""
-    document = (events[0].data.get("binding_document") or {}) if events else {}
-    value = document.get("max_suspended_s")
-    return int(value) if value is not None else None
 
 
 # --- continue ---------------------------------------------------------------
@@ -125,7 +120,7 @@ def _continue_holding_lease(
         return "duplicate", (state.seq if state.seq == applied.seq else None)
     suspension = check_suspended(state, events, continuation)
     now = ctx.runs.clock()
-    max_s = _max_suspended_s(events)
+    max_s = max_suspended_s_of(events)
     expired = expiry_reason(suspension, max_s, now)
     if expired is not None:
         _expire(ctx, state, expired, owner, now)
@@ -252,7 +247,7 @@ def _cancel_one(
         if not is_child:
             first = ctx.runs.events(run_id, after_seq=0, limit=1)
             is_child = bool(first and first[0].data.get("parent"))
-        data = {"reason": reason, "status_before": record.status.value}
+        data = cancelled_event_data(record.status, record.suspension, reason, ctx.runs.clock())
         try:
             # A child stays due until its parent is told (runtime/children.py).
             cancelled = append_ending(
@@ -305,41 +300,62 @@ def cancel_run(*, run_id: str, reason: str | None = None) -> str:
 # --- expiry -----------------------------------------------------------------
 
 
-def expire_suspended(ctx: Context, now_ms: int | None = None, limit: int = 1000) -> list[str]:
-    """Expire suspended runs that waited longer than their agent's ``max_suspended_s``.
+def expire_if_due(ctx: Context, run_id: str) -> bool:
+    """Expire ``run_id`` if it still waits for a person longer than its ``max_suspended_s``.
 
-    For the periodic sweeper: it reads only suspended runs (by status), and one
-    event of each (the limit it started with). Returns the ids expired. A run
-    whose lease is held, or that moved meanwhile, is left for the next sweep.
+    For the sweeper, which finds such runs in the due index at the time they expire
+    (:func:`runtime.recovery.sweep_due_ms`). Under the run's lease and fenced by seq
+    like an answer, so an answer racing the expiry and the expiry resolve exactly once:
+    whichever takes the lease first wins, and the other finds the run moved. Whether
+    it expired the run; a run whose lease is held (an answer being applied) is left for
+    the next sweep.
     """
-    now = ctx.runs.clock() if now_ms is None else now_ms
-    expired: list[str] = []
-    for status in sorted(SUSPENDED_STATUSES):
-        for record in ctx.runs.list(status, limit):
-            since = record.suspension.since_ms if record.suspension else record.updated_at_ms
-            max_s = _max_suspended_s(ctx.runs.events(record.run_id, 0, 1))
-            if max_s is None or now - since <= max_s * 1000:
-                continue
-            try:
-                if _expire_if_overdue(ctx, record, now):
-                    expired.append(record.run_id)
-            except (RunBusy, StaleWrite) as exc:
-                log.info("run %s: not expired this sweep: %s", record.run_id, exc)
-    return expired
-
-
-def _expire_if_overdue(ctx: Context, record: RunRecord, now: int) -> bool:
-    with holding(ctx, record.run_id) as held:
-        owner = held.owner
-        loaded = load(ctx, record.run_id, whole_log=True)
-        suspension = loaded.state.suspension
-        if suspension is None or not loaded.state.status.is_suspended:
+    with holding(ctx, run_id, must=False) as held:
+        if not held.taken:
+            log.info("run %s: not expired this sweep: its lease is held", run_id)
             return False
-        reason = expiry_reason(suspension, _max_suspended_s(loaded.log()), now)
+        loaded = load(ctx, run_id, whole_log=True)
+        state = loaded.state
+        if state.suspension is None or not state.status.is_suspended:
+            return False
+        now = ctx.runs.clock()
+        reason = expiry_reason(state.suspension, max_suspended_s_of(loaded.log()), now)
         if reason is None:
             return False
-        _expire(ctx, loaded.state, reason, owner, now)
+        _expire(ctx, state, reason, held.owner, now)
         return True
+
+
+def expires_now(record: RunRecord | None, now_ms: int) -> bool:
+    """The record is of a run waiting for a person whose due time (its expiry) has come."""
+    return (
+        record is not None
+        and record.status.is_suspended
+        and record.status != RunStatus.WAITING
+        and record.due_at_ms is not None
+        and record.due_at_ms <= now_ms
+    )
+
+
+def expire_suspended(ctx: Context, limit: int = 1000) -> list[str]:
+    """Expire every run the due index shows past its ``max_suspended_s`` (and any such
+    run whose lease a dead process still holds); their ids.
+
+    What one sweep does for expiry (:func:`tasks.recovery.sweep_orphans` does it along
+    with the rest), for callers that want only this.
+    """
+    expired = []
+    now = ctx.runs.clock()
+    candidates = [*ctx.runs.overdue(limit), *(o.run_id for o in ctx.runs.orphaned(limit))]
+    for run_id in dict.fromkeys(candidates):
+        if not expires_now(ctx.runs.get(run_id), now):
+            continue
+        try:
+            if expire_if_due(ctx, run_id):
+                expired.append(run_id)
+        except StaleWrite as exc:
+            log.info("run %s: not expired this sweep: %s", run_id, exc)
+    return expired
 
 
 __all__ = [
@@ -347,6 +363,8 @@ __all__ = [
     "cancel",
     "cancel_run",
     "continue_run",
+    "expire_if_due",
+    "expires_now",
     "expire_suspended",
     "new_continuation_id",
 ]

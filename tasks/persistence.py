@@ -13,8 +13,10 @@ import logging
 import uuid
 from typing import Any, NamedTuple
 
+from runtime.continuation import max_suspended_s_of
 from runtime.errors import (
     EventsDoNotFold,
+    RatchetError,
     RunNotFound,
     RunStateLost,
     SnapshotError,
@@ -299,11 +301,35 @@ def transition(
         state = apply(state, event)
         events.append(event)
     lease_ms = int(ctx.settings.lease_s * 1000)
-    due = sweep_due_ms(state, now, lease_ms, int(ctx.settings.sweep_interval_s * 1000))
+    lead_ms = int(ctx.settings.sweep_interval_s * 1000)
+    due = sweep_due_ms(state, now, lease_ms, lead_ms, _max_suspended_s(ctx, state))
     if events[-1].type == "run.throttled":
         # Back on the queue with a countdown: overdue only once that has run out.
         due = int(events[-1].data["until_ms"]) + lease_ms
     return Transition(RunRecord.from_state(state, now, due), state, events)
+
+
+def _max_suspended_s(ctx: Context, state: RunState) -> int | None:
+    """The run's ``max_suspended_s`` when it waits for a person (else None: not needed).
+
+    From the agent this process has loaded when its binding is the run's (the turn that
+    suspends the run has just loaded it), else from the binding the run was created
+    with: the limit the run started with, whatever the agent file says now.
+    """
+    suspension = state.suspension
+    if (
+        suspension is None
+        or not state.status.is_suspended
+        or suspension.reason == RunStatus.WAITING
+    ):
+        return None
+    try:
+        agent = ctx.agent(state.agent_file)
+        if agent.binding == state.binding:
+            return agent.spec.max_suspended_s
+    except (RatchetError, OSError):
+        pass  # the agent file changed or went: the run's own first event still says
+    return max_suspended_s_of(ctx.runs.events(state.run_id, 0, 1))
 
 
 def extended(
@@ -391,6 +417,10 @@ def append_ending(
             "updated_at_ms": now,
             "due_at_ms": now if stays_due and parent_ended is None else None,
             "suspension": None,
+            # As the fold counts it: the suspension an ending says it ended (run.cancelled).
+            "suspended_ms": record.suspended_ms + int(data.get("suspended_ms", 0))
+            if kind == "run.cancelled"
+            else record.suspended_ms,
         }
     )
     ctx.runs.append(ended, events, owner)

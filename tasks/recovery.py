@@ -26,7 +26,7 @@ from typing import Any
 from runtime.actions import Advanced, TurnOutcome
 from runtime.agent import describe_binding_change
 from runtime.errors import (
-    InvalidRequest,
+    InvalidOption,
     LeaseLost,
     RatchetError,
     RunRefused,
@@ -48,6 +48,7 @@ from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks import lease, metrics
 from tasks.context import Context, get_context
+from tasks.control import expire_if_due, expires_now
 from tasks.lease import recover_takeovers_with
 from tasks.messages import (
     chain_turn,
@@ -264,47 +265,75 @@ def sweep_orphans(
 
     A waiting run (a ``wait`` timer) is due one sweep before it wakes: its
     wake-up is enqueued with an ETA instead (``wake``), and its id is returned too.
+    A run waiting for a person is due when it has waited past its agent's
+    ``max_suspended_s``: it is expired (``run.expired``, :func:`tasks.control.expire_if_due`)
+    and its id returned too.
 
     Reads the run store's due index (cost grows with the overdue runs, not with
     every run) plus one record per overdue run, for the seq the resume must find.
     The clock is the run store's, so a test can inject one.
     """
-    found = []
+    found: list[str] = []
+    expired: list[str] = []
     # Live runs whose lease holder's process died first: they need not wait for the lease.
     # (A suspended or finished run such a process held needs no worker: its lease lapses.)
     if enqueue_orphan is None:
         enqueue_orphan = urgent_sweeper_resume if enqueue is sweeper_resume else enqueue
     lease_ms = int(ctx.settings.lease_s * 1000)
-    for orphan in ctx.runs.orphaned(limit):
-        record = ctx.runs.get(orphan.run_id)
-        if record is not None and record.status.is_live:
-            enqueue_orphan(orphan.run_id, record.last_seq)
-            found.append(orphan.run_id)
+    found.extend(_enqueue_dead_holders(ctx, enqueue_orphan, limit))
     for run_id in ctx.runs.overdue(limit):
         if run_id in found:
             continue
         record = ctx.runs.get(run_id)
-        if record is not None and record.suspension is not None and record.suspension.tool == WAIT:
+        if record is None:
+            continue
+        if record.suspension is not None and record.suspension.tool == WAIT:
             # Not an orphan: a timer one sweep from its time; wake it then (ETA).
             wake(run_id, record)
             found.append(run_id)
-            continue
-        if record is not None and record.status.is_terminal:
+        elif record.status.is_suspended:
+            # Waiting for a person past its agent's max_suspended_s: it expires now.
+            if _expire(ctx, run_id):
+                expired.append(run_id)
+        elif record.status.is_terminal:
             # Only a child whose parent was not told yet is terminal and due.
             tell(run_id)
             found.append(run_id)
-            continue
-        if record is None or not record.status.is_live:
-            continue
-        enqueue(run_id, record.last_seq)
-        # Not again for a lease: a run merely waiting in a long queue is overdue too, and
-        # a resume per sweep for each would grow the backlog it waits in (a chaos run
-        # reached 20,000 queued messages and lost 64 runs at a 1 s sweep interval).
-        ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + lease_ms)
-        found.append(run_id)
+        elif record.status.is_live:
+            enqueue(run_id, record.last_seq)
+            # Not again for a lease: a run merely waiting in a long queue is overdue too, and
+            # a resume per sweep for each would grow the backlog it waits in (a chaos run
+            # reached 20,000 queued messages and lost 64 runs at a 1 s sweep interval).
+            ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + lease_ms)
+            found.append(run_id)
     if found:
         log.info("sweep: %s overdue run(s) with no lease; resume enqueued", len(found))
+    if expired:
+        log.info("sweep: %s run(s) waited past their max_suspended_s; expired", len(expired))
+    return found + expired
+
+
+def _enqueue_dead_holders(ctx: Context, enqueue: Enqueue, limit: int) -> list[str]:
+    found = []
+    now = ctx.runs.clock()
+    for orphan in ctx.runs.orphaned(limit):
+        record = ctx.runs.get(orphan.run_id)
+        if record is not None and record.status.is_live:
+            enqueue(orphan.run_id, record.last_seq)
+            found.append(orphan.run_id)
+        elif expires_now(record, now) and _expire(ctx, orphan.run_id):
+            # Past its max_suspended_s, its lease a dead process's: the overdue index
+            # leaves out a run with an unexpired lease, so it is expired from here.
+            found.append(orphan.run_id)
     return found
+
+
+def _expire(ctx: Context, run_id: str) -> bool:
+    try:
+        return expire_if_due(ctx, run_id)
+    except StaleWrite as exc:
+        log.info("run %s: not expired this sweep: %s", run_id, exc)
+        return False
 
 
 PURGE_BATCH = 1000
@@ -355,11 +384,11 @@ def reconcile(
     """
     run_id = validate_run_id(run_id)
     if decision not in DECISIONS:
-        raise InvalidRequest(
+        raise InvalidOption(
             f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}", run_id
         )
     if decision == "fail" and not (reason or "").strip():
-        raise InvalidRequest(
+        raise InvalidOption(
             "--fail needs a reason: what the model will read as the call's error", run_id
         )
     # A run that just parked may still be held by its worker, finishing the turn: wait

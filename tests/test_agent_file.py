@@ -73,7 +73,7 @@ def test_the_binding_changes_with_anything_that_decides_behaviour(tmp_path: Path
             "not one of the agent's tools",
         ),
         (lambda t: t.replace('name = "test-agent"\n', ""), "name", "Field required"),
-        (lambda t: t + "[[[", "(file)", "not valid TOML"),
+        (lambda t: t + "[[[", "", "not valid TOML"),
     ],
 )
 def test_a_bad_agent_file_is_refused_naming_the_file_and_the_key(
@@ -87,7 +87,8 @@ def test_a_bad_agent_file_is_refused_naming_the_file_and_the_key(
     with pytest.raises(AgentFileError) as refused:
         load_agent(path)
     message = str(refused.value)
-    assert str(path) in message and f"`{key}`" in message and problem in message
+    assert str(path) in message and problem in message
+    assert refused.value.key == key and (f"`{key}`" in message if key else True)
 
 
 def test_a_missing_script_is_refused_naming_the_key(tmp_path: Path) -> None:
@@ -95,3 +96,28 @@ def test_a_missing_script_is_refused_naming_the_key(tmp_path: Path) -> None:
     (tmp_path / "test-agent.script.json").unlink()
     with pytest.raises(AgentFileError, match=r"`script`: .* cannot be read"):
         load_agent(path)
+
+
+def test_agent_file_errors_say_the_fix_once_name_no_key_for_the_file_and_no_pydantic_prefix(
+    tmp_path: Path,
+) -> None:
+    def refused(path: Path) -> str:
+        with pytest.raises(AgentFileError) as caught:
+            load_agent(path)
+        return str(caught.value)
+
+    # A tool that cannot be imported: the tool's fix, once
+    tool = refused(write_agent(tmp_path / "t", [turn("Done.")], tools=["no_such_module:fn"]))
+    assert tool.count("(fix ") == 1 and "fix the tool or the agent file's `tools`" in tool
+    assert "`tools[0]`: tool `no_such_module:fn`: module `no_such_module`" in tool
+    # A missing file, and one that is not TOML: the file is at fault, no key is named
+    missing = refused(tmp_path / "missing.toml")
+    fix = "(fix the agent file, then run the command again)"
+    assert missing == f"{tmp_path / 'missing.toml'}: no such file {fix}"
+    (tmp_path / "bad.toml").write_text("name = \n")
+    assert "`" not in refused(tmp_path / "bad.toml").split(": not valid TOML")[0]
+    # A variable the operator does not allow as a key: the validator's words, no prefix
+    key = tmp_path / "key.toml"
+    key.write_text('name = "k"\nmodel = "openai:gpt-4o"\n[provider]\napi_key_env = "HOME"\n')
+    refusal = refused(key)
+    assert "Value error" not in refusal and "names the variable HOME, which is not one" in refusal

@@ -32,6 +32,7 @@ from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main
+from worker.exits import Exit
 
 ROOT = Path(__file__).resolve().parents[1]
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
@@ -119,7 +120,7 @@ def test_runs_list_filters_by_agent_and_age_pages_with_a_cursor_and_shows_times(
     assert "more: ratchet runs list --cursor " in table.stderr
 
     bad = cli("runs", "list", "--cursor", "nonsense")
-    assert bad.exit_code == 1 and "is not a cursor a previous page printed" in bad.output
+    assert bad.exit_code == Exit.USAGE and "is not a cursor a previous page printed" in bad.output
 
 
 # --- runs show (items 16, 18) ---------------------------------------------------
@@ -243,12 +244,17 @@ def test_purge_dry_run_lists_and_deletes_nothing_and_an_absurd_age_is_named_as_t
     assert sorted(as_json["would_purge"]) == sorted(old)
 
     absurd = cli("runs", "purge", "--older-than", "99999999999999d")
-    assert absurd.exit_code == 1
+    assert absurd.exit_code == Exit.USAGE
     assert "--older-than 99999999999999d reaches back before 1970" in absurd.output
     assert "before_ms" not in absurd.output
 
-    # Not on a terminal (a script): no question, and --json says how many.
-    done = cli("runs", "purge", "--older-than", "1d", "--json")
+    # Not on a terminal (a script) and no --yes: refused in one line, nothing deleted
+    unasked = cli("runs", "purge", "--older-than", "1d")
+    assert unasked.exit_code == Exit.REFUSED, unasked.output
+    assert unasked.stderr.count("\n") == 1 and "no terminal to ask on; add --yes" in unasked.stderr
+    assert all(ctx.runs.get(run_id) is not None for run_id in old)
+    # With --yes: no question, and --json says how many.
+    done = cli("runs", "purge", "--older-than", "1d", "--yes", "--json")
     assert json.loads(done.output)["purged"] == 3
     assert all(ctx.runs.get(run_id) is None for run_id in old) and ctx.runs.get(fresh)
 
@@ -349,7 +355,7 @@ def test_every_command_that_prints_has_json(ratchet: Ratchet, tmp_path: Path) ->
 def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
     assert cli("sweep", "--once").output == "sweep: no orphaned runs\n"
     missing = cli("runs", "start", str(tmp_path / "nope.toml"), "--input", "hi")
-    assert missing.exit_code == 1
+    assert missing.exit_code == Exit.USAGE  # the agent file argument is bad
     assert "Errno" not in missing.output and "nope.toml" in missing.output
     assert "check the path" in missing.output or "no such file" in missing.output
     empty = cli("runs", "start", str(tmp_path / "nope.toml"), "--input", "hi", "--run-id", "")
@@ -357,7 +363,7 @@ def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
     keyed = tmp_path / "keyed.toml"
     keyed.write_text('name = "k"\nmodel = "scripted"\nscript = "k.json"\napi_key = "sk-x"\n')
     refused = cli("runs", "start", str(keyed), "--input", "hi")
-    assert refused.exit_code == 1 and "RATCHET_OPENAI_API_KEY" in refused.output
+    assert refused.exit_code == Exit.USAGE and "RATCHET_OPENAI_API_KEY" in refused.output
     assert "sk-x" not in refused.output
     for package in ("runtime", "store", "tasks", "worker"):
         assert (ROOT / package / "py.typed").is_file()
@@ -461,3 +467,44 @@ def test_show_and_events_print_any_stored_event_text_and_json_without_a_tracebac
     documents = [json.loads(line) for line in listed_json.output.splitlines()]
     assert documents[-6]["data"]["result"] == {"k\ufffd": "\ufffd"}
     assert documents[-4]["data"]["result"] == "nan" and documents[-1]["data"]["when"] == "inf"
+
+
+def test_limits_cap_refuses_a_negative_count_by_its_range_and_unset_keys_are_not_listed(
+    ctx: Context,
+) -> None:
+    # A negative count is a count out of range, not an option `-1`
+    negative = cli("limits", "cap", "key:tenant-a", "-1")
+    assert negative.exit_code == Exit.USAGE
+    assert "-1 is not in the range x>=1" in negative.output, negative.output
+    # A key set at run time is listed while it is set, and not once it is unset
+    assert cli("limits", "set", "tenant-a", "--rpm", "60").exit_code == 0
+    assert cli("limits", "cap", "key:tenant-a", "3").exit_code == 0
+    listed = cli("limits").output
+    assert "tenant-a:" in listed and "key:tenant-a:" in listed
+    assert cli("limits", "unset", "tenant-a").exit_code == 0
+    assert cli("limits", "uncap", "key:tenant-a").exit_code == 0
+    assert cli("limits", "--json").output.strip() == '{"caps": [], "limits": []}'
+    assert cli("limits").output.startswith("no limits used yet")
+
+
+def test_a_run_cancelled_while_suspended_counts_its_wait_as_suspended_not_running(
+    ctx: Context, clock: Clock, tmp_path: Path
+) -> None:
+    from runtime.fsm import rebuild
+
+    # Given a run that has waited 1.35 s for an answer
+    run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund it").run_id
+    drive(ctx, run_id)
+    clock.now_ms += 1350
+    waiting = json.loads(cli("runs", "show", run_id, "--json").output)
+    assert waiting["suspended_ms"] == 1350
+    # When it is cancelled, and looked at a while later
+    assert cli("runs", "cancel", run_id, "--reason", "hung up").exit_code == 0
+    clock.now_ms += 5000
+    shown = json.loads(cli("runs", "show", run_id, "--json").output)
+    # Then its wait counts as suspended, and its running time is what it was
+    assert shown["status"] == "cancelled"
+    assert (shown["running_ms"], shown["suspended_ms"]) == (waiting["running_ms"], 1350)
+    # and the fold of its events agrees with the record
+    state = rebuild(ctx.runs.events(run_id))
+    assert state is not None and state.suspended_ms == 1350 and state.suspension is None

@@ -97,3 +97,55 @@ def test_a_marked_block_runs_as_written(
         f"{block.where} failed ({ran.returncode}):\n{ran.stdout}\n{ran.stderr}"
         + (f"\nworker log:\n{worker.log()[-3000:]}" if worker else "")
     )
+
+
+SETTING_ROW = re.compile(
+    r"^\| `(RATCHET_[A-Z0-9_]+)` \| `?([0-9]+(?:\.[0-9]+)?)`?(?: \([^|]*\))? \|", re.M
+)
+
+
+def test_every_settings_table_gives_the_default_the_code_has() -> None:
+    from tasks.settings import Settings
+    from worker.console.auth import ConsoleSettings
+
+    fields = {f"RATCHET_{name.upper()}": f.default for name, f in Settings.model_fields.items()}
+    fields |= {
+        f"RATCHET_CONSOLE_{name.upper()}": f.default
+        for name, f in ConsoleSettings.model_fields.items()
+    }
+    rows = [
+        (path.relative_to(ROOT), variable, given)
+        for path in DOCUMENTS
+        for variable, given in SETTING_ROW.findall(path.read_text())
+    ]
+    assert len(rows) >= 10  # the README's table and docs/recovery.md's at least
+    wrong = [
+        f"{where}: {variable} default {given}, the code's is {fields.get(variable, 'no such setting')}"
+        for where, variable, given in rows
+        if variable not in fields or float(given) != float(fields[variable])
+    ]
+    assert wrong == []
+
+
+def test_the_conformance_doc_names_every_capability_the_suite_reports() -> None:
+    from store.conformance.capabilities import (
+        RUN_STORE_CAPABILITIES,
+        SNAPSHOT_STORE_CAPABILITIES,
+    )
+
+    text = (ROOT / "docs" / "conformance.md").read_text()
+    table = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", text, re.M))
+    reported = {c.name: c for c in (*RUN_STORE_CAPABILITIES, *SNAPSHOT_STORE_CAPABILITIES)}
+    assert set(table) == set(reported)
+    for name, capability in reported.items():
+        assert all(method in table[name] for method in capability.methods), (name, table[name])
+
+
+def test_the_readme_exit_table_is_the_code_table() -> None:
+    from worker.exits import MEANINGS, Exit
+
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", readme.split("**Exit statuses**", 1)[1], re.M)
+    table = {int(status): meaning for status, meaning in rows[: len(MEANINGS)]}
+    assert table == {int(status): meaning for status, meaning in MEANINGS.items()}
+    assert set(MEANINGS) == set(Exit)

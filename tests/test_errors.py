@@ -22,6 +22,7 @@ from runtime.errors import (
     HolderDied,
     InvalidContinuation,
     InvalidInput,
+    InvalidOption,
     InvalidRequest,
     InvalidRunId,
     LeaseHeld,
@@ -84,6 +85,11 @@ CASES: dict[str, tuple[RatchetError, str | None, str]] = {
     "InvalidRequest": (
         InvalidRequest("`max_turns` is 3: 2 would not raise it", RUN),
         RUN,
+        "correct it and try again",
+    ),
+    "InvalidOption": (
+        InvalidOption("--older-than '10x' is not an age: a number and one of s, m, h, d, w"),
+        None,
         "correct it and try again",
     ),
     "InvalidRunId": (InvalidRunId("../etc"), None, "use the id `ratchet runs start` printed"),
@@ -204,6 +210,7 @@ EXEMPT = {
     "ProviderError": "the provider's message; the turn adds the run and the next step",
     "ProviderRateLimited": "never shown: the turn waits on the queue",
     "ConfigInvalid": "one line a setting's check writes, naming the variable and the fix",
+    "ExtraMissing": "no run in scope: a command's missing extra, named with its install line",
     # Owned by the lease work (h/lease), which rewrites what they say.
     "RunRefused": "its reason is the caller's",
     "RunBusy": "rewritten with the lease",

@@ -130,8 +130,10 @@ def test_the_expiry_sweep_expires_a_suspended_run_whose_holder_died(tmp_path: Pa
     run_id = suspended_run(ctx, tmp_path, extra="max_suspended_s = 1")
     dead_owner(ctx, run_id)
 
-    # When the expiry sweep looks at it (as if two seconds from now)
-    expired = expire_suspended(ctx, now_ms=ctx.runs.clock() + 2000)
+    # When the expiry sweep looks at it two seconds from now, the lease not yet expired
+    later = ctx.runs.clock() + 2000
+    ctx.runs.clock = lambda: later
+    expired = expire_suspended(ctx)
 
     # Then it takes the dead holder's lease and expires the run, instead of leaving it
     # to a later sweep that finds the lease expired

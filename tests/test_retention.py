@@ -74,13 +74,13 @@ def test_runs_purge_from_the_cli_counts_what_it_purged(
     finished_run(ctx, agent, "d")
     runner = CliRunner()
 
-    purged = runner.invoke(main, ["runs", "purge", "--older-than", "2d"])
+    purged = runner.invoke(main, ["runs", "purge", "--older-than", "2d", "--yes"])
 
     assert purged.exit_code == 0, purged.output
     assert purged.output.strip() == "purged 3 finished run(s)"
     assert [r.run_id for r in ctx.runs.list()] == ["d"]
     refused = runner.invoke(main, ["runs", "purge", "--older-than", "soon"])
-    assert refused.exit_code == 1 and "is not an age" in refused.output
+    assert refused.exit_code == 2 and "is not an age" in refused.output
 
 
 def test_a_purge_cutoff_is_a_date_a_datetime_or_an_age() -> None:

@@ -26,7 +26,7 @@ from kombu.exceptions import OperationalError
 from runtime.continuation import check_pinned, make_continuation
 from runtime.errors import (
     AnswerNotQueued,
-    InvalidRequest,
+    InvalidOption,
     RatchetError,
     RunNotFound,
     RunNotQueued,
@@ -52,7 +52,7 @@ def make_cursor(record: RunRecord) -> str:
 def parse_cursor(cursor: str) -> tuple[int, str]:
     created, _, run_id = cursor.partition(".")
     if not created.isdigit() or not run_id:
-        raise InvalidRequest(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
+        raise InvalidOption(f"--cursor {cursor[:80]!r} is not a cursor a previous page printed")
     return int(created), validate_run_id(run_id)
 
 
@@ -202,7 +202,7 @@ class Ratchet:
         ``cursor`` is what the previous page returned.
         """
         if limit < 1:
-            raise InvalidRequest(f"--limit must be at least 1, not {limit}")
+            raise InvalidOption(f"--limit must be at least 1, not {limit}")
         after = parse_cursor(cursor) if cursor is not None else None
         scan = max(limit * 2, 100)
         while True:

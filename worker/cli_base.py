@@ -18,6 +18,7 @@ import click
 from runtime.errors import RatchetError
 from runtime.numbers import NOT_FINITE, is_finite
 from store.runs import RunRecord
+from worker.exits import exit_for
 from worker.render import shown_json
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,7 +60,8 @@ def finite(
 
 
 def refusals(fn: F) -> F:
-    """Turn ratchet's errors into one line on stderr and exit status 1."""
+    """Turn ratchet's errors into one line on stderr and the exit status the table gives
+    (:func:`worker.exits.exit_for`: 2 for a bad option, argument or setting, else 1)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -79,7 +81,7 @@ def refusals(fn: F) -> F:
         except (RatchetError, OSError) as exc:
             message = " ".join(str(exc).split())
             click.echo(f"ratchet: {message}", err=True)
-            sys.exit(1)
+            sys.exit(exit_for(exc))
 
     return wrapper  # type: ignore[return-value]
 

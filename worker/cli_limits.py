@@ -117,7 +117,8 @@ def limits_set(key: str, rpm: int | None, tpm: int | None, burst_s: float | None
     click.echo(f"{key}: " + ", ".join(f"{k}={v}" for k, v in sorted(values.items())))
 
 
-@limits.command("cap")
+# A negative count is an argument to refuse by its range, not an unknown option `-1`.
+@limits.command("cap", context_settings={"ignore_unknown_options": True})
 @click.argument("key")
 @click.argument("places", type=click.IntRange(min=1))
 @refusals

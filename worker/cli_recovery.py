@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from runtime.errors import RatchetError
+from runtime.errors import InvalidOption, RatchetError
 from worker.cli_base import _api, _dump, _record_json, finite, flag, json_flag, main, refusals, runs
 from worker.exits import Exit
 from worker.render import record_lines, when_utc
@@ -83,13 +83,13 @@ def runs_reconcile(
     """Decide the outcome of CALL_ID, the call a parked run has open; the run then goes on."""
     chosen = [result_json is not None, retry, fail_reason is not None]
     if sum(chosen) != 1:
-        raise RatchetError("give exactly one of --result JSON, --retry or --fail REASON")
+        raise InvalidOption("give exactly one of --result JSON, --retry or --fail REASON")
     result: Any = None
     if result_json is not None:
         try:
             result = json.loads(result_json)
         except json.JSONDecodeError as exc:
-            raise RatchetError(f"--result is not valid JSON: {exc}") from exc
+            raise InvalidOption(f"--result is not valid JSON: {exc}") from exc
         decision = "result"
     else:
         decision = "retry" if retry else "fail"
@@ -133,17 +133,17 @@ def cutoff_ms(
     ``option`` names the option in messages when it is neither (``--since``).
     """
     if (before is None) == (older_than is None):
-        raise RatchetError("give exactly one of --before DATE or --older-than AGE (e.g. 7d)")
+        raise InvalidOption("give exactly one of --before DATE or --older-than AGE (e.g. 7d)")
     if older_than is not None:
         name = option or "--older-than"
         match = re.fullmatch(r"(\d+)([smhdw])", older_than.strip())
         if match is None:
-            raise RatchetError(
+            raise InvalidOption(
                 f"{name} {older_than!r} is not an age: a number and one of s, m, h, d, w (7d)"
             )
         cutoff = now_ms - int(match[1]) * _UNITS_S[match[2]] * 1000
         if cutoff < 0:
-            raise RatchetError(
+            raise InvalidOption(
                 f"{name} {older_than} reaches back before 1970; nothing is that old, "
                 "give a smaller age (e.g. 3650d)"
             )
@@ -153,14 +153,14 @@ def cutoff_ms(
     try:
         moment = datetime.fromisoformat(before)
     except ValueError as exc:
-        raise RatchetError(
+        raise InvalidOption(
             f"{name} {before!r} is not an ISO date or datetime (2025-01-31 or 2025-01-31T12:00)"
         ) from exc
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     cutoff = int(moment.timestamp() * 1000)
     if cutoff < 0:
-        raise RatchetError(f"{name} {before} is before 1970; give a later date")
+        raise InvalidOption(f"{name} {before} is before 1970; give a later date")
     return cutoff
 
 
@@ -168,7 +168,7 @@ def cutoff_ms(
 @click.option("--before", default=None, help="Purge runs finished before this ISO date/datetime.")
 @click.option("--older-than", default=None, help="Purge runs finished longer ago than this (7d).")
 @flag("--dry-run", "List what would be purged; delete nothing.")
-@flag("--yes", "Do not ask for confirmation on a terminal.")
+@flag("--yes", "Do not ask for confirmation (needed where there is no terminal to ask on).")
 @json_flag("Print the outcome as JSON.")
 @refusals
 def runs_purge(
@@ -176,8 +176,9 @@ def runs_purge(
 ) -> None:
     """Delete finished runs (completed, failed, cancelled, dead-lettered): records and events.
 
-    Irreversible. On a terminal it says how many and asks first (--yes skips the
-    question); --dry-run lists them and deletes nothing.
+    Irreversible. It says how many and asks first (--yes skips the question; without
+    a terminal to ask on, it refuses unless --yes is given); --dry-run lists them and
+    deletes nothing.
     """
     from tasks.recovery import PURGE_BATCH, purge_finished
 
@@ -185,7 +186,7 @@ def runs_purge(
     ctx = api.ctx
     before_ms = cutoff_ms(before, older_than, ctx.runs.clock())
     cutoff = datetime.fromtimestamp(before_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    if dry_run or (not yes and sys.stdin.isatty()):
+    if dry_run or not yes:
         candidates = api.purge_candidates(before_ms)
         if dry_run:
             if as_json:
@@ -210,12 +211,17 @@ def runs_purge(
                 "purged 0 finished run(s)"
             )
             return
-        click.confirm(
+        question = (
             f"delete {len(candidates)} finished run(s) last updated before {cutoff}, "
-            "records and events, for good?",
-            abort=True,
-            err=True,
+            "records and events, for good?"
         )
+        if not sys.stdin.isatty():
+            # A script that forgot --yes must not delete what it was never asked about.
+            raise RatchetError(
+                f"not purged: this would {question[:-1]}, and there is no terminal to ask on; "
+                "add --yes to purge, or --dry-run to list them"
+            )
+        click.confirm(question, abort=True, err=True)
     total = 0
     while True:
         purged = purge_finished(ctx, before_ms, PURGE_BATCH)

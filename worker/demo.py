@@ -60,10 +60,11 @@ def run_demo(agent_file: str | None, text: str) -> int:
     click.echo(f"  broker    {settings.resolved_broker_url}")
     click.echo(f"  snapshots {settings.resolved_snapshot_store}")
     click.echo(f"  runs      {settings.resolved_run_store}")
+    api = Ratchet()
+    api.ctx.agent(agent_file)  # a bad agent file is refused before a worker is started for it
     log_path = settings.resolved_data_dir / "demo-worker.log"
     worker = _start_worker(log_path)
     try:
-        api = Ratchet()
         started = time.monotonic()
         run_id = api.start(agent_file, text)
         click.echo(f"started run {run_id} of {agent_file}; a worker is starting…\n")

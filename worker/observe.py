@@ -11,7 +11,8 @@
   ``RATCHET_LOG_FORMAT=json`` makes a worker log one JSON object per line with a
   ``run_id`` field.
 - **Quiet sweeps.** Celery logs two INFO lines per task, and beat one per send; for
-  ``ratchet.sweep`` (every 2 s) they are kept at DEBUG unless the sweep found something.
+  ``ratchet.sweep`` (every second) they are kept at DEBUG unless the sweep found something
+  (:mod:`tasks.sweep_logs`; ``tasks.install`` does the same for a team's own app).
 - **Told when a run stops.** With ``RATCHET_NOTIFY_TASK=name`` a worker sends
   that Celery task, kwargs ``run_id``, ``status``, ``output``, ``error``, to
   ``RATCHET_NOTIFY_QUEUE`` whenever a task of its leaves a run completed, failed,
@@ -38,6 +39,7 @@ from celery.signals import (
 )
 
 from tasks.messages import fields_of
+from tasks.sweep_logs import quiet_sweeps
 
 log = logging.getLogger("ratchet.observe")
 
@@ -133,30 +135,6 @@ class RunIdFilter(logging.Filter):
         return True
 
 
-class QuietSweeps(logging.Filter):
-    """Celery's lines about a sweep that found nothing: DEBUG, not INFO.
-
-    The worker's received/succeeded lines (succeeded stays INFO when it found
-    runs), and beat's "Sending due task ratchet.sweep" every interval.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.INFO:
-            return True
-        data = getattr(record, "data", None)
-        if record.name == "celery.beat":
-            if not (isinstance(record.args, tuple) and "ratchet.sweep" in record.args):
-                return True
-        elif not isinstance(data, dict) or data.get("name") != "ratchet.sweep":
-            return True
-        elif "return_value" in data and str(data["return_value"]) not in ("0", "None"):
-            return True
-        if not logging.getLogger().isEnabledFor(logging.DEBUG):
-            return False
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, process, message, run_id (and exc)."""
 
@@ -178,9 +156,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, ensure_ascii=False)
 
 
-_quiet = QuietSweeps()
-for _name in ("celery.app.trace", "celery.worker.strategy", "celery.beat"):
-    logging.getLogger(_name).addFilter(_quiet)
+quiet_sweeps()
 
 
 def configure_handlers(logger: logging.Logger, json_logs: bool) -> None:

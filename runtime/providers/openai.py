@@ -85,7 +85,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
-from runtime.errors import ProviderError, ProviderRateLimited
+from runtime.errors import ProviderError, ProviderRateLimited, plain_problem
 from runtime.models import Message, TokenUsage
 from runtime.numbers import Finite
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
@@ -193,7 +193,7 @@ def parse_provider_table(
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"]) or "(table)"
-        problem = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        problem = "unknown key" if err["type"] == "extra_forbidden" else plain_problem(err["msg"])
         raise ValueError(f"`[provider] {key}`: {problem}") from None
 
 

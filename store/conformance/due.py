@@ -115,6 +115,39 @@ class DueRunsAndRetention:
 
         assert run_store.overdue() == ["stays"]
 
+    def test_a_run_waiting_for_a_person_is_overdue_when_it_expires_and_leaves_when_it_ends(
+        self, run_store: RunStore, clock: FakeClock
+    ) -> None:
+        # Given runs suspended on a person: two under a max_suspended_s (due when they
+        # expire, runtime.recovery.sweep_due_ms), one without (never due)
+        for run_id in ("expires", "answered", "patient"):
+            new_run(run_store, run_id, due_at_ms=T0_MS + 10)
+        for run_id, due in (("expires", T0_MS + 2_001), ("answered", T0_MS + 2_001),
+                            ("patient", None)):  # fmt: skip
+            run_store.append(
+                record(run_id, last_seq=2, status=RunStatus.NEEDS_USER_INPUT, due_at_ms=due),
+                [event(2, "run.suspended")],
+                owner=None,
+            )
+        # Then none is overdue before it expires, both are at the instant they do
+        clock.advance(2_000)
+        assert run_store.overdue() == []
+        clock.advance(1)
+        assert sorted(run_store.overdue()) == ["answered", "expires"]
+        # And a run leaves the index once it has expired or been answered
+        run_store.append(
+            record("expires", last_seq=3, status=RunStatus.FAILED, due_at_ms=None),
+            [event(3, "run.expired")],
+            owner=None,
+        )
+        run_store.append(
+            record("answered", last_seq=3, status=RunStatus.MODEL, due_at_ms=T0_MS + 60_000),
+            [event(3, "run.continued")],
+            owner=None,
+        )
+        clock.advance(10_000)
+        assert run_store.overdue() == []
+
     def test_a_run_that_moved_on_a_little_is_overdue_at_its_new_due_time_not_before(
         self, run_store: RunStore, clock: FakeClock
     ) -> None:

@@ -149,3 +149,13 @@ class LimitStoreContract:
         limit_store.set_override("k", None)
         limit_store.set_cap_override("key:tenant-a", None)
         assert limit_store.overrides() == {} and limit_store.cap_overrides() == {}
+        # A key only ever set at run time is not listed once it is unset
+        assert limit_store.known() == ([], [])
+
+    def test_a_key_runs_used_stays_known_after_its_run_time_value_is_unset(
+        self, limit_store: LimitStore
+    ) -> None:
+        limit_store.acquire("agent:a", "r0", 2)
+        limit_store.set_cap_override("agent:a", 3)
+        limit_store.set_cap_override("agent:a", None)
+        assert limit_store.known() == ([], ["agent:a"])

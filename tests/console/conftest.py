@@ -1,7 +1,7 @@
 """A real console (``python -m worker console`` subprocess) and a real browser (Chromium).
 
 The browser is Debian's ``chromium`` driven by Selenium through Debian's
-``chromium-driver`` (``.ci/run`` installs both); Selenium never downloads one.
+``chromium-driver`` (``tests/services``, README command 2, installs both); Selenium never downloads one.
 Screenshots are kept under ``SCREENSHOTS`` (printed by the tests that take them).
 """
 

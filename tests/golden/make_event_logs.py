@@ -124,7 +124,9 @@ def suspension_expired(ctx: Context, home: Path) -> str:
     )
     run = create_run(ctx, agent, "Refund my order.", "golden-expired")
     drive(ctx, run.run_id)
-    expire_suspended(ctx, now_ms=ctx.runs.clock() + 60_000)
+    later = ctx.runs.clock() + 60_000
+    ctx.runs.clock = lambda: later  # a minute on: past its max_suspended_s, due to expire
+    assert expire_suspended(ctx) == [run.run_id]
     return run.run_id
 
 

@@ -46,6 +46,7 @@ def test_a_run_completes_on_a_worker_of_another_app_with_ratchet_installed(
     worker = worker_processes.start(
         "-Q", f"{TURNS_QUEUE},{CONTROL_QUEUE}", "--concurrency", "1", "--prefetch-multiplier",
         "1", "-B", "-s", str(tmp_path / "beat-schedule"),
+        "--loglevel", "DEBUG",  # an empty sweep's lines are DEBUG (tasks/sweep_logs.py)
         app="tests.fixtures.proj_app", PROJ_BROKER_URL=redis_url,
         RATCHET_SWEEP_INTERVAL_S="0.5",
     )  # fmt: skip

@@ -176,7 +176,7 @@ def test_an_idempotency_key_gives_one_run_however_often_the_start_is_sent(
         assert other.returncode == 1 and "already exists with another input" in other.stderr
         # And a run id and a key together are refused
         both = start(env, "--idempotency-key", "k", "--run-id", "r1")
-        assert both.returncode == 1 and "not both" in both.stderr
+        assert both.returncode == 2 and "not both" in both.stderr
     finally:
         processes.stop_all()
 

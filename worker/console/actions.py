@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from runtime.errors import RatchetError
+from runtime.errors import InvalidOption
 from worker.api import Ratchet
 
 Form = Mapping[str, str]
@@ -34,7 +34,7 @@ def _seq(form: Form) -> int | None:
     if value is None:
         return None
     if not value.isdigit():
-        raise RatchetError(f"suspension_seq {value!r} is not a seq number")
+        raise InvalidOption(f"suspension_seq {value!r} is not a seq number")
     return int(value)
 
 
@@ -75,13 +75,13 @@ def reconcile_arguments(form: Form) -> tuple[str, str, Any, str | None]:
     call_id = form.get("call_id", "")
     decision = form.get("decision", "")
     if decision not in ("result", "retry", "fail"):
-        raise RatchetError("give exactly one of --result JSON, --retry or --fail REASON")
+        raise InvalidOption("give exactly one of --result JSON, --retry or --fail REASON")
     result: Any = None
     if decision == "result":
         try:
             result = json.loads(form.get("result", ""))
         except json.JSONDecodeError as exc:
-            raise RatchetError(f"--result is not valid JSON: {exc}") from exc
+            raise InvalidOption(f"--result is not valid JSON: {exc}") from exc
     reason = form.get("reason") if decision == "fail" else None
     return call_id, decision, result, reason
 

@@ -22,10 +22,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from runtime.errors import RatchetError
+from runtime.errors import ConfigInvalid
 
 COOKIE = "ratchet_console"
 SESSION_S = 12 * 3600
@@ -50,11 +50,27 @@ class ConsoleSettings(BaseSettings):
     port: int = Field(default=8765, ge=1, le=65535)
 
 
+def console_settings() -> ConsoleSettings:
+    """The console's settings from the environment; ConfigInvalid naming a bad variable."""
+    try:
+        return ConsoleSettings()
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        variable = "RATCHET_CONSOLE_" + str(error["loc"][0] if error["loc"] else "").upper()
+        problem = str(error["msg"])
+        raise ConfigInvalid(
+            variable,
+            f"{variable} is refused: {problem[:1].lower()}{problem[1:]}; set a valid value, "
+            "or unset it for the default",
+        ) from None
+
+
 def console_token(settings: ConsoleSettings) -> str:
-    """The configured token; a RatchetError saying how to set one if it is missing or short."""
+    """The configured token; ConfigInvalid saying how to set one if it is missing or short."""
     token = settings.token.get_secret_value() if settings.token is not None else ""
     if len(token) < MIN_TOKEN_CHARS:
-        raise RatchetError(
+        raise ConfigInvalid(
+            "RATCHET_CONSOLE_TOKEN",
             "the console needs RATCHET_CONSOLE_TOKEN, a secret of at least "
             f"{MIN_TOKEN_CHARS} characters (make one with "
             "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"

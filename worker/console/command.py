@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from runtime.errors import RatchetError
+from runtime.errors import ExtraMissing
 from worker.cli_base import main, refusals
 
 log = logging.getLogger("ratchet.console")
@@ -36,13 +36,11 @@ def console(host: str | None, port: int | None) -> None:
 
         from worker.console.app import make_app
     except ImportError as exc:
-        raise RatchetError(
-            f"the console needs its extra ({exc.name} is missing): pip install 'ratchet[console]'"
-        ) from exc
+        raise ExtraMissing("console", exc.name) from exc
     from worker.api import Ratchet
-    from worker.console.auth import ConsoleSettings, console_token
+    from worker.console.auth import console_settings, console_token
 
-    settings = ConsoleSettings()
+    settings = console_settings()
     token = console_token(settings)
     host = host or settings.host
     port = port or settings.port
