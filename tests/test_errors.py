@@ -199,6 +199,16 @@ CASES: dict[str, tuple[RatchetError, str | None, str]] = {
         RUN,
         f"`ratchet runs cancel {RUN}`",
     ),
+    "AnswerNotQueued": (
+        errors.AnswerNotQueued(RUN, 7, "the broker is down"),
+        RUN,
+        f"`ratchet runs resume {RUN}`",
+    ),
+    "ClockSkewed": (
+        errors.ClockSkewed(-90_000, 60.0, "Redis TIME"),
+        None,
+        "sync this host's clock",
+    ),
 }
 
 EXEMPT = {

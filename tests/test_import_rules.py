@@ -22,7 +22,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "runtime": (),
     # runtime.limits: the limit stores carry out the pure limiter's arithmetic (GCRA)
     # inside their own transaction, so the SQLite and memory stores share it.
-    "store": ("runtime.models", "runtime.errors", "runtime.limits"),
+    "store": ("runtime.models", "runtime.errors", "runtime.limits", "runtime.json_values"),
     "tasks": ("runtime", "store", "tasks"),
     "worker": ("runtime", "store", "tasks", "worker"),
 }
