@@ -4,7 +4,8 @@
         [--variants default,events=0] [--rounds 2] [--no-monitor]
 
 Starts its own redis-server (broker and both stores on one database, as a Redis
-deployment runs them), a local OpenAI-compatible model server answering at once
+deployment runs them; ``--broker amqp``: the broker on the RabbitMQ at 127.0.0.1:5672,
+in a virtual host of its own, and only the stores' commands counted), a local OpenAI-compatible model server answering at once
 (tests/model_server.py: the real provider path, so a limit key exists), and per
 slice a fresh ``celery -A worker worker``. A slice warms the worker with one run,
 reads ``INFO commandstats``, sends ``--runs`` runs of ``--turns`` model turns (the
@@ -21,9 +22,11 @@ The bench's own reads (the ``ZCARD`` polls that see the runs finish, and the two
 ``--variants`` names settings given to the worker's environment, one slice each,
 alternated for ``--rounds`` rounds so every variant sees the same phases of the
 machine: ``default`` (nothing), or ``NAME=VALUE`` pairs joined by ``+`` with the
-``RATCHET_`` prefix left off (``events=0`` is short for ``TASK_EVENTS=0``). CPU ms
+``RATCHET_`` prefix left off (``events=0`` is short for ``TASK_EVENTS=0``), or
+``src=PATH``: the worker runs the code of the checkout at PATH (``src=/work/main``
+beside ``default``: before and after a change, in one invocation). CPU ms
 per turn is the worker's process group (parent and pool) and the redis-server's,
-from /proc (10 ms ticks: use a few hundred turns).
+from /proc/PID/task/*/schedstat.
 """
 
 from __future__ import annotations
@@ -52,25 +55,25 @@ from bench.io_fleet import (  # noqa: E402
 )
 from tests.redis_server import RedisServer  # noqa: E402
 
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 ALIASES = {"events": "TASK_EVENTS"}
 
 
 def cpu_s(pids: set[int] | None = None, group: int | None = None) -> float:
-    """utime + stime of the processes ``pids`` or of process group ``group``."""
-    total = 0
+    """CPU seconds of the processes ``pids`` or of process group ``group``: every thread's
+    run time from /proc/PID/task/*/schedstat (nanoseconds; a thread that ended is gone)."""
+    total_ns = 0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if not ((pids is not None and int(entry.name) in pids) or int(fields[2]) == group):
+                continue
+            for task in (entry / "task").iterdir():
+                total_ns += int((task / "schedstat").read_text().split()[0])
         except OSError:
             continue
-        if (pids is not None and int(entry.name) in pids) or (
-            group is not None and int(fields[2]) == group
-        ):
-            total += int(fields[11]) + int(fields[12])
-    return total * TICK_S
+    return total_ns / 1e9
 
 
 def commandstats(client: Any) -> Counter[str]:
@@ -106,15 +109,18 @@ class Monitor:
         self._thread.join(timeout=5)
 
 
-def worker_env(url: str, workdir: Path, variant: str) -> dict[str, str]:
+def worker_env(url: str, broker_url: str, workdir: Path, variant: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(workdir / "data"),
-               RATCHET_BROKER_URL=url, RATCHET_SNAPSHOT_STORE=url, RATCHET_RUN_STORE=url,
-               RATCHET_ALLOW_VOLATILE_STORE="1")  # fmt: skip
+               RATCHET_BROKER_URL=broker_url, RATCHET_SNAPSHOT_STORE=url,
+               RATCHET_RUN_STORE=url, RATCHET_ALLOW_VOLATILE_STORE="1")  # fmt: skip
     if variant != "default":
         for pair in variant.split("+"):
             name, _, value = pair.partition("=")
-            env[f"RATCHET_{ALIASES.get(name, name).upper()}"] = value
+            if name == "src":  # another checkout's code in the worker (a before/after pair)
+                env["PYTHONPATH"] = value
+            else:
+                env[f"RATCHET_{ALIASES.get(name, name).upper()}"] = value
     return env
 
 
@@ -125,7 +131,7 @@ def start_worker(args: argparse.Namespace, env: dict[str, str], log: Path) -> An
                "-c", str(args.concurrency), "--loglevel", "WARNING", "--without-mingle",
                "--without-gossip", "--hostname", f"commands-{os.getpid()}-{time.monotonic_ns()}@%h"]  # fmt: skip
     with log.open("ab") as handle:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
+        return subprocess.Popen(command, cwd=env["PYTHONPATH"], env=env, stdout=handle,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
@@ -157,14 +163,15 @@ def run_slice(  # noqa: PLR0915 - one slice, read top to bottom
     from worker.app import make_app
 
     url = f"{server.url}/1"
-    env = worker_env(url, workdir, variant)
+    broker_url = args.broker_url or url
+    env = worker_env(url, broker_url, workdir, variant)
     agent = write_agent(workdir / f"agent-{index}", "openai", args.turns, 0.0, model.url)
     log = workdir / f"worker-{index}.log"
     raw = redis.Redis.from_url(url)
     raw.flushall()
     redis_pid = int(raw.info("server")["process_id"])
     worker = start_worker(args, env, log)
-    client = make_app(Settings(broker_url=url))
+    client = make_app(Settings(broker_url=broker_url))
     ctx = Context(Settings(), open_snapshot_store(url), open_run_store(url))
     monitor = Monitor(raw) if args.monitor else None
     try:
@@ -219,7 +226,9 @@ def run_slice(  # noqa: PLR0915 - one slice, read top to bottom
         "total": sum(used.values()) / turns,
         "client": sum(n for (_, lua), n in split.items() if not lua) / turns,
         "lua": sum(n for (_, lua), n in split.items() if lua) / turns,
-        "split": {f"{'lua ' if lua else ''}{name}": n / turns for (name, lua), n in split.most_common()},
+        "split": {
+            f"{'lua ' if lua else ''}{name}": n / turns for (name, lua), n in split.most_common()
+        },
         "idle_per_s": {name: n / args.idle_s for name, n in (+idle).most_common()},
         "worker_cpu_ms": (cpu_after[0] - cpu_before[0]) * 1000 / turns,
         "redis_cpu_ms": (cpu_after[1] - cpu_before[1]) * 1000 / turns,
@@ -237,7 +246,9 @@ def report(slices: list[dict[str, Any]], args: argparse.Namespace) -> None:
             values = [s[key] for s in mine]
             return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
-        client = f"{statistics.median(s['client'] for s in mine):7.2f}" if args.monitor else "      -"
+        client = (
+            f"{statistics.median(s['client'] for s in mine):7.2f}" if args.monitor else "      -"
+        )
         lua = f"{statistics.median(s['lua'] for s in mine):7.2f}" if args.monitor else "      -"
         print(f"{variant:24} {statistics.median(s['total'] for s in mine):9.2f} {client} {lua} "
               f"{med('worker_cpu_ms'):>19} {med('redis_cpu_ms'):>18}")  # fmt: skip
@@ -257,30 +268,58 @@ def report(slices: list[dict[str, Any]], args: argparse.Namespace) -> None:
                   + ", ".join(f"{r:.3f}" for r in ratios) + ")")  # fmt: skip
     for variant in variants:
         last = [s for s in slices if s["variant"] == variant][-1]
-        print(f"\n{variant}: commands per turn (last round, {last['turns']} turns, "
-              f"{last['elapsed_s']:.1f} s)")
+        print(
+            f"\n{variant}: commands per turn (last round, {last['turns']} turns, "
+            f"{last['elapsed_s']:.1f} s)"
+        )
         shown = last["split"] if args.monitor else last["per_turn"]
         print("  " + ", ".join(f"{name} {n:.2f}" for name, n in shown.items()))
-        print("  idle/s: " + (", ".join(f"{n} {v:.1f}" for n, v in last["idle_per_s"].items()) or "-"))
+        print(
+            "  idle/s: " + (", ".join(f"{n} {v:.1f}" for n, v in last["idle_per_s"].items()) or "-")
+        )
+
+
+def rabbitmq_vhost() -> str:
+    """A new RabbitMQ virtual host (deleted at exit) and its URL."""
+    import atexit
+    import json
+    import subprocess
+    import uuid
+
+    vhost = f"ratchet-bench-{uuid.uuid4().hex[:12]}"
+    permissions = {"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}
+    subprocess.run(["rabbitmqctl", "-q", "import_definitions", "--format", "json"],
+                   input=json.dumps({"vhosts": [{"name": vhost}], "permissions": [permissions]}).encode(),
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    atexit.register(subprocess.run, ["rabbitmqctl", "-q", "delete_vhost", vhost],
+                    capture_output=True, timeout=60)  # fmt: skip
+    return f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--pool", default="prefork", choices=["prefork", "threads", "gevent", "solo"])
+    parser.add_argument(
+        "--pool", default="prefork", choices=["prefork", "threads", "gevent", "solo"]
+    )
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--variants", default="default")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--no-monitor", dest="monitor", action="store_false")
+    parser.add_argument("--broker", default="redis", choices=["redis", "amqp"],
+                        help="amqp: a virtual host of its own on the RabbitMQ at 127.0.0.1:5672")  # fmt: skip
     args = parser.parse_args()
+    args.broker_url = None
+    if args.broker == "amqp":
+        args.broker_url = rabbitmq_vhost()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    print(f"commands: {args.runs} runs x {args.turns} turns, -P {args.pool} -c "
+    print(f"commands: {args.runs} runs x {args.turns} turns, {args.broker} broker, -P {args.pool} -c "
           f"{args.concurrency}, variants {variants}, {args.rounds} rounds; load average "
           f"{loadavg()} at start", flush=True)  # fmt: skip
-    slices = []
+    slices: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ratchet-commands-") as tmp:
         workdir = Path(tmp)
         server = RedisServer(workdir)
@@ -288,7 +327,7 @@ def main() -> None:
         model = ModelProcess(0.0, args.turns)
         try:
             for round_ in range(args.rounds):
-                order = variants[round_ % len(variants):] + variants[: round_ % len(variants)]
+                order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
                 for variant in order:
                     slices.append(run_slice(variant, args, server, len(slices), workdir, model))
                     print(f"  round {round_ + 1} {variant}: {slices[-1]['total']:.2f} cmds/turn, "
