@@ -52,13 +52,13 @@ end
 local DUE_SLACK = 1000
 local stored_seq = ''
 if mode ~= '' then
-  stored_seq = redis.call('HGET', KEYS[7], 'seq') or ''
+  local stored = redis.call('HMGET', KEYS[7], 'seq', 'n', 'chain')
+  stored_seq = stored[1] or ''
   if stored_seq ~= snapshot_seq then
     return {'snapshot', stored_seq}
   end
   if mode == 'append' then
-    local tip = redis.call('HMGET', KEYS[7], 'n', 'chain')
-    if tip[1] ~= base_length or tip[2] ~= base_chain
+    if stored[2] ~= base_length or stored[3] ~= base_chain
         or redis.call('LLEN', KEYS[9]) ~= tonumber(base_length) then
       return {'moved'}
     end
