@@ -319,7 +319,9 @@ class HeldRun:
         """The run finished: its events, the snapshot's deletion and the lease's release
         in one store call (its snapshot has served its purpose, :meth:`finish`)."""
         try:
+            started = time.perf_counter()
             commit_finished(self.ctx, self.state, change, self.owner)
+            metrics.checkpointed(time.perf_counter() - started, None)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
             self._record_stall(str(error))
