@@ -155,6 +155,15 @@ class LimitStore(ABC):
         """Limit keys and concurrency keys runs have used, and those set at run time now
         (for ``ratchet limits``): a key only set at run time goes once it is unset."""
 
+    def held_off_s(self, key: str) -> float:
+        """How long a 429 still holds ``key`` off (0: not held). Read by a run whose key has
+        no rate, which asks :meth:`admit` only while it is held off."""
+        return self.use(key).blocked_s
+
+    def note_key(self, key: str) -> None:  # noqa: B027 - optional: a backend may list less
+        """``key`` is in use without a rate: :meth:`known` lists it. (A backend that does
+        not override this lists only the keys it admitted or had set.)"""
+
 
 # --- the embedded default and tests: the arithmetic in Python, on documents -------
 
@@ -308,6 +317,10 @@ class LocalLimitStore(LimitStore):
                 sorted({*known.get("limits", {}), *config.get("limits", {})}),
                 sorted({*known.get("caps", {}), *config.get("caps", {})}),
             )
+
+    def note_key(self, key: str) -> None:
+        with self._documents("known") as docs:
+            docs["known"].setdefault("limits", {})[key] = 1
 
 
 def _take_reservation(doc: dict[str, Any], name: str, now: float) -> Verdict | None:
@@ -560,6 +573,18 @@ class RedisLimitStore(LimitStore):
         limits = sorted({_s(k) for k in used} | {_s(k) for k in set_now})
         caps = sorted({_s(k) for k in used_caps} | {_s(k) for k in caps_now})
         return limits, caps
+
+    def held_off_s(self, key: str) -> float:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.time()
+        pipe.get(self._k(key, "blocked"))
+        with self._translated():
+            (secs, micros), blocked = pipe.execute()
+        return max(0.0, float(blocked) - (secs * 1000 + micros / 1000)) / 1000 if blocked else 0.0
+
+    def note_key(self, key: str) -> None:
+        with self._translated():
+            self._register(self._known, key)
 
 
 def _s(value: Any) -> str:

@@ -107,6 +107,13 @@ class Context:
             state = self._checkpoints.get(run_id)
         return None if state is None else state.seq
 
+    def remembered_agent(self, run_id: str) -> str | None:
+        """The agent name of the run's state this process remembers, if any (a label for
+        the message that chains its next turn, without reading the run store)."""
+        with self._lock:
+            state = self._checkpoints.get(run_id)
+        return None if state is None else state.agent
+
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:
             self._checkpoints.pop(run_id, None)

@@ -3,7 +3,7 @@
 ratchet's own app (``worker.app.make_app``) and a team's app (:func:`tasks.install`)
 read the same table, :func:`delivery_settings`: queues (with their arguments),
 routes (with their priorities), the Redis transport's priority steps, queue order and
-visibility timeout, the content accepted, prefetch, task events and the plain-JSON
+visibility timeout, the content accepted, prefetch, task events (:func:`task_events_on`) and the plain-JSON
 continuations queue. A sender and a worker configured from it agree on every name a
 message is put under, so whatever sends a turn (the CLI, the console, the API, a
 client, a worker chaining it, the sweeper), the workers read it at once.
@@ -87,10 +87,24 @@ def delivery_settings(broker_url: str, settings: Settings) -> dict[str, Any]:
         "accept_content": ["json"],
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "worker_send_task_events": settings.task_events,
-        "task_send_sent_event": settings.task_events,
+        "worker_send_task_events": task_events_on(settings, scheme),
+        "task_send_sent_event": task_events_on(settings, scheme),
         "ratchet_continuations_queue": settings.continuations_queue,
     }
+
+
+def task_events_on(settings: Settings, scheme: str) -> bool:
+    """Whether Celery task events are sent: RATCHET_TASK_EVENTS, and for ``auto`` the broker.
+
+    On Redis they are off unless asked for: there they cost a turn up to 10-20% of the
+    worker's CPU and 3 ``PUBLISH`` on a gevent worker (docs/broker.md), and Flower
+    switches them on itself when it starts (its ``enable_events`` control command). On
+    RabbitMQ no cost was measured; the embedded ``filesystem://`` broker publishes them
+    only while someone listens. Both keep them on.
+    """
+    if settings.task_events != "auto":
+        return bool(settings.task_events)
+    return scheme not in REDIS_SCHEMES
 
 
 def _routes(scheme: str) -> dict[str, dict[str, Any]]:

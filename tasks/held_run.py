@@ -55,6 +55,7 @@ from tasks.persistence import (
     append_events,
     append_transition,
     commit_checkpointed,
+    commit_finished,
     extended,
     load,
     save_snapshot,
@@ -110,6 +111,8 @@ class HeldRun:
         """The lease went with the turn's last checkpoint (:meth:`checkpointed`)."""
         self.queued = False
         """The next turn's message went with it too (an outbox on the broker's Redis)."""
+        self.dropped = False
+        """The run finished and its snapshot went with that checkpoint (:meth:`finish`)."""
         self.requested_early: frozenset[str] = frozenset()
         """Calls journaled as requested with the model's response, not started yet: the
         turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
@@ -247,7 +250,8 @@ class HeldRun:
     def finish(self) -> TurnOutcome:
         """A terminal run keeps its events; its snapshot has served its purpose."""
         self.ctx.forget_checkpoint(self.state.run_id)
-        self.ctx.snapshots.delete(self.state.run_id)
+        if not self.dropped:
+            self.ctx.snapshots.delete(self.state.run_id)
         if self.state.parent is not None:
             # The fast path; the sweeper tells the parent if this process dies first.
             tell_parent_soon(self.state.run_id)
@@ -280,6 +284,9 @@ class HeldRun:
                 return
             model_calls = change.state.usage.model_turns
             failpoints.hit("snapshot.before_save", model_calls)
+            if change.state.status.is_terminal:
+                self._finished(change)
+                return
             release = self._ends_turn(change.state)
             outbox = self._next_turn(change.state) if release else None
             try:
@@ -307,6 +314,23 @@ class HeldRun:
                     heartbeats().remove(self._beat)
             self.ctx.remember_checkpoint(self.state)
             failpoints.hit("snapshot.after_save", model_calls)
+
+    def _finished(self, change: Transition) -> None:
+        """The run finished: its events, the snapshot's deletion and the lease's release
+        in one store call (its snapshot has served its purpose, :meth:`finish`)."""
+        try:
+            started = time.perf_counter()
+            commit_finished(self.ctx, self.state, change, self.owner)
+            metrics.checkpointed(time.perf_counter() - started, None)
+        except StoreUnavailable as exc:
+            error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
+            self._record_stall(str(error))
+            raise error from exc
+        self.state = change.state
+        self.dropped = self.released = True
+        if self._beat is not None:
+            heartbeats().remove(self._beat)
+        failpoints.hit("snapshot.after_save", change.state.usage.model_turns)
 
     def _requesting(self, change: Transition) -> Transition:
         """``change`` (a model response) with the ``tool.requested`` of the calls it asks for,

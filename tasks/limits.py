@@ -18,6 +18,9 @@ handed the place and its turn enqueued at once. A waiting run holds nothing but
 its place in line and a safety-net turn every :data:`CAP_RECHECK_S`; it never
 stalls on a cap.
 
+A key with no rate in force costs no admission round trip (:func:`held_off`: a 429's
+hold-off is read at most every :data:`OVERRIDES_TTL_S`, and while it lasts the store decides).
+
 Limits come from the agent file's ``[limits]`` table and are overridden at run
 time by ``ratchet limits set`` / ``ratchet limits cap`` (kept in the limit store,
 read here through a cache of :data:`OVERRIDES_TTL_S`): changing a limit needs no
@@ -104,6 +107,30 @@ def overrides(store: LimitStore) -> _Overrides:
     return held
 
 
+@dataclass
+class _HeldOff:
+    read_at: float
+    until: float
+    """time.monotonic() until which a 429 holds the key off (as last read or seen here)."""
+
+
+_held_off: weakref.WeakKeyDictionary[LimitStore, dict[str, _HeldOff]] = weakref.WeakKeyDictionary()
+
+
+def held_off(store: LimitStore, key: str) -> bool:
+    """Does a 429 hold ``key`` off now? Read from the store again when older than
+    OVERRIDES_TTL_S (a 429 this process saw counts at once: :func:`refused`). The first
+    read of a key also lists it for ``ratchet limits``."""
+    seen = _held_off.setdefault(store, {})
+    now = time.monotonic()
+    held = seen.get(key)
+    if held is None or now - held.read_at >= OVERRIDES_TTL_S:
+        if held is None:
+            store.note_key(key)
+        held = seen[key] = _HeldOff(now, now + store.held_off_s(key))
+    return held.until > now
+
+
 def limit_key(agent: Agent) -> str | None:
     """The name of the agent's shared limit: ``[limits] key``, else the provider's default."""
     if agent.spec.limits.key:
@@ -174,6 +201,10 @@ def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) ->
     key, limits = rates(store, agent)
     if key is None:
         return Go()  # a provider without a key (scripted): nothing is shared
+    if not limits and not held_off(store, key):
+        # No rate in force: nothing to schedule, so no round trip (a 429's hold-off is
+        # read at most every OVERRIDES_TTL_S, and while it lasts the store decides).
+        return Go(key)
     completion = getattr(agent.provider, "max_tokens", None) or agent.spec.limits.completion_tokens
     estimate = estimate_tokens(request.messages, request.tools, completion)
     costs = [1.0 if r.unit == "requests" else float(estimate) for r in limits]
@@ -284,7 +315,10 @@ def refused(
     """The provider answered 429: hold the whole key off for Retry-After, wait on the queue."""
     wait_s = exc.retry_after_s if exc.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
     key = go.key or limit_key(agent) or agent.spec.model
-    limit_store(ctx).block(key, wait_s * 1000)
+    store = limit_store(ctx)
+    store.block(key, wait_s * 1000)
+    now = time.monotonic()
+    _held_off.setdefault(store, {})[key] = _HeldOff(now, now + wait_s)
     log.info("run %s: %s; waiting %.2f s on the queue", state.run_id, exc, wait_s)
     return _rate_wait(ctx, agent, state, turn, key, "429", wait_s * 1000, "blocked", refused=True)
 

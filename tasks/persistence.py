@@ -26,7 +26,7 @@ from runtime.errors import (
 from runtime.fsm import ENDINGS, apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
-from store.runs import Checkpoint, Outbox, RunRecord
+from store.runs import Checkpoint, Dropped, Outbox, RunRecord
 from store.snapshots import Prefetched
 from tasks import metrics, tracing
 from tasks.context import Context
@@ -380,6 +380,15 @@ def commit_checkpointed(
     if release:
         ctx.runs.release_lease(before.run_id, owner)
     return False
+
+
+def commit_finished(ctx: Context, before: RunState, change: Transition, owner: str) -> None:
+    """Append ``change``, which finishes the run, delete its snapshot and let the lease go:
+    one store call where the run store :meth:`~store.runs.RunStore.commits_with` the
+    snapshot store, the separate calls otherwise. Raises StaleWrite, LeaseLost,
+    StoreUnavailable."""
+    ctx.runs.commit(change.record, change.events, owner, Dropped(ctx.snapshots), release=True)
+    _committed(ctx, before.status, change)
 
 
 def _committed(ctx: Context, before: RunStatus, change: Transition) -> None:

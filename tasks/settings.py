@@ -84,8 +84,9 @@ class Settings(BaseSettings):
     allow_volatile_store: bool = False
     """Start although a Redis store keeps nothing durable (no AOF): a restart then rolls it back."""
     # --- observability and answers (issue 10: items 11, 15, 16) ---
-    task_events: bool = True
-    """Workers send Celery task events (Flower, `celery events`); 0 turns them off."""
+    task_events: Literal["auto"] | bool = "auto"
+    """Workers send Celery task events (Flower, `celery events`): 1 on, 0 off, `auto` (the
+    default) off on a Redis broker, where they cost a turn most, and on elsewhere."""
     log_format: Literal["text", "json"] = "text"
     """`json`: a worker logs one JSON object per line, with a `run_id` field."""
     allow_unpinned_continuations: bool = False

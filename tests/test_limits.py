@@ -252,3 +252,58 @@ def test_a_concurrency_key_puts_the_run_under_the_agents_cap_per_key(tmp_path: P
         "key:tenant-a",
     )
     assert advance(ctx, other.run_id, None).outcome == "completed"  # another tenant goes
+
+
+def test_a_run_whose_key_has_no_rate_costs_no_admission_but_its_key_is_listed(
+    tmp_path: Path,
+) -> None:
+    # Given an agent naming a limit key but setting no rate
+    ctx = memory_context()
+    store = MemoryLimitStore(clock=Clock())
+    use_limit_store(ctx, store)
+    path = write_agent(
+        tmp_path,
+        [turn("Looking.", call("lookup_order", order_id="B2")), turn("Done.")],
+        extra='[limits]\nkey = "k"',
+    )
+    run = create_run(ctx, path, "Where is B2?")
+
+    # When it runs to the end
+    assert drive(ctx, run.run_id).outcome == "completed"
+
+    # Then no call went through admission (it counts every call it lets go), yet
+    # `ratchet limits` lists the key, ready for `ratchet limits set k ...`
+    assert store.use("k").requests_this_minute == 0
+    assert store.known()[0] == ["k"]
+
+
+def test_a_429_holds_a_key_without_rates_off_here_at_once_and_elsewhere_within_the_cache(
+    tmp_path: Path,
+) -> None:
+    import tasks.limits
+    from runtime.errors import ProviderRateLimited
+    from runtime.fsm import decide
+
+    ctx = memory_context()
+    store = MemoryLimitStore(clock=Clock())
+    use_limit_store(ctx, store)
+    path = write_agent(tmp_path, [turn("Done.")], extra='[limits]\nkey = "k"')
+    agent = ctx.agent(path)
+    state = create_run(ctx, path, "hi")
+    request = decide(state, agent, 0).request()  # type: ignore[union-attr]
+    go = admit(ctx, agent, state, request)
+    assert not isinstance(go, Wait)
+
+    # Another process's 429 (kept in the store) is seen once the cache's seconds passed
+    store.block("k", 30_000)
+    tasks.limits._held_off[store]["k"].read_at = -1e9
+    held = admit(ctx, agent, state, request)
+    assert isinstance(held, Wait) and held.events[0][1]["binding"] == "blocked"
+
+    # A 429 this process saw holds the key off for its next call at once, cache or not
+    other = MemoryLimitStore(clock=Clock())
+    use_limit_store(ctx, other)
+    assert not isinstance(admit(ctx, agent, state, request), Wait)
+    tasks.limits.refused(ctx, agent, state, go, 1, ProviderRateLimited("429", retry_after_s=30))
+    held = admit(ctx, agent, state, request)
+    assert isinstance(held, Wait) and held.events[0][1]["binding"] == "blocked"

@@ -222,3 +222,32 @@ def test_a_heartbeat_round_is_one_round_trip_even_after_the_server_lost_its_scri
     finally:
         runs.close()
         client.close()
+
+
+def test_a_run_that_finishes_on_one_redis_drops_its_snapshot_and_lease_in_its_last_script(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from tasks.start import create_run
+    from tasks.turn import advance
+    from tests.helpers import turn, write_agent
+    from tests.workers import redis_context
+
+    # Given a run on one Redis (both stores) whose first answer completes it
+    ctx = redis_context(redis_url)
+    run = create_run(ctx, write_agent(tmp_path, [turn("Done.")]), "hi")
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_resetstat()
+
+    # When its turn is taken
+    assert advance(ctx, run.run_id, None).outcome == "completed"
+
+    # Then the snapshot and the lease are gone with the last script: no MULTI/EXEC deleted
+    # the snapshot on its own (the snapshot store's delete), and the run is complete
+    calls = admin.info("commandstats")
+    assert "cmdstat_multi" not in calls and "cmdstat_exec" not in calls, sorted(calls)
+    assert ctx.snapshots.load(run.run_id) is None and run.run_id not in ctx.snapshots.list()
+    assert ctx.runs.lease(run.run_id) is None
+    record = ctx.runs.get(run.run_id)
+    assert record is not None and record.status == RunStatus.COMPLETED
+    admin.close()
+    ctx.close()

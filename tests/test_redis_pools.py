@@ -125,3 +125,48 @@ def test_prefork_and_solo_processes_run_one_turn_and_green_pools_their_concurren
     assert slots_for("threads", 500) == 500
     assert slots_for("gevent", 2000) == 2000
     assert slots_for("threads", "auto") is None
+
+
+def test_the_checkout_check_answers_as_redis_pys_own_does(redis_url: str) -> None:
+    from store.redis_connection import CheckedConnection
+    from store.snapshots.redis import connect
+
+    # Given a store client's pooled connection: clean, it is not readable (the fast answer)
+    client = connect(redis_url, max_connections=1)
+    client.set("k", "value")
+    conn = client.connection_pool.get_connection()
+    assert isinstance(conn, CheckedConnection) and not conn.can_read()
+    # With a reply left unread on it, it is, as a redis.Connection says
+    conn.send_command("PING")
+    assert conn.can_read(timeout=5) and conn.can_read()
+    assert conn.read_response() == b"PONG" and not conn.can_read()
+    client.connection_pool.release(conn)
+    client.close()
+
+
+def test_a_connection_the_server_closed_in_the_pool_is_made_again_transparently(
+    redis_url: str,
+) -> None:
+    from store.snapshots.redis import connect
+
+    client = connect(redis_url, max_connections=1)
+    client.set("k", "value")
+    admin = redis.Redis.from_url(redis_url)
+    admin.client_kill_filter(_type="normal", skipme=True)
+    admin.close()
+    assert client.get("k") == b"value"  # no ConnectionError reaches the caller
+    client.close()
+
+
+def test_the_checkout_check_polls_the_socket_outside_geventss_hub() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from gevent import monkey; monkey.patch_all()\n"
+        "import select\n"
+        "from store.redis_connection import os_poll\n"
+        "print(type(select.poll()).__module__, type(os_poll()).__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["gevent.select", "select"], out.stderr

@@ -45,7 +45,10 @@ class TornCommitRunStore(PlainRunStore):
 
     def _commit(self, whole: Transition, now_ms: int) -> None:
         self._append(whole.record, whole.events, whole.owner, now_ms)
-        whole.snapshots._put_parts(whole.record.run_id, whole.parts, whole.expected_seq)
+        if whole.parts is None:  # a finishing transition: the snapshot goes
+            whole.snapshots._delete(whole.record.run_id)
+        else:
+            whole.snapshots._put_parts(whole.record.run_id, whole.parts, whole.expected_seq)
         if whole.release and whole.owner is not None:
             self._release(whole.record.run_id, whole.owner)
 

@@ -80,8 +80,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "beat_scheduler": "worker.app:Scheduler",
         "task_time_limit": settings.turn_time_limit_s,
         "imports": ("tasks",),
-        # Flower and `celery events` see every task without `-E` (RATCHET_TASK_EVENTS=0: off,
-        # in the table); worker.observe gives the tasks readable arguments and names runs.
+        # Task events per RATCHET_TASK_EVENTS (auto: off on Redis; in the table,
+        # tasks.delivery.task_events_on); worker.observe gives the tasks readable arguments
+        # and names runs.
         **delivery,
     }
     if scheme_of(broker_url) in AMQP_SCHEMES:

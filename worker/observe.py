@@ -70,15 +70,21 @@ def _agent_of(task: str, run_id: str, fields: dict[str, Any]) -> str | None:
         # Only a context this process already opened: a bare Celery client has none,
         # and a label is not worth opening stores (or creating ./.ratchet) for.
         ctx = context._context if context._context_pid == os.getpid() else None
-        record = ctx.runs.get(run_id) if ctx is not None else None
+        if ctx is None:
+            return None
+        # A turn chaining the next one has just checkpointed the run: no store read.
+        agent = ctx.remembered_agent(run_id)
+        if agent is None:
+            record = ctx.runs.get(run_id)
+            agent = record.agent if record is not None else None
     except Exception:  # noqa: BLE001 - a label is never worth failing a publish
         return None
-    if record is None:
+    if agent is None:
         return None
     if len(_agents) >= _AGENTS_MAX:
         _agents.clear()
-    _agents[run_id] = record.agent
-    return record.agent
+    _agents[run_id] = agent
+    return agent
 
 
 def describe(task: str, args: Any, kwargs: Any) -> str | None:

@@ -30,6 +30,7 @@ from kombu import Connection
 from kombu.transport import TRANSPORT_ALIASES, redis
 from kombu.utils.encoding import bytes_to_str
 
+from store.redis_connection import CheckedConnection
 from tasks.rejected import RedisRejected, RejectedStore
 from worker.embedded_broker import FILESYSTEM_ALIAS, FilesystemChannel
 from worker.entries import SafeEntries, envelope_problem
@@ -118,6 +119,9 @@ BRPOP_COMMANDS_MAX = 64
 
 class RedisChannel(SafeRedisReads, redis.Channel):
     QoS = RedisQoS
+    # Plain TCP connections check themselves out without gevent's hub (TLS and Unix
+    # sockets keep kombu's classes): store/redis_connection.py.
+    connection_class = CheckedConnection
     delivering: Any = None
     """The BRPOP connection while a message read on it is delivered (else None)."""
     _plain_client: Any = None

@@ -115,6 +115,16 @@ class LimitStoreContract:
         admission = limit_store.admit("k", "run", 1, 2, [], [], 0, True)
         assert admission.verdict.binding == "blocked" and admission.verdict.wait_ms > 59_000
 
+    def test_a_block_is_read_as_a_hold_off_and_a_key_noted_is_known(
+        self, limit_store: LimitStore
+    ) -> None:
+        assert limit_store.held_off_s("k") == 0
+        limit_store.block("k", 60_000)
+        assert 59 < limit_store.held_off_s("k") <= 60
+        limit_store.note_key("unlimited")
+        limit_store.note_key("unlimited")
+        assert limit_store.known()[0] == ["unlimited"]
+
     def test_settling_moves_the_token_schedule_and_the_minute_count(
         self, limit_store: LimitStore
     ) -> None:

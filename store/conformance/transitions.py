@@ -18,7 +18,7 @@ from runtime.models import Event, Message, RunState
 from store.conformance.capabilities import COMBINED_COMMIT, ONE_CALL_LOAD
 from store.conformance.snapshots import make_state, put_raw
 from store.conformance.support import FakeClock
-from store.runs import Checkpoint, RunRecord, RunStore
+from store.runs import Checkpoint, Dropped, RunRecord, RunStore
 from store.snapshots import SnapshotStore
 from store.snapshots import format as snapshot_format
 
@@ -147,6 +147,36 @@ class TransitionContract:
 
         assert runs.lease("run-1") is None
         assert runs.acquire_lease("run-1", "worker-b", LEASE_S)
+
+    def test_a_finishing_transition_deletes_the_snapshot_and_lets_the_lease_go_with_it(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        after = said(state, "done")
+
+        runs.commit(record_of(after), [event(2, "done")], "worker-a", Dropped(snapshots), True)
+
+        assert runs.events("run-1")[-1] == event(2, "done")
+        assert runs.get("run-1") == record_of(after)
+        assert snapshots.load("run-1") is None and "run-1" not in snapshots.list()
+        assert runs.lease("run-1") is None
+
+    def test_a_zombies_finishing_transition_deletes_nothing(self, stores: Pair) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        runs.release_lease("run-1", "worker-a")
+        assert runs.acquire_lease("run-1", "worker-b", LEASE_S)
+
+        with pytest.raises(LeaseLost):
+            runs.commit(
+                record_of(said(state, "done")), [event(2, "done")], "worker-a",
+                Dropped(snapshots), True,
+            )  # fmt: skip
+
+        assert snapshots.load("run-1") == state and runs.get("run-1") == record_of(state)
+        lease = runs.lease("run-1")
+        assert lease is not None and lease.owner == "worker-b"
 
     def test_transitions_chain_and_the_snapshot_grows_by_appends(self, stores: Pair) -> None:
         runs, snapshots = stores

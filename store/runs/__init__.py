@@ -185,6 +185,13 @@ class Checkpoint(NamedTuple):
     """The stored snapshot's seq (compare-and-set); None: none is stored."""
 
 
+class Dropped(NamedTuple):
+    """The run's snapshot deleted with a transition (:meth:`RunStore.commit`): the run
+    finished, so its snapshot has served its purpose (the events stay)."""
+
+    store: SnapshotStore
+
+
 class Outbox(NamedTuple):
     """A message that rides on a transition (:meth:`RunStore.commit`): pushed onto a list
     of another database of the store's own server if, and only if, the transition is
@@ -205,7 +212,8 @@ class Transition(NamedTuple):
     events: builtins.list[Event]
     owner: str | None
     snapshots: SnapshotStore
-    parts: Parts
+    parts: Parts | None
+    """None: the snapshot is deleted (:class:`Dropped`)."""
     expected_seq: int | None
     """The stored snapshot's seq (compare-and-set); None: none is stored."""
     release: bool
@@ -308,12 +316,13 @@ class RunStore(ABC):
         record: RunRecord,
         events: Sequence[Event],
         owner: str | None,
-        checkpoint: Checkpoint | None = None,
+        checkpoint: Checkpoint | Dropped | None = None,
         release: bool = False,
         outbox: Outbox | None = None,
     ) -> None:
-        """One transition: :meth:`append` the events, save ``checkpoint``, and with
-        ``release`` let ``owner``'s lease go; with ``outbox``, push its message as well, in
+        """One transition: :meth:`append` the events, save ``checkpoint`` (or, for a run
+        that finished, delete its snapshot: :class:`Dropped`), and with ``release`` let
+        ``owner``'s lease go; with ``outbox``, push its message as well, in
         the same atomic call (only where :meth:`pushes_to` and :meth:`commits_with` the
         checkpoint's store: ValueError otherwise, before anything is written).
 
@@ -330,6 +339,11 @@ class RunStore(ABC):
             or type(self).pushes_to is RunStore.pushes_to
         ):
             raise ValueError(f"{self.name} cannot push an outbox message with this transition")
+        if isinstance(checkpoint, Dropped):
+            if outbox is not None:
+                raise ValueError("a finished run's transition chains no turn")
+            self._commit_dropped(record, events, owner, checkpoint.store, release)
+            return
         if checkpoint is None or not self.commits_with(checkpoint.store):
             self.append(record, events, owner)
             if checkpoint is not None:
@@ -358,6 +372,33 @@ class RunStore(ABC):
             snapshots._saved(run_id, state, parts)
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
+
+    def _commit_dropped(
+        self,
+        record: RunRecord,
+        events: Sequence[Event],
+        owner: str | None,
+        snapshots: SnapshotStore,
+        release: bool,
+    ) -> None:
+        """:meth:`commit` with :class:`Dropped`: the events, the snapshot's deletion and the
+        release, in one atomic call where :meth:`commits_with` ``snapshots``."""
+        run_id = record.run_id
+        if not self.commits_with(snapshots):
+            self.append(record, events, owner)
+            snapshots.delete(run_id)
+            if release and owner is not None:
+                self.release_lease(run_id, owner)
+            return
+        mine = _checked_batch(record, events)
+        snapshots._forget(run_id)
+        whole = Transition(record, mine, owner, snapshots, None, None, release)
+        try:
+            with_retries(functools.partial(self._commit_now, whole), run_id)
+        except StaleWrite as exc:
+            # Our own transition, landed by an attempt whose reply was lost: written whole.
+            if not self._landed(exc, mine):
+                raise
 
     def _commit_now(self, whole: Transition) -> None:
         self._commit(whole, self.clock())

@@ -262,7 +262,8 @@ class RedisRunStore(RunStore):
         ]
         mode, head = "", b""
         fragments: list[bytes] = []
-        if whole is None:
+        if whole is None or whole.parts is None:
+            mode = "" if whole is None else "drop"
             fields += ["", "", "", "", "", ""]
         else:
             parts = whole.parts

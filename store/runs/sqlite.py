@@ -221,7 +221,12 @@ class SqliteRunStore(RunStore):
         assert isinstance(snapshots, SqliteSnapshotStore)
         with self._tx() as conn:
             self._fenced_append(conn, record, whole.events, owner, now_ms)
-            written = write_parts(conn, record.run_id, whole.parts, whole.expected_seq)
+            written = 0
+            if whole.parts is None:  # the run finished: its snapshot goes (Dropped)
+                conn.execute("DELETE FROM snapshot_fragments WHERE run_id = ?", (record.run_id,))
+                conn.execute("DELETE FROM snapshots WHERE run_id = ?", (record.run_id,))
+            else:
+                written = write_parts(conn, record.run_id, whole.parts, whole.expected_seq)
             if whole.release and owner is not None:
                 conn.execute(
                     "DELETE FROM leases WHERE run_id = ? AND owner = ?", (record.run_id, owner)

@@ -53,6 +53,7 @@ from runtime.errors import (
 )
 from runtime.models import RunState
 from store.packing import pack, unpack
+from store.redis_connection import connection_class
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
@@ -152,6 +153,7 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=Retry(NoBackoff(), 0),
         client_name="ratchet",
+        **connection_class(url),
     )
     return redis.Redis(connection_pool=pool)
 

@@ -75,7 +75,8 @@ class Events:
 
 
 def send(broker_url: str, name: str, args: tuple[Any, ...] = ()) -> str:
-    client = make_app(Settings(broker_url=broker_url))
+    """Send as a client with task events on (its ``task-sent``), as the workers here have."""
+    client = make_app(Settings(broker_url=broker_url, task_events=True))
     try:
         return str(client.send_task(name, args).id)
     finally:
@@ -126,11 +127,13 @@ def log_lines(worker: WorkerProcess, needle: str) -> list[str]:
     return [line for line in worker.log().splitlines() if needle in line]
 
 
-def test_a_worker_sends_task_events_by_default_with_readable_arguments_and_logs_run_ids(
+def test_a_worker_sends_task_events_when_on_with_readable_arguments_and_logs_run_ids(
     worker_processes: WorkerProcesses, redis_url: str, ctx: Context, tmp_path: Path
 ) -> None:
     with Events(redis_url) as events:
-        worker = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="0.5")
+        worker = worker_processes.start(
+            "--pool", "solo", RATCHET_LEASE_S="0.5", RATCHET_TASK_EVENTS="1"
+        )
         online(events)
         run_id = create_run(ctx, write_agent(tmp_path, LOOKUP, name="desk"), "refund").run_id
         first = send(redis_url, "ratchet.turn", (run_id, 1))
@@ -181,7 +184,9 @@ def test_task_events_held_for_one_publish_all_arrive_even_from_a_stopping_worker
     # (SIGTERM) straight after the run ends publishes what it still holds.
     script = [turn(f"look {i}", call("lookup_order", order_id="B2")) for i in range(5)]
     with Events(redis_url) as events:
-        worker = worker_processes.start("--concurrency", "2", RATCHET_LEASE_S="0.5")
+        worker = worker_processes.start(
+            "--concurrency", "2", RATCHET_LEASE_S="0.5", RATCHET_TASK_EVENTS="1"
+        )
         online(events)
         run_id = create_run(ctx, write_agent(tmp_path, [*script, turn("Done.")]), "x").run_id
         send(redis_url, "ratchet.turn", (run_id, 1))
@@ -217,11 +222,44 @@ def test_task_events_held_for_one_publish_all_arrive_even_from_a_stopping_worker
         assert sent & received == {first["uuid"]}, (sent & received, first)
 
 
-def test_task_events_can_be_turned_off_with_a_setting() -> None:
-    on = celery_config(Settings())
-    off = celery_config(Settings(task_events=False))
-    assert on["worker_send_task_events"] and on["task_send_sent_event"]
-    assert not off["worker_send_task_events"] and not off["task_send_sent_event"]
+def test_task_events_are_off_on_redis_unless_asked_for_and_on_elsewhere() -> None:
+    redis, amqp = "redis://127.0.0.1:6379/0", "amqp://guest:guest@127.0.0.1:5672//"
+    sent = {
+        (url, events): celery_config(Settings(broker_url=url, task_events=events))
+        for url in (redis, amqp, "")
+        for events in ("auto", True, False)
+    }
+    on = {key for key, config in sent.items() if config["worker_send_task_events"]}
+    assert all(c["worker_send_task_events"] == c["task_send_sent_event"] for c in sent.values())
+    assert on == {(redis, True), (amqp, "auto"), (amqp, True), ("", "auto"), ("", True)}
+
+
+def test_on_redis_a_worker_sends_task_events_once_a_monitor_enables_them_as_flower_does(
+    worker_processes: WorkerProcesses, redis_url: str, ctx: Context, tmp_path: Path
+) -> None:
+    def received(run_id: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda e: (
+            e.get("type") == "task-received" and f"run_id='{run_id}'" in str(e.get("args"))
+        )
+
+    with Events(redis_url) as events:
+        # Given a worker on Redis with the default setting (auto: off there)
+        worker = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="0.5")
+        online(events)
+        agent = write_agent(tmp_path, LOOKUP, name="desk")
+        before = create_run(ctx, agent, "refund").run_id
+        send(redis_url, "ratchet.turn", (before, 1))
+        assert wait_run(ctx, before) == RunStatus.COMPLETED, worker.log()
+        # When a monitor sends `enable_events` (Flower does at start, and every few seconds)
+        events.app.control.enable_events()
+        after = create_run(ctx, agent, "refund").run_id
+        send(redis_url, "ratchet.turn", (after, 1))
+        assert wait_run(ctx, after) == RunStatus.COMPLETED, worker.log()
+        # Then the later run's tasks are seen, and none of the earlier one's: the worker
+        # publishes its events in order, so they would have come first
+        events.wait_for(received(after))
+        with events.lock:
+            assert not any(received(before)(e) for e in events.seen)
 
 
 def test_json_logs_carry_the_run_id_and_a_stopped_run_is_notified(

@@ -7,7 +7,8 @@
 --       [10] the owner's process's lease set (or the lease key again: none).
 -- ARGV: [1] the scalars below, separated by one space (none holds a space: a run id, a
 --       status, a key prefix, numbers and hex chains; "" is an empty field), [2] record
---       JSON, [3] owner, [4] snapshot: "" (none), "append" or "replace", [5] head, then
+--       JSON, [3] owner, [4] snapshot: "" (none), "append" or "replace" (save it), or
+--       "drop" (delete it: the run finished), [5] head, then
 --       the events, then the transcript fragments to push, then (with an outbox) the
 --       message to push onto the outbox list. One argument for the
 --       scalars, not one each: redis-py encodes and frames every argument in Python.
@@ -51,14 +52,15 @@ if fenced == '1' then
 end
 local DUE_SLACK = 1000
 local stored_seq = ''
-if mode ~= '' then
-  stored_seq = redis.call('HGET', KEYS[7], 'seq') or ''
+local saves = mode == 'append' or mode == 'replace'
+if saves then
+  local stored = redis.call('HMGET', KEYS[7], 'seq', 'n', 'chain')
+  stored_seq = stored[1] or ''
   if stored_seq ~= snapshot_seq then
     return {'snapshot', stored_seq}
   end
   if mode == 'append' then
-    local tip = redis.call('HMGET', KEYS[7], 'n', 'chain')
-    if tip[1] ~= base_length or tip[2] ~= base_chain
+    if stored[2] ~= base_length or stored[3] ~= base_chain
         or redis.call('LLEN', KEYS[9]) ~= tonumber(base_length) then
       return {'moved'}
     end
@@ -121,7 +123,10 @@ elseif rec[2] ~= status and rec[4] ~= '' then
   redis.call('ZREM', KEYS[6], run_id)
 end
 
-if mode ~= '' then
+if mode == 'drop' then
+  redis.call('DEL', KEYS[7], KEYS[9])
+  redis.call('SREM', KEYS[8], run_id)
+elseif saves then
   if mode == 'replace' then
     redis.call('DEL', KEYS[9])
     redis.call('HDEL', KEYS[7], 'doc')
