@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -44,12 +46,21 @@ def _connect(server: Server) -> Any:
 
         command = list(server.table.command)
         return Client(pipe_client(command, server.environment(), server.folder), mode="legacy")
+    return Client(_http_transport(server), mode="legacy")
+
+
+@asynccontextmanager
+async def _http_transport(server: Server) -> AsyncIterator[Any]:
+    """The streamable-HTTP transport over an HTTP client of the session's own, closed with it
+    (the SDK leaves a client it is given open)."""
     import httpx2
     from mcp.client.streamable_http import streamable_http_client
 
     assert server.table.url is not None
-    http = httpx2.AsyncClient(headers=server.headers(), timeout=server.table.connect_timeout_s)
-    return Client(streamable_http_client(server.table.url, http_client=http), mode="legacy")
+    headers = server.headers()
+    async with httpx2.AsyncClient(headers=headers, timeout=server.table.connect_timeout_s) as http:
+        async with streamable_http_client(server.table.url, http_client=http) as streams:
+            yield streams
 
 
 def list_tools(server: Server) -> list[Any]:

@@ -155,7 +155,7 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     mount = tmp_path / "data"
     mount.mkdir()
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True, timeout=30
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], check=True, timeout=30
     )
     try:
         yield mount
