@@ -10,6 +10,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -120,13 +122,19 @@ class Context:
             self._request_orders.pop(run_id, None)
             self._transcript_sizes.pop(run_id, None)
 
-    def agent(self, path: str | Path) -> Agent:
+    def agent(
+        self,
+        path: str | Path,
+        while_loading: Callable[[], AbstractContextManager[object]] | None = None,
+    ) -> Agent:
         """The agent at ``path``, loaded again when any file its binding covers changes.
 
         Covered: the agent file, its script and its tool modules' source
         (tasks/agent_cache.py). Raises ToolModuleChanged when a tool module changed on
         disk after this process imported it (only a restart loads it), else what
-        load_agent raises.
+        load_agent raises. ``while_loading()`` is entered around a load (not around a
+        cached lookup): a turn renews its lease there, since a first load imports tool
+        modules and lists MCP servers' tools, which can take longer than a short lease.
         """
         # Looked up first by the path as given, whose version stats that path: a stat
         # follows every link on the way, so a file edited, replaced or re-linked there
@@ -155,7 +163,8 @@ class Context:
             before = agent_cache.version_of(files)
             started_ns = time.time_ns()
             try:
-                agent = load_agent(key)
+                with while_loading() if while_loading is not None else nullcontext():
+                    agent = load_agent(key)
             except AgentFileError:
                 # A stale module explains "has no function …" better than the file does.
                 agent_cache.check_tool_modules(agent_cache.tool_modules_named_in(key))

@@ -134,7 +134,8 @@ class HeldRun:
         except RunNotFound:
             return None
         state = loaded.state
-        return cls(ctx, ctx.agent(state.agent_file), state, loaded.snapshot_seq, owner)
+        agent = ctx.agent(state.agent_file, lambda: _beating(ctx, run_id, owner))
+        return cls(ctx, agent, state, loaded.snapshot_seq, owner)
 
     # --- the turn's steps -----------------------------------------------------
 
@@ -428,3 +429,13 @@ class HeldRun:
             yield
         finally:
             heartbeats().remove(beat)
+
+
+@contextmanager
+def _beating(ctx: Context, run_id: str, owner: str) -> Iterator[None]:
+    """The lease renewed while the run's agent loads (before the turn's own heartbeat)."""
+    beat = heartbeats().add(ctx, run_id, owner)
+    try:
+        yield
+    finally:
+        heartbeats().remove(beat)

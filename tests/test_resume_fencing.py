@@ -10,6 +10,7 @@ makes (a Context subclass acts there).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +38,14 @@ class Interrupted(Context):
 
     meanwhile: list[Callable[[], object]] = field(default_factory=list)
 
-    def agent(self, path: str | Path) -> Agent:
+    def agent(
+        self,
+        path: str | Path,
+        while_loading: Callable[[], AbstractContextManager[object]] | None = None,
+    ) -> Agent:
         while self.meanwhile:
             self.meanwhile.pop(0)()
-        return super().agent(path)
+        return super().agent(path, while_loading)
 
 
 @pytest.mark.parametrize("interruption", ["cancel", "takeover"])
