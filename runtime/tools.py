@@ -62,6 +62,13 @@ _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 """What OpenAI-compatible APIs accept as a function name."""
+
+
+def is_tool_name(name: object) -> bool:
+    """Whether ``name`` is a name the model APIs accept for a tool (1-64 of ``[A-Za-z0-9_-]``)."""
+    return isinstance(name, str) and _TOOL_NAME.fullmatch(name) is not None
+
+
 WHAT_A_TOOL_IS = (
     "a tool must be a plain Python function (`def`) in a module of your own, "
     "named `module:function`"

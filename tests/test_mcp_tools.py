@@ -154,6 +154,29 @@ def test_a_missing_tool_or_server_is_refused_naming_the_reference(tmp_path: Path
         load_agent(other)
 
 
+def test_a_listed_tool_is_checked_before_it_reaches_the_binding(tmp_path: Path) -> None:
+    from mcp_types import Tool
+
+    from runtime.errors import ToolError
+    from runtime.mcp import Server
+    from runtime.mcp.tools import MAX_SCHEMA_BYTES, _declared
+
+    server = Server("billing", parse_servers({"billing": {"command": ["x"]}})["billing"], tmp_path)
+    schema, text = _declared(server, Tool(name="ok", description="Fine \ud83d", input_schema={}))
+    assert text == "Fine \ufffd" and schema == {"type": "object", "properties": {}}
+    hostile = {
+        "name": Tool(name="no spaces/allowed", input_schema={"type": "object"}),
+        "surrogate": Tool(name="t", input_schema={"type": "object", "description": "\ud800"}),
+        "huge int": Tool(name="t", input_schema={"type": "object", "maximum": 10**5000}),
+        "too big": Tool(name="t", input_schema={"type": "object", "d": "x" * MAX_SCHEMA_BYTES}),
+        "not an object": Tool(name="t", input_schema={"type": "string"}),
+    }
+    for what, tool in hostile.items():
+        with pytest.raises(ToolError) as refused:
+            _declared(server, tool)
+        assert "MCP server `billing`" in str(refused.value), what
+
+
 # --- runs on the session worker ---------------------------------------------------------
 
 

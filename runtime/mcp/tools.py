@@ -19,12 +19,14 @@ from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
+from pydantic_core import to_jsonable_python
 
-from runtime.errors import ToolError
+from runtime import json_values
+from runtime.errors import NotStorable, ToolError
 from runtime.mcp import META_KEY, McpToolPolicy, Server, ServerRefused
 from runtime.mcp.sessions import ServerUnavailable, client_for, forget, process_loop
 from runtime.probes import ToolContext
-from runtime.tools import ToolSpec
+from runtime.tools import ToolSpec, is_tool_name
 
 _ANNOTATION_NAMES = {
     "read_only_hint": "readOnlyHint",
@@ -167,13 +169,12 @@ def specs(server: Server, wanted: str, tool_timeout_s: float) -> list[tuple[Tool
         )
     out = []
     for tool in chosen:
+        schema, description = _declared(server, tool)
         idempotent, approval, sources = policy(tool.annotations, server.table.tools.get(tool.name))
-        schema = dict(tool.input_schema or {"type": "object", "properties": {}})
-        schema.pop("title", None)
         spec = ToolSpec(
             name=tool.name,
             reference=f"mcp:{server.name}/{tool.name}",
-            description=(tool.description or "").strip(),
+            description=description,
             idempotent=idempotent,
             control=False,
             parameters=schema,
@@ -189,6 +190,39 @@ def specs(server: Server, wanted: str, tool_timeout_s: float) -> list[tuple[Tool
             (replace(spec, remote=_caller(server, tool.name, tool_timeout_s), mcp=mcp), approval)
         )
     return out
+
+
+MAX_SCHEMA_BYTES = 64 * 1024
+"""The largest input schema an MCP tool may declare (it goes into every run's binding)."""
+MAX_DESCRIPTION_CHARS = 4000
+
+
+def _declared(server: Server, tool: Any) -> tuple[dict[str, Any], str]:
+    """A listed tool's schema and description, checked where they cross into ratchet (they
+    go into the run's binding and to the model): ToolError names the tool otherwise."""
+    reference = f"mcp:{server.name}/{tool.name}"
+    if not is_tool_name(tool.name):
+        raise ToolError(
+            f"mcp:{server.name}/{str(tool.name)[:64]!r}",
+            f"{server.describe()} lists a tool whose name is not 1-64 letters, digits, _ or -",
+        )
+    raw = tool.input_schema or {"type": "object", "properties": {}}
+    try:
+        schema, size = json_values.checked(
+            to_jsonable_python(raw), max_bytes=MAX_SCHEMA_BYTES, surrogates="refuse"
+        )
+    except (NotStorable, ValueError, TypeError) as exc:
+        raise ToolError(
+            reference, f"{server.describe()} lists a schema that cannot be used ({exc})"
+        ) from None
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise ToolError(
+            reference, f"{server.describe()} lists a schema that is not an object schema"
+        )
+    schema = dict(schema)
+    schema.pop("title", None)
+    text = json_values.replaced(str(tool.description or "").strip())
+    return schema, text[:MAX_DESCRIPTION_CHARS]
 
 
 def _hints(annotations: Any) -> dict[str, bool]:
