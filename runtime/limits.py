@@ -17,6 +17,14 @@ rate's spacing instead of a herd of retries. Past the horizon nothing is taken
 and the turn is told when to ask again, placed by its position in the waiting
 line (:func:`retry_after_ms`), so waiters come back spread out, in order.
 
+**What was sent.** A reservation is a promise about a time, and a turn whose countdown
+fires late (a stalled worker, a busy box) would otherwise go whenever it comes, together
+with the calls scheduled after it: seconds-late reservations used to reach the provider
+in a bunch it refused. So each rate keeps a second TAT, of the calls that actually went
+(:func:`sent_after`). A call goes only when that TAT has room for it (:func:`room_at`): a
+reservation come late waits for the room instead, and a new call is scheduled behind
+both TATs. The schedule's TAT spaces the calls out; the sent TAT is what the provider sees.
+
 **Priority.** Turns of runs already under way may reserve further ahead
 (:data:`UNDER_WAY_HORIZON_MS`) than first turns of new runs
 (:data:`NEW_RUN_HORIZON_MS`), and stand ahead of them in the waiting line: while
@@ -145,6 +153,34 @@ def schedule(
         for tat, cost, rate in zip(tats, costs, rates, strict=True)
     )
     return Verdict("go" if wait_ms <= 0 else "reserved", max(0.0, wait_ms), new, binding)
+
+
+def room_at(
+    sent: Sequence[float | None], rates: Sequence[Rate], now_ms: float
+) -> tuple[float, str | None]:
+    """When the calls that went leave room for one more under every rate, and the rate that
+    is short of it (None: room now)."""
+    at, binding = now_ms, None
+    for tat, rate in zip(sent, rates, strict=True):
+        if tat is not None and tat - rate.tolerance_ms > at:
+            at, binding = tat - rate.tolerance_ms, rate.unit
+    return at, binding
+
+
+def sent_after(sent: Sequence[float | None], costs: Sequence[float], rates: Sequence[Rate],
+               now_ms: float) -> tuple[float, ...]:  # fmt: skip
+    """The sent TATs once a call costing ``costs`` went at ``now_ms``."""
+    return tuple(
+        max(tat if tat is not None else now_ms, now_ms) + cost * rate.interval_ms
+        for tat, cost, rate in zip(sent, costs, rates, strict=True)
+    )
+
+
+def later(a: float | None, b: float | None) -> float | None:
+    """The later of two TATs, either possibly absent."""
+    if a is None or b is None:
+        return b if a is None else a
+    return max(a, b)
 
 
 def retry_after_ms(wait_ms: float, horizon_ms: float, place: int, spacing_ms: float) -> float:

@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from runtime.errors import StoreUnavailable
-from runtime.limits import Rate, Verdict, checked_run_time, corrected_tat, schedule
+from runtime.limits import (
+    Rate,
+    Verdict,
+    checked_run_time,
+    corrected_tat,
+    later,
+    room_at,
+    schedule,
+    sent_after,
+)
 from store.private import private_dir, private_files
 from store.snapshots.sqlite import enable_wal
 
@@ -186,13 +195,16 @@ class LocalLimitStore(LimitStore):
         with self._documents(f"limit:{key}", "known") as docs:
             doc = docs[f"limit:{key}"]
             docs["known"].setdefault("limits", {})[key] = 1
-            taken = _take_reservation(doc, f"{run_id}:{seq}", now)
+            tats, sent = doc.setdefault("tats", {}), doc.setdefault("sent", {})
+            went = [sent.get(r.unit) for r in rates]
+            taken = _take_reservation(doc, f"{run_id}:{seq}", room_at(went, rates, now), now)
             if taken is not None:
+                if taken.outcome == "go":
+                    _went(sent, rates, sent_after(went, costs, rates, now))
                 return Admission(taken, 0, now)
-            tats = doc.setdefault("tats", {})
             verdict = schedule(
-                [tats.get(r.unit) for r in rates], costs, rates, now, horizon_ms,
-                doc.get("blocked_until", 0.0),
+                [later(tats.get(r.unit), t) for r, t in zip(rates, went, strict=True)],
+                costs, rates, now, horizon_ms, doc.get("blocked_until", 0.0),
             )  # fmt: skip
             lines = doc.setdefault("lines", [{}, {}])
             for line in lines:
@@ -210,6 +222,8 @@ class LocalLimitStore(LimitStore):
                 tats[rate.unit] = tat
             for line in lines:
                 line.pop(run_id, None)
+            if verdict.outcome == "go":
+                _went(sent, rates, sent_after(went, costs, rates, now))
             tokens = sum(int(c) for r, c in zip(rates, costs, strict=True) if r.unit == "tokens")
             _count(doc, now, 1, tokens)
             if verdict.outcome == "reserved":
@@ -221,9 +235,9 @@ class LocalLimitStore(LimitStore):
         now = self._clock()
         with self._documents(f"limit:{key}") as docs:
             doc = docs[f"limit:{key}"]
-            tats = doc.setdefault("tats", {})
-            if "tokens" in tats:
-                tats["tokens"] = corrected_tat(tats["tokens"], delta_tokens, rate, now)
+            for tats in (doc.setdefault("tats", {}), doc.setdefault("sent", {})):
+                if "tokens" in tats:
+                    tats["tokens"] = corrected_tat(tats["tokens"], delta_tokens, rate, now)
             _count(doc, now, 0, int(delta_tokens))
 
     def block(self, key: str, for_ms: float) -> None:
@@ -323,8 +337,14 @@ class LocalLimitStore(LimitStore):
             docs["known"].setdefault("limits", {})[key] = 1
 
 
-def _take_reservation(doc: dict[str, Any], name: str, now: float) -> Verdict | None:
-    """The verdict on a reservation made earlier for this (run, seq); None if there is none."""
+def _take_reservation(
+    doc: dict[str, Any], name: str, room: tuple[float, str | None], now: float
+) -> Verdict | None:
+    """The verdict on a reservation made earlier for this (run, seq); None if there is none.
+
+    ``room``: when the calls that went leave room for this one (:func:`room_at`). A
+    reservation come late waits for it, moved to that time, rather than go in a bunch.
+    """
     reservations = doc.setdefault("reservations", {})
     for other, (_, expires) in list(reservations.items()):
         if expires < now:
@@ -332,10 +352,17 @@ def _take_reservation(doc: dict[str, Any], name: str, now: float) -> Verdict | N
     mine = reservations.pop(name, None)
     if mine is None:
         return None
-    if mine[0] - now <= RESERVATION_EARLY_MS:
+    at = mine[0] if mine[0] - now > RESERVATION_EARLY_MS else room[0]
+    if at - now <= RESERVATION_EARLY_MS:
         return Verdict("go", 0.0, None, "reserved")
-    reservations[name] = mine  # a timer that fired early: it comes back at its time
-    return Verdict("reserved", mine[0] - now, None, "early")
+    # A timer that fired early, or one late behind calls that went: it comes back at its time
+    reservations[name] = [at, max(mine[1], at + LINE_KEEP_MS)]
+    return Verdict("reserved", at - now, None, "early")
+
+
+def _went(sent: dict[str, float], rates: Sequence[Rate], tats: Sequence[float]) -> None:
+    for rate, tat in zip(rates, tats, strict=True):
+        sent[rate.unit] = tat
 
 
 def _count(doc: dict[str, Any], now: float, requests: int, tokens: int) -> None:
@@ -479,6 +506,7 @@ class RedisLimitStore(LimitStore):
             self._k(key, f"res:{run_id}:{seq}"), self._k(key, f"res:{run_id}:{next_seq}"),
             self._k(key, "line:under_way"), self._k(key, "line:new"),
             self._k(key, f"count:requests:{minute}"), self._k(key, f"count:tokens:{minute}"),
+            self._k(key, "sent:requests"), self._k(key, "sent:tokens"),
         ]  # fmt: skip
         args = [rpm, tpm, burst_ms, by_unit.get("requests", (None, 1))[1],
                 by_unit.get("tokens", (None, 0))[1], horizon_ms, 0 if under_way else 1, run_id,
@@ -491,7 +519,8 @@ class RedisLimitStore(LimitStore):
 
     def settle(self, key: str, delta_tokens: float, rate: Rate) -> None:
         minute = minute_of(time.time() * 1000)
-        keys = [self._k(key, "tat:tokens"), self._k(key, f"count:tokens:{minute}")]
+        keys = [self._k(key, "tat:tokens"), self._k(key, f"count:tokens:{minute}"),
+                self._k(key, "sent:tokens")]  # fmt: skip
         with self._translated():
             self._settle(keys=keys, args=[int(delta_tokens), rate.per_minute])
 

@@ -59,6 +59,28 @@ class LimitStoreContract:
             limit_store.admit("k", "run", 5, 6, [rate], [1], 0, True).verdict.binding != "reserved"
         )
 
+    def test_reservations_taken_late_do_not_go_in_a_bunch(self, limit_store: LimitStore) -> None:
+        # One each 300 ms, no burst: `a` goes, `b` and `c` reserve the next two slots
+        rate = Rate("requests", 200, burst_s=0.001)
+        assert limit_store.admit("k", "a", 1, 2, [rate], [1], 1000, True).verdict.outcome == "go"
+        for run in ("b", "c"):
+            made = limit_store.admit("k", run, 1, 2, [rate], [1], 1000, True)
+            assert made.verdict.outcome == "reserved", made
+        # Their countdowns fire late, both at once (a stalled worker): past both slots
+        time.sleep(0.7)
+        late_b = limit_store.admit("k", "b", 2, 3, [rate], [1], 1000, True)
+        assert (late_b.verdict.outcome, late_b.verdict.binding) == ("go", "reserved")
+        # The provider has just had `b`: `c` waits one spacing behind it, not at once
+        late_c = limit_store.admit("k", "c", 2, 3, [rate], [1], 1000, True)
+        assert (late_c.verdict.outcome, late_c.verdict.binding) == ("reserved", "early"), late_c
+        assert 0 < late_c.verdict.wait_ms <= rate.interval_ms
+        # and a new call is scheduled behind what went, not into the slots left unused
+        fresh = limit_store.admit("k", "d", 1, 2, [rate], [1], 1000, True)
+        assert fresh.verdict.outcome != "go", fresh
+        # At its new time `c` goes, on its reservation
+        time.sleep(late_c.verdict.wait_ms / 1000 + 0.01)
+        assert limit_store.admit("k", "c", 2, 3, [rate], [1], 1000, True).verdict.outcome == "go"
+
     def test_new_runs_wait_behind_runs_under_way_in_the_line(self, limit_store: LimitStore) -> None:
         rate = Rate("requests", 60, burst_s=0.001)
         limit_store.admit("k", "first", 1, 2, [rate], [1], 0, True)
