@@ -874,7 +874,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        max(tat if tat is not None else go_at, go_at) + cost * rate.interval_ms\n",
         "        (tat if tat is not None else go_at) + cost * rate.interval_ms\n",
         LIMITS,
-        k="idle or reference",
+        k="idle or reference or block",
     ),
     Mutant(
         "G2",
@@ -882,7 +882,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if go > base then base = go end\n",
         "",
         LIMITS,
-        k="redis and (idle or reference)",
+        k="redis and (idle or reference or block)",
     ),
     Mutant(
         "G3",
@@ -948,6 +948,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass\n",
         ("tests/integration/test_limits_cold_start.py",),
         k="fresh_workers",
+    ),
+    # A reservation taken late waits for room behind the calls that went (CI's bunching).
+    Mutant(
+        "G8",
+        "store/limits.py",
+        "    at = mine[0] if mine[0] - now > RESERVATION_EARLY_MS else room[0]\n",
+        "    at = mine[0]\n",
+        LIMITS,
+        k="(memory or sqlite) and late",
+    ),
+    Mutant(
+        "G9",
+        "store/lua/limits/admit.lua",
+        "  if at - now <= early then at = room end\n",
+        "",
+        LIMITS,
+        k="redis and late",
     ),
     # The property tests' own: a budget check.
     Mutant(

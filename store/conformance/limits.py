@@ -81,6 +81,18 @@ class LimitStoreContract:
         time.sleep(late_c.verdict.wait_ms / 1000 + 0.01)
         assert limit_store.admit("k", "c", 2, 3, [rate], [1], 1000, True).verdict.outcome == "go"
 
+    def test_reservations_after_a_block_are_a_spacing_apart(self, limit_store: LimitStore) -> None:
+        # One each 300 ms, no burst; a call went, then a 429 held the key off for a second
+        rate = Rate("requests", 200, burst_s=0.001)
+        assert limit_store.admit("k", "a", 1, 2, [rate], [1], 5000, True).verdict.outcome == "go"
+        limit_store.block("k", 1000)
+        b, c = (limit_store.admit("k", run, 1, 2, [rate], [1], 5000, True) for run in "bc")
+        assert (b.verdict.outcome, b.verdict.binding) == ("reserved", "blocked"), b
+        assert c.verdict.outcome == "reserved", c
+        # The first goes as the block ends, the next a spacing later: not both at its end
+        at_b, at_c = (x.now_ms + x.verdict.wait_ms for x in (b, c))
+        assert at_c - at_b >= rate.interval_ms - 1, (at_b, at_c)
+
     def test_new_runs_wait_behind_runs_under_way_in_the_line(self, limit_store: LimitStore) -> None:
         rate = Rate("requests", 60, burst_s=0.001)
         limit_store.admit("k", "first", 1, 2, [rate], [1], 0, True)
