@@ -871,8 +871,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "G1",
         "runtime/limits.py",
-        "        max(tat if tat is not None else go_at, go_at) + cost * rate.interval_ms\n",
-        "        (tat if tat is not None else go_at) + cost * rate.interval_ms\n",
+        "        max(tat if tat is not None else now_ms, now_ms) + cost * rate.interval_ms\n",
+        "        (tat if tat is not None else now_ms) + cost * rate.interval_ms\n",
         LIMITS,
         k="idle or reference or block",
     ),

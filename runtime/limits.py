@@ -142,24 +142,20 @@ def schedule(
     go_at, binding = now_ms, None
     if blocked_until_ms > go_at:
         go_at, binding = blocked_until_ms, "blocked"
-    for tat, rate in zip(tats, rates, strict=True):
-        if tat is not None and tat - rate.tolerance_ms > go_at:
-            go_at, binding = tat - rate.tolerance_ms, rate.unit
+    go_at, rate_binding = room_at(tats, rates, go_at)
+    binding = rate_binding or binding
     wait_ms = go_at - now_ms
     if wait_ms > horizon_ms:
         return Verdict("denied", wait_ms, None, binding)
-    new = tuple(
-        max(tat if tat is not None else go_at, go_at) + cost * rate.interval_ms
-        for tat, cost, rate in zip(tats, costs, rates, strict=True)
-    )
+    new = sent_after(tats, costs, rates, go_at)
     return Verdict("go" if wait_ms <= 0 else "reserved", max(0.0, wait_ms), new, binding)
 
 
 def room_at(
     sent: Sequence[float | None], rates: Sequence[Rate], now_ms: float
 ) -> tuple[float, str | None]:
-    """When the calls that went leave room for one more under every rate, and the rate that
-    is short of it (None: room now)."""
+    """When TATs ``sent`` leave room for one more call under every rate (not before
+    ``now_ms``), and the rate that is short of it (None: room at ``now_ms``)."""
     at, binding = now_ms, None
     for tat, rate in zip(sent, rates, strict=True):
         if tat is not None and tat - rate.tolerance_ms > at:
@@ -169,7 +165,7 @@ def room_at(
 
 def sent_after(sent: Sequence[float | None], costs: Sequence[float], rates: Sequence[Rate],
                now_ms: float) -> tuple[float, ...]:  # fmt: skip
-    """The sent TATs once a call costing ``costs`` went at ``now_ms``."""
+    """The TATs once a call costing ``costs`` goes (or is reserved) at ``now_ms``."""
     return tuple(
         max(tat if tat is not None else now_ms, now_ms) + cost * rate.interval_ms
         for tat, cost, rate in zip(sent, costs, rates, strict=True)
