@@ -338,13 +338,16 @@ def park(
     run_id: str,
     stuck: Sequence[tuple[ToolCall, Probed | None]],
     timed_out_s: float | None,
+    server: str | None = None,
 ) -> Park:
     """Park on the first call whose outcome stays unknown, naming it and the rest.
 
-    ``timed_out_s``: the tool timeout, when that first call timed out this turn."""
+    ``timed_out_s``: the tool timeout, when that first call timed out this turn;
+    ``server``: the MCP server whose tool it is, if it is one's."""
     call, probed = stuck[0]
+    of = f" of MCP server `{server}`" if server else ""
     reason = (
-        f"tool `{call.name}` (call {call.id}) {park_cause(probed, timed_out_s)}; check its "
+        f"tool `{call.name}`{of} (call {call.id}) {park_cause(probed, timed_out_s)}; check its "
         f"effect, then `ratchet runs reconcile {run_id} {call.id}` with --result, --retry or --fail"
     )
     others = [c.id for c, _ in stuck[1:]]
@@ -360,4 +363,6 @@ def park(
         data["probe"] = probed.answer.value
     if others:
         data["also_unknown"] = others
+    if server:
+        data["server"] = server
     return Park(data)

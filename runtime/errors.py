@@ -131,6 +131,12 @@ class ToolError(RatchetError):
         self.reference, self.problem = reference, problem
 
 
+class CallNotSent(RatchetError):
+    """A tool call never left this process: the server that runs the tool could not be
+    reached (an MCP server down, runtime/mcp). Nothing ran, so the run stalls and a resume
+    sends the call afresh; the message names the server."""
+
+
 class ProviderError(RatchetError):
     """The model provider failed. ``retryable`` says whether another attempt may succeed."""
 

@@ -220,6 +220,12 @@ def _tool_requested(state: RunState, event: Event) -> RunState:
     return state.model_copy(update={"running": state.running + (call_id,)})
 
 
+def _tool_unsent(state: RunState, event: Event) -> RunState:
+    """The call never reached its server: it did not run, and is requested no more."""
+    call_id = event.data["call_id"]
+    return state.model_copy(update={"running": tuple(c for c in state.running if c != call_id)})
+
+
 def _tool_probed(state: RunState, event: Event) -> RunState:
     """A probe answered for a call cut short: ``ran`` is its outcome; any other answer is not."""
     d = event.data
@@ -401,6 +407,7 @@ FOLDS: dict[str, Fold] = {
     "tool.failed": _tool_done,
     "tool.reconciled": _reconciled,
     "tool.probed": _tool_probed,
+    "tool.unsent": _tool_unsent,
     "run.suspended": _suspended,
     "run.continued": _continued,
     "run.woken": _woken,
@@ -595,6 +602,12 @@ def requested_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
     return ("tool.requested", {"call_id": call.id, "name": call.name, "arguments": call.arguments})
 
 
+def unsent_event(call: ToolCall, reason: str) -> tuple[str, dict[str, Any]]:
+    """A requested call that never reached its server (runtime/errors.py ``CallNotSent``):
+    nothing ran, so it is requested no more, and the next decision sends it afresh."""
+    return ("tool.unsent", {"call_id": call.id, "name": call.name, "reason": reason})
+
+
 def requested_with_response(state: RunState, agent: Agent, now_ms: int) -> RunTool | None:
     """The calls to journal as requested in the same transition as the model response that
     asked for them (``state``: the state that response leaves), or None.
@@ -665,6 +678,7 @@ __all__ = [
     "decide",
     "rebuild",
     "requested_event",
+    "unsent_event",
     "requested_with_response",
     "response_events",
     "suspension_event",

@@ -43,7 +43,7 @@ from pydantic_core import to_jsonable_python
 
 from runtime import json_values
 from runtime.children import RUN_CHILD, ChildArguments
-from runtime.errors import NotStorable, ToolError
+from runtime.errors import CallNotSent, NotStorable, ToolError
 from runtime.json_values import without_surrogates
 from runtime.models import INVALID_ARGUMENTS_KEY, UNUSABLE_ARGUMENTS_KEY
 from runtime.probes import Answer, NotRun, Probed, Ran, ToolContext, Unknown
@@ -444,6 +444,8 @@ def invoke(
     spec: ToolSpec, arguments: dict[str, Any], context: ToolContext | None = None
 ) -> ToolOutcome:
     """Run a tool; never raises for the tool's own failures (they become error results).
+    Raises :class:`~runtime.errors.CallNotSent` when a remote tool's server could not be
+    reached before the call was sent: nothing ran.
 
     ``context`` goes to the tool's ToolContext parameter, if it has one (required then).
     """
@@ -536,6 +538,8 @@ def _invoke_remote(
         return ToolOutcome(False, refused)
     try:
         value = spec.remote(arguments, context)
+    except CallNotSent:
+        raise  # nothing ran: the run stalls naming the server, and a resume sends it
     except Exception as exc:  # the server's failure is the model's to handle, not the run's
         return ToolOutcome(False, error_text(f"`{spec.name}` failed: {exc}"))
     return result_outcome(spec.name, value)

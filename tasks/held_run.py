@@ -32,6 +32,7 @@ from runtime.actions import (
 )
 from runtime.agent import Agent
 from runtime.errors import (
+    AgentFileError,
     ProviderError,
     ProviderRateLimited,
     RunNotFound,
@@ -85,6 +86,15 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
+class AgentNotLoaded(Exception):
+    """The run's agent file cannot be loaded for its turn (an MCP server it names is down,
+    the file was broken or removed): ``state`` is the run as loaded, ``reason`` says why."""
+
+    def __init__(self, state: RunState, reason: str) -> None:
+        super().__init__(reason)
+        self.state, self.reason = state, reason
+
+
 class HeldRun:
     """One worker's hold on one run, between taking and releasing its lease: the run's state,
     and every write the turn makes to it."""
@@ -134,7 +144,14 @@ class HeldRun:
         except RunNotFound:
             return None
         state = loaded.state
-        agent = ctx.agent(state.agent_file, lambda: _beating(ctx, run_id, owner))
+        try:
+            agent = ctx.agent(state.agent_file, lambda: _beating(ctx, run_id, owner))
+        except AgentFileError as exc:
+            raise AgentNotLoaded(
+                state,
+                f"its agent file cannot be loaded: {exc}; once it loads, "
+                f"`ratchet runs resume {run_id}`",
+            ) from exc
         return cls(ctx, agent, state, loaded.snapshot_seq, owner)
 
     # --- the turn's steps -----------------------------------------------------

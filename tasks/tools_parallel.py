@@ -11,6 +11,11 @@ reads them in the order it asked (``runtime.actions.in_request_order``). A crash
 in the middle leaves the finished calls recorded — never run again — and the
 others requested with no outcome.
 
+A call whose server could not be reached before it was sent (an MCP server down:
+:class:`~runtime.errors.CallNotSent`) did not run: it is journaled ``tool.unsent``
+— requested no more — and, once the batch's other calls are recorded, the run
+stalls with one line naming the server. A resume sends it afresh.
+
 :func:`resolve` carries out :class:`runtime.fsm.Unresolved`, the calls a crash
 or a timeout left with no outcome, each by its rule (runtime/probes.py): an
 idempotent call runs again; a call whose tool has a probe is asked about
@@ -34,13 +39,22 @@ from typing import TYPE_CHECKING
 
 from runtime.actions import (
     Park,
+    Stall,
     after_probe,
     after_tool_timeout,
     park,
     probes_left,
     tool_attempts,
 )
-from runtime.fsm import RunTool, Unresolved, requested_event, tool_events, unknown_tool_outcome
+from runtime.errors import CallNotSent
+from runtime.fsm import (
+    RunTool,
+    Unresolved,
+    requested_event,
+    tool_events,
+    unknown_tool_outcome,
+    unsent_event,
+)
 from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, ask_probe, fitted, invoke
@@ -91,12 +105,13 @@ class _Batch:
         item.deadline = time.monotonic() + self.held.agent.spec.tool_timeout_s
 
 
-def run_tools(held: HeldRun, action: RunTool) -> None:
+def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
     """Run the action's calls side by side; journal and checkpoint each outcome as it comes.
 
     A call that is not idempotent and outlives ``tool_timeout_s`` is left requested
     with no outcome (recorded in ``held.timed_out``): the next decision is then
-    :class:`Unresolved`, which asks its probe or parks the run.
+    :class:`Unresolved`, which asks its probe or parks the run. The Stall to carry out
+    if a call could not be sent (its ``tool.unsent`` goes before the stall).
     """
     state = held.state
     model_calls = state.usage.model_turns
@@ -115,6 +130,7 @@ def run_tools(held: HeldRun, action: RunTool) -> None:
         held.record([requested_event(call) for call in fresh])
     failpoints.hit("tool.requested", model_calls)
     batch = _Batch(held)
+    unsent: list[tuple[ToolCall, CallNotSent]] = []
     waiting: dict[int, _Call] = {}
     for index, call in enumerate(action.calls):
         spec = held.agent.tools.get(call.name)
@@ -134,6 +150,9 @@ def run_tools(held: HeldRun, action: RunTool) -> None:
             item = waiting.pop(index)
             assert item.started is not None
             outcome = _outcome(item.started, item.call)
+            if isinstance(outcome, CallNotSent):
+                unsent.append((item.call, outcome))
+                continue
             failpoints.hit("tool.completed", model_calls)
             _record(held, item.call, outcome)
             continue
@@ -141,6 +160,21 @@ def run_tools(held: HeldRun, action: RunTool) -> None:
         for item in [i for i in waiting.values() if i.deadline <= now and not _done(i)]:
             if not _timed_out(held, batch, item):
                 del waiting[item.index]
+    return _not_sent(held, unsent)
+
+
+def _not_sent(held: HeldRun, unsent: list[tuple[ToolCall, CallNotSent]]) -> Stall | None:
+    """The stall for calls that never reached their server, naming the first one's."""
+    if not unsent:
+        return None
+    call, error = unsent[0]
+    more = f" (and {len(unsent) - 1} more call(s) not sent)" if len(unsent) > 1 else ""
+    reason = (
+        f"tool `{call.name}` (call {call.id}) was not sent: {error}{more}; nothing ran — "
+        f"start the server, then `ratchet runs resume {held.state.run_id}` sends it"
+    )
+    log.warning("run %s: %s", held.state.run_id, reason)
+    return Stall(reason, tuple(unsent_event(c, str(e)) for c, e in unsent))
 
 
 def _timed_out(held: HeldRun, batch: _Batch, item: _Call) -> bool:
@@ -173,9 +207,11 @@ def _done(item: _Call) -> bool:
     return item.started is not None and item.started.done()
 
 
-def _outcome(started: Started[ToolOutcome], call: ToolCall) -> ToolOutcome:
+def _outcome(started: Started[ToolOutcome], call: ToolCall) -> ToolOutcome | CallNotSent:
     try:
         return started.result(60.0)  # it has finished: its value is a moment away
+    except CallNotSent as exc:
+        return exc
     except Exception as exc:  # invoke turns a tool's own failures into outcomes already
         return ToolOutcome(False, f"`{call.name}` failed in the runtime: {type(exc).__name__}")
 
@@ -187,8 +223,9 @@ def _record(held: HeldRun, call: ToolCall, outcome: ToolOutcome) -> None:
         held.checkpointed(tool_events(call, outcome))
 
 
-def resolve(held: HeldRun, action: Unresolved) -> Park | None:
-    """Probe or run again the calls cut short; the Park to carry out if one stays unknown."""
+def resolve(held: HeldRun, action: Unresolved) -> Park | Stall | None:
+    """Probe or run again the calls cut short; the Park to carry out if one stays unknown
+    (the Stall if a call run again could not be sent)."""
     again: list[ToolCall] = []
     stuck: list[tuple[ToolCall, Probed | None]] = []
     asked = False
@@ -224,9 +261,11 @@ def resolve(held: HeldRun, action: Unresolved) -> Park | None:
     if stuck:
         first = stuck[0][0]
         timed_out_s = held.agent.spec.tool_timeout_s if first.id in held.timed_out else None
-        return park(held.state.run_id, stuck, timed_out_s)
+        spec = held.agent.tools.get(first.name)
+        server = spec.mcp.get("server") if spec is not None and spec.mcp else None
+        return park(held.state.run_id, stuck, timed_out_s, server)
     if again:
-        run_tools(held, RunTool(again[0], tuple(again[1:])))
+        return run_tools(held, RunTool(again[0], tuple(again[1:])))
     return None
 
 

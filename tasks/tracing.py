@@ -54,7 +54,7 @@ log = logging.getLogger("ratchet.tracing")
 
 RUN_ENDS = frozenset({"run.completed", "run.failed", "run.cancelled", "run.expired"})
 """Events after which nothing can move the run on: they close the run's span."""
-TOOL_ENDS = frozenset({"tool.completed", "tool.failed", "tool.reconciled"})
+TOOL_ENDS = frozenset({"tool.completed", "tool.failed", "tool.reconciled", "tool.unsent"})
 SUSPENSION_ENDS = frozenset(
     {"run.continued", "run.woken", "run.expired", "run.cancelled", "run.budget_raised"}
 )
@@ -216,6 +216,8 @@ def _tool_span(c: Cursor, event: Event, base: dict[str, Any]) -> SpanSpec:
         attributes["ratchet.probed"] = str(data.get("answer"))
     if event.type == "tool.failed":
         error = str(data.get("error", ""))
+    elif event.type == "tool.unsent":
+        error = f"not sent: {data.get('reason', '')}"
     elif event.type == "tool.reconciled":
         decision = str(data.get("decision"))
         attributes["ratchet.reconciled"] = decision

@@ -47,8 +47,9 @@ from runtime.tools import ToolOutcome
 from tasks import failpoints, lease, limits, metrics
 from tasks.children import start_child
 from tasks.context import Context, get_context
-from tasks.held_run import HeldRun, stopping
+from tasks.held_run import AgentNotLoaded, HeldRun, stopping
 from tasks.messages import enqueue_turn
+from tasks.persistence import append_events
 from tasks.task_base import ratchet_task
 from tasks.timers import schedule_wake
 from tasks.tools_parallel import resolve, run_tools
@@ -136,11 +137,14 @@ def advance(
             return Advanced(TurnOutcome.LEASED, -1, 0)
         held: HeldRun | None = None
         try:
-            held = (
-                HeldRun.open(ctx, run_id, claim.owner, claim.record, claim.snapshot)
-                if claim.record
-                else None
-            )
+            try:
+                held = (
+                    HeldRun.open(ctx, run_id, claim.owner, claim.record, claim.snapshot)
+                    if claim.record
+                    else None
+                )
+            except AgentNotLoaded as exc:
+                return _not_loaded(ctx, exc, expected_seq, claim.owner)
             if held is None:
                 log.warning("run %s: no such run; dropping the message", run_id)
                 return Advanced(TurnOutcome.MISSING, -1, 0)
@@ -176,6 +180,19 @@ def advance(
             claim.released = held is not None and held.released
 
 
+def _not_loaded(
+    ctx: Context, exc: AgentNotLoaded, expected_seq: int | None, owner: str
+) -> Advanced:
+    """The run's agent could not be loaded for its turn: it stalls with the one-line reason
+    (not a traceback the sweeper would meet again), unless the message was a late one."""
+    state = exc.state
+    if (expected_seq is not None and state.seq != expected_seq) or not state.status.is_live:
+        return Advanced(TurnOutcome.STALE, state.seq, state.usage.model_turns)
+    log.warning("run %s: %s", state.run_id, exc.reason)
+    state = append_events(ctx, state, [("run.stalled", {"reason": exc.reason})], owner)
+    return Advanced(TurnOutcome.STALLED, state.seq, state.usage.model_turns)
+
+
 def take(held: HeldRun) -> TurnOutcome:
     """Carry out decisions until the turn ends; how it ended."""
     while not held.released:  # the last checkpoint let the lease go: the next turn decides
@@ -201,11 +218,11 @@ def perform(held: HeldRun, action: Action) -> TurnOutcome | None:
         held.asked_model = True
         return held.call_model(action)
     if isinstance(action, RunTool):
-        run_tools(held, action)
-        return None
+        stalled = run_tools(held, action)
+        return held.end(stalled) if stalled is not None else None
     if isinstance(action, Unresolved):
-        parked = resolve(held, action)
-        return held.end(parked) if parked is not None else None
+        ended = resolve(held, action)
+        return held.end(ended) if ended is not None else None
     if isinstance(action, RefuseCall):
         held.checkpointed(tool_events(action.call, ToolOutcome(False, action.error)))
         return None

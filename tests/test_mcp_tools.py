@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from runtime.errors import BindingChanged
 from runtime.mcp import parse_servers
 from runtime.models import RunStatus
 from runtime.probes import idempotency_key
+from tasks.messages import send_through, sending_app
 from tasks.recovery import sweep_orphans
 from tasks.settings import Settings
 from tasks.start import create_run
@@ -284,6 +286,102 @@ def test_a_stdio_server_killed_between_turns_is_started_again_for_the_next_call(
     assert calls[1]["pid"] != first["pid"]
 
 
+def test_a_server_that_stays_down_stalls_the_run_naming_it_and_a_resume_sends_the_call(
+    ratchet: Ratchet, http_server: HttpServer, tmp_path: Path
+) -> None:
+    # Given a run that called an HTTP server's tool, then waits for a person
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("Refunding.", call("issue_refund", order_id="A1", amount_cents=1)),
+            turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
+            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
+            turn("Done."),
+        ],
+        tools=["mcp:billing/issue_refund", "request_user_input"],
+        extra=http_server.table("billing"),
+    )
+    run_id = ratchet.start(agent, "refunds")
+    wait_for(
+        "the run asks",
+        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
+        timeout_s=60,
+    )
+    # When the server goes down and stays down, and the person answers
+    http_server.stop()
+    ratchet.continue_run(run_id, input="yes", suspension_seq=pending(ratchet, run_id))
+    record = ratchet.wait(run_id, timeout_s=60)
+    # Then the run stalls with one line naming the server, not an error result to the model
+    assert record.status == RunStatus.STALLED, record
+    assert record.error is not None and "\n" not in record.error
+    assert "MCP server `billing`" in record.error, record.error
+    assert "Traceback" not in record.error
+    events = ratchet.events(run_id)
+    refunds = [e for e in events if e.data.get("name") == "issue_refund"]
+    assert [e.type for e in refunds] == [
+        "tool.requested", "tool.completed", "tool.requested", "tool.unsent"
+    ]
+    assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1"]
+    # And once the server is back, a resume sends the call (it did not run: no park)
+    http_server.start()
+    _, resumed = ratchet.resume_and_wait(run_id, timeout_s=60)
+    assert resumed is not None, "no worker took the resume"
+    record = ratchet.wait(run_id, timeout_s=60)
+    assert record.status == RunStatus.COMPLETED, record.error
+    assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1", "B2"]
+
+
+def test_a_worker_that_cannot_list_a_down_servers_tools_stalls_the_run_naming_it(
+    worker_processes: WorkerProcesses, http_server: HttpServer, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a worker that lists MCP tools again at every load, and a run that waits for a
+    # person after calling an HTTP server's tool
+    worker_processes.start("--pool", "threads", "--concurrency", "2", RATCHET_MCP_RELIST_S="0")
+    ctx = redis_context(redis_url, mcp_relist_s=3600)  # this process keeps its listing
+    api = Ratchet(ctx)
+    sender, before = make_app(Settings(broker_url=redis_url)), sending_app()
+    send_through(sender)
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("Refunding.", call("issue_refund", order_id="A1", amount_cents=1)),
+            turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
+            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
+            turn("Done."),
+        ],
+        tools=["mcp:billing/issue_refund", "request_user_input"],
+        extra=http_server.table("billing"),
+    )
+    try:
+        run_id = api.start(agent, "refunds")
+        wait_for(
+            "the run asks",
+            lambda: api.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
+            timeout_s=60,
+        )
+        # When the server goes down and the answer's turn loads the agent
+        http_server.stop()
+        api.continue_run(run_id, input="yes", suspension_seq=pending(api, run_id))
+        record = api.wait(run_id, timeout_s=60)
+        # Then the run stalls at once, with one line naming the server
+        assert record.status == RunStatus.STALLED, record
+        assert record.error is not None and "\n" not in record.error
+        assert "MCP server `billing`" in record.error, record.error
+        assert f"ratchet runs resume {run_id}" in record.error
+        assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1"]
+        # And with the server back, a resume finishes it, B2 refunded once
+        http_server.start()
+        _, resumed = api.resume_and_wait(run_id, timeout_s=60)
+        assert resumed is not None, "no worker took the resume"
+        assert api.wait(run_id, timeout_s=60).status == RunStatus.COMPLETED
+        calls = calls_of(http_server.ledger, "issue_refund")
+        assert [c["order_id"] for c in calls] == ["A1", "B2"]
+    finally:
+        send_through(before)
+        sender.close()
+        ctx.close()
+
+
 def test_a_changed_tool_schema_refuses_the_answer_naming_the_tool(
     ratchet: Ratchet, http_server: HttpServer, redis_url: str, tmp_path: Path
 ) -> None:
@@ -400,6 +498,7 @@ def test_a_call_cut_off_by_a_sigkill_runs_again_only_when_the_server_says_it_may
         # Then the run is parked naming the call, and the server ran it at most once (the
         # first attempt may finish after the worker died; the healthy worker never calls)
         assert "call_1_1" in (record.error or "") and tool in (record.error or "")
+        assert "of MCP server `billing`" in (record.error or ""), record.error
         assert len(calls_of(ledger, tool)) <= 1
         assert {line["pid"] for line in ledger_lines(ledger)} == {
             line["pid"] for line in ledger_lines(ledger) if line.get("started")

@@ -70,6 +70,8 @@ def _summary(event: Event) -> str:  # noqa: C901 - one line per event type
         return f"{d['name']} → {_clip(shown_json(d.get('result')), 55)}"
     if kind == "tool.failed":
         return f"{d['name']} ✗ {_clip(d.get('error', ''), 55)}"
+    if kind == "tool.unsent":
+        return f"{d['name']} [{d['call_id']}] not sent: {_clip(d.get('reason', ''), 50)}"
     if kind == "tool.probed":
         ran = d.get("answer") == "ran" and "error" not in d
         found = f" → {_clip(shown_json(d.get('result')), 40)}" if ran else ""
@@ -188,6 +190,19 @@ def lineage_lines(lineage: dict[str, Any]) -> list[str]:
     fork = lineage.get("forked_from")
     if fork:
         lines.append(f"forked     from {fork['run_id']} at seq {fork['seq']}")
+    return lines
+
+
+def tool_policy_lines(policies: list[dict[str, Any]]) -> list[str]:
+    """Each MCP tool's policy for `runs show`: what a crash or a call does, and who said so."""
+    lines = []
+    for p in policies:
+        again = "runs again after a crash" if p["idempotent"] else "parks if cut short"
+        approval = "awaits approval" if p["approval"] else "no approval"
+        lines.append(
+            f"mcp tool   {p['tool']} ({p['server']}): {again} ({p['idempotent_from']}); "
+            f"{approval} ({p['approval_from']})"
+        )
     return lines
 
 

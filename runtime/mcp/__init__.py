@@ -201,7 +201,8 @@ class Server:
         if self.table.url is not None:
             from httpx import URL
 
-            return f"MCP server `{self.name}` at {URL(self.table.url).host}"
+            url = URL(self.table.url)  # the host and port: never its path, query or user
+            return f"MCP server `{self.name}` at {url.host}{f':{url.port}' if url.port else ''}"
         return f"MCP server `{self.name}` (`{self.table.command[0] if self.table.command else ''}`)"
 
     def environment(self) -> dict[str, str]:

@@ -31,10 +31,12 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from runtime.errors import CallNotSent
+
 T = TypeVar("T")
 
 
-class ServerUnavailable(Exception):
+class ServerUnavailable(CallNotSent):
     """The MCP server could not be reached, started or spoken to; the message names it."""
 
 

@@ -116,7 +116,8 @@ class JournalEntry(Strict):
     tool: str
     arguments: dict[str, Any] = Field(default_factory=dict)
     status: str
-    """`requested` (outcome unknown), `completed` or `failed`."""
+    """`requested` (outcome unknown), `completed`, `failed`, or `unsent` (it never reached its
+    server; a resume requests it again)."""
     requested_seq: int
     requested_at_ms: int
     result: Any = None
@@ -453,6 +454,10 @@ class RunStore(ABC):
                 # The call's probe found its effect: that is its outcome (runtime/probes.py).
                 entries[data["call_id"]] = entries[data["call_id"]].model_copy(
                     update={"status": "completed", "result": data.get("result")}
+                )
+            elif event.type == "tool.unsent" and data["call_id"] in entries:
+                entries[data["call_id"]] = entries[data["call_id"]].model_copy(
+                    update={"status": "unsent", "error": data.get("reason")}
                 )
             elif event.type in ("tool.completed", "tool.failed") and data["call_id"] in entries:
                 done = event.type == "tool.completed"

@@ -463,6 +463,38 @@ def refused_429(ctx: Context, home: Path) -> str:
     return run.run_id
 
 
+def mcp_unsent(ctx: Context, home: Path) -> str:
+    from tests.test_mcp_tools import HttpServer, free_port
+
+    # An MCP server listed at load, then down when the call is sent: the run stalls with
+    # nothing sent, and once the server is back a resume sends the call
+    server = HttpServer(free_port(), home / "ledger").start()
+    try:
+        agent = write_agent(
+            home,
+            [
+                turn("Asking.", call("request_user_input", prompt="Refund B2?")),
+                turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2900)),
+                turn("Refunded."),
+            ],
+            name="mcp-unsent",
+            tools=["mcp:billing/issue_refund", "request_user_input"],
+            extra=server.table("billing"),
+        )
+        run = create_run(ctx, agent, INPUT, "golden-mcp-unsent")
+        done = drive(ctx, run.run_id)
+        server.stop()
+        answer = make_continuation(run.run_id, "golden-m1", input="yes", suspension_seq=done.seq)
+        apply_continuation(ctx, answer, _no_enqueue)
+        drive(ctx, run.run_id)
+        server.start()
+        resume(ctx, run.run_id, OPERATOR)
+        drive(ctx, run.run_id)
+    finally:
+        server.stop()
+    return run.run_id
+
+
 SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "tools-and-answer": tools_and_answer,
     "ask-and-continue": ask_and_continue,
@@ -485,6 +517,7 @@ SCENARIOS: dict[str, Callable[[Context, Path], str]] = {
     "probed-parallel": probed_parallel,
     "tree-bounded": tree_bounded,
     "tree-child": tree_child,
+    "mcp-unsent": mcp_unsent,
 }
 
 
