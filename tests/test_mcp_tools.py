@@ -38,6 +38,7 @@ from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for
 from worker.api import Ratchet
 from worker.app import make_app
+from worker.cli import main as cli_main
 
 __all__ = ["rig"]  # the crash rig's module-scoped fixture
 
@@ -218,6 +219,42 @@ def test_a_run_calls_tools_on_a_stdio_and_an_http_server_and_completes(
     (lookup,) = calls_of(http_server.ledger, "lookup_order")
     assert refund["key"] == idempotency_key(run_id, 1, "call_1_2")
     assert lookup["key"] == idempotency_key(run_id, 1, "call_1_1")
+
+
+def test_runs_show_says_where_each_mcp_tools_policy_came_from(
+    ratchet: Ratchet, tmp_path: Path
+) -> None:
+    # Given an agent of all a server's tools, one of them overridden by the agent file
+    ledger = tmp_path / "stdio.ledger"
+    override = "[mcp.billing.tools.always_fails]\nidempotent = true\n"
+    agent = write_agent(
+        tmp_path,
+        [turn("Nothing to do.")],
+        tools=["mcp:billing/*"],
+        extra=stdio_table("billing", ledger) + override,
+    )
+    run_id = ratchet.start(agent, "look")
+    assert ratchet.wait(run_id, timeout_s=60).status == RunStatus.COMPLETED
+    # When an operator shows the run
+    shown = CliRunner().invoke(cli_main, ["runs", "show", run_id])
+    as_json = CliRunner().invoke(cli_main, ["runs", "show", run_id, "--json"])
+    # Then each MCP tool's line says what a crash or a call does to it, and who said so
+    assert shown.exit_code == 0, shown.output
+    lines = {line.split()[2]: line for line in shown.output.splitlines() if line.startswith("mcp")}
+    assert "runs again after a crash (readOnlyHint)" in lines["lookup_order"]
+    assert "parks if cut short (default (unannotated" in lines["issue_refund"]
+    assert "awaits approval (destructiveHint)" in lines["wipe_account"]
+    assert "runs again after a crash (agent file)" in lines["always_fails"]
+    policies = {p["tool"]: p for p in json.loads(as_json.output)["mcp_tools"]}
+    assert policies["wipe_account"] == {
+        "tool": "wipe_account",
+        "server": "billing",
+        "idempotent": False,
+        "idempotent_from": "default (unannotated: not idempotent)",
+        "approval": True,
+        "approval_from": "destructiveHint",
+    }
+    assert policies["always_fails"]["idempotent_from"] == "agent file"
 
 
 def test_a_destructive_tool_awaits_approval_and_an_error_result_reaches_the_model(

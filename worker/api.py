@@ -454,6 +454,32 @@ class Ratchet:
         raise_budgets(self.ctx, run_id, changes, by, reason)
         return self.get(run_id)
 
+    def tool_policies(self, run_id: str) -> builtins.list[dict[str, Any]]:
+        """How each MCP tool of the run's binding is treated, and where that came from: the
+        server's annotation, the agent file, or the default (runtime/mcp/tools.py ``policy``)."""
+        first = self.ctx.runs.events(run_id, after_seq=0, limit=1)
+        document = first[0].data.get("binding_document") if first else None
+        if not isinstance(document, dict):
+            return []
+        approving = set((document.get("policy") or {}).get("require_approval") or ())
+        policies = []
+        for tool in document.get("tools") or ():
+            mcp = tool.get("mcp") if isinstance(tool, dict) else None
+            if not isinstance(mcp, dict):
+                continue
+            sources = mcp.get("policy_from") or {}
+            policies.append(
+                {
+                    "tool": tool.get("name"),
+                    "server": mcp.get("server"),
+                    "idempotent": bool(tool.get("idempotent")),
+                    "idempotent_from": sources.get("idempotent"),
+                    "approval": tool.get("name") in approving,
+                    "approval_from": sources.get("approval"),
+                }
+            )
+        return policies
+
     def lineage(self, run_id: str) -> dict[str, Any]:
         """The runs this one is linked to: ``parent``, ``children`` (in order), ``forked_from``."""
         from runtime.children import RUN_CHILD, child_run_id

@@ -22,6 +22,7 @@ from worker.render import (
     printable,
     record_lines,
     run_times,
+    tool_policy_lines,
     when_utc,
 )
 
@@ -201,6 +202,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
     record = api.get(run_id)
     entry = api.open_call(run_id)
     lineage = api.lineage(run_id)
+    policies = api.tool_policies(run_id)
     snapshot_seq, lost = None, None
     if not record.status.is_terminal:
         try:
@@ -223,10 +225,12 @@ def runs_show(run_id: str, as_json: bool) -> None:
                 "open_call": entry.model_dump(mode="json") if entry else None,
                 "snapshot_seq": snapshot_seq,
                 "lineage": lineage,
+                "mcp_tools": policies,
             }
         )
         return
     lines = record_lines(record, api.ctx.runs.clock()) + lineage_lines(lineage)
+    lines += tool_policy_lines(policies)
     if lost is not None:
         lines.append(f"snapshot   {lost}")
     elif not record.status.is_terminal:
