@@ -451,6 +451,44 @@ def test_a_changed_tool_schema_refuses_the_answer_naming_the_tool(
     assert "`issue_refund`" in str(refused.value) and "lookup_order" not in str(refused.value)
 
 
+def test_a_stalled_run_whose_servers_tool_changed_is_refused_a_resume_naming_the_tool(
+    ratchet: Ratchet, http_server: HttpServer, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a run stalled because its HTTP server was down when a call was sent
+    agent = write_agent(
+        tmp_path,
+        [
+            turn("Asking.", call("request_user_input", prompt="Refund B2?")),
+            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
+            turn("Done."),
+        ],
+        tools=["mcp:remote/issue_refund", "mcp:remote/lookup_order", "request_user_input"],
+        extra=http_server.table("remote"),
+    )
+    run_id = ratchet.start(agent, "refund")
+    wait_for(
+        "the run asks",
+        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
+        timeout_s=60,
+    )
+    http_server.stop()
+    ratchet.continue_run(run_id, input="yes", suspension_seq=pending(ratchet, run_id))
+    assert ratchet.wait(run_id, timeout_s=60).status == RunStatus.STALLED
+    # When the server comes back with `issue_refund` taking another parameter
+    http_server.start("--schema", "2")
+    # Then a resume (from a process that lists the tools again at once) is refused, naming
+    # that tool and only it, and the call was never sent
+    fresh = redis_context(redis_url, mcp_relist_s=0)
+    try:
+        with pytest.raises(BindingChanged) as refused:
+            Ratchet(fresh).resume(run_id)
+    finally:
+        fresh.close()
+    assert "`issue_refund`" in str(refused.value) and "lookup_order" not in str(refused.value)
+    assert calls_of(http_server.ledger, "issue_refund") == []
+    assert ratchet.get(run_id).status == RunStatus.STALLED
+
+
 def test_the_example_mcp_agent_refunds_through_its_server(ratchet: Ratchet) -> None:
     example = Path(__file__).parents[1] / "examples" / "mcp-desk.toml"
     run_id = ratchet.start(example, "My toaster (order B2) never came.")
