@@ -356,7 +356,10 @@ def test_a_server_that_stays_down_stalls_the_run_naming_it_and_a_resume_sends_th
     events = ratchet.events(run_id)
     refunds = [e for e in events if e.data.get("name") == "issue_refund"]
     assert [e.type for e in refunds] == [
-        "tool.requested", "tool.completed", "tool.requested", "tool.unsent"
+        "tool.requested",
+        "tool.completed",
+        "tool.requested",
+        "tool.unsent",
     ]
     assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1"]
     # And once the server is back, a resume sends the call (it did not run: no park)
