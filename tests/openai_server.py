@@ -10,6 +10,7 @@ so a test that makes one request too many fails loudly instead of hanging.
     with serve() as server:
         server.enqueue_fixture("rate_limited")
         server.enqueue_fixture("text_answer")
+        server.enqueue_stream(text_chunks(["Hel", "lo"]))   # server-sent events
         provider = OpenAIProvider("gpt-test", server.url)
         ...
         assert len(server.requests) == 2
@@ -18,6 +19,7 @@ so a test that makes one request too many fails loudly instead of hanging.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -54,6 +56,34 @@ class CannedResponse:
 
 
 @dataclass(frozen=True)
+class CannedStream:
+    """A 200 answered with server-sent events, one ``data:`` event per item, then
+    ``data: [DONE]``, each event flushed as it is written (chunked transfer encoding)."""
+
+    events: list[Any]
+    """JSON-encoded unless it is a str (sent as the event's data as is)."""
+    pace_s: float = 0.0
+    """Wait this long before each event after the first."""
+    gates: dict[int, threading.Event] = field(default_factory=dict)
+    """Send event ``i`` only once ``gates[i]`` is set (at most 10 s; a miss is recorded in
+    ``OpenAIServer.gate_misses``): a test proves the client saw event ``i - 1`` first."""
+    cut_after: int | None = None
+    """Reset the connection after this many events, with no ``[DONE]``."""
+    done: bool = True
+    """Send ``data: [DONE]`` at the end (else end the body cleanly without it)."""
+
+
+def text_chunks(pieces: list[str], usage: dict[str, int] | None = None) -> list[Any]:
+    """Chat-completion chunks for an answer of ``pieces``, then a usage chunk if given."""
+    chunks: list[Any] = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+    chunks += [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    if usage is not None:
+        chunks.append({"choices": [], "usage": usage})
+    return chunks
+
+
+@dataclass(frozen=True)
 class RecordedRequest:
     method: str
     path: str
@@ -65,7 +95,8 @@ class RecordedRequest:
 
 class OpenAIServer:
     def __init__(self) -> None:
-        self._queue: deque[CannedResponse] = deque()
+        self._queue: deque[CannedResponse | CannedStream] = deque()
+        self.gate_misses: list[int] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.requests: list[RecordedRequest] = []
@@ -92,6 +123,17 @@ class OpenAIServer:
         with self._lock:
             self._queue.append(CannedResponse(status, body, dict(headers or {}), delay_s))
 
+    def enqueue_stream(
+        self,
+        events: list[Any],
+        pace_s: float = 0.0,
+        gates: dict[int, threading.Event] | None = None,
+        cut_after: int | None = None,
+        done: bool = True,
+    ) -> None:
+        with self._lock:
+            self._queue.append(CannedStream(events, pace_s, dict(gates or {}), cut_after, done))
+
     def enqueue_fixture(self, name: str, delay_s: float = 0.0) -> dict[str, Any]:
         """Queue the recorded response of fixture ``name``; returns the whole pair."""
         pair = load_fixture(name)
@@ -108,7 +150,7 @@ class OpenAIServer:
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
-    def _next(self) -> CannedResponse:
+    def _next(self) -> CannedResponse | CannedStream:
         with self._lock:
             if self._queue:
                 return self._queue.popleft()
@@ -132,6 +174,9 @@ class OpenAIServer:
                 with server._lock:
                     server.requests.append(RecordedRequest("POST", self.path, headers, body))
                 canned = server._next()
+                if isinstance(canned, CannedStream):
+                    _send_stream(self, canned, server._stopping, server.gate_misses)
+                    return
                 if canned.delay_s and server._stopping.wait(canned.delay_s):
                     return
                 payload = canned.encoded()
@@ -152,6 +197,40 @@ class OpenAIServer:
                 pass
 
         return Handler
+
+
+def _send_stream(
+    handler: BaseHTTPRequestHandler,
+    canned: CannedStream,
+    stopping: threading.Event,
+    gate_misses: list[int],
+) -> None:
+    def chunk(data: bytes) -> None:
+        handler.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        handler.wfile.flush()
+
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    try:
+        for index, event in enumerate(canned.events):
+            if canned.cut_after is not None and index >= canned.cut_after:
+                handler.close_connection = True
+                handler.connection.shutdown(socket.SHUT_RDWR)  # mid-body: the peer sees a reset
+                return
+            gate = canned.gates.get(index)
+            if gate is not None and not gate.wait(10):
+                gate_misses.append(index)
+            if index and canned.pace_s and stopping.wait(canned.pace_s):
+                return
+            data = event if isinstance(event, str) else json.dumps(event)
+            chunk(f"data: {data}\n\n".encode())
+        if canned.done:
+            chunk(b"data: [DONE]\n\n")
+        chunk(b"")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the client gave up first
 
 
 @contextmanager

@@ -22,6 +22,8 @@ from runtime.models import INVALID_ARGUMENTS_KEY as INVALID_ARGUMENTS_KEY
 from runtime.models import UNUSABLE_ARGUMENTS_KEY, Message, Strict, TokenUsage, ToolCall
 
 Observer = Callable[[str, dict[str, Any]], None]
+Deltas = Callable[[dict[str, Any]], None]
+"""Told each piece of a streamed answer as it comes (``runtime/providers/openai.py``)."""
 
 
 class ModelRequest(Strict):

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from pydantic import field_validator
+
 from runtime.errors import ProviderError
 from runtime.models import Message, TokenUsage
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse
@@ -68,6 +70,16 @@ class AnthropicTable(ProviderTable):
     """The ``[provider]`` table of an ``anthropic:`` agent: the OpenAI table's keys."""
 
     KEY_VARIABLES: ClassVar[tuple[str, str]] = (KEY_VARIABLES_ENV, DEFAULT_KEY_VARIABLES)
+
+    @field_validator("stream")
+    @classmethod
+    def _streams_not_yet(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "streaming is not built for `anthropic:` models yet; leave it out (the answer "
+                "is checkpointed whole either way)"
+            )
+        return value
 
 
 class AnthropicProvider(OpenAIProvider):

@@ -10,6 +10,7 @@
     max_attempts = 4                   # requests per model call, first one included
     max_retry_s = 60                   # no retry starts (or sleeps) past this many seconds
     temperature = 0.2                  # sent only when set
+    stream = true                      # ask for server-sent events (default false)
 
 It speaks HTTP through ``httpx`` rather than the ``openai`` SDK: one small
 dependency instead of a large one, and full control of retries. The SDK
@@ -48,6 +49,16 @@ Guarantees:
   that one-key object, so the model sees its own text beside the error.
   Empty ``arguments`` (some servers send ``""`` for a tool without
   parameters) mean ``{}``; an object instead of a string is taken as is.
+- **Streaming** (``stream = true``): the request asks for ``stream: true`` (with
+  ``stream_options.include_usage``, so usage comes in the final chunk where the server
+  gives it) and the events are read as they come; ``complete(request, deltas=f)`` calls
+  ``f({"attempt": n, "text": piece})`` for each piece of text and ``f({"attempt": n,
+  "call": index, "id": id, "name": name, "arguments": piece})`` for each piece of a tool
+  call, and ``f({"attempt": n, "aborted": reason})`` when a stream is cut off before its
+  ``[DONE]``. The response is assembled and returned whole, exactly as without streaming,
+  so durability does not change; a stream cut off (a reset, a read timeout, an end before
+  ``[DONE]``, an ``error`` event) is the failed attempt it was and is retried as one. An
+  exception from ``f`` ends the call and propagates unchanged, as the observer's does.
 - **Which key, sent where**: ``api_key_env`` may only name a variable the
   operator allows in ``RATCHET_OPENAI_KEY_VARIABLES`` (comma-separated names or
   ``fnmatch`` patterns; default ``RATCHET_OPENAI_API_KEY,*_API_KEY``), so an
@@ -78,6 +89,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -88,7 +100,13 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from runtime.errors import ProviderError, ProviderRateLimited, plain_problem
 from runtime.models import Message, TokenUsage
 from runtime.numbers import Finite
-from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse, Observer
+from runtime.providers import (
+    INVALID_ARGUMENTS_KEY,
+    Deltas,
+    ModelRequest,
+    ModelResponse,
+    Observer,
+)
 from runtime.providers.http import build_shared_client, pool_size, shared_client
 from runtime.providers.redaction import guard_http_logs, redacted_in_logs
 
@@ -128,6 +146,8 @@ class ProviderTable(BaseModel):
     """Sampling temperature; the server's default when unset."""
     max_tokens: int | None = Field(default=None, ge=1)
     """The completion's length limit, sent when set (and the rate limiter's estimate)."""
+    stream: bool = False
+    """Ask for server-sent events and hand their pieces to ``deltas`` as they come."""
 
     @field_validator("api_key_env")
     @classmethod
@@ -284,10 +304,16 @@ class OpenAIProvider:
 
     # --- one model call -------------------------------------------------------
 
-    def complete(self, request: ModelRequest, *, observer: Observer | None = None) -> ModelResponse:
+    def complete(
+        self,
+        request: ModelRequest,
+        *,
+        observer: Observer | None = None,
+        deltas: Deltas | None = None,
+    ) -> ModelResponse:
         """One model call: up to ``max_attempts`` requests, within ``max_retry_s``.
 
-        Raises ProviderError only (and whatever ``observer`` raises, unchanged).
+        Raises ProviderError only (and whatever ``observer`` or ``deltas`` raise, unchanged).
         """
         key = self._api_key()
         if key and not self._key_may_travel():
@@ -296,8 +322,12 @@ class OpenAIProvider:
                 "host that is not loopback; use an https base_url (or unset the key "
                 "variable for a server that needs none)"
             )
-        headers = {"Accept": "application/json", **self.auth_headers(key)}
+        streams = self._table.stream
+        accept = "text/event-stream" if streams else "application/json"
+        headers = {"Accept": accept, **self.auth_headers(key)}
         payload = self.payload(request)
+        if streams:
+            payload.update(stream=True, stream_options={"include_usage": True})
         retrying = Retrying(
             retry=retry_if_exception_type(_RetryableFailure),
             stop=self._should_stop,
@@ -313,7 +343,7 @@ class OpenAIProvider:
                 for attempt in retrying:
                     with attempt:
                         attempts += 1
-                        body = self._post(client, payload, key, headers)
+                        body = self._post(client, payload, key, headers, attempts, deltas)
         except _RetryableFailure as last:
             raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
         return self.parse(body, request.model_call)
@@ -369,11 +399,22 @@ class OpenAIProvider:
         payload: dict[str, Any],
         key: str | None,
         headers: dict[str, str],
+        attempt: int = 1,
+        deltas: Deltas | None = None,
     ) -> Any:
+        """One request: the response body as JSON (a stream's events assembled into one)."""
         timeout_s = self._table.timeout_s
+        streams = bool(payload.get("stream"))
         try:
-            response = client.post(
-                f"{self._url}{self.ENDPOINT}", json=payload, headers=headers, timeout=timeout_s
+            response = client.send(
+                client.build_request(
+                    "POST",
+                    f"{self._url}{self.ENDPOINT}",
+                    json=payload,
+                    headers=headers,
+                    timeout=timeout_s,
+                ),
+                stream=streams,
             )
         except httpx.PoolTimeout:
             raise _RetryableFailure(
@@ -388,6 +429,56 @@ class OpenAIProvider:
             raise _RetryableFailure(None, _redact(f"connection failed: {exc}", key)) from None
         except httpx.HTTPError as exc:
             raise ProviderError(_redact(f"{self._describe()}: {exc}", key)) from None
+        try:
+            if streams and response.status_code == 200:
+                return self._read_stream(response, key, attempt, deltas)
+            if streams:
+                self._read(response, key)
+            return self._answer(response, key)
+        finally:
+            response.close()
+
+    def _read(self, response: httpx.Response, key: str | None) -> None:
+        """The whole body of a streamed response (an error's), as a failed attempt if cut."""
+        try:
+            response.read()
+        except httpx.TimeoutException:
+            raise _RetryableFailure(
+                response.status_code, f"no answer within timeout_s={self._table.timeout_s:g}"
+            ) from None
+        except httpx.TransportError as exc:
+            raise _RetryableFailure(response.status_code, _redact(f"cut off: {exc}", key)) from None
+
+    def _read_stream(
+        self, response: httpx.Response, key: str | None, attempt: int, deltas: Deltas | None
+    ) -> dict[str, Any]:
+        """A 200 stream's events, each piece handed to ``deltas``, assembled into a body."""
+        stream = _Assembly(attempt, deltas)
+        try:
+            for data in server_sent_data(response.iter_lines()):
+                if data.strip() == "[DONE]":
+                    return stream.body()
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    raise stream.cut(
+                        f"an event is not JSON (starts {_quote(data, key, 80)!r})"
+                    ) from None
+                if isinstance(chunk, dict) and "error" in chunk:
+                    error = chunk["error"]
+                    said = error.get("message") if isinstance(error, dict) else error
+                    raise stream.cut(
+                        f"the server sent an error event: {_quote(str(said), key, 200)}"
+                    )
+                stream.add(chunk)
+        except httpx.TimeoutException:
+            raise stream.cut(f"no event within timeout_s={self._table.timeout_s:g}") from None
+        except httpx.TransportError as exc:
+            raise stream.cut(_redact(f"cut off: {exc}", key)) from None
+        raise stream.cut("the stream ended before its [DONE]")
+
+    def _answer(self, response: httpx.Response, key: str | None) -> Any:
+        """The JSON body of a response read whole, or the failure its status says."""
         status = response.status_code
         if status == 429:
             # Not retried here: sleeping out Retry-After would hold the worker's slot. The
@@ -602,6 +693,96 @@ def parse_response(body: Any, model_call: int, where: str) -> ModelResponse:
     return ModelResponse.model_validate(
         {"content": content, "tool_calls": calls, "usage": _usage(body.get("usage"))}
     )
+
+
+def server_sent_data(lines: Iterable[str]) -> Iterator[str]:
+    """The ``data`` of each server-sent event (its ``data:`` lines joined by newlines);
+    comments, ``event:``, ``id:`` and ``retry:`` lines are read past (the SSE format)."""
+    data: list[str] = []
+    for line in lines:
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        field, _, value = line.partition(":")
+        if field == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+class _Assembly:
+    """One attempt's stream of chat-completion chunks, put back together as one body."""
+
+    def __init__(self, attempt: int, deltas: Deltas | None) -> None:
+        self.attempt, self.deltas = attempt, deltas
+        self.text: list[str] = []
+        self.refusal: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.usage: Any = None
+
+    def add(self, chunk: Any) -> None:
+        if not isinstance(chunk, dict):
+            return
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        delta = first.get("delta") if isinstance(first, dict) else None
+        if not isinstance(delta, dict):
+            return
+        for key, into in (("content", self.text), ("refusal", self.refusal)):
+            piece = delta.get(key)
+            if isinstance(piece, str) and piece:
+                into.append(piece)
+                if key == "content":
+                    self._tell({"text": piece})
+        for position, part in enumerate(delta.get("tool_calls") or ()):
+            if isinstance(part, dict):
+                self._add_call(part, position)
+
+    def _add_call(self, part: dict[str, Any], position: int) -> None:
+        index = part.get("index")
+        index = index if isinstance(index, int) and not isinstance(index, bool) else position
+        call = self.calls.setdefault(index, {"id": None, "name": "", "arguments": []})
+        raw = part.get("function")
+        function: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        told: dict[str, Any] = {"call": index}
+        if isinstance(part.get("id"), str) and part["id"]:
+            call["id"] = told["id"] = part["id"]
+        if isinstance(function.get("name"), str) and function["name"]:
+            call["name"] += function["name"]
+            told["name"] = function["name"]
+        if isinstance(function.get("arguments"), str) and function["arguments"]:
+            call["arguments"].append(function["arguments"])
+            told["arguments"] = function["arguments"]
+        if len(told) > 1:
+            self._tell(told)
+
+    def _tell(self, piece: dict[str, Any]) -> None:
+        if self.deltas is not None:
+            self.deltas({"attempt": self.attempt, **piece})
+
+    def cut(self, reason: str) -> _RetryableFailure:
+        """The failed attempt a stream cut off is, told to ``deltas`` first."""
+        self._tell({"aborted": reason})
+        return _RetryableFailure(None, f"the stream was cut off: {reason}")
+
+    def body(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"content": "".join(self.text) or None}
+        if self.refusal:
+            message["refusal"] = "".join(self.refusal)
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": "".join(call["arguments"])},
+                }
+                for _, call in sorted(self.calls.items())
+            ]
+        return {"choices": [{"message": message}], "usage": self.usage}
 
 
 def _usage(usage: Any) -> TokenUsage | None:
