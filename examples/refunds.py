@@ -43,6 +43,16 @@ def refund_policy(reason: str) -> dict[str, object]:
     return {"reason": reason, "covered": covered}
 
 
+@tool(idempotent=True)
+def scan_history(order_id: str, pages: int, call: ToolContext) -> dict[str, object]:
+    """Read an order's tracking history, page by page (reports its progress as it goes)."""
+    pause_s = float(os.environ.get("RATCHET_EXAMPLE_PAGE_S", "0.05"))
+    for page in range(1, pages + 1):
+        time.sleep(pause_s)
+        call.progress(f"read page {page} of {pages}")
+    return {"order_id": order_id, "pages": pages, "last_scan": "left the depot, not seen since"}
+
+
 @tool
 def issue_refund(order_id: str, amount_cents: int) -> dict[str, object]:
     """Refund an order. Not idempotent: it moves money."""

@@ -31,10 +31,15 @@ about it.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from runtime.json_values import without_surrogates
+
+MAX_PROGRESS_CHARS = 1000
+"""The longest progress message a tool's ``progress`` keeps (the rest is cut)."""
 KEY_PREFIX = "ratchet-"
 """Keys read ``ratchet-`` and 40 hex digits: under the 64 or 255 characters APIs accept."""
 
@@ -62,6 +67,18 @@ class ToolContext:
     call_id: str
     idempotency_key: str
     """The same on every attempt of this call, on every worker; different for every call."""
+    reporter: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+    """Where :meth:`progress` goes (tasks/live.py); None where nothing carries it."""
+
+    def progress(self, message: str) -> None:
+        """Tell whoever watches the run how the call is going: ``call.progress("fetched 3
+        of 10 pages")``. Shown live by ``ratchet runs watch`` and the console; never
+        journaled, never part of the run's state, and dropped rather than ever slowing
+        or failing the call. At most :data:`MAX_PROGRESS_CHARS` characters are kept."""
+        if self.reporter is None:
+            return
+        text = message if isinstance(message, str) else repr(message)
+        self.reporter(without_surrogates(text[:MAX_PROGRESS_CHARS]))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks import agent_cache, liveness
 from tasks.agent_cache import Version
+from tasks.live import LiveWriter
 from tasks.pool import connections_per_process as connections
 from tasks.settings import Settings, get_settings
 
@@ -54,6 +55,7 @@ class Context:
     _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
     _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
     _transcript_sizes: OrderedDict[str, TranscriptSize] = field(default_factory=OrderedDict)
+    _live: LiveWriter | None = None
 
     CHECKPOINTS_KEPT = 256
     """Runs whose last checkpoint (and last request order) this process remembers (least
@@ -197,6 +199,18 @@ class Context:
             version = ((given, version[0][1]), *version[1:])
         with self._lock:
             self._agents[given] = (version, agent)
+
+    def live(self) -> LiveWriter | None:
+        """This process's writer to the runs' live streams (tasks/live.py); None when the
+        run store keeps none."""
+        with self._lock:
+            if self._live is None:
+                stream = self.runs.live()
+                if stream is None:
+                    return None
+                settings = self.settings
+                self._live = LiveWriter(stream, settings.live_maxlen, settings.live_keep_s)
+            return self._live
 
     def close(self) -> None:
         liveness.forget(self.runs)

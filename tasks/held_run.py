@@ -9,6 +9,7 @@ call when both stores are one Redis (:func:`tasks.persistence.commit_checkpointe
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, TranscriptSize
+from tasks.live import live_piece
 from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
@@ -199,10 +201,23 @@ class HeldRun:
                 if not abandoned.is_set():
                     self.record([(kind, {"turn": model_calls, **data})])
 
+        complete = self.agent.provider.complete
+        live = self.ctx.live() if getattr(self.agent.provider, "streams", False) else None
+        if live is not None:
+            # Named by this attempt's model.requested: a worker that takes the call over
+            # after a crash writes under its own, and observers tell the two apart.
+            named = {"kind": "model.delta", "run": run_id, "model_call": model_calls}
+            named["at"] = self.state.seq
+
+            def deltas(piece: dict[str, Any]) -> None:
+                if not abandoned.is_set():
+                    live.put(run_id, {**named, **live_piece(piece)})
+
+            complete = functools.partial(complete, deltas=deltas)  # type: ignore[call-arg]
         timeout_s = self.agent.spec.model_timeout_s
         try:
             response = bounded(
-                lambda: checked_response(self.agent.provider.complete(request, observer=observe)),
+                lambda: checked_response(complete(request, observer=observe)),
                 timeout_s,
                 f"model call for turn {model_calls}",
             )

@@ -40,6 +40,9 @@ Exposed (all counters except the two histograms):
   they took; ``ratchet_turn_seconds_total{throttled}`` — time inside turn tasks,
   split by whether the turn ended waiting on a limit (the slot time waiting costs).
   ``ratchet limits`` shows each limit's use this minute, its lines and its places.
+- ``ratchet_live_dropped_total{reason}`` — live-stream entries (model deltas, tool
+  progress) dropped rather than hold a turn: ``full`` (the writer's queue) or ``store``
+  (the stream's store failed); the event log never drops anything.
 """
 
 from __future__ import annotations
@@ -112,6 +115,11 @@ class _Metrics:
         self.limit_check_s = counter(
             "ratchet_limit_check_seconds", "Time spent asking the limit store."
         )
+        self.live_dropped = counter(
+            "ratchet_live_dropped",
+            "Live-stream entries (deltas, tool progress) dropped, by why.",
+            ["reason"],
+        )
         self.turn_s = counter(
             "ratchet_turn_seconds", "Time inside turn tasks, by whether they waited.", ["throttled"]
         )
@@ -159,6 +167,12 @@ def turn_timed(seconds: float, throttled: bool) -> None:
 def throttled(reason: str) -> None:
     if _on is not None:
         _on.throttled.labels(reason).inc()
+
+
+def live_dropped(reason: str, entries: int) -> None:
+    """``entries`` live-stream entries were dropped: the queue was full, or the store failed."""
+    if _on is not None:
+        _on.live_dropped.labels(reason).inc(entries)
 
 
 def limit_checked(seconds: float, outcome: str) -> None:

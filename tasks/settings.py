@@ -26,6 +26,7 @@ from runtime.children import (
 )
 from runtime.errors import ConfigInvalid
 from runtime.numbers import Finite
+from store.live import DEFAULT_KEEP_S, DEFAULT_MAXLEN
 from store.private import private_dir, writable_by_others
 
 ENV_PREFIX = "RATCHET_"
@@ -103,6 +104,10 @@ class Settings(BaseSettings):
     """How deep a run tree may grow (root 0) when its root's agent file sets no `max_child_depth`."""
     max_tree_runs: int = Field(default=DEFAULT_MAX_TREE_RUNS, ge=1, le=MAX_TREE_RUNS)
     """The most runs a run tree may hold when its root's agent file sets no `max_tree_runs`."""
+    live_maxlen: int = Field(default=DEFAULT_MAXLEN, ge=1, le=1_000_000)
+    """Entries a run's live stream keeps (model deltas, tool progress): the newest ones."""
+    live_keep_s: Finite = Field(default=DEFAULT_KEEP_S, gt=0, le=30 * 86_400)
+    """How long a run's live stream outlives its last write (so, the run's end)."""
 
     @model_validator(mode="after")
     def _turn_fits_in_visibility_timeout(self) -> Settings:

@@ -35,7 +35,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runtime.actions import (
     Park,
@@ -68,11 +68,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("ratchet.turn")
 
 
-def tool_context(held: HeldRun, call: ToolCall) -> ToolContext:
-    """The call's context: its key is the same on every attempt and every worker."""
+def tool_context(held: HeldRun, call: ToolCall, attempt: int = 1) -> ToolContext:
+    """The call's context: its key is the same on every attempt and every worker; its
+    ``progress`` goes to the run's live stream, naming the call and this attempt."""
     run_id = held.state.run_id
     key = idempotency_key(run_id, held.state.usage.model_turns, call.id)
-    return ToolContext(run_id=run_id, call_id=call.id, idempotency_key=key)
+    live = held.ctx.live()
+    if live is None:
+        return ToolContext(run_id=run_id, call_id=call.id, idempotency_key=key)
+    named: dict[str, Any] = {"kind": "tool.progress", "run": run_id, "call_id": call.id}
+    named.update(name=call.name, at=held.state.seq, attempt=attempt)
+
+    def report(message: str) -> None:
+        live.put(run_id, {**named, "message": message})
+
+    return ToolContext(run_id=run_id, call_id=call.id, idempotency_key=key, reporter=report)
 
 
 @dataclass
@@ -92,7 +102,8 @@ class _Batch:
 
     def launch(self, item: _Call) -> None:
         item.attempt += 1
-        spec, call, context = item.spec, item.call, tool_context(self.held, item.call)
+        spec, call = item.spec, item.call
+        context = tool_context(self.held, call, item.attempt)
         index, attempt, finished = item.index, item.attempt, self.finished
 
         def job() -> ToolOutcome:

@@ -85,6 +85,7 @@ BAD = {
     "new_run_id": {"not-a-run-id": "not a run id!"},
     "since": {"not-a-date": "yesterday"},
     "cursor": {"not-a-cursor": "garbage"},
+    "after": {"not-a-cursor": "12.x; rm"},
     "before": {"not-a-date": "someday"},
     "older_than": {"not-an-age": "10x"},
     "result_json": {"not-json": "not json"},

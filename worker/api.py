@@ -42,6 +42,7 @@ from tasks.lease import holding
 from tasks.messages import Start, enqueue_resume, enqueue_turn, sending_app
 from tasks.persistence import Loaded, load
 from tasks.start import start
+from worker.watch import Seen, parse_watch_cursor, watch
 
 
 def make_cursor(record: RunRecord) -> str:
@@ -266,6 +267,28 @@ class Ratchet:
             if deadline is not None and time.monotonic() > deadline:
                 return
             time.sleep(poll_s)
+
+    def stream(
+        self,
+        run_id: str,
+        after: str | None = None,
+        timeout_s: float | None = None,
+        until_suspended: bool = False,
+        idle_s: float | None = None,
+    ) -> Iterator[Seen]:
+        """Yield the run's committed events and, between them, its answer as it forms
+        (``model.delta``), attempts that ended unanswered (``model.aborted``) and tools'
+        progress (``tool.progress``), in order, until it is finished (worker/watch.py).
+
+        Each item's ``cursor``, passed back as ``after``, goes on just after it: nothing
+        still kept is missed, nothing is seen twice. ``after=None`` starts from the run's
+        first event, then the current attempt's text so far. ``idle_s``: yield an ``idle``
+        item after that long with nothing else, so a caller may stop between items.
+        """
+        self.get(run_id)
+        if after is not None:
+            parse_watch_cursor(after)
+        return watch(self.ctx.runs, run_id, after, timeout_s, until_suspended, idle_s=idle_s)
 
     def wait(self, run_id: str, timeout_s: float = 300, poll_s: float = 0.05) -> RunRecord:
         """Poll until the run is finished, waits for a person, or is parked; or time out.

@@ -300,5 +300,12 @@ def demo(agent_file: str | None, text: str) -> None:
 
 
 # Command modules register themselves on the groups (worker.cli_base).
-from worker import cli_control, cli_limits, cli_lineage, cli_recovery, cli_rejected  # noqa: E402,F401
+from worker import (  # noqa: E402,F401
+    cli_control,
+    cli_limits,
+    cli_lineage,
+    cli_recovery,
+    cli_rejected,
+    cli_watch,
+)
 from worker.console import command as console_command  # noqa: E402,F401

@@ -50,6 +50,11 @@ class Provider(Protocol):
 
         ``observer(event_type, data)`` is told of each retry (`model.retrying`) so the
         run's event log shows every attempt.
+
+        A provider whose ``streams`` attribute is true also takes ``deltas=f`` and calls
+        ``f({"attempt": n, "text": piece})`` (or a tool call's piece, or ``{"attempt": n,
+        "aborted": why}``) as the answer forms; it still returns the whole answer, which
+        is what the run journals (tasks/live.py carries the pieces to observers).
         """
         ...
 

@@ -284,6 +284,11 @@ class OpenAIProvider:
     def max_tokens(self) -> int | None:
         return self._table.max_tokens
 
+    @property
+    def streams(self) -> bool:
+        """Whether ``complete`` hands the answer's pieces to ``deltas`` as they come."""
+        return self._table.stream
+
     def limit_key(self) -> str:
         """The default name of this provider's shared rate limit: host, model and key variable
         (the variable's name, never the key)."""

@@ -6,6 +6,14 @@ gets the same answer, exactly as a deterministic model would give.
 
 Set ``RATCHET_SCRIPTED_CALL_LOG`` to a file path to append one line per call
 (``turn`` and process id): crash tests count real model calls with it.
+
+A script with a ``stream`` table plays each answer in pieces at a set pace, as a
+streaming model would (tasks/live.py carries them to observers)::
+
+    {"stream": {"chunk_chars": 4, "interval_s": 0.05}, "turns": [...]}
+
+``chunk_chars`` characters of the text every ``interval_s`` seconds, then each tool
+call's name and arguments. The answer returned, and journaled, is the same either way.
 """
 
 from __future__ import annotations
@@ -13,15 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import ProviderError
 from runtime.models import TokenUsage
 from runtime.numbers import Finite
-from runtime.providers import ModelRequest, ModelResponse, Observer
+from runtime.providers import Deltas, ModelRequest, ModelResponse, Observer
 
 
 class _ScriptCall(BaseModel):
@@ -40,9 +49,19 @@ class _ScriptTurn(BaseModel):
     """Seconds to wait before answering: stands in for a slow model in tests and demos."""
 
 
+class _Pace(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    chunk_chars: int = Field(default=8, ge=1, le=100_000)
+    """Characters of the answer's text in each piece."""
+    interval_s: Finite = Field(default=0.02, ge=0, le=60)
+    """Seconds between two pieces."""
+
+
 class _Script(BaseModel):
     model_config = ConfigDict(extra="forbid")
     turns: list[_ScriptTurn]
+    stream: _Pace | None = None
+    """Play each answer in pieces at this pace (``deltas``), as a streaming model does."""
 
 
 def _where(exc: ValidationError) -> str:
@@ -75,7 +94,17 @@ class ScriptedProvider:
         # The script is the model: editing it changes the run's behaviour.
         return {"provider": "scripted", "model": self._path.name, "script_sha256": self._digest}
 
-    def complete(self, request: ModelRequest, *, observer: Observer | None = None) -> ModelResponse:
+    @property
+    def streams(self) -> bool:
+        return self._script.stream is not None
+
+    def complete(
+        self,
+        request: ModelRequest,
+        *,
+        observer: Observer | None = None,
+        deltas: Deltas | None = None,
+    ) -> ModelResponse:
         turns = self._script.turns
         if request.model_call >= len(turns):
             raise ProviderError(
@@ -87,8 +116,6 @@ class ScriptedProvider:
             with open(log, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps({"turn": request.model_call, "pid": os.getpid()}) + "\n")
         if entry.sleep_s:
-            import time
-
             time.sleep(entry.sleep_s)
         calls = tuple(
             {
@@ -98,6 +125,28 @@ class ScriptedProvider:
             }
             for index, call in enumerate(entry.tool_calls)
         )
+        if self._script.stream is not None and deltas is not None:
+            _play(self._script.stream, entry.content, calls, deltas)
         return ModelResponse.model_validate(
             {"content": entry.content, "tool_calls": calls, "usage": entry.usage}
+        )
+
+
+def _play(pace: _Pace, text: str, calls: tuple[dict[str, Any], ...], deltas: Deltas) -> None:
+    """Hand the answer to ``deltas`` piece by piece, ``pace.interval_s`` apart."""
+    step = pace.chunk_chars
+    for start in range(0, len(text), step):
+        if start:
+            time.sleep(pace.interval_s)
+        deltas({"attempt": 1, "text": text[start : start + step]})
+    for index, call in enumerate(calls):
+        arguments = json.dumps(call["arguments"], separators=(",", ":"))
+        deltas(
+            {
+                "attempt": 1,
+                "call": index,
+                "id": call["id"],
+                "name": call["name"],
+                "arguments": arguments,
+            }
         )

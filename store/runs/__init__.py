@@ -53,6 +53,7 @@ from runtime.models import (
 )
 from store.clock import ClockReading, StoreClock
 from store.clock import wall_ms as wall_ms  # re-exported: tasks and tests import it here
+from store.live import LiveStream
 from store.retry import with_retries
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 
@@ -662,6 +663,11 @@ class RunStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the store is not used afterwards."""
+
+    def live(self) -> LiveStream | None:
+        """Where the runs' live streams go (store/live): deltas and tool progress, beside
+        the event log; None when this backend keeps none (observers see events only)."""
+        return None
 
     # --- primitives ---------------------------------------------------------
 

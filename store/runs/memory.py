@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from runtime.errors import LeaseLost, StaleWrite
 from runtime.models import Event, RunStatus
+from store.live.memory import MemoryLiveStream
 from store.runs import (
     Claim,
     Lease,
@@ -27,6 +28,10 @@ class MemoryRunStore(RunStore):
         self._logs: dict[str, list[Event]] = {}
         self._leases: dict[str, Lease] = {}
         self._alive_until: dict[str, int] = {}
+        self._live = MemoryLiveStream()
+
+    def live(self) -> MemoryLiveStream:
+        return self._live
 
     def _create(self, record: RunRecord, first: Event) -> None:
         with self._lock:

@@ -47,6 +47,7 @@ import redis
 from runtime import json_values
 from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
+from store.live.redis import RedisLiveStream
 from store.packing import pack, unpack
 from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
 from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
@@ -139,6 +140,10 @@ class RedisRunStore(RunStore):
         self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
         self._procs = f"{prefix}:procs"
         self._proc_prefix = f"{prefix}:proc:"
+        self._live = RedisLiveStream(client, self._prefix, where(url))
+
+    def live(self) -> RedisLiveStream:
+        return self._live
 
     @classmethod
     def from_url(

@@ -9,6 +9,7 @@ prefork pool forks, and a SQLite connection must not cross a fork).
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from runtime import json_values
 from runtime.errors import LeaseLost, NotStorable, StaleWrite, StoreError, StoreUnavailable
 from runtime.models import Event, RunStatus
+from store.live.sqlite import SqliteLiveStream, live_path
 from store.private import private_dir, private_files
 from store.runs import (
     FINISHED_STATUSES,
@@ -82,6 +84,8 @@ class SqliteRunStore(RunStore):
         super().__init__(clock)
         self.path = Path(path).resolve()
         self._connection = Connections(self.path)
+        self._live: SqliteLiveStream | None = None
+        self._live_lock = threading.Lock()
         try:
             private_dir(self.path.parent, tighten=False)
             self._refuse_links()
@@ -93,6 +97,12 @@ class SqliteRunStore(RunStore):
             self._migrate(conn)
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"run store {self.path}", str(exc)) from exc
+
+    def live(self) -> SqliteLiveStream:
+        with self._live_lock:
+            if self._live is None:  # opened on first use: most processes never stream
+                self._live = SqliteLiveStream(live_path(self.path))
+            return self._live
 
     def _refuse_links(self) -> None:
         """SQLite will not open its own files through a link (it uses O_NOFOLLOW) and then
@@ -396,6 +406,9 @@ class SqliteRunStore(RunStore):
         return run_ids
 
     def close(self) -> None:
+        with self._live_lock:
+            if self._live is not None:
+                self._live.close()
         self._connection.close()
 
 

@@ -4,7 +4,10 @@ Pages: ``/`` runs (filter by status and agent, paginated, counts per status),
 ``/runs/{id}`` a run (status, usage against budgets, time running and suspended,
 what it waits for, the open call, the transcript, the event timeline). Both parts
 marked live are fetched again every ``POLL_MS`` by an inline script and swapped in
-when they changed. Actions are POSTs to ``/runs/{id}/{action}``: the first shows a
+when they changed. A run page also opens ``/runs/{id}/stream`` (server-sent events,
+:func:`worker.watch.watch`): the model's answer shows as it forms and each tool's
+progress as it reports it; each event's ``id`` is its watch cursor, so a browser that
+reconnects (``Last-Event-ID``) misses nothing and sees nothing twice. Actions are POSTs to ``/runs/{id}/{action}``: the first shows a
 confirmation, the confirmed one calls the API (:mod:`worker.console.actions`).
 
 Defences, since run data comes from outside: Jinja2 autoescape everywhere; a CSP
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -25,20 +29,31 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import (
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
+from runtime import json_values
 from runtime.errors import InvalidRunId, RatchetError, RunNotFound
 from runtime.models import RunStatus, validate_run_id
 from worker.api import Ratchet
 from worker.console import actions, views
 from worker.console.auth import COOKIE, LoginThrottle, Session, Sessions, same_secret
+from worker.watch import Seen
 
 POLL_MS = 1500
 """How often a run page asks whether its run moved (cheap: one record read)."""
 LIST_POLL_MS = 3000
 """How often the runs page reads its list and counts again (a list read per status)."""
 MAX_FORM_BYTES = 64 * 1024
+KEEPALIVE_S = 15.0
+"""A comment line this often on a quiet stream: proxies keep the connection open, and a
+browser that went away is noticed (the watcher's thread is given back) at the latest then."""
 
 _templates = Environment(
     loader=FileSystemLoader(Path(__file__).parent / "templates"),
@@ -211,6 +226,27 @@ class Console:
                 return Response(status_code=204, headers={"Cache-Control": "no-store"})
         return await self._run_page(request, session, live=live)
 
+    async def stream(self, request: Request) -> Response:
+        """The run's answer as it forms, its tools' progress and its events, as
+        server-sent events (``delta``, ``aborted``, ``progress``, ``event``)."""
+        session = self.session(request)
+        denied = None if session is not None else self.unless_bearer(request)
+        if denied is not None:
+            return denied
+        after = request.headers.get("last-event-id") or request.query_params.get("after")
+        try:
+            seen = self.api.stream(
+                request.path_params["run_id"], after=after or None, idle_s=KEEPALIVE_S
+            )
+        except (InvalidRunId, RunNotFound) as exc:
+            return PlainTextResponse(actions.refusal_line(exc), 404)
+        except RatchetError as exc:
+            return PlainTextResponse(actions.refusal_line(exc), 400)
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            _server_sent(seen), media_type="text/event-stream", headers=headers
+        )
+
     async def _run_page(
         self,
         request: Request,
@@ -268,6 +304,32 @@ class Console:
         return RedirectResponse(f"/runs/{run_id}", 303)
 
 
+_SSE_KIND = {"model.delta": "delta", "model.aborted": "aborted", "tool.progress": "progress"}
+
+
+async def _server_sent(seen: Iterator[Seen]) -> AsyncIterator[bytes]:
+    """``seen`` as server-sent events; each blocking step of the watcher in a thread."""
+    done = object()
+    yield b"retry: 1000\n\n"
+    while True:
+        item = await run_in_threadpool(next, seen, done)
+        if item is done:
+            yield b"event: end\ndata: {}\n\n"
+            return
+        assert isinstance(item, Seen)
+        if item.kind == "idle":
+            yield b": keepalive\n\n"
+            continue
+        if item.event is not None:
+            kind, data = "event", {"seq": item.event.seq, "type": item.event.type}
+            if item.event.type == "model.responded":
+                data["content"] = item.event.data.get("content") or ""
+        else:
+            kind, data = _SSE_KIND.get(item.kind, item.kind), item.data
+        text = json_values.dumps(data, separators=(",", ":")).decode()
+        yield f"id: {item.cursor}\nevent: {kind}\ndata: {text}\n\n".encode()
+
+
 def _address(request: Request) -> str:
     """The client's address as the socket sees it (a proxy's, behind one)."""
     return request.client.host if request.client is not None else "unknown"
@@ -323,6 +385,7 @@ def make_app(api: Ratchet, token: str) -> Starlette:
             Route("/logout", console.logout, methods=["POST"]),
             Route("/", console.runs),
             Route("/runs/{run_id}", console.run),
+            Route("/runs/{run_id}/stream", console.stream),
             Route("/runs/{run_id}/{action}", console.act, methods=["POST"]),
         ]
     )
