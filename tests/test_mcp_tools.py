@@ -224,13 +224,15 @@ def test_a_run_calls_tools_on_a_stdio_and_an_http_server_and_completes(
 def test_runs_show_says_where_each_mcp_tools_policy_came_from(
     ratchet: Ratchet, tmp_path: Path
 ) -> None:
-    # Given an agent of all a server's tools, one of them overridden by the agent file
+    # Given an agent of all a server's tools, one of them overridden by the agent file and
+    # one that its `[policy]` asks approval for
     ledger = tmp_path / "stdio.ledger"
     override = "[mcp.billing.tools.always_fails]\nidempotent = true\n"
     agent = write_agent(
         tmp_path,
         [turn("Nothing to do.")],
         tools=["mcp:billing/*"],
+        require_approval=["issue_refund"],
         extra=stdio_table("billing", ledger) + override,
     )
     run_id = ratchet.start(agent, "look")
@@ -243,6 +245,7 @@ def test_runs_show_says_where_each_mcp_tools_policy_came_from(
     lines = {line.split()[2]: line for line in shown.output.splitlines() if line.startswith("mcp")}
     assert "runs again after a crash (readOnlyHint)" in lines["lookup_order"]
     assert "parks if cut short (default (unannotated" in lines["issue_refund"]
+    assert "awaits approval ([policy] require_approval)" in lines["issue_refund"]
     assert "awaits approval (destructiveHint)" in lines["wipe_account"]
     assert "runs again after a crash (agent file)" in lines["always_fails"]
     policies = {p["tool"]: p for p in json.loads(as_json.output)["mcp_tools"]}
