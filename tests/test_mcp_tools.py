@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -495,13 +496,47 @@ def test_a_stalled_run_whose_servers_tool_changed_is_refused_a_resume_naming_the
     assert ratchet.get(run_id).status == RunStatus.STALLED
 
 
-def test_the_example_mcp_agent_refunds_through_its_server(ratchet: Ratchet) -> None:
+def test_the_example_mcp_agent_refunds_through_its_server(
+    ratchet: Ratchet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RATCHET_MCP_BILLING_DB", str(tmp_path / "billing.sqlite3"))
     example = Path(__file__).parents[1] / "examples" / "mcp-desk.toml"
     run_id = ratchet.start(example, "My toaster (order B2) never came.")
     record = ratchet.wait(run_id, timeout_s=90)
     assert record.status == RunStatus.COMPLETED, record.error
     results = [e.data["result"] for e in ratchet.events(run_id) if e.type == "tool.completed"]
     assert results[1] == {"result": "refunded 2900 on B2"}
+
+
+def test_the_example_servers_refund_is_booked_once_per_key_whichever_process_gets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.mcp import Server
+    from runtime.mcp.tools import specs
+    from runtime.probes import ToolContext
+
+    # Given the example's server started twice (as a worker and its successor after a
+    # crash would: two tables are two sessions, each its own process), one refund database
+    database = tmp_path / "billing.sqlite3"
+    monkeypatch.setenv("RATCHET_MCP_BILLING_DB", str(database))
+    examples = Path(__file__).parents[1] / "examples"
+    context = ToolContext("run-1", "call_1_1", idempotency_key("run-1", 1, "call_1_1"))
+    results = []
+    for connect_timeout_s in (30, 31):
+        table = {
+            "command": ["python", "billing_mcp.py"],
+            "env": ["RATCHET_MCP_BILLING_DB"],
+            "connect_timeout_s": connect_timeout_s,
+        }
+        server = Server("billing", parse_servers({"billing": table})["billing"], examples)
+        ((refund, _),) = specs(server, "issue_refund", 30)
+        assert refund.remote is not None
+        # When each is sent the same call, with the same idempotency key
+        results.append(refund.remote({"order_id": "B2", "amount_cents": 2900}, context))
+    # Then both answer the refund, and it was booked once
+    assert results == [{"result": "refunded 2900 on B2"}] * 2
+    with sqlite3.connect(database) as db:
+        assert db.execute("SELECT key FROM refunds").fetchall() == [(context.idempotency_key,)]
 
 
 # --- a worker SIGKILLed mid-call --------------------------------------------------------
