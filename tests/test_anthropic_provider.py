@@ -21,6 +21,7 @@ from runtime.models import Message, RunStatus, ToolCall
 from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest
 from runtime.providers.anthropic import API_VERSION, AnthropicProvider
 from runtime.providers.known import make_provider
+from tasks.limits import limit_store
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.openai_server import OpenAIServer, serve
@@ -293,7 +294,9 @@ def test_make_provider_routes_anthropic_models_and_names_it_among_the_known(
 # --- whole runs on a worker --------------------------------------------------------------
 
 
-def write_agent(directory: Path, server: OpenAIServer, name: str = "claude-desk") -> Path:
+def write_agent(
+    directory: Path, server: OpenAIServer, name: str = "claude-desk", *extra: str
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.toml"
     path.write_text(
@@ -308,6 +311,7 @@ def write_agent(directory: Path, server: OpenAIServer, name: str = "claude-desk"
                 f'api_key_env = "{KEY_VAR}"',
                 "timeout_s = 5",
                 "max_retry_s = 10",
+                *extra,
             ]
         )
         + "\n",
@@ -365,10 +369,59 @@ def test_a_429_waits_on_the_queue_with_its_retry_after_and_is_not_counted_as_an_
     events = ratchet.events(run_id)
     throttled = next(e for e in events if e.type == "run.throttled")
     assert throttled.data["reason"] == "429" and throttled.data["wait_s"] == 1.0
+    # held off through the fleet's limit of the provider's key, not slept out in the worker
+    assert throttled.data["refused"] is True
+    assert throttled.data["limit"] == f"anthropic/127.0.0.1:{server.port}/claude-test/{KEY_VAR}"
     second = next(e for e in events if e.seq > throttled.seq and e.type == "model.requested")
     assert second.at_ms - throttled.at_ms >= 950
     # The refused request is given back: one attempt, one turn
     assert record.usage.model_attempts == 1 and record.usage.model_turns == 1
+
+
+def test_cache_reads_and_writes_count_against_the_token_budget_and_the_token_limit(
+    ratchet: Ratchet, server: OpenAIServer, key: str, tmp_path: Path
+) -> None:
+    # Given a 1000-token budget, a token limit of 10 a second, and a first answer whose
+    # 1330 tokens are mostly the cache's reads and writes
+    limit = f"claude-test-{uuid.uuid4().hex[:8]}"
+    server.enqueue(
+        200,
+        message(
+            tool_use("toolu_1", "lookup_order", {"order_id": "B2"}),
+            usage={
+                "input_tokens": 10,
+                "output_tokens": 20,
+                "cache_read_input_tokens": 600,
+                "cache_creation_input_tokens": 700,
+            },
+        ),
+    )
+    agent = write_agent(
+        tmp_path,
+        server,
+        "claude-desk",
+        "max_tokens = 16",  # the limiter's estimate before the call: about 150 tokens
+        "[budgets]",
+        "max_total_tokens = 1000",
+        "[limits]",
+        f'key = "{limit}"',
+        "tokens_per_minute = 600",
+    )
+
+    # When the run goes through the worker
+    run_id = ratchet.start(agent, "Where is B2?")
+    record = ratchet.wait(run_id, timeout_s=20)
+
+    # Then it stopped on the token budget without asking the model again
+    assert record.status == RunStatus.FAILED, record.error
+    (failed,) = [e for e in ratchet.events(run_id) if e.type == "run.failed"]
+    assert failed.data["budget"] == "max_total_tokens", failed.data
+    assert (record.usage.input_tokens, record.usage.output_tokens) == (1310, 20)
+    assert len(server.requests) == 1
+    # And the limit's token schedule was charged the same 1330 tokens: 133 s at 10 a
+    # second (the estimate alone is about 15 s; without the cache's writes, 63 s)
+    ahead_s = limit_store(ratchet.ctx).use(limit).ahead_s["tokens"]
+    assert 120 < ahead_s <= 133, ahead_s
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -224,13 +225,15 @@ def test_a_run_calls_tools_on_a_stdio_and_an_http_server_and_completes(
 def test_runs_show_says_where_each_mcp_tools_policy_came_from(
     ratchet: Ratchet, tmp_path: Path
 ) -> None:
-    # Given an agent of all a server's tools, one of them overridden by the agent file
+    # Given an agent of all a server's tools, one of them overridden by the agent file and
+    # one that its `[policy]` asks approval for
     ledger = tmp_path / "stdio.ledger"
     override = "[mcp.billing.tools.always_fails]\nidempotent = true\n"
     agent = write_agent(
         tmp_path,
         [turn("Nothing to do.")],
         tools=["mcp:billing/*"],
+        require_approval=["issue_refund"],
         extra=stdio_table("billing", ledger) + override,
     )
     run_id = ratchet.start(agent, "look")
@@ -243,6 +246,7 @@ def test_runs_show_says_where_each_mcp_tools_policy_came_from(
     lines = {line.split()[2]: line for line in shown.output.splitlines() if line.startswith("mcp")}
     assert "runs again after a crash (readOnlyHint)" in lines["lookup_order"]
     assert "parks if cut short (default (unannotated" in lines["issue_refund"]
+    assert "awaits approval ([policy] require_approval)" in lines["issue_refund"]
     assert "awaits approval (destructiveHint)" in lines["wipe_account"]
     assert "runs again after a crash (agent file)" in lines["always_fails"]
     policies = {p["tool"]: p for p in json.loads(as_json.output)["mcp_tools"]}
@@ -492,13 +496,47 @@ def test_a_stalled_run_whose_servers_tool_changed_is_refused_a_resume_naming_the
     assert ratchet.get(run_id).status == RunStatus.STALLED
 
 
-def test_the_example_mcp_agent_refunds_through_its_server(ratchet: Ratchet) -> None:
+def test_the_example_mcp_agent_refunds_through_its_server(
+    ratchet: Ratchet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RATCHET_MCP_BILLING_DB", str(tmp_path / "billing.sqlite3"))
     example = Path(__file__).parents[1] / "examples" / "mcp-desk.toml"
     run_id = ratchet.start(example, "My toaster (order B2) never came.")
     record = ratchet.wait(run_id, timeout_s=90)
     assert record.status == RunStatus.COMPLETED, record.error
     results = [e.data["result"] for e in ratchet.events(run_id) if e.type == "tool.completed"]
     assert results[1] == {"result": "refunded 2900 on B2"}
+
+
+def test_the_example_servers_refund_is_booked_once_per_key_whichever_process_gets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.mcp import Server
+    from runtime.mcp.tools import specs
+    from runtime.probes import ToolContext
+
+    # Given the example's server started twice (as a worker and its successor after a
+    # crash would: two tables are two sessions, each its own process), one refund database
+    database = tmp_path / "billing.sqlite3"
+    monkeypatch.setenv("RATCHET_MCP_BILLING_DB", str(database))
+    examples = Path(__file__).parents[1] / "examples"
+    context = ToolContext("run-1", "call_1_1", idempotency_key("run-1", 1, "call_1_1"))
+    results = []
+    for connect_timeout_s in (28, 29):  # not the example's own table: not its session
+        table = {
+            "command": ["python", "billing_mcp.py"],
+            "env": ["RATCHET_MCP_BILLING_DB"],
+            "connect_timeout_s": connect_timeout_s,
+        }
+        server = Server("billing", parse_servers({"billing": table})["billing"], examples)
+        ((refund, _),) = specs(server, "issue_refund", 30)
+        assert refund.remote is not None
+        # When each is sent the same call, with the same idempotency key
+        results.append(refund.remote({"order_id": "B2", "amount_cents": 2900}, context))
+    # Then both answer the refund, and it was booked once
+    assert results == [{"result": "refunded 2900 on B2"}] * 2
+    with sqlite3.connect(database) as db:
+        assert db.execute("SELECT key FROM refunds").fetchall() == [(context.idempotency_key,)]
 
 
 # --- a worker SIGKILLed mid-call --------------------------------------------------------

@@ -491,14 +491,18 @@ class Ratchet:
             if not isinstance(mcp, dict):
                 continue
             sources = mcp.get("policy_from") or {}
+            approval, approval_from = tool.get("name") in approving, sources.get("approval")
+            if approval and approval_from == "default":
+                # The server's default is no approval: the file's `[policy]` list asked for it.
+                approval_from = "[policy] require_approval"
             policies.append(
                 {
                     "tool": tool.get("name"),
                     "server": mcp.get("server"),
                     "idempotent": bool(tool.get("idempotent")),
                     "idempotent_from": sources.get("idempotent"),
-                    "approval": tool.get("name") in approving,
-                    "approval_from": sources.get("approval"),
+                    "approval": approval,
+                    "approval_from": approval_from,
                 }
             )
         return policies
