@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +72,8 @@ class CannedStream:
     """Reset the connection after this many events, with no ``[DONE]``."""
     done: bool = True
     """Send ``data: [DONE]`` at the end (else end the body cleanly without it)."""
+    sent_at: dict[int, float] = field(default_factory=dict)
+    """``time.monotonic()`` as each event ``i`` was flushed (to measure an observer's delay)."""
 
 
 def text_chunks(pieces: list[str], usage: dict[str, int] | None = None) -> list[Any]:
@@ -130,9 +133,11 @@ class OpenAIServer:
         gates: dict[int, threading.Event] | None = None,
         cut_after: int | None = None,
         done: bool = True,
-    ) -> None:
+    ) -> CannedStream:
         with self._lock:
-            self._queue.append(CannedStream(events, pace_s, dict(gates or {}), cut_after, done))
+            stream = CannedStream(events, pace_s, dict(gates or {}), cut_after, done)
+            self._queue.append(stream)
+        return stream
 
     def enqueue_fixture(self, name: str, delay_s: float = 0.0) -> dict[str, Any]:
         """Queue the recorded response of fixture ``name``; returns the whole pair."""
@@ -226,6 +231,7 @@ def _send_stream(
                 return
             data = event if isinstance(event, str) else json.dumps(event)
             chunk(f"data: {data}\n\n".encode())
+            canned.sent_at[index] = time.monotonic()
         if canned.done:
             chunk(b"data: [DONE]\n\n")
         chunk(b"")
