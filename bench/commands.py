@@ -5,7 +5,9 @@
 
 Starts its own redis-server (broker and both stores on one database, as a Redis
 deployment runs them; ``--broker amqp``: the broker on the RabbitMQ at 127.0.0.1:5672,
-in a virtual host of its own, and only the stores' commands counted), a local OpenAI-compatible model server answering at once
+in a virtual host of its own, and only the stores' commands counted; ``--broker filesystem``: the
+embedded default, the folder broker and SQLite stores under a data dir, worker CPU only, no
+Redis at all), a local OpenAI-compatible model server answering at once
 (tests/model_server.py: the real provider path, so a limit key exists), and per
 slice a fresh ``celery -A worker worker``. A slice warms the worker with one run,
 reads ``INFO commandstats``, sends ``--runs`` runs of ``--turns`` model turns (the
@@ -111,9 +113,10 @@ class Monitor:
 
 def worker_env(url: str, broker_url: str, workdir: Path, variant: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(workdir / "data"),
-               RATCHET_BROKER_URL=broker_url, RATCHET_SNAPSHOT_STORE=url,
-               RATCHET_RUN_STORE=url, RATCHET_ALLOW_VOLATILE_STORE="1")  # fmt: skip
+    env.update(PYTHONPATH=str(ROOT), RATCHET_DATA_DIR=str(workdir / "data"))
+    if url:  # else the embedded default: the folder broker and SQLite under the data dir
+        env.update(RATCHET_BROKER_URL=broker_url, RATCHET_SNAPSHOT_STORE=url,
+                   RATCHET_RUN_STORE=url, RATCHET_ALLOW_VOLATILE_STORE="1")  # fmt: skip
     if variant != "default":
         for pair in variant.split("+"):
             name, _, value = pair.partition("=")
@@ -235,6 +238,69 @@ def run_slice(  # noqa: PLR0915 - one slice, read top to bottom
     }
 
 
+def run_embedded_slice(
+    variant: str, args: argparse.Namespace, index: int, workdir: Path, model: ModelProcess
+) -> dict[str, Any]:
+    """One slice on the embedded default (``--broker filesystem``): no Redis, so no command
+    counts; the worker's CPU per turn, measured as :func:`run_slice` does."""
+    from runtime.models import RunStatus
+    from store import open_run_store, open_snapshot_store
+    from tasks.context import Context
+    from tasks.messages import enqueue_turn
+    from tasks.settings import Settings
+    from tasks.start import create_run
+    from worker.app import make_app
+
+    slice_dir = workdir / f"slice-{index}"
+    env = worker_env("", "", slice_dir, variant)
+    settings = Settings(data_dir=slice_dir / "data")
+    agent = write_agent(slice_dir / "agent", "openai", args.turns, 0.0, model.url)
+    log = slice_dir / "worker.log"
+    worker = start_worker(args, env, log)
+    client = make_app(settings)
+    ctx = Context(
+        settings,
+        open_snapshot_store(settings.resolved_snapshot_store),
+        open_run_store(settings.resolved_run_store),
+    )
+
+    def wait(run_ids: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        left = list(run_ids)
+        while left:
+            left = [r for r in left if (rec := ctx.runs.get(r)) is None or rec.status.is_live]
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the runs did not finish; see {log}")
+            time.sleep(0.05)
+
+    try:
+        probe = create_run(ctx, agent, "probe")
+        enqueue_turn(run_id=probe.run_id, expected_seq=probe.seq, app=client)
+        wait([probe.run_id], 120)
+        states = [create_run(ctx, agent, f"look up order A1 ({i})") for i in range(args.runs)]
+        time.sleep(0.5)
+        cpu_before = cpu_s(group=worker.pid)
+        started = time.monotonic()
+        for state in states:
+            enqueue_turn(run_id=state.run_id, expected_seq=state.seq, app=client)
+        wait([s.run_id for s in states], args.timeout)
+        elapsed_s = time.monotonic() - started
+        cpu_after = cpu_s(group=worker.pid)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        client.close()
+    bad = [s.run_id for s in states if (r := ctx.runs.get(s.run_id)) is None
+           or r.status != RunStatus.COMPLETED]  # fmt: skip
+    ctx.close()
+    if bad:
+        raise SystemExit(f"{len(bad)} runs did not complete (e.g. {bad[0]}); see {log}")
+    turns = args.runs * args.turns
+    return {"variant": variant, "turns": turns, "elapsed_s": elapsed_s, "per_turn": {},
+            "total": 0.0, "client": 0.0, "lua": 0.0, "split": {}, "idle_per_s": {},
+            "worker_cpu_ms": (cpu_after - cpu_before) * 1000 / turns, "redis_cpu_ms": 0.0}  # fmt: skip
+
+
 def report(slices: list[dict[str, Any]], args: argparse.Namespace) -> None:
     variants = list(dict.fromkeys(s["variant"] for s in slices))
     print(f"\n{'variant':24} {'cmds/turn':>9} {'client':>7} {'in Lua':>7} "
@@ -250,7 +316,12 @@ def report(slices: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{statistics.median(s['client'] for s in mine):7.2f}" if args.monitor else "      -"
         )
         lua = f"{statistics.median(s['lua'] for s in mine):7.2f}" if args.monitor else "      -"
-        print(f"{variant:24} {statistics.median(s['total'] for s in mine):9.2f} {client} {lua} "
+        total = (
+            f"{statistics.median(s['total'] for s in mine):9.2f}"
+            if args.broker != "filesystem"
+            else "        -"
+        )
+        print(f"{variant:24} {total} {client} {lua} "
               f"{med('worker_cpu_ms'):>19} {med('redis_cpu_ms'):>18}")  # fmt: skip
     if len(variants) > 1:
         base = variants[0]
@@ -309,12 +380,15 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--no-monitor", dest="monitor", action="store_false")
-    parser.add_argument("--broker", default="redis", choices=["redis", "amqp"],
-                        help="amqp: a virtual host of its own on the RabbitMQ at 127.0.0.1:5672")  # fmt: skip
+    parser.add_argument("--broker", default="redis", choices=["redis", "amqp", "filesystem"],
+                        help="amqp: a virtual host of its own on the RabbitMQ at 127.0.0.1:5672; "
+                        "filesystem: the embedded default (folder broker, SQLite stores)")  # fmt: skip
     args = parser.parse_args()
     args.broker_url = None
     if args.broker == "amqp":
         args.broker_url = rabbitmq_vhost()
+    if args.broker == "filesystem":
+        args.monitor = False
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     print(f"commands: {args.runs} runs x {args.turns} turns, {args.broker} broker, -P {args.pool} -c "
           f"{args.concurrency}, variants {variants}, {args.rounds} rounds; load average "
@@ -329,8 +403,18 @@ def main() -> None:
             for round_ in range(args.rounds):
                 order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
                 for variant in order:
-                    slices.append(run_slice(variant, args, server, len(slices), workdir, model))
-                    print(f"  round {round_ + 1} {variant}: {slices[-1]['total']:.2f} cmds/turn, "
+                    if args.broker == "filesystem":
+                        slices.append(
+                            run_embedded_slice(variant, args, len(slices), workdir, model)
+                        )
+                    else:
+                        slices.append(run_slice(variant, args, server, len(slices), workdir, model))
+                    counted = (
+                        ""
+                        if args.broker == "filesystem"
+                        else f"{slices[-1]['total']:.2f} cmds/turn, "
+                    )
+                    print(f"  round {round_ + 1} {variant}: {counted}"
                           f"worker {slices[-1]['worker_cpu_ms']:.2f} CPU ms/turn", flush=True)  # fmt: skip
         finally:
             model.stop()

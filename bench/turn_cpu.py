@@ -26,13 +26,22 @@ slope of per-turn CPU against the turn number (least squares over medians of
 once the machine's own drift, which both saw, is taken out), and the mean as a
 ratio to the baseline's.
 The Redis backend starts its own ``redis-server`` on a free port.
+
+``--against PATH``: before and after a change. Each of ``--rounds`` rounds runs this
+bench once on this checkout's code and once on the checkout at PATH (each in a fresh
+process, the order alternated round by round, so both see the same phases of the
+machine) and prints, per backend and way, this checkout's mean CPU ms per turn over
+PATH's: the median of the rounds' ratios and each round's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,13 +138,52 @@ def measure(backend: str, turns: int, directory: Path, url: str) -> None:
             ctx.close()
 
 
+MEAN = re.compile(r"^(\w+)\s+(one process|two processes)\s.*\smean\s+([\d.]+) ms", re.M)
+
+
+def means(checkout: Path, turns: int, backend: str) -> dict[tuple[str, str], float]:
+    """One run of this bench on ``checkout``'s code in a fresh process: its mean CPU ms per
+    turn by (backend, way)."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    command = [sys.executable, "-m", "bench.turn_cpu", "--turns", str(turns), "--backend", backend]
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=1800, check=False)  # fmt: skip
+    found = {(b, way): float(ms) for b, way, ms in MEAN.findall(done.stdout)}
+    if done.returncode != 0 or not found:
+        raise SystemExit(f"bench.turn_cpu on {checkout} failed:\n{done.stdout}{done.stderr}")
+    return found
+
+
+def against(other: Path, turns: int, backend: str, rounds: int) -> None:
+    """This checkout's mean CPU ms per turn over ``other``'s, rounds alternated."""
+    here = Path(__file__).resolve().parents[1]
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(rounds):
+        order = [here, other] if round_ % 2 == 0 else [other, here]
+        measured = {checkout: means(checkout, turns, backend) for checkout in order}
+        for key, ms in measured[here].items():
+            ratios.setdefault(key, []).append(ms / measured[other][key])
+        print(f"  round {round_ + 1}: " + ", ".join(
+            f"{b} {way} {measured[here][(b, way)]:.2f} / {measured[other][(b, way)]:.2f} ms"
+            for b, way in measured[here]), flush=True)  # fmt: skip
+    print(f"\nmean CPU ms/turn, {here} / {other}, paired by round:")
+    for (b, way), found in ratios.items():
+        print(f"  {b:6} {way:14} median {statistics.median(found):.3f} (rounds: "
+              + ", ".join(f"{r:.3f}" for r in found) + ")")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=300)
     parser.add_argument("--backend", choices=["redis", "sqlite", "both"], default="both")
+    parser.add_argument("--against", type=Path, help="another checkout: before and after")
+    parser.add_argument("--rounds", type=int, default=4, help="with --against")
     args = parser.parse_args()
     if args.turns < 2 * WINDOW + 1:
         parser.error(f"--turns must be at least {2 * WINDOW + 1}")
+    if args.against is not None:
+        against(args.against.resolve(), args.turns, args.backend, args.rounds)
+        return
     backends = ["redis", "sqlite"] if args.backend == "both" else [args.backend]
     for backend in backends:
         with tempfile.TemporaryDirectory() as tmp:

@@ -307,3 +307,34 @@ def test_a_429_holds_a_key_without_rates_off_here_at_once_and_elsewhere_within_t
     tasks.limits.refused(ctx, agent, state, go, 1, ProviderRateLimited("429", retry_after_s=30))
     held = admit(ctx, agent, state, request)
     assert isinstance(held, Wait) and held.events[0][1]["binding"] == "blocked"
+
+
+def test_a_cap_set_at_run_time_holds_an_agent_whose_file_sets_none(tmp_path: Path) -> None:
+    import tasks.limits
+
+    # Given an agent whose file sets no cap and no rate: its turns pay for no limit
+    ctx = memory_context()
+    store = MemoryLimitStore()
+    use_limit_store(ctx, store)
+    agent = write_agent(tmp_path, [turn("Done.")])
+    name = ctx.agent(agent).name
+    first = create_run(ctx, agent, "hi")
+    second = create_run(ctx, agent, "hi")
+    assert advance(ctx, create_run(ctx, agent, "hi").run_id, None).outcome == "completed"
+
+    # When an operator caps the agent at one run (`ratchet limits cap agent:NAME 1`) and
+    # the worker's cache of run-time limits has had its seconds, with the first run in
+    # progress (holding the only place)
+    store.set_cap_override(f"agent:{name}", 1)
+    tasks.limits.overrides(store).read_at = -1e9
+    assert store.acquire(f"agent:{name}", first.run_id, 1).held
+
+    # Then the second run waits for the place instead of calling its model
+    done = advance(ctx, second.run_id, None)
+    assert done.outcome == "next" and done.countdown_s > 0
+    waited = ctx.runs.events(second.run_id)[-1]
+    assert (waited.type, waited.data["reason"], waited.data["limit"]) == (
+        "run.throttled",
+        "concurrency",
+        f"agent:{name}",
+    )

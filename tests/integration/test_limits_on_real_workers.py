@@ -197,6 +197,42 @@ def test_a_limit_changed_at_run_time_reaches_running_workers_without_a_restart(
         assert shown.returncode == 0 and "changed-key" in shown.stdout, shown.stderr
 
 
+@pytest.mark.timeout(180)
+def test_a_rate_set_for_a_key_without_one_holds_running_workers_within_the_cache_bound(
+    worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    from tasks.limits import OVERRIDES_TTL_S
+
+    # Given a worker running an agent whose key has no rate: its calls skip admission
+    with serve(latency_s=0.0, turns=1) as server:
+        agent = openai_agent(tmp_path, server, "unlimited", "")
+        worker_processes.start("--pool", "threads", "--concurrency", "4")
+        env = worker_processes.base_env
+        before = start_all(ctx, redis_url, agent, 3)
+        wait_all(ctx, before, worker_processes)
+        assert events_of(ctx, before, "run.throttled") == []
+
+        # When an operator sets 60 a minute on that key, and the bound docs/limits.md
+        # states (the workers' cache of run-time limits) has passed
+        set_it = subprocess.run(
+            [sys.executable, "-m", "worker", "limits", "set", "unlimited-key", "--rpm", "60",
+             "--burst-s", "0.001"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert set_it.returncode == 0, set_it.stderr
+        time.sleep(OVERRIDES_TTL_S + 0.2)
+        run_ids = start_all(ctx, redis_url, agent, 4)
+        wait_all(ctx, run_ids, worker_processes)
+
+        # Then every call sent after it keeps the new limit: four calls a second apart
+        # (at no limit they went within milliseconds of each other)
+        assert {e.data["limit"] for e in events_of(ctx, run_ids, "run.throttled")} == {
+            "unlimited-key"
+        }
+        asked = sorted(e.at_ms for e in events_of(ctx, run_ids, "model.requested"))
+        assert len(asked) == 4 and (asked[-1] - asked[0]) / 1000 >= 2.0, asked
+
+
 @pytest.mark.timeout(240)
 def test_a_concurrency_cap_of_2_runs_10_runs_at_most_2_at_once_in_order(
     worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
