@@ -450,3 +450,94 @@ def test_an_anthropic_run_completes_on_each_pool(
     finally:
         sender.close()
         ctx.close()
+
+
+# --- streaming: the Messages API's server-sent events -----------------------------
+
+
+def message_events(*events: dict[str, Any]) -> list[Any]:
+    """A streamed message: start (input usage), ``events``, then its end (output usage)."""
+    start = {"type": "message_start", "message": {"type": "message", "content": [],
+             "usage": {"input_tokens": 30, "cache_read_input_tokens": 5, "output_tokens": 1}}}  # fmt: skip
+    end = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 12}}  # fmt: skip
+    return [start, {"type": "ping"}, *events, end, {"type": "message_stop"}]
+
+
+def block(index: int, content_block: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "content_block_start", "index": index, "content_block": content_block}
+
+
+def piece(index: int, **delta: Any) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def test_a_streamed_message_is_told_piece_by_piece_and_put_back_together_whole(
+    server: OpenAIServer, key: str
+) -> None:
+    # Given a Messages-API stream with text and two tool_use blocks formed across events
+    server.enqueue_stream(
+        message_events(
+            block(0, {"type": "text", "text": ""}),
+            piece(0, type="text_delta", text="Looking "),
+            piece(0, type="text_delta", text="both up."),
+            block(1, {"type": "tool_use", "id": "toolu_1", "name": "lookup_order", "input": {}}),
+            piece(1, type="input_json_delta", partial_json='{"order_'),
+            piece(1, type="input_json_delta", partial_json='id": "B2"}'),
+            block(2, {"type": "tool_use", "id": "toolu_2", "name": "lookup_order", "input": {}}),
+            piece(2, type="input_json_delta", partial_json='{"order_id": "C3"}'),
+        )
+    )
+    told: list[dict[str, Any]] = []
+    # When it is asked for as a stream
+    response = provider(server, stream=True).complete(
+        ModelRequest(messages=TRANSCRIPT[:2], model_call=0), deltas=told.append
+    )
+    # Then the pieces were told as they came, and the answer is the whole message
+    assert server.requests[-1].body["stream"] is True
+    assert "stream_options" not in server.requests[-1].body  # OpenAI's, not the Messages API's
+    assert [t.get("text") for t in told if "text" in t] == ["Looking ", "both up."]
+    assert [t.get("arguments") for t in told if t.get("call") == 1 and "arguments" in t] == [
+        '{"order_',
+        'id": "B2"}',
+    ]
+    assert response.content == "Looking both up."
+    assert [(c.id, c.arguments) for c in response.tool_calls] == [
+        ("toolu_1", {"order_id": "B2"}),
+        ("toolu_2", {"order_id": "C3"}),
+    ]
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (35, 12)
+
+
+def test_an_overloaded_error_mid_stream_is_a_failed_attempt_retried_as_one(
+    server: OpenAIServer, key: str
+) -> None:
+    server.enqueue_stream(
+        [
+            message_events()[0],
+            block(0, {"type": "text", "text": ""}),
+            piece(0, type="text_delta", text="Half"),
+            {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
+        ]
+    )
+    server.enqueue_stream(message_events(block(0, {"type": "text", "text": "Whole."})))
+    told: list[dict[str, Any]] = []
+    response = provider(server, stream=True).complete(
+        ModelRequest(messages=TRANSCRIPT[:2], model_call=0), deltas=told.append
+    )
+    assert response.content == "Whole."
+    assert told[:2] == [
+        {"attempt": 1, "text": "Half"},
+        {"attempt": 1, "aborted": "the server sent an error event: Overloaded"},
+    ]
+
+
+def test_a_stream_that_stops_before_message_stop_is_cut_off(server: OpenAIServer, key: str) -> None:
+    server.enqueue_stream(message_events(block(0, {"type": "text", "text": "Hi"}))[:-1], done=False)
+    server.enqueue_stream(message_events(block(0, {"type": "text", "text": "Hi again"})))
+    told: list[dict[str, Any]] = []
+    response = provider(server, stream=True).complete(
+        ModelRequest(messages=TRANSCRIPT[:2], model_call=0), deltas=told.append
+    )
+    assert response.content == "Hi again"
+    assert {"attempt": 1, "aborted": "the stream ended before its message_stop"} in told

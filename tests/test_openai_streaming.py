@@ -17,7 +17,6 @@ import pytest
 from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import RunStatus
 from runtime.providers import ModelRequest
-from runtime.providers.anthropic import AnthropicProvider
 from runtime.providers.openai import OpenAIProvider, server_sent_data
 from tasks.start import create_run
 from tests.helpers import drive, memory_context
@@ -184,11 +183,6 @@ def test_server_sent_events_are_read_as_the_format_says() -> None:
     lines = [": a comment", "event: message", "data: {\"a\":", "data: 1}", "", "id: 4", "",
              "data:[DONE]", ""]  # fmt: skip
     assert list(server_sent_data(lines)) == ['{"a":\n1}', "[DONE]"]
-
-
-def test_an_anthropic_agent_that_asks_to_stream_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match=r"`\[provider\] stream`: .*not built for `anthropic:`"):
-        AnthropicProvider.from_settings("claude-test", {"provider": {"stream": True}})
 
 
 def test_a_run_with_a_streaming_model_checkpoints_the_whole_answer(

@@ -11,6 +11,7 @@
     max_attempts = 4                   # requests per model call, first one included
     max_retry_s = 60
     temperature = 0.2                  # sent only when set (the API takes 0 to 1)
+    stream = true                      # ask for server-sent events (default false)
 
 It shares the OpenAI provider's HTTP call, key rules and retry policy
 (:mod:`runtime.providers.openai`, whose docstring states them): one request is one
@@ -34,6 +35,13 @@ differences are the wire format and these:
   in order (parallel tool use); other blocks (thinking, server tools) are not part
   of the run's transcript. ``stop_reason`` is not needed: a response with tool
   calls runs them, one without answers.
+- **Streaming** (``stream = true``): the request asks for ``stream: true`` and the
+  Messages API's events are read as they come (``message_start``, ``content_block_*``,
+  ``message_delta``, ``message_stop``; ``ping`` is read past): each piece of text and of a
+  ``tool_use`` block's input goes to ``deltas`` as for OpenAI, and the message is put back
+  together whole, usage from ``message_start`` and ``message_delta``. An ``error`` event
+  (``overloaded_error`` mid-stream) or a stream that stops before ``message_stop`` is the
+  failed attempt it was, retried as one.
 - **Usage**: ``input_tokens`` counts the request's input *including* the cache's
   reads and writes (``cache_read_input_tokens``, ``cache_creation_input_tokens``),
   since each is input the model processed; that sum and ``output_tokens`` are
@@ -47,14 +55,13 @@ dependency for one POST.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
-
-from pydantic import field_validator
 
 from runtime.errors import ProviderError
 from runtime.models import Message, TokenUsage
-from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest, ModelResponse
-from runtime.providers.openai import OpenAIProvider, ProviderTable
+from runtime.providers import INVALID_ARGUMENTS_KEY, Deltas, ModelRequest, ModelResponse
+from runtime.providers.openai import OpenAIProvider, ProviderTable, StreamAssembly
 
 DEFAULT_BASE_URL = "https://api.anthropic.com/v1"
 BASE_URL_ENV = "RATCHET_ANTHROPIC_BASE_URL"
@@ -70,16 +77,6 @@ class AnthropicTable(ProviderTable):
     """The ``[provider]`` table of an ``anthropic:`` agent: the OpenAI table's keys."""
 
     KEY_VARIABLES: ClassVar[tuple[str, str]] = (KEY_VARIABLES_ENV, DEFAULT_KEY_VARIABLES)
-
-    @field_validator("stream")
-    @classmethod
-    def _streams_not_yet(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(
-                "streaming is not built for `anthropic:` models yet; leave it out (the answer "
-                "is checkpointed whole either way)"
-            )
-        return value
 
 
 class AnthropicProvider(OpenAIProvider):
@@ -98,6 +95,12 @@ class AnthropicProvider(OpenAIProvider):
         if key:
             headers["x-api-key"] = key
         return headers
+
+    def stream_fields(self) -> dict[str, Any]:
+        return {"stream": True}
+
+    def assembly(self, attempt: int, deltas: Deltas | None) -> StreamAssembly:
+        return MessageAssembly(attempt, deltas)
 
     def payload(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body of ``POST /messages`` for ``request``."""
@@ -221,3 +224,79 @@ def _usage(usage: Any) -> TokenUsage | None:
         input_tokens=usage["input_tokens"] + cached,
         output_tokens=int(usage.get("output_tokens") or 0),
     )
+
+
+class MessageAssembly(StreamAssembly):
+    """One attempt's stream of Messages-API events, put back together as one message."""
+
+    END = "message_stop"
+
+    def __init__(self, attempt: int, deltas: Deltas | None) -> None:
+        super().__init__(attempt, deltas)
+        self.message: dict[str, Any] = {"type": "message", "content": []}
+        self.usage: dict[str, Any] = {}
+        self.blocks: dict[int, dict[str, Any]] = {}
+        self.inputs: dict[int, list[str]] = {}
+
+    def feed(self, data: str, key: str | None) -> bool:
+        event = self.event(data, key)
+        if not isinstance(event, dict):
+            return False
+        kind = event.get("type")
+        if kind == "error" or "error" in event and kind is None:
+            raise self.error_event(event.get("error"), key)
+        if kind == "message_start" and isinstance(event.get("message"), dict):
+            self._usage(event["message"].get("usage"))
+        elif kind == "content_block_start":
+            self._start(event.get("index"), event.get("content_block"))
+        elif kind == "content_block_delta":
+            self._delta(event.get("index"), event.get("delta"))
+        elif kind == "message_delta":
+            self._usage(event.get("usage"))
+        return kind == "message_stop"
+
+    def _usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            self.usage.update({k: v for k, v in usage.items() if isinstance(v, int)})
+
+    def _start(self, index: Any, block: Any) -> None:
+        if not isinstance(index, int) or not isinstance(block, dict):
+            return
+        kind = block.get("type")
+        if kind == "text":
+            self.blocks[index] = {"type": "text", "text": str(block.get("text") or "")}
+        elif kind == "tool_use":
+            self.blocks[index] = {
+                "type": "tool_use",
+                "id": block.get("id"),
+                "name": block.get("name"),
+            }
+            self.inputs[index] = []
+            told = {"call": index, "id": block.get("id"), "name": block.get("name")}
+            self.tell({k: v for k, v in told.items() if isinstance(v, (str, int))})
+
+    def _delta(self, index: Any, delta: Any) -> None:
+        block = self.blocks.get(index) if isinstance(index, int) else None
+        if block is None or not isinstance(delta, dict):
+            return
+        if delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
+            block["text"] += delta["text"]
+            if delta["text"]:
+                self.tell({"text": delta["text"]})
+        elif delta.get("type") == "input_json_delta" and isinstance(delta.get("partial_json"), str):
+            self.inputs[index].append(delta["partial_json"])
+            if delta["partial_json"]:
+                self.tell({"call": index, "arguments": delta["partial_json"]})
+
+    def body(self) -> dict[str, Any]:
+        content = []
+        for index, block in sorted(self.blocks.items()):
+            if block["type"] == "tool_use":
+                raw = "".join(self.inputs[index])
+                try:
+                    # An empty input is a tool without parameters.
+                    block = {**block, "input": json.loads(raw) if raw else {}}
+                except ValueError:
+                    block = {**block, "input": raw}
+            content.append(block)
+        return {**self.message, "content": content, "usage": self.usage or None}

@@ -332,7 +332,7 @@ class OpenAIProvider:
         headers = {"Accept": accept, **self.auth_headers(key)}
         payload = self.payload(request)
         if streams:
-            payload.update(stream=True, stream_options={"include_usage": True})
+            payload.update(self.stream_fields())
         retrying = Retrying(
             retry=retry_if_exception_type(_RetryableFailure),
             stop=self._should_stop,
@@ -352,6 +352,14 @@ class OpenAIProvider:
         except _RetryableFailure as last:
             raise self._gave_up(last, attempts, time.monotonic() - started, key) from None
         return self.parse(body, request.model_call)
+
+    def stream_fields(self) -> dict[str, Any]:
+        """What a streamed request adds to the payload (usage comes in the last chunk)."""
+        return {"stream": True, "stream_options": {"include_usage": True}}
+
+    def assembly(self, attempt: int, deltas: Deltas | None) -> StreamAssembly:
+        """What puts one attempt's stream of events back together as one body."""
+        return _Assembly(attempt, deltas)
 
     def auth_headers(self, key: str | None) -> dict[str, str]:
         """The headers that carry ``key`` (none without one) and name the API's version."""
@@ -458,29 +466,16 @@ class OpenAIProvider:
         self, response: httpx.Response, key: str | None, attempt: int, deltas: Deltas | None
     ) -> dict[str, Any]:
         """A 200 stream's events, each piece handed to ``deltas``, assembled into a body."""
-        stream = _Assembly(attempt, deltas)
+        stream = self.assembly(attempt, deltas)
         try:
             for data in server_sent_data(response.iter_lines()):
-                if data.strip() == "[DONE]":
+                if stream.feed(data, key):
                     return stream.body()
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    raise stream.cut(
-                        f"an event is not JSON (starts {_quote(data, key, 80)!r})"
-                    ) from None
-                if isinstance(chunk, dict) and "error" in chunk:
-                    error = chunk["error"]
-                    said = error.get("message") if isinstance(error, dict) else error
-                    raise stream.cut(
-                        f"the server sent an error event: {_quote(str(said), key, 200)}"
-                    )
-                stream.add(chunk)
         except httpx.TimeoutException:
             raise stream.cut(f"no event within timeout_s={self._table.timeout_s:g}") from None
         except httpx.TransportError as exc:
             raise stream.cut(_redact(f"cut off: {exc}", key)) from None
-        raise stream.cut("the stream ended before its [DONE]")
+        raise stream.cut(f"the stream ended before its {stream.END}")
 
     def _answer(self, response: httpx.Response, key: str | None) -> Any:
         """The JSON body of a response read whole, or the failure its status says."""
@@ -717,15 +712,65 @@ def server_sent_data(lines: Iterable[str]) -> Iterator[str]:
         yield "\n".join(data)
 
 
-class _Assembly:
-    """One attempt's stream of chat-completion chunks, put back together as one body."""
+class StreamAssembly:
+    """One attempt's stream of server-sent events, put back together as the body the API
+    would have answered whole; each piece handed to ``deltas`` as it comes."""
+
+    END: ClassVar[str] = "end"
+    """What the last event is called, for the error when a stream stops before it."""
 
     def __init__(self, attempt: int, deltas: Deltas | None) -> None:
         self.attempt, self.deltas = attempt, deltas
+
+    def feed(self, data: str, key: str | None) -> bool:
+        """Take one event's data; whether it was the last. Raises what :meth:`cut` makes
+        for an event that ends the attempt (not JSON, an error event)."""
+        raise NotImplementedError
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def event(self, data: str, key: str | None) -> Any:
+        """An event's JSON; the attempt cut if it is not JSON."""
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise self.cut(f"an event is not JSON (starts {_quote(data, key, 80)!r})") from None
+
+    def error_event(self, error: Any, key: str | None) -> _RetryableFailure:
+        said = error.get("message") if isinstance(error, dict) else error
+        return self.cut(f"the server sent an error event: {_quote(str(said), key, 200)}")
+
+    def tell(self, piece: dict[str, Any]) -> None:
+        if self.deltas is not None:
+            self.deltas({"attempt": self.attempt, **piece})
+
+    def cut(self, reason: str) -> _RetryableFailure:
+        """The failed attempt a stream cut off is, told to ``deltas`` first."""
+        self.tell({"aborted": reason})
+        return _RetryableFailure(None, f"the stream was cut off: {reason}")
+
+
+class _Assembly(StreamAssembly):
+    """One attempt's stream of chat-completion chunks, ended by ``data: [DONE]``."""
+
+    END = "[DONE]"
+
+    def __init__(self, attempt: int, deltas: Deltas | None) -> None:
+        super().__init__(attempt, deltas)
         self.text: list[str] = []
         self.refusal: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
         self.usage: Any = None
+
+    def feed(self, data: str, key: str | None) -> bool:
+        if data.strip() == "[DONE]":
+            return True
+        chunk = self.event(data, key)
+        if isinstance(chunk, dict) and "error" in chunk:
+            raise self.error_event(chunk["error"], key)
+        self.add(chunk)
+        return False
 
     def add(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):
@@ -742,7 +787,7 @@ class _Assembly:
             if isinstance(piece, str) and piece:
                 into.append(piece)
                 if key == "content":
-                    self._tell({"text": piece})
+                    self.tell({"text": piece})
         for position, part in enumerate(delta.get("tool_calls") or ()):
             if isinstance(part, dict):
                 self._add_call(part, position)
@@ -763,16 +808,7 @@ class _Assembly:
             call["arguments"].append(function["arguments"])
             told["arguments"] = function["arguments"]
         if len(told) > 1:
-            self._tell(told)
-
-    def _tell(self, piece: dict[str, Any]) -> None:
-        if self.deltas is not None:
-            self.deltas({"attempt": self.attempt, **piece})
-
-    def cut(self, reason: str) -> _RetryableFailure:
-        """The failed attempt a stream cut off is, told to ``deltas`` first."""
-        self._tell({"aborted": reason})
-        return _RetryableFailure(None, f"the stream was cut off: {reason}")
+            self.tell(told)
 
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"content": "".join(self.text) or None}
