@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import anyio
+import anyio.to_thread
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -51,6 +53,9 @@ POLL_MS = 1500
 LIST_POLL_MS = 3000
 """How often the runs page reads its list and counts again (a list read per status)."""
 MAX_FORM_BYTES = 64 * 1024
+MAX_STREAMS = 64
+"""Run pages a console streams to at once; one more is answered 503 with Retry-After. Each
+holds a thread of its own while it waits, never one the pages' requests need."""
 KEEPALIVE_S = 15.0
 """A comment line this often on a quiet stream: proxies keep the connection open, and a
 browser that went away is noticed (the watcher's thread is given back) at the latest then."""
@@ -73,6 +78,8 @@ class Console:
         self.token = token
         self.sessions = Sessions()
         self.throttle = LoginThrottle()
+        self.streams = anyio.CapacityLimiter(MAX_STREAMS)
+        self.streaming = 0
 
     # --- responses ------------------------------------------------------------
 
@@ -242,10 +249,24 @@ class Console:
             return PlainTextResponse(actions.refusal_line(exc), 404)
         except RatchetError as exc:
             return PlainTextResponse(actions.refusal_line(exc), 400)
+        if self.streaming >= MAX_STREAMS:
+            retry = {"Retry-After": "5", "Cache-Control": "no-store"}
+            busy = f"this console streams to {MAX_STREAMS} pages already; try again shortly"
+            return PlainTextResponse(busy, 503, headers=retry)
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            _server_sent(seen), media_type="text/event-stream", headers=headers
+            self._server_sent(seen), media_type="text/event-stream", headers=headers
         )
+
+    async def _server_sent(self, seen: Iterator[Seen]) -> AsyncIterator[bytes]:
+        """``seen`` as server-sent events; each blocking step of the watcher in a thread
+        of the streams' own, apart from the pool the pages' requests use."""
+        self.streaming += 1
+        try:
+            async for chunk in _server_sent(seen, self.streams):
+                yield chunk
+        finally:
+            self.streaming -= 1
 
     async def _run_page(
         self,
@@ -307,12 +328,15 @@ class Console:
 _SSE_KIND = {"model.delta": "delta", "model.aborted": "aborted", "tool.progress": "progress"}
 
 
-async def _server_sent(seen: Iterator[Seen]) -> AsyncIterator[bytes]:
-    """``seen`` as server-sent events; each blocking step of the watcher in a thread."""
+async def _server_sent(
+    seen: Iterator[Seen], threads: anyio.CapacityLimiter
+) -> AsyncIterator[bytes]:
+    """``seen`` as server-sent events; each blocking step of the watcher in a thread of
+    ``threads``, apart from the pool the pages' requests use."""
     done = object()
     yield b"retry: 1000\n\n"
     while True:
-        item = await run_in_threadpool(next, seen, done)
+        item = await anyio.to_thread.run_sync(next, seen, done, limiter=threads)
         if item is done:
             yield b"event: end\ndata: {}\n\n"
             return
