@@ -250,3 +250,32 @@ def test_a_cursor_is_checked_in_one_line() -> None:
     for bad in ("", "x", "1.2.3", "-1.", "1.a", "01.", "1.2-", "1. 2"):
         with pytest.raises(InvalidOption, match="not a watch cursor"):
             parse_watch_cursor(bad)
+
+
+def test_astream_yields_what_stream_does_without_blocking_the_event_loop() -> None:
+    import asyncio
+
+    from store.snapshots.memory import MemorySnapshotStore
+    from tasks.context import Context
+    from tasks.settings import Settings
+    from worker.api import Ratchet
+
+    run = crashed_mid_answer()
+    api = Ratchet(Context(settings=Settings(), snapshots=MemorySnapshotStore(), runs=run.store))
+
+    async def both() -> tuple[list[Seen], int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        items = [item async for item in api.astream(RUN, timeout_s=5)]
+        ticker.cancel()
+        return items, ticks
+
+    items, ticks = asyncio.run(both())
+    assert brief(items) == brief(seen(run)) and ticks > len(items)

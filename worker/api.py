@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,21 @@ class Ratchet:
         if after is not None:
             parse_watch_cursor(after)
         return watch(self.ctx.runs, run_id, after, timeout_s, until_suspended, idle_s=idle_s)
+
+    async def astream(
+        self,
+        run_id: str,
+        after: str | None = None,
+        timeout_s: float | None = None,
+        until_suspended: bool = False,
+    ) -> AsyncIterator[Seen]:
+        """:meth:`stream` for asyncio code: each wait for the next item runs in a thread
+        (``asyncio.to_thread``), so the event loop is never blocked. Yields ``idle`` items
+        every 15 s of quiet, between which a task may be cancelled."""
+        seen = self.stream(run_id, after, timeout_s, until_suspended, idle_s=15.0)
+        done = Seen("", "end")
+        while (item := await asyncio.to_thread(next, seen, done)) is not done:
+            yield item
 
     def wait(self, run_id: str, timeout_s: float = 300, poll_s: float = 0.05) -> RunRecord:
         """Poll until the run is finished, waits for a person, or is parked; or time out.
