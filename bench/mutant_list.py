@@ -33,6 +33,7 @@ RECOVERY = (
 )
 LIVENESS = ("tests/test_liveness.py", "tests/contract/test_liveness_contract.py")
 PROMISES = ("tests/test_promises.py",)
+REPLAY = ("tests/test_replay.py",)
 LIMITS = ("tests/contract/test_limit_store_contract.py", "tests/test_properties.py")
 SNAPSHOT_CAS = "compare or afresh or moved or concurrent or stale or chain or remembers or prefix"
 SNAPSHOT_CAS_SHORT = "afresh or moved or concurrent or stale or remembers or prefix"
@@ -974,6 +975,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return RunTool(",
         ("tests/test_properties.py",),
         k="decide",
+    ),
+    # --- the replayer (bench/replay.py): a rule changed under the recorded runs ------
+    # Each is a change to the core that would steer a golden run another way; the replay
+    # of the golden logs alone must notice it (issue 32, item 7).
+    Mutant(
+        "Y1",
+        "runtime/fsm.py",
+        "if u.model_attempts >= b.max_turns:",
+        "if u.model_attempts > b.max_turns:",
+        REPLAY,
+    ),
+    Mutant(
+        "Y2",
+        "runtime/fsm.py",
+        "    if call.name in agent.spec.policy.require_approval and call.id not in state.approved:",
+        "    if False and call.id not in state.approved:",
+        REPLAY,
+    ),
+    Mutant(
+        "Y3",
+        "runtime/fsm.py",
+        'key = "prompt" if call.name == REQUEST_USER_INPUT else "reason"',
+        'key = "reason" if call.name == REQUEST_USER_INPUT else "prompt"',
+        REPLAY,
+    ),
+    Mutant(
+        "Y4",
+        "runtime/fsm.py",
+        "else unknown_outcome_rule(spec.idempotent, spec.probe is not None)",
+        "else unknown_outcome_rule(True, spec.probe is not None)",
+        REPLAY,
+    ),
+    Mutant(
+        "Y5",
+        "runtime/fsm.py",
+        "    if not response.tool_calls:\n        events.append(",
+        "    if response.content == '':\n        events.append(",
+        REPLAY,
     ),
     # --- the fast path's lease in the index orphaned() walks (Redis) -------------
     Mutant(

@@ -8,7 +8,9 @@ property tests hold: random, twenty times the examples of each test that asks fo
 """
 
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 pytest_plugins = ("tests.redis_server", "tests.s3_server", "tests.workers", "tests.netns")
@@ -27,3 +29,12 @@ settings.load_profile(PROFILE)
 def examples(fast: int) -> int:
     """A property test's example count: ``fast`` in the suite, more under ``bench``."""
     return fast * PROFILES[PROFILE]
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The example refund tool's side-effect log, one line per refund issued
+    (``RATCHET_EXAMPLE_LEDGER``, which worker subprocesses are given too)."""
+    path = tmp_path / "refunds.ledger"
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
+    return path

@@ -9,6 +9,7 @@ import pytest
 from runtime.errors import InvalidRequest, RunRefused
 from runtime.fsm import rebuild
 from runtime.models import RunState, RunStatus
+from store.conformance import FakeClock
 from store.runs.memory import MemoryRunStore
 from tasks.budget import raise_budgets
 from tasks.context import Context
@@ -130,7 +131,7 @@ def test_a_suspended_run_can_be_given_more_ahead_of_time(tmp_path: Path) -> None
 
 
 def test_a_run_past_its_deadline_needs_a_limit_beyond_the_time_it_has_run(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = memory_context()
     ctx.runs = MemoryRunStore(clock=clock)
     agent = write_agent(tmp_path, [*LOOKUPS, turn("Done.")], budgets={"timeout_seconds": 60})
@@ -150,11 +151,3 @@ def test_a_run_past_its_deadline_needs_a_limit_beyond_the_time_it_has_run(tmp_pa
     state = raise_budgets(ctx, run_id, {"timeout_seconds": "+600"}, "ana", "x", no_enqueue)
     assert state.status.is_live
     assert drive(ctx, run_id).outcome == "completed"
-
-
-class Clock:
-    def __init__(self, now_ms: int = 1_000_000) -> None:
-        self.now_ms = now_ms
-
-    def __call__(self) -> int:
-        return self.now_ms

@@ -27,6 +27,8 @@ from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
 
+pytestmark = pytest.mark.usefixtures("ledger")  # the example tools book refunds there
+
 
 class CountingFileSnapshotStore(FileSnapshotStore):
     """The file store, counting the snapshots this process reads."""
@@ -63,11 +65,6 @@ def agent(directory: Path, name: str) -> Path:
         [turn(f"{name} look", call("lookup_order", order_id="B2")), turn(f"{name} done")],
         name=name,
     )
-
-
-@pytest.fixture(autouse=True)
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
 
 
 def test_a_process_never_serves_a_purged_runs_checkpoint_to_a_new_run_with_its_id(

@@ -23,6 +23,7 @@ from click.testing import CliRunner, Result
 
 from runtime.errors import InvalidContinuation, SuspensionAlreadyAnswered
 from runtime.models import Event
+from store.conformance import FakeClock
 from store.runs import RunRecord
 from store.runs.memory import MemoryRunStore
 from store.runs.sqlite import SqliteRunStore
@@ -43,28 +44,13 @@ TWO_APPROVALS = [
 ]
 
 
-class Clock:
-    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
-        self.now_ms = now_ms
-
-    def __call__(self) -> int:
-        return self.now_ms
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ctx(clock: Clock, ledger: Path) -> Iterator[Context]:
+def ctx(clock: FakeClock, ledger: Path) -> Iterator[Context]:
     context = memory_context()
     context.runs = MemoryRunStore(clock=clock)
     set_context(context)
@@ -88,7 +74,7 @@ def finished_run(ctx: Context, agent: Path, text: str = "refund B2") -> str:
 
 
 def test_runs_list_filters_by_agent_and_age_pages_with_a_cursor_and_shows_times(
-    ctx: Context, clock: Clock, tmp_path: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path
 ) -> None:
     desk = write_agent(tmp_path / "a", [turn("Done.")], name="desk")
     other = write_agent(tmp_path / "b", [turn("Done.")], name="other")
@@ -127,7 +113,7 @@ def test_runs_list_filters_by_agent_and_age_pages_with_a_cursor_and_shows_times(
 
 
 def test_show_json_counts_the_current_suspension_as_the_text_view_does_and_gives_its_seq(
-    ctx: Context, clock: Clock, tmp_path: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path
 ) -> None:
     run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund").run_id
     drive(ctx, run_id)
@@ -229,7 +215,7 @@ def test_the_continue_task_refuses_an_unpinned_answer(ratchet: Ratchet, tmp_path
 
 
 def test_purge_dry_run_lists_and_deletes_nothing_and_an_absurd_age_is_named_as_typed(
-    ctx: Context, clock: Clock, tmp_path: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path
 ) -> None:
     agent = write_agent(tmp_path, [turn("Done.")])
     old = [finished_run(ctx, agent) for _ in range(3)]
@@ -488,7 +474,7 @@ def test_limits_cap_refuses_a_negative_count_by_its_range_and_unset_keys_are_not
 
 
 def test_a_run_cancelled_while_suspended_counts_its_wait_as_suspended_not_running(
-    ctx: Context, clock: Clock, tmp_path: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path
 ) -> None:
     from runtime.fsm import rebuild
 

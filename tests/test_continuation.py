@@ -27,6 +27,7 @@ from runtime.errors import (
 )
 from runtime.fsm import rebuild
 from runtime.models import Event, RunStatus
+from store.conformance import FakeClock
 from store.runs.memory import MemoryRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from tasks.context import Context
@@ -39,31 +40,13 @@ from worker.render import record_lines
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
 
 
-class Clock:
-    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
-        self.now_ms = now_ms
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-    def advance(self, seconds: float) -> None:
-        self.now_ms += int(seconds * 1000)
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ctx(clock: Clock) -> Context:
+def ctx(clock: FakeClock) -> Context:
     return Context(Settings(lease_s=30), MemorySnapshotStore(), MemoryRunStore(clock=clock))
 
 
@@ -188,7 +171,7 @@ def test_a_continuation_for_a_run_that_is_not_suspended_is_refused_naming_its_st
         cancel(ctx, run_id, "customer hung up")
     else:
         run_id = suspended_run(ctx, tmp_path, max_suspended_s=60)
-        ctx.runs.clock.advance(61)  # type: ignore[attr-defined]
+        ctx.runs.clock.advance(61_000)  # type: ignore[attr-defined]
         assert expire_suspended(ctx) == [run_id]
 
     message = refused_without_change(
@@ -324,17 +307,17 @@ def test_a_continuation_is_refused_when_the_turn_budget_would_not_allow_another_
 
 
 def test_time_suspended_does_not_count_against_the_deadline(
-    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path, ledger: Path
 ) -> None:
     # Given a run with 10 s to run, that ran 3 s and then waited an hour for an answer
     path = write_agent(tmp_path, ASK, budgets={"timeout_seconds": 10})
     run_id = create_run(ctx, path, "refund").run_id
-    clock.advance(3)
+    clock.advance(3_000)
     drive(ctx, run_id)
-    clock.advance(3600)
+    clock.advance(3_600_000)
     # When the answer comes and the run goes on 6 s later
     assert answer(ctx, run_id, input="B2")[0] == "continued"
-    clock.advance(6)
+    clock.advance(6_000)
     # Then it still has its running time left: 3 + 6 < 10
     assert drive(ctx, run_id).outcome == "completed"
     record = ctx.runs.get(run_id)
@@ -343,7 +326,7 @@ def test_time_suspended_does_not_count_against_the_deadline(
 
 
 def test_a_continuation_is_refused_when_the_run_used_up_its_running_time_before_it_suspended(
-    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+    ctx: Context, clock: FakeClock, tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a model call that takes 11 s of a 10 s run, and then asks a question
     path = write_agent(tmp_path, ASK, budgets={"timeout_seconds": 10})
@@ -351,13 +334,13 @@ def test_a_continuation_is_refused_when_the_run_used_up_its_running_time_before_
     complete = provider.complete
 
     def slow(*args: Any, **kwargs: Any) -> Any:
-        clock.advance(11)
+        clock.advance(11_000)
         return complete(*args, **kwargs)
 
     monkeypatch.setattr(provider, "complete", slow)
     run_id = create_run(ctx, path, "refund").run_id
     assert drive(ctx, run_id).outcome == "suspended"
-    clock.advance(5)
+    clock.advance(5_000)
     # Then an answer is refused: the deadline, counted without the 5 s suspended, has passed
     message = refused_without_change(
         ctx, run_id, RunRefused, lambda: answer(ctx, run_id, input="B2")
@@ -366,10 +349,10 @@ def test_a_continuation_is_refused_when_the_run_used_up_its_running_time_before_
 
 
 def test_a_run_that_waited_longer_than_max_suspended_s_expires_when_its_answer_arrives(
-    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path, ledger: Path
 ) -> None:
     run_id = suspended_run(ctx, tmp_path, max_suspended_s=60)
-    clock.advance(61)
+    clock.advance(61_000)
 
     with pytest.raises(
         SuspensionExpired, match=f"run {run_id} waited 61s .* max_suspended_s of 60"
@@ -384,12 +367,12 @@ def test_a_run_that_waited_longer_than_max_suspended_s_expires_when_its_answer_a
 
 
 def test_an_answer_arriving_exactly_at_max_suspended_s_is_still_taken(
-    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path, ledger: Path
 ) -> None:
     # The limit is how long a run may wait: waiting exactly that long is within it.
     on_time = suspended_run(ctx, tmp_path / "a", max_suspended_s=60)
     late = suspended_run(ctx, tmp_path / "b", max_suspended_s=60)
-    clock.advance(60)
+    clock.advance(60_000)
 
     assert answer(ctx, on_time, input="B2")[0] == "continued"
     clock.now_ms += 1
@@ -398,7 +381,7 @@ def test_an_answer_arriving_exactly_at_max_suspended_s_is_still_taken(
 
 
 def test_the_sweep_expires_only_runs_that_waited_longer_than_their_own_limit(
-    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path, ledger: Path
 ) -> None:
     overdue = suspended_run(ctx, tmp_path / "a", max_suspended_s=60, name="short")
     patient = suspended_run(ctx, tmp_path / "b", max_suspended_s=600, name="long")
@@ -411,7 +394,7 @@ def test_the_sweep_expires_only_runs_that_waited_longer_than_their_own_limit(
         require_approval=["issue_refund"],
         name="approve",
     )
-    clock.advance(120)
+    clock.advance(120_000)
 
     assert sorted(expire_suspended(ctx)) == sorted([overdue, approval])
 
@@ -504,15 +487,15 @@ def test_a_well_formed_plain_json_message_keeps_its_fields() -> None:
 
 
 def test_runs_show_shows_time_running_time_suspended_and_the_pending_question(
-    ctx: Context, clock: Clock, tmp_path: Path, ledger: Path
+    ctx: Context, clock: FakeClock, tmp_path: Path, ledger: Path
 ) -> None:
     path = write_agent(tmp_path, ASK, budgets={"timeout_seconds": 100})
     run_id = create_run(ctx, path, "refund").run_id
-    clock.advance(2)
+    clock.advance(2_000)
     drive(ctx, run_id)
     record = ctx.runs.get(run_id)
     assert record is not None and record.suspension is not None
-    clock.advance(30)
+    clock.advance(30_000)
 
     lines = record_lines(record, clock())
 

@@ -17,6 +17,7 @@ import pytest
 from runtime.continuation import expires_at_ms, make_continuation
 from runtime.errors import RatchetError
 from runtime.models import RunStatus
+from store.conformance import FakeClock
 from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
@@ -32,14 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
 T0_MS = 1_700_000_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_ms = T0_MS
-
-    def __call__(self) -> int:
-        return self.now_ms
 
 
 def suspended(ctx: Context, directory: Path, extra: str = "max_suspended_s = 60") -> str:
@@ -60,7 +53,7 @@ def sweep(ctx: Context) -> list[str]:
 def test_the_sweep_expires_a_run_through_the_due_index_at_the_instant_it_waited_too_long(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
     limited = suspended(ctx, tmp_path / "a")
     forever = suspended(ctx, tmp_path / "b", extra="")
@@ -91,7 +84,7 @@ RACES = 12
 def test_an_answer_racing_the_expiry_resolves_exactly_once(
     redis_url: str, tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     ctx = Context(
         Settings(lease_s=5),
         RedisSnapshotStore.from_url(redis_url),
@@ -142,7 +135,7 @@ def test_an_answer_racing_the_expiry_resolves_exactly_once(
 def test_the_sweep_expires_a_run_whose_lease_a_dead_process_still_holds(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
     run_id = suspended(ctx, tmp_path)
     # Given a process that took the run's lease for 10 minutes, then died

@@ -27,13 +27,6 @@ REFUND = call("issue_refund", order_id="B2", amount_cents=2900)
 SCRIPT = [turn("Looking.", LOOKUP), turn("Refunding.", REFUND), turn("Refunded B2.")]
 
 
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
 def events(ctx: Context, run_id: str) -> list[Event]:
     return list(ctx.runs.events(run_id, after_seq=0))
 

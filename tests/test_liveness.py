@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,17 +23,13 @@ from tasks.recovery import resume, sweep_orphans
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
+from tests.workers import wait_for as shared_wait_for
+
+wait_until = partial(shared_wait_for, timeout_s=30)
 
 LIVENESS = {"liveness_s": 0.4, "heartbeat_interval_s": 0.1, "lease_s": 60.0}
 SLOW = {"liveness_s": 2.0, "heartbeat_interval_s": 0.1, "lease_s": 60.0}
 """For the live worker: this process must never stall 1.9 s (it did 1.2 s at load 17)."""
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
 
 
 def busy_agent(tmp_path: Path, tool: str) -> Path:

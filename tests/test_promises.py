@@ -17,6 +17,7 @@ from runtime.children import child_run_id, waits_for
 from runtime.fsm import rebuild
 from runtime.models import Event, RunState
 from runtime.recovery import OPERATOR, SWEEPER, consecutive_recoveries
+from store.conformance import FakeClock
 from tasks.children import deliver
 from tasks.context import Context
 from tasks.liveness import beats, claim, process_id
@@ -24,7 +25,7 @@ from tasks.recovery import sweep_orphans
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
-from tests.test_recovery import LEASE_MS, Clock, clocked_context
+from tests.test_recovery import LEASE_MS, clocked_context
 
 
 def no_enqueue(run_id: str, seq: int) -> None:
@@ -55,7 +56,7 @@ def state_of(ctx: Context, run_id: str) -> RunState:
 def test_a_child_that_ended_untold_is_found_by_the_sweeper_which_tells_its_parent(
     tmp_path: Path,
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     # Given a parent waiting for its child, and the child ended, its worker dead before
     # `ratchet.deliver` told the parent
@@ -79,7 +80,7 @@ def test_a_child_that_ended_untold_is_found_by_the_sweeper_which_tells_its_paren
 def test_a_sweep_postpones_what_it_enqueued_so_the_next_sweep_does_not_enqueue_it_again(
     tmp_path: Path,
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     agent = write_agent(tmp_path, [turn("Done.")])
     run_id = create_run(ctx, agent, "x").run_id
@@ -100,7 +101,7 @@ def test_a_sweep_postpones_what_it_enqueued_so_the_next_sweep_does_not_enqueue_i
 def test_a_live_run_between_turns_is_not_overdue_until_a_lease_has_passed(
     tmp_path: Path,
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     agent = write_agent(
         tmp_path, [turn("Looking.", call("lookup_order", order_id="A1")), turn("Done.")]

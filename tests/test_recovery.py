@@ -16,6 +16,7 @@ from runtime.errors import BindingChanged, LeaseLost, RunRefused, StaleWrite
 from runtime.fsm import rebuild
 from runtime.models import RunStatus
 from runtime.recovery import OPERATOR, SWEEPER
+from store.conformance import FakeClock
 from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
 from tasks.context import Context
@@ -32,22 +33,7 @@ from worker.cli import main as cli
 LEASE_MS = 10_000
 
 
-class Clock:
-    def __init__(self, now_ms: int = 1_000_000) -> None:
-        self.now_ms = now_ms
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
-def clocked_context(clock: Clock, **settings: Any) -> Context:
+def clocked_context(clock: FakeClock, **settings: Any) -> Context:
     ctx = memory_context(**settings)
     ctx.runs = MemoryRunStore(clock=clock)
     return ctx
@@ -110,7 +96,7 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
 def test_the_sweeper_finds_a_run_only_once_it_is_overdue_and_its_lease_expired(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
     enqueued: list[tuple[str, int]] = []
@@ -133,7 +119,7 @@ def test_the_sweeper_finds_a_run_only_once_it_is_overdue_and_its_lease_expired(
 def test_the_sweeper_never_picks_suspended_parked_or_finished_runs(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     asks = write_agent(tmp_path / "a", [turn("?", call("request_user_input", prompt="which?"))])
     done = write_agent(tmp_path / "d", [turn("done")])
@@ -155,7 +141,7 @@ def test_the_sweeper_never_picks_suspended_parked_or_finished_runs(
 def test_two_sweepers_at_once_enqueue_twice_and_the_run_is_resumed_once(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
     clock.now_ms += LEASE_MS + 1
@@ -294,7 +280,7 @@ def test_resume_refuses_a_changed_agent_and_says_what_changed(tmp_path: Path, le
 def test_resume_refuses_a_run_past_its_deadline_as_restart_required(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     agent = write_agent(tmp_path, [turn("done")], budgets={"timeout_seconds": 5})
     run_id = create_run(ctx, agent, "x").run_id
@@ -318,7 +304,7 @@ def test_resume_refuses_a_run_whose_checkpoint_and_events_are_both_gone(
 def test_a_sweeper_that_cannot_resume_a_live_run_dead_letters_it_instead_of_looping(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     agent = write_agent(tmp_path, [turn("done")], budgets={"timeout_seconds": 5})
     run_id = create_run(ctx, agent, "x").run_id
@@ -349,7 +335,7 @@ def test_a_stale_snapshot_is_healed_on_resume_and_the_run_continues(
 def test_a_worker_whose_lease_expired_cannot_write_after_another_took_over(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
     # Given worker A opened the run and then froze past its lease
@@ -371,7 +357,7 @@ def test_a_worker_whose_lease_expired_cannot_write_after_another_took_over(
 def test_a_zombie_turn_stops_and_logs_why_instead_of_writing(
     tmp_path: Path, ledger: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     ctx = clocked_context(clock)
     run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
     original = ctx.runs.append

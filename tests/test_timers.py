@@ -17,6 +17,7 @@ from runtime.errors import RunRefused
 from runtime.fsm import rebuild
 from runtime.models import RunState, RunStatus
 from runtime.timers import wake_at_ms
+from store.conformance import FakeClock
 from store.runs import RunRecord
 from store.runs.memory import MemoryRunStore
 from tasks.context import Context
@@ -30,15 +31,7 @@ from tests.helpers import call, drive, memory_context, turn, write_agent
 WAIT_2S = turn("Waiting for the courier.", call("wait", seconds=2, reason="courier scan"))
 
 
-class Clock:
-    def __init__(self, now_ms: int = 1_800_000_000_000) -> None:
-        self.now_ms = now_ms
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
-def clocked(clock: Clock, **settings: Any) -> Context:
+def clocked(clock: FakeClock, **settings: Any) -> Context:
     ctx = memory_context(**settings)
     ctx.runs = MemoryRunStore(clock=clock)
     return ctx
@@ -104,7 +97,7 @@ def waiting_run(ctx: Context, tmp_path: Path, extra: str = "", **budgets: Any) -
 def test_a_wait_suspends_the_run_and_the_sweeper_wakes_it_on_time(
     tmp_path: Path, scheduled: list[tuple[str, int]]
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1_800_000_000_000)
     ctx = clocked(clock, sweep_interval_s=0.5)
     sweep = Sweep(ctx)
     # Given a run whose model asked to wait 2 s
@@ -141,7 +134,7 @@ def test_a_wait_suspends_the_run_and_the_sweeper_wakes_it_on_time(
 
 
 def test_a_timer_not_due_costs_the_sweep_no_read(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(1_800_000_000_000)
     ctx = clocked(clock)
     # Given a thousand runs waiting a minute, and one orphan (its worker died at once)
     agent = write_agent(tmp_path, [turn("Wait.", call("wait", seconds=60))], tools=["wait"])
@@ -201,7 +194,7 @@ def test_an_answer_ends_a_wait_only_when_the_agent_allows_it(tmp_path: Path) -> 
 
 
 def test_a_cancel_ends_a_wait_and_max_suspended_s_does_not(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(1_800_000_000_000)
     ctx = clocked(clock)
     run_id = waiting_run(ctx, tmp_path, extra="max_suspended_s = 1")
     clock.now_ms += 10_000

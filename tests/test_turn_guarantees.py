@@ -48,13 +48,6 @@ LEASE_S = 60
 
 
 @pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
-@pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
 

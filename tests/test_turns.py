@@ -15,13 +15,6 @@ from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
 
 
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
 def test_a_multi_turn_run_with_tools_completes_and_deletes_its_snapshot(
     tmp_path: Path, ledger: Path
 ) -> None:

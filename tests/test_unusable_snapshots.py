@@ -143,13 +143,6 @@ DAMAGES = [
 
 
 @pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
-
-
-@pytest.fixture
 def ctx(tmp_path: Path, ledger: Path) -> Iterator[Context]:
     context = Context(
         Settings(),

@@ -25,12 +25,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from runtime.models import RunStatus
+from store.runs import RunRecord
 from store.runs.redis import RedisRunStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
@@ -43,6 +45,7 @@ from worker.app import make_app
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_AGENT = ROOT / "examples" / "refund-desk.toml"
 BROKER_DB = 0
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -76,12 +79,40 @@ def session_worker(session_app: Celery) -> Iterator[None]:
         yield
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
-    """Wait until ``check()`` holds (polling every 50 ms); fail naming ``what`` after ``timeout_s``."""
+def wait_until(
+    what: str, found: Callable[[], T | None], timeout_s: float = 60, poll_s: float = 0.05
+) -> T:
+    """Poll ``found()`` every ``poll_s`` until it returns something truthy, and return that;
+    fail naming ``what`` after ``timeout_s``. Every wait of the suite is this one."""
     deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
+    while True:
+        value = found()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting until {what}"
+        time.sleep(poll_s)
+
+
+def wait_for(
+    what: str, check: Callable[[], bool], timeout_s: float = 60, poll_s: float = 0.05
+) -> None:
+    """Wait until ``check()`` holds; fail naming ``what`` after ``timeout_s``."""
+    wait_until(what, check, timeout_s, poll_s)
+
+
+def wait_for_run(
+    ctx: Context, run_id: str, done: Callable[[RunRecord], bool], timeout_s: float = 60
+) -> RunRecord:
+    """Wait until run ``run_id``'s record satisfies ``done``, and return it."""
+
+    def reached() -> RunRecord | None:
+        record = ctx.runs.get(run_id)
+        return record if record is not None and done(record) else None
+
+    try:
+        return wait_until(f"run {run_id} gets there", reached, timeout_s, poll_s=0.02)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {ctx.runs.get(run_id)}") from None
 
 
 def run_status(ctx: Context, run_id: str) -> RunStatus:
@@ -97,14 +128,6 @@ def redis_context(url: str, **settings: object) -> Context:
         snapshots=RedisSnapshotStore.from_url(url),
         runs=RedisRunStore.from_url(url),
     )
-
-
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The example refund tool's side-effect log, one line per refund issued."""
-    path = tmp_path / "refunds.ledger"
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(path))
-    return path
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ change without reloading it.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,13 +18,12 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from runtime.models import RunStatus
-from store.runs import RunRecord
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.console.conftest import TOKEN, ConsoleServer, log_in, screenshot
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, redis_context, wait_for_run
 from worker.app import make_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -46,19 +44,6 @@ def start(ctx: Context, redis_url: str, agent: Path, text: str) -> str:
         "ratchet.turn", (run_id, 1), queue="ratchet.turns"
     )
     return run_id
-
-
-def wait_for(
-    ctx: Context, run_id: str, ok: Callable[[RunRecord], bool], timeout_s: float = 60
-) -> RunRecord:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = ctx.runs.get(run_id)
-        assert record is not None
-        if ok(record):
-            return record
-        assert time.monotonic() < deadline, f"run {run_id} is {record.status.value}"
-        time.sleep(0.1)
 
 
 def status_on_page(browser: WebDriver, wanted: str, timeout_s: float = 60) -> None:
@@ -97,7 +82,7 @@ def test_a_run_waiting_for_approval_is_approved_from_the_page_and_completes(
         require_approval=["issue_refund"],
     )
     run_id = start(ctx, redis_url, agent, "My toaster never arrived (order B2) <b>refund</b>")
-    wait_for(ctx, run_id, lambda r: r.status == RunStatus.AWAITING_APPROVAL)
+    wait_for_run(ctx, run_id, lambda r: r.status == RunStatus.AWAITING_APPROVAL)
     # When an operator logs in and opens the run
     log_in(browser, f"{console_server.url}/runs/{run_id}")
     status_on_page(browser, "awaiting_approval")
@@ -121,7 +106,7 @@ def test_a_run_waiting_for_approval_is_approved_from_the_page_and_completes(
     assert browser.find_element(By.ID, "run-output").text == "Refunded 12.50 for order B2."
     screenshot(browser, "console-run-completed")
     # And the refund was issued once, by the worker
-    record = wait_for(ctx, run_id, lambda r: r.status == RunStatus.COMPLETED)
+    record = wait_for_run(ctx, run_id, lambda r: r.status == RunStatus.COMPLETED)
     assert record.usage.tool_calls == 1
     assert ledger.read_text().splitlines() == ["refund B2 1250"]
     # And the runs page lists it with live counts
@@ -159,7 +144,7 @@ def test_a_parked_run_is_reconciled_from_the_page(
         extra="tool_timeout_s = 0.5",
     )
     run_id = start(ctx, redis_url, agent, "charge the card")
-    parked = wait_for(ctx, run_id, lambda r: r.status == RunStatus.NEEDS_RECONCILIATION)
+    parked = wait_for_run(ctx, run_id, lambda r: r.status == RunStatus.NEEDS_RECONCILIATION)
     call_id = next(e.data["call_id"] for e in ctx.runs.events(run_id) if e.type == "run.parked")
     # When an operator opens it, sees the open call, and records what really happened
     log_in(browser, f"{console_server.url}/runs/{run_id}")
@@ -182,7 +167,7 @@ def test_a_parked_run_is_reconciled_from_the_page(
     # Then the run goes on and completes, on the page without a reload
     status_on_page(browser, "completed")
     assert not_reloaded(browser)
-    record = wait_for(ctx, run_id, lambda r: r.status == RunStatus.COMPLETED)
+    record = wait_for_run(ctx, run_id, lambda r: r.status == RunStatus.COMPLETED)
     assert record.output == "Charged; all done."
     reconciled = [e.data for e in ctx.runs.events(run_id) if e.type == "tool.reconciled"]
     assert reconciled == [

@@ -13,8 +13,8 @@ import errno
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,21 +29,13 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcess, WorkerProcesses
+from tests.workers import wait_until as shared_wait_until
 from worker.app import make_app
+
+wait_until = partial(shared_wait_until, timeout_s=120)
 
 pytestmark = pytest.mark.timeout(300)
 T = TypeVar("T")
-
-
-def wait_until(what: str, found: Callable[[], T | None], timeout_s: float = 120) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = found()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.05)
 
 
 def embedded_env(data_dir: Path, ledger: Path, **extra: str) -> dict[str, str]:
@@ -84,11 +76,6 @@ class Embedded:
     def close(self) -> None:
         self.client.close()
         self.ctx.close()
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Path:
-    return tmp_path / "refunds.ledger"
 
 
 def alive(worker: WorkerProcess) -> None:
@@ -155,7 +142,9 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     mount = tmp_path / "data"
     mount.mkdir()
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], check=True, timeout=30
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)],
+        check=True,
+        timeout=30,
     )
     try:
         yield mount

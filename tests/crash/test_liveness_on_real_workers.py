@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,20 +23,12 @@ from tasks.recovery import sweep_orphans
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcess, WorkerProcesses, redis_context
+from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for
 from worker.app import make_app
 
 pytestmark = pytest.mark.slow
 
 LONG_LEASE = {"RATCHET_LEASE_S": "120"}
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-        time.sleep(0.05)
 
 
 def ready(worker: WorkerProcess) -> None:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,17 +30,12 @@ from tests.drain import join
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import running_redis_server
 from tests.workers import ROOT, WorkerProcesses, redis_context, run_status
+from tests.workers import wait_for as shared_wait_for
 from worker.app import make_app
 
 pytestmark = pytest.mark.slow
 
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-        time.sleep(0.05)
+wait_for = partial(shared_wait_for, timeout_s=30)
 
 
 def enqueue_turn(broker_url: str, run_id: str, seq: int) -> None:
@@ -189,7 +184,9 @@ def test_sigterm_ends_the_turn_at_a_boundary_and_another_worker_goes_on_at_once(
     leaving.signal(signal.SIGTERM)
     worker_processes.start("--pool", "solo", RATCHET_LEASE_S="60")
     # Then the run completes long before the lease could have expired, with no sweeper
-    wait_for("the run completes", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED, 30)
+    wait_for(
+        "the run completes", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED, timeout_s=30
+    )
     assert time.monotonic() - started < 30
     assert leaving.wait(10) == 0
     assert "worker shutting down; stopping at seq" in leaving.log()

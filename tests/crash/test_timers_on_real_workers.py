@@ -14,8 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,10 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcesses, redis_context
+from tests.workers import wait_for as shared_wait_for
 from worker.app import make_app
 
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 45) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
+wait_for = partial(shared_wait_for, timeout_s=45)
 
 
 @pytest.mark.timeout(120)

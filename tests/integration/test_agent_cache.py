@@ -10,23 +10,18 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcesses
+from tests.workers import wait_for as shared_wait_for
+
+wait_for = partial(shared_wait_for, timeout_s=90)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def ratchet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +44,9 @@ from tests.integration.test_continuations_on_real_workers import (
 )
 from tests.redis_server import running_redis_server
 from tests.workers import ROOT, WorkerProcess, WorkerProcesses, redis_context, worker_env
+from tests.workers import wait_until as shared_wait_until
+
+wait_until = partial(shared_wait_until, timeout_s=90)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -71,17 +75,6 @@ def bad_base64_envelope(queue: str) -> bytes:
 
 def garbage(queue: str) -> list[bytes]:
     return [b"not-a-kombu-envelope", b"[1,2,3]", bad_base64_envelope(queue)]
-
-
-def wait_until(what: str, found: Callable[[], T | None], timeout_s: float = 90) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = found()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.05)
 
 
 def ready(worker: WorkerProcess) -> None:

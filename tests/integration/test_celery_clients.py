@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,11 +10,10 @@ import redis
 from celery import Celery
 
 from runtime.models import RunStatus
-from store.runs import RunRecord
 from tasks.context import Context
 from tasks.settings import Settings
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, redis_context, wait_for_run
 from worker import client
 from worker.app import celery_config
 
@@ -30,16 +28,6 @@ def shop_app(broker_url: str) -> Celery:
     app.conf.task_serializer = "json"
     app.conf.broker_transport_options = {"visibility_timeout": 3600}
     return app
-
-
-def wait_for(ctx: Context, run_id: str, done: object, timeout_s: float = 60) -> RunRecord:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        record = ctx.runs.get(run_id)
-        if record is not None and done(record):  # type: ignore[operator]
-            return record
-        time.sleep(0.05)
-    raise AssertionError(f"run {run_id} did not get there: {ctx.runs.get(run_id)}")
 
 
 @pytest.fixture
@@ -68,21 +56,21 @@ def test_an_unrouted_send_lands_on_the_celery_queue_and_route_fixes_it(
     client.route(app)
     worker = worker_processes.start("--pool", "threads")
     client.start_run(app, agent, "refund B2", run_id="routed-1")
-    done = wait_for(ctx, "routed-1", lambda r: r.status.is_terminal)
+    done = wait_for_run(ctx, "routed-1", lambda r: r.status.is_terminal)
     assert done.status == RunStatus.COMPLETED, worker.log()
 
     client.start_run(app, str(write_agent(tmp_path / "b", ASK)), "refund", run_id="asks-1")
-    asked = wait_for(ctx, "asks-1", lambda r: r.status.is_suspended)
+    asked = wait_for_run(ctx, "asks-1", lambda r: r.status.is_suspended)
     assert asked.suspension is not None
     with pytest.raises(ValueError, match="continuation_id or suspension_seq"):
         client.continue_run(app, "asks-1", input="B2")
     client.continue_run(app, "asks-1", input="Order B2", suspension_seq=asked.suspension.seq)
-    assert wait_for(ctx, "asks-1", lambda r: r.status.is_terminal).status == RunStatus.COMPLETED
+    assert wait_for_run(ctx, "asks-1", lambda r: r.status.is_terminal).status == RunStatus.COMPLETED
 
     client.start_run(app, str(write_agent(tmp_path / "c", ASK)), "refund", run_id="stop-1")
-    wait_for(ctx, "stop-1", lambda r: r.status.is_suspended)
+    wait_for_run(ctx, "stop-1", lambda r: r.status.is_suspended)
     client.cancel_run(app, "stop-1", "customer hung up")
-    assert wait_for(ctx, "stop-1", lambda r: r.status.is_terminal).status == RunStatus.CANCELLED
+    assert wait_for_run(ctx, "stop-1", lambda r: r.status.is_terminal).status == RunStatus.CANCELLED
     assert ctx.runs.get("lost-1") is None  # the unrouted one never ran
     app.close()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,8 +14,11 @@ from runtime.models import RunState, RunStatus
 from tasks.messages import enqueue_turn
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
+from tests.workers import wait_for as shared_wait_for
 from worker.api import Ratchet
 from worker.render import lineage_lines
+
+wait_for = partial(shared_wait_for, timeout_s=30)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,13 +27,6 @@ def state_of(ratchet: Ratchet, run_id: str) -> RunState:
     state = rebuild(ratchet.events(run_id))
     assert state is not None
     return state
-
-
-def wait_for(what: str, check: object, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
 
 
 def parent_agent(directory: Path, parent_turns: list[dict[str, object]]) -> Path:

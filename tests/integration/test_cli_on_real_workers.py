@@ -12,19 +12,15 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
 from runtime.models import RunStatus
-from store.runs import RunRecord
-from tasks.context import Context
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses, redis_context
+from tests.workers import ROOT, WorkerProcesses, redis_context, wait_for_run
 from worker.api import Ratchet
 from worker.cli import main
 from worker.exits import Exit
@@ -32,19 +28,6 @@ from worker.exits import Exit
 pytestmark = pytest.mark.timeout(180)
 
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
-
-
-def wait_for(
-    ctx: Context, run_id: str, done: Callable[[RunRecord], bool], timeout_s: float = 60
-) -> RunRecord:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = ctx.runs.get(run_id)
-        if record is not None and done(record):
-            return record
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run_id} did not get there in {timeout_s}s: {record}")
-        time.sleep(0.02)
 
 
 def start_and_wait(agent: Path, *extra: str) -> Result:
@@ -92,7 +75,7 @@ def test_wait_exits_5_for_a_run_that_stalled_and_needs_an_operator(
         target=lambda: outcome.setdefault("r", start_and_wait(agent, "--run-id", "stalls-1"))
     )
     waiting.start()
-    wait_for(ratchet.ctx, "stalls-1", lambda r: r.usage.model_attempts == 1)
+    wait_for_run(ratchet.ctx, "stalls-1", lambda r: r.usage.model_attempts == 1)
     agent.write_text(agent.read_text().replace("You are a test agent.", "You changed."))
     waiting.join(timeout=120)
     assert not waiting.is_alive()
@@ -141,7 +124,7 @@ def test_follow_goes_on_through_a_suspension_until_the_run_finishes(
     ratchet: Ratchet, redis_url: str, tmp_path: Path
 ) -> None:
     run_id = ratchet.start(write_agent(tmp_path, ASK), "refund")
-    wait_for(ratchet.ctx, run_id, lambda r: r.status.is_suspended)
+    wait_for_run(ratchet.ctx, run_id, lambda r: r.status.is_suspended)
     env = cli_env(redis_url)
     # With --until-suspended it stops at the suspension, exit 0.
     stops = follow(run_id, env, "--until-suspended")
@@ -197,7 +180,7 @@ def test_resume_reports_what_the_worker_did_and_exits_1_when_it_refused(
         resumed = resume(fine, env, "--wait", "60", "--json")
         assert resumed.returncode == 0, (resumed, worker.log())
         assert json.loads(resumed.stdout)["outcome"] == "resumed"
-        assert wait_for(ctx, fine, lambda r: r.status.is_terminal).status == RunStatus.COMPLETED
+        assert wait_for_run(ctx, fine, lambda r: r.status.is_terminal).status == RunStatus.COMPLETED
 
         refused = resume(odd, env, "--wait", "60")
         assert refused.returncode == 1, (refused, worker.log())

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,28 +26,17 @@ from tasks.start import create_run
 from tests.drain import join, queued
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer
-from tests.workers import WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, redis_context, wait_for_run
 from tests.workers import wait_for as worker_wait_for
 from worker.api import Ratchet
 from worker.app import make_app
 from worker.cli import main
 
+wait_for = partial(wait_for_run, timeout_s=30)
+
 ASK = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
 REFUND = [turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)), turn("ok")]
 QUEUE = "ratchet.continuations"
-
-
-def wait_for(
-    ctx: Context, run_id: str, done: Callable[[RunRecord], bool], timeout_s: float = 30
-) -> RunRecord:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = ctx.runs.get(run_id)
-        if record is not None and done(record):
-            return record
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run_id} did not get there in {timeout_s}s: {record}")
-        time.sleep(0.02)
 
 
 def suspended(record: RunRecord) -> bool:

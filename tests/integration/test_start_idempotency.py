@@ -12,8 +12,8 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,18 +21,12 @@ import pytest
 from tests.helpers import refunds
 from tests.redis_server import RedisServer, _free_port, running_redis_server
 from tests.workers import ROOT, WorkerProcesses, worker_env
+from tests.workers import wait_for as shared_wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EXIT_NOT_QUEUED = 7
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.1)
+wait_for = partial(shared_wait_for, timeout_s=90)
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ the runs. None is refused, none dead-lettered, none left to loop.
 from __future__ import annotations
 
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,17 +23,9 @@ from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
 from tests.test_unusable_snapshots import DAMAGES
-from tests.workers import ROOT, WorkerProcesses, worker_env
+from tests.workers import ROOT, WorkerProcesses, wait_for, worker_env
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(240)

@@ -49,7 +49,7 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.netns import Fleet, Host
-from tests.workers import ROOT
+from tests.workers import ROOT, wait_for
 from worker.app import make_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.multihost]
@@ -72,14 +72,6 @@ def recovery_bound_s(settings: Settings) -> float:
     """
     expiry_s = min(float(getattr(settings, "liveness_s", settings.lease_s)), settings.lease_s)
     return expiry_s + settings.sweep_interval_s
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting until {what}")
-        time.sleep(0.05)
 
 
 @dataclass
