@@ -52,6 +52,8 @@ class StreamServer:
     pace_s: float
     port: int = 0
     requests: int = 0
+    connections: int = 0
+    """Connections accepted: a client that keeps its connections alive opens few."""
     streamed: int = 0
     most_in_flight: int = 0
     late_ms: float = 0.0
@@ -80,6 +82,7 @@ class StreamServer:
         return {"id": f"call_{results + 1}", "type": "function", "function": function}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -179,7 +182,8 @@ def main() -> None:
         # Ends when the parent closes our stdin (or dies): never outlives its benchmark.
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         listening.close()
-        summary = {"requests": server.requests, "streamed": server.streamed,
+        summary = {"requests": server.requests, "connections": server.connections,
+                   "streamed": server.streamed,
                    "most_in_flight": server.most_in_flight, "late_ms": server.late_ms}  # fmt: skip
         print(json.dumps(summary), flush=True)
 
