@@ -21,7 +21,9 @@ turn (main and pool process, from /proc, from the first send to the last run's e
 redis-server's (INFO cpu), turns/s, how busy the worker was (CPU s per wall s: near 1.0
 a gevent worker is saturated and queues), and for **c** the delay of each delta from
 the server's write to the reader's receipt (CLOCK_MONOTONIC, one clock for every
-process on the machine), p50 / p99, with the deltas received of those sent. Printed:
+process on the machine), p50 / p99, with the deltas shown of those sent (worker/watch.py
+drops a piece written after its answer's ``model.responded`` was read: the event carries
+the whole answer, so a reader's text is complete either way). Printed:
 each round's paired ratios b/a and c/a of worker CPU per turn and their medians (the
 same moment of the machine on both sides of a ratio), and the load average at start.
 """
@@ -338,7 +340,9 @@ def run_all(args: argparse.Namespace, workdir: Path, model: ModelProcess) -> lis
     return phases
 
 
-def report(args: argparse.Namespace, phases: list[Phase], load: str, served: dict[str, Any]) -> None:
+def report(
+    args: argparse.Namespace, phases: list[Phase], load: str, served: dict[str, Any]
+) -> None:
     print(
         f"streaming bench: {args.runs} runs at once x {args.turns} turns, each answer "
         f"{args.pieces} pieces {args.pace_ms:g} ms apart; one worker -P gevent -c {args.runs}; "
@@ -356,8 +360,10 @@ def report(args: argparse.Namespace, phases: list[Phase], load: str, served: dic
             f"{p.per_turn_ms(p.worker_cpu_s):7.2f} {p.per_turn_ms(p.redis_cpu_s):6.2f} {p.runs * p.turns / p.elapsed_s:8.1f} "
             f"{p.worker_cpu_s / p.elapsed_s:5.2f} {p.bad_runs:4d} {latency}"
         )
-    print("  (CPU ms per model turn: worker = its processes (a gevent worker is one), "
-          "redis = redis-server, obs = the observer processes; busy = worker CPU s per wall s)")
+    print(
+        "  (CPU ms per model turn: worker = its processes (a gevent worker is one), "
+        "redis = redis-server, obs = the observer processes; busy = worker CPU s per wall s)"
+    )
     by_round: dict[int, dict[str, Phase]] = {}
     for p in phases:
         by_round.setdefault(p.round, {})[p.name] = p
@@ -382,7 +388,7 @@ def report(args: argparse.Namespace, phases: list[Phase], load: str, served: dic
     expected = sum(p.deltas_expected for p in phases)
     print(f"  delta delay, server write -> reader, all rounds: p50 {cut(delays, 50):.1f} ms, "
           f"p99 {cut(delays, 99):.1f} ms, max {max(delays, default=float('nan')):.1f} ms; "
-          f"{len(delays)} of {expected} deltas seen")  # fmt: skip
+          f"{len(delays)} of {expected} deltas shown live (the rest came after their answer)")  # fmt: skip
     print(f"  model server: {served.get('requests')} answers on {served.get('connections')} "
           f"connections, {served.get('streamed')} pieces "
           f"streamed, most in flight {served.get('most_in_flight')}, wrote a piece up to "
@@ -398,7 +404,9 @@ def main() -> None:
     parser.add_argument("--pieces", type=int, default=20)
     parser.add_argument("--pace-ms", type=float, default=20.0)
     parser.add_argument("--observers", type=int, default=4, help="observer processes in c")
-    parser.add_argument("--phases", default="abc", help="which phases a round runs (a is needed for the ratios)")
+    parser.add_argument(
+        "--phases", default="abc", help="which phases a round runs (a is needed for the ratios)"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a phase, at most")
     parser.add_argument("--observe", metavar="REDIS_URL", help=argparse.SUPPRESS)
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)
