@@ -94,6 +94,8 @@ class RecordedRequest:
     """Lower-cased names."""
     body: Any
     """The parsed JSON body; ``None`` if it was not JSON."""
+    client_port: int = 0
+    """The client's port: two requests with the same one came on one connection."""
 
 
 class OpenAIServer:
@@ -177,7 +179,8 @@ class OpenAIServer:
                     body = None
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 with server._lock:
-                    server.requests.append(RecordedRequest("POST", self.path, headers, body))
+                    port = int(self.client_address[1])
+                    server.requests.append(RecordedRequest("POST", self.path, headers, body, port))
                 canned = server._next()
                 if isinstance(canned, CannedStream):
                     _send_stream(self, canned, server._stopping, server.gate_misses)

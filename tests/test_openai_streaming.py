@@ -215,3 +215,17 @@ def test_a_run_with_a_streaming_model_checkpoints_the_whole_answer(
     assert record is not None and record.status == RunStatus.COMPLETED, record
     responded = [e for e in ctx.runs.events(run.run_id, after_seq=0) if e.type == "model.responded"]
     assert [e.data["content"] for e in responded] == ["Order A-1001 is refunded."]
+
+
+def test_a_streamed_answer_read_to_its_end_leaves_the_connection_for_the_next_call(
+    server: OpenAIServer,
+) -> None:
+    # Given a provider that streams, and three answers in a row
+    provider = streaming(server)
+    for _ in range(3):
+        server.enqueue_stream(text_chunks(["Hel", "lo"]))
+    # When it is asked three times
+    for _ in range(3):
+        assert provider.complete(simple_request()).content == "Hello"
+    # Then all three went over one connection (each new one is a TLS handshake elsewhere)
+    assert len({r.client_port for r in server.requests[-3:]}) == 1, server.requests

@@ -467,9 +467,11 @@ class OpenAIProvider:
     ) -> dict[str, Any]:
         """A 200 stream's events, each piece handed to ``deltas``, assembled into a body."""
         stream = self.assembly(attempt, deltas)
+        lines = response.iter_lines()
         try:
-            for data in server_sent_data(response.iter_lines()):
+            for data in server_sent_data(lines):
                 if stream.feed(data, key):
+                    _drain(lines)
                     return stream.body()
         except httpx.TimeoutException:
             raise stream.cut(f"no event within timeout_s={self._table.timeout_s:g}") from None
@@ -710,6 +712,22 @@ def server_sent_data(lines: Iterable[str]) -> Iterator[str]:
             data.append(value[1:] if value.startswith(" ") else value)
     if data:
         yield "\n".join(data)
+
+
+_DRAIN_LINES = 64
+"""Lines read past a stream's last event, at most, to reach the end of its body."""
+
+
+def _drain(lines: Iterator[str]) -> None:
+    """Read what follows a stream's last event up to the end of the body, so its connection
+    goes back to the pool: closed before its body ends, httpx drops it, and the next call
+    pays a new connection (a TLS handshake, against a real provider). A server that sends
+    more, or holds the body open, costs at most its read timeout and the connection."""
+    try:
+        for _ in zip(range(_DRAIN_LINES), lines, strict=False):
+            pass
+    except httpx.HTTPError:
+        pass  # the answer is whole: what the server does after its end is not this call's
 
 
 class StreamAssembly:
