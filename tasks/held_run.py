@@ -9,11 +9,10 @@ call when both stores are one Redis (:func:`tasks.persistence.commit_checkpointe
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,7 +42,7 @@ from runtime.errors import (
 from runtime.fsm import decide, requested_event, requested_with_response, response_events
 from runtime.models import Message, RunState
 from runtime.probes import Probed
-from runtime.providers import checked_response
+from runtime.providers import ModelRequest, ModelResponse, Observer, checked_response
 from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
 from store.runs import RunRecord
 from store.snapshots import Prefetched
@@ -51,7 +50,7 @@ from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, TranscriptSize
-from tasks.live import live_piece
+from tasks.live import SETTLE_S, live_piece
 from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
@@ -201,19 +200,7 @@ class HeldRun:
                 if not abandoned.is_set():
                     self.record([(kind, {"turn": model_calls, **data})])
 
-        complete = self.agent.provider.complete
-        live = self.ctx.live() if getattr(self.agent.provider, "streams", False) else None
-        if live is not None:
-            # Named by this attempt's model.requested: a worker that takes the call over
-            # after a crash writes under its own, and observers tell the two apart.
-            named = {"kind": "model.delta", "run": run_id, "model_call": model_calls}
-            named["at"] = self.state.seq
-
-            def deltas(piece: dict[str, Any]) -> None:
-                if not abandoned.is_set():
-                    live.put(run_id, {**named, **live_piece(piece)})
-
-            complete = functools.partial(complete, deltas=deltas)  # type: ignore[call-arg]
+        complete = self._model_call(model_calls, abandoned)
         timeout_s = self.agent.spec.model_timeout_s
         try:
             response = bounded(
@@ -248,6 +235,33 @@ class HeldRun:
         self.checkpointed(response_events(response), requesting=True)
         failpoints.hit("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
+
+    def _model_call(
+        self, model_calls: int, abandoned: threading.Event
+    ) -> Callable[..., ModelResponse]:
+        """The provider's ``complete``; for a provider that streams, one that hands the
+        answer's pieces to the run's live stream (tasks/live.py) and, before it returns,
+        waits a moment for the last of them to be written (``SETTLE_S``)."""
+        provider = self.agent.provider
+        live = self.ctx.live() if getattr(provider, "streams", False) else None
+        if live is None:
+            return provider.complete
+        run_id = self.state.run_id
+        # Named by this attempt's model.requested: a worker that takes the call over after
+        # a crash writes under its own, and observers tell the two apart.
+        named = {"kind": "model.delta", "run": run_id, "model_call": model_calls}
+        named["at"] = self.state.seq
+
+        def deltas(piece: dict[str, Any]) -> None:
+            if not abandoned.is_set():
+                live.put(run_id, {**named, **live_piece(piece)})
+
+        def complete(request: ModelRequest, observer: Observer) -> ModelResponse:
+            answer = provider.complete(request, observer=observer, deltas=deltas)  # type: ignore[call-arg]
+            live.settle(SETTLE_S)
+            return answer
+
+        return complete
 
     def wait_on_limit(self, wait: limits.Wait) -> TurnOutcome:
         """Record the wait (no attempt counted); the turn ends and is chained after it."""

@@ -36,6 +36,9 @@ log = logging.getLogger("ratchet.live")
 
 CAPACITY = 10_000
 """Entries waiting for the writer before new ones are dropped."""
+SETTLE_S = 0.1
+"""How long a streamed model call waits for its last pieces to be written before its
+answer commits (:meth:`LiveWriter.settle`): past it, the turn goes on and they are late."""
 BATCH = 500
 _WARN_EVERY_S = 60.0
 
@@ -57,16 +60,39 @@ class LiveWriter:
         self._warned_at = 0.0
         self._idle = threading.Event()
         self._idle.set()
+        self._handed = 0
+        """Entries taken into the queue by this process (the writer's order is theirs)."""
+        self._written = 0
+        """Of those, how many the writer has written or dropped."""
+        self._progress = threading.Condition()
 
     def put(self, run_id: str, entry: dict[str, Any]) -> None:
         """Hand ``entry`` to the writer; dropped (and counted) if the queue is full."""
         self._started()
         self._idle.clear()
-        try:
-            self._queue.put_nowait((run_id, entry))
-        except queue.Full:
-            metrics.live_dropped("full", 1)
-            self._warn("its queue is full")
+        with self._progress:
+            try:
+                self._queue.put_nowait((run_id, entry))
+            except queue.Full:
+                metrics.live_dropped("full", 1)
+                self._warn("its queue is full")
+                return
+            self._handed += 1
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until every entry handed in so far is written (or
+        dropped); whether it was. A model call's last pieces are then in the stream before
+        its answer commits, so a watcher shows them as they came instead of dropping them
+        as late (worker/watch.py)."""
+        deadline = time.monotonic() + timeout_s
+        with self._progress:
+            mark = self._handed
+            while self._written < mark:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._progress.wait(left)
+        return True
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every entry handed in so far is written or dropped; whether it was."""
@@ -83,6 +109,8 @@ class LiveWriter:
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's thread is not here
                 self._queue = queue.Queue(CAPACITY)
+                self._handed = self._written = 0
+                self._progress = threading.Condition()
                 thread = threading.Thread(target=self._write, name="ratchet-live", daemon=True)
                 thread.start()
                 self._pid = os.getpid()
@@ -106,6 +134,9 @@ class LiveWriter:
                     self._warn(f"{self.stream.name} failed ({type(exc).__name__}: {exc})")
             for _ in batch:
                 self._queue.task_done()
+            with self._progress:
+                self._written += len(batch)
+                self._progress.notify_all()
             if self._queue.unfinished_tasks == 0:
                 self._idle.set()
 

@@ -183,6 +183,7 @@ class _Watcher:
         self.attempts = _Attempts()
         self.pending: list[LiveEntry] = []
         self.new = False
+        self.log_read_at = 0.0
         self.told_already = False
         if after is not None:
             seq, cursor, told = parse_watch_cursor(after)
@@ -212,19 +213,32 @@ class _Watcher:
 
     def read(self, wait_s: float) -> Iterator[Seen]:
         """What was added to the log and the stream since the last read, merged: each
-        live entry comes after the event at its ``at`` and before the events after it."""
-        events = self.runs.events(self.run_id, after_seq=self.seq)
+        live entry comes after the event at its ``at`` and before the events after it.
+
+        While pieces flow, the log is read at most once every ``wait_s`` (and whenever a
+        piece names an event not read yet): a run streaming to many readers does not cost
+        a log read per piece per reader."""
+        if self.live is not None and not self.pending:
+            self.pending = self.live.read(self.run_id, after=self.cursor, limit=_BATCH)
+        now = time.monotonic()
+        events: list[Event] = []
+        if (
+            not self.pending
+            or now - self.log_read_at >= wait_s
+            or any(_int(e.data.get("at")) > self.seq for e in self.pending)
+        ):
+            events = self.runs.events(self.run_id, after_seq=self.seq)
+            self.log_read_at = now
         self.new = bool(events)
-        if self.live is None:
-            if not events:
+        if not events and not self.pending:
+            if self.live is None:
                 time.sleep(wait_s)
-        elif not self.pending:
-            block = 0.0 if events else wait_s
-            self.pending = self.live.read(
-                self.run_id, after=self.cursor, limit=_BATCH, block_s=block
-            )
+            else:
+                self.pending = self.live.read(
+                    self.run_id, after=self.cursor, limit=_BATCH, block_s=wait_s
+                )
         yield from self._merged(events)
-        if self.pending and not events:
+        if self.pending and not events and _int(self.pending[0].data.get("at")) > self.seq:
             # A piece of an attempt whose model.requested this reader has not read yet
             # (it is committed before any piece is written): read the log again.
             time.sleep(min(wait_s, 0.005))
