@@ -21,6 +21,8 @@ worker left unfinished is told apart from the next one (worker/watch.py marks it
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import queue
@@ -64,7 +66,10 @@ class LiveWriter:
         """Entries taken into the queue by this process (the writer's order is theirs)."""
         self._written = 0
         """Of those, how many the writer has written or dropped."""
-        self._progress = threading.Condition()
+        self._progress = threading.Lock()
+        self._waiting: list[tuple[int, int, threading.Event]] = []
+        """(entries handed in when it began, ticket, its event): the calls that settle."""
+        self._tickets = itertools.count()
 
     def put(self, run_id: str, entry: dict[str, Any]) -> None:
         """Hand ``entry`` to the writer; dropped (and counted) if the queue is full."""
@@ -83,16 +88,13 @@ class LiveWriter:
         """Wait, at most ``timeout_s``, until every entry handed in so far is written (or
         dropped); whether it was. A model call's last pieces are then in the stream before
         its answer commits, so a watcher shows them as they came instead of dropping them
-        as late (worker/watch.py)."""
-        deadline = time.monotonic() + timeout_s
+        as late (worker/watch.py). Only the waiters a batch satisfies are woken."""
         with self._progress:
-            mark = self._handed
-            while self._written < mark:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._progress.wait(left)
-        return True
+            if self._written >= self._handed:
+                return True
+            done = threading.Event()
+            heapq.heappush(self._waiting, (self._handed, next(self._tickets), done))
+        return done.wait(timeout_s)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every entry handed in so far is written or dropped; whether it was."""
@@ -110,7 +112,8 @@ class LiveWriter:
             if self._pid != os.getpid():  # a forked child: the parent's thread is not here
                 self._queue = queue.Queue(CAPACITY)
                 self._handed = self._written = 0
-                self._progress = threading.Condition()
+                self._progress = threading.Lock()
+                self._waiting = []
                 thread = threading.Thread(target=self._write, name="ratchet-live", daemon=True)
                 thread.start()
                 self._pid = os.getpid()
@@ -136,7 +139,8 @@ class LiveWriter:
                 self._queue.task_done()
             with self._progress:
                 self._written += len(batch)
-                self._progress.notify_all()
+                while self._waiting and self._waiting[0][0] <= self._written:
+                    heapq.heappop(self._waiting)[2].set()
             if self._queue.unfinished_tasks == 0:
                 self._idle.set()
 
