@@ -50,7 +50,7 @@ from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, TranscriptSize
-from tasks.live import SETTLE_S, live_piece
+from tasks.live import SETTLE_S, live_piece, watched
 from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
@@ -239,14 +239,17 @@ class HeldRun:
     def _model_call(
         self, model_calls: int, abandoned: threading.Event
     ) -> Callable[..., ModelResponse]:
-        """The provider's ``complete``; for a provider that streams, one that hands the
-        answer's pieces to the run's live stream (tasks/live.py) and, before it returns,
-        waits a moment for the last of them to be written (``SETTLE_S``)."""
+        """The provider's ``complete``; for a provider that streams, when someone watches
+        the run, one that hands the answer's pieces to the run's live stream
+        (tasks/live.py) and, before it returns, waits a moment for the last of them to be
+        written (``SETTLE_S``). Nobody watching, the call does not stream at all: reading
+        an answer piece by piece costs a worker about half again the CPU of reading it
+        whole (bench/streaming.py)."""
         provider = self.agent.provider
-        live = self.ctx.live() if getattr(provider, "streams", False) else None
-        if live is None:
-            return provider.complete
         run_id = self.state.run_id
+        live = self.ctx.live() if getattr(provider, "streams", False) else None
+        if live is None or not watched(live, run_id):
+            return provider.complete
         # Named by this attempt's model.requested: a worker that takes the call over after
         # a crash writes under its own, and observers tell the two apart.
         named = {"kind": "model.delta", "run": run_id, "model_call": model_calls}

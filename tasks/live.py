@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from runtime.errors import StoreError
 from runtime.json_values import without_surrogates
 from store.live import LiveStream
 from tasks import metrics
@@ -43,6 +44,15 @@ SETTLE_S = 0.1
 answer commits (:meth:`LiveWriter.settle`): past it, the turn goes on and they are late."""
 BATCH = 500
 _WARN_EVERY_S = 60.0
+
+
+def watched(writer: LiveWriter, run_id: str) -> bool:
+    """Whether someone watches the run (store/live); a store that cannot tell is taken for
+    no: the call goes unstreamed, whole, as it would anyway."""
+    try:
+        return writer.stream.watched(run_id)
+    except StoreError:
+        return False
 
 
 def live_piece(piece: dict[str, Any]) -> dict[str, Any]:

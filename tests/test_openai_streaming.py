@@ -165,7 +165,7 @@ def test_streams_cut_off_every_time_give_up_as_a_retryable_error(server: OpenAIS
     for _ in range(2):
         server.enqueue_stream(text_chunks(["Ord", "er"]), cut_after=2)
     with pytest.raises(ProviderError) as failed:
-        streaming(server, max_attempts=2, max_retry_s=5).complete(simple_request())
+        streaming(server, max_attempts=2, max_retry_s=5).complete(simple_request(), deltas=Deltas())
     assert failed.value.retryable and "gave up after 2 attempt(s)" in str(failed.value)
     assert "the stream was cut off" in str(failed.value)
 
@@ -175,7 +175,7 @@ def test_a_429_to_a_streaming_request_still_goes_to_the_queue_with_its_retry_aft
 ) -> None:
     server.enqueue(429, {"error": {"message": "slow down"}}, {"Retry-After": "7"})
     with pytest.raises(ProviderRateLimited) as limited:
-        streaming(server).complete(simple_request())
+        streaming(server).complete(simple_request(), deltas=Deltas())
     assert limited.value.retry_after_s == 7 and "slow down" in str(limited.value)
 
 
@@ -208,6 +208,9 @@ def test_a_run_with_a_streaming_model_checkpoints_the_whole_answer(
     server.enqueue_stream(text_chunks(["Order A-1001 ", "is ", "refunded."]))
     ctx = memory_context()
     run = create_run(ctx, agent, "Refund A-1001.", "streamed-run")
+    live = ctx.runs.live()
+    assert live is not None
+    live.watch(run.run_id, 60)  # someone watches: the call streams
     # When the run is driven
     drive(ctx, run.run_id)
     # Then the run's journal holds the assembled answer, whole, as without streaming
@@ -215,6 +218,33 @@ def test_a_run_with_a_streaming_model_checkpoints_the_whole_answer(
     assert record is not None and record.status == RunStatus.COMPLETED, record
     responded = [e for e in ctx.runs.events(run.run_id, after_seq=0) if e.type == "model.responded"]
     assert [e.data["content"] for e in responded] == ["Order A-1001 is refunded."]
+    assert server.requests[-1].body["stream"] is True
+    assert [e.data.get("text") for e in live.read(run.run_id)] == [
+        "Order A-1001 ",
+        "is ",
+        "refunded.",
+    ]
+
+
+def test_a_run_nobody_watches_asks_for_its_answer_whole(
+    server: OpenAIServer, tmp_path: Path
+) -> None:
+    # Given an agent that streams, whose run nobody watches
+    agent = tmp_path / "streams.toml"
+    agent.write_text(
+        f'name = "streams"\nmodel = "openai:gpt-test"\ntools = []\n[provider]\n'
+        f'base_url = "{server.url}"\napi_key_env = "{KEY_VAR}"\nstream = true\n'
+    )
+    server.enqueue(200, {"choices": [{"message": {"content": "Done."}}]})
+    ctx = memory_context()
+    run = create_run(ctx, agent, "Refund A-1001.", "unwatched-run")
+    # When it is driven
+    drive(ctx, run.run_id)
+    # Then its model call was not streamed: reading pieces costs, and nobody reads them
+    assert "stream" not in server.requests[-1].body
+    assert ctx.runs.live().read(run.run_id) == []  # type: ignore[union-attr]
+    record = ctx.runs.get(run.run_id)
+    assert record is not None and record.output == "Done."
 
 
 def test_a_streamed_answer_read_to_its_end_leaves_the_connection_for_the_next_call(
@@ -226,6 +256,6 @@ def test_a_streamed_answer_read_to_its_end_leaves_the_connection_for_the_next_ca
         server.enqueue_stream(text_chunks(["Hel", "lo"]))
     # When it is asked three times
     for _ in range(3):
-        assert provider.complete(simple_request()).content == "Hello"
+        assert provider.complete(simple_request(), deltas=Deltas()).content == "Hello"
     # Then all three went over one connection (each new one is a TLS handshake elsewhere)
     assert len({r.client_port for r in server.requests[-3:]}) == 1, server.requests

@@ -32,6 +32,7 @@ from runtime.errors import (
     RunNotFound,
     RunNotQueued,
     RunRefused,
+    StoreError,
 )
 from runtime.models import FINISHED_STATUSES, Event, RunStatus, Suspension, validate_run_id
 from runtime.numbers import finite
@@ -43,7 +44,7 @@ from tasks.lease import holding
 from tasks.messages import Start, enqueue_resume, enqueue_turn, sending_app
 from tasks.persistence import Loaded, load
 from tasks.start import start
-from worker.watch import Seen, parse_watch_cursor, watch
+from worker.watch import WATCH_S, Seen, parse_watch_cursor, watch
 
 
 def make_cursor(record: RunRecord) -> str:
@@ -73,8 +74,12 @@ class Ratchet:
         *,
         priority: int | None = None,
         concurrency_key: str | None = None,
+        watch: bool = False,
     ) -> str:
         """Create a run and enqueue its first turn; returns the run id. Idempotent by key.
+
+        ``watch``: say someone watches the run before its first turn is sent, so its first
+        model call streams too (then read it with :meth:`stream`; docs/streaming.md).
 
         ``priority`` (0-4, higher first) overrides the agent's ``[limits] priority``;
         ``concurrency_key`` (e.g. a tenant) puts the run under the agent's
@@ -105,6 +110,12 @@ class Ratchet:
         except BrokerUnready:
             pass  # recorded all the same: RunNotQueued says so, and the sweeper queues it
         started = start(self.ctx, request)
+        live = self.ctx.runs.live() if watch else None
+        if live is not None:
+            try:
+                live.watch(started.run_id, WATCH_S)
+            except StoreError:
+                pass  # its first answer shows when it commits; the next ones as they form
         if started.awaits_first_turn:
             from tasks.limits import first_turn_priority
 

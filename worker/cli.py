@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from runtime.errors import RatchetError, RunStateLost, StoreError
+from runtime.errors import InvalidOption, RatchetError, RunStateLost, StoreError
 from runtime.models import Event, RunStatus, validate_run_id
 from worker.cli_base import _api, _dump, _record_json, finite, flag, json_flag, main, refusals, runs
 from worker.exits import Exit, wait_exit
@@ -78,6 +78,10 @@ EXIT_NOT_QUEUED = Exit.NOT_ENQUEUED
     type=finite(min=0),
     help="Seconds --wait waits.",
 )
+@flag(
+    "--watch",
+    "Then follow it as `runs watch` does, its first answer forming too, until it finishes.",
+)
 @json_flag("Print the run record as JSON.")
 @refusals
 def runs_start(
@@ -87,6 +91,7 @@ def runs_start(
     idempotency_key: str | None,
     wait: bool,
     timeout_s: float,
+    watch: bool,
     as_json: bool,
 ) -> None:
     """Start a run of AGENT_FILE; prints the run id.
@@ -97,13 +102,23 @@ def runs_start(
     """
     from runtime.errors import RunNotQueued
 
+    if wait and watch:
+        raise InvalidOption(
+            "--wait and --watch do not go together: --watch follows the run to its end"
+        )
     api = _api()
     try:
-        run_id = api.start(agent_file, text, run_id, idempotency_key)
+        run_id = api.start(agent_file, text, run_id, idempotency_key, watch=watch)
     except RunNotQueued as exc:
         _dump({"run_id": exc.run_id, "queued": False}) if as_json else click.echo(exc.run_id)
         click.echo(f"ratchet: {exc}", err=True)
         sys.exit(EXIT_NOT_QUEUED)
+    if watch:
+        from worker.cli_watch import show_run
+
+        click.echo(f"run {run_id}", err=True)
+        show_run(run_id, None, False, as_json)
+        return
     if not wait:
         _dump({"run_id": run_id}) if as_json else click.echo(run_id)
         return

@@ -74,7 +74,16 @@ def _json(seen: Seen) -> dict[str, Any]:
 @json_flag("One JSON object per line, each with the `cursor` to go on from.")
 @refusals
 def runs_watch(run_id: str, after: str | None, until_suspended: bool, as_json: bool) -> None:
-    """Follow a run: its answer as it forms, its tools' progress, then each event."""
+    """Follow a run: its answer as it forms, its tools' progress, then each event.
+
+    A model call streams only if its run is watched as the call begins: to see a run's
+    first answer form too, start it with `ratchet runs start … --watch`."""
+    show_run(run_id, after, until_suspended, as_json)
+
+
+def show_run(run_id: str, after: str | None, until_suspended: bool, as_json: bool) -> None:
+    """Print the run as `runs watch` does, until it finishes (or suspends); Ctrl-C prints
+    the command that goes on from where it stopped."""
     screen = _Screen()
     last = after
     try:

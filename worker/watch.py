@@ -22,6 +22,10 @@ join them:
   ever shown twice or mixed into another's.
 - A reader that joins late (``after=None``) gets the log from the start, then the
   current attempt's text so far; earlier attempts' pieces are dropped as above.
+- A reader says it watches (store/live ``watch``, every few seconds): a model call
+  streams only if its run was watched as the call began. A reader that arrives in the
+  middle of a call nobody watched sees that answer when it commits, and the next ones
+  as they form.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.errors import InvalidOption
+from runtime.errors import InvalidOption, StoreError
 from runtime.models import FINISHED_STATUSES, Event
 from runtime.numbers import finite
 from store.live import LiveEntry
@@ -40,6 +44,8 @@ from store.runs import RunStore
 
 _CURSOR = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9]{1,20}(?:-[0-9]{1,20})?)?(\+?)$")
 _BATCH = 500
+WATCH_S = 10.0
+"""How long a reader's word that it watches a run lasts; it says it again every third of it."""
 _ENDS_AN_ATTEMPT = frozenset({"model.failed", "run.failed", "run.cancelled", "run.stalled"})
 """Events after which no attempt of the current ``model.requested`` goes on."""
 
@@ -184,6 +190,7 @@ class _Watcher:
         self.pending: list[LiveEntry] = []
         self.new = False
         self.log_read_at = 0.0
+        self.watched_at = -WATCH_S
         self.told_already = False
         if after is not None:
             seq, cursor, told = parse_watch_cursor(after)
@@ -211,6 +218,18 @@ class _Watcher:
             pass
         self.seq, self.cursor, self.pending = seq, cursor, []
 
+    def say_watched(self) -> None:
+        """Tell the workers someone watches, so the run's next model calls stream (a store
+        that cannot be told costs this reader the pieces, never its events)."""
+        now = time.monotonic()
+        if self.live is None or now - self.watched_at < WATCH_S / 3:
+            return
+        self.watched_at = now
+        try:
+            self.live.watch(self.run_id, WATCH_S)
+        except StoreError:
+            pass
+
     def read(self, wait_s: float) -> Iterator[Seen]:
         """What was added to the log and the stream since the last read, merged: each
         live entry comes after the event at its ``at`` and before the events after it.
@@ -218,6 +237,7 @@ class _Watcher:
         While pieces flow, the log is read at most once every ``wait_s`` (and whenever a
         piece names an event not read yet): a run streaming to many readers does not cost
         a log read per piece per reader."""
+        self.say_watched()
         if self.live is not None and not self.pending:
             self.pending = self.live.read(self.run_id, after=self.cursor, limit=_BATCH)
         now = time.monotonic()

@@ -327,7 +327,7 @@ class OpenAIProvider:
                 "host that is not loopback; use an https base_url (or unset the key "
                 "variable for a server that needs none)"
             )
-        streams = self._table.stream
+        streams = self._table.stream and deltas is not None  # nobody to tell: read it whole
         accept = "text/event-stream" if streams else "application/json"
         headers = {"Accept": accept, **self.auth_headers(key)}
         payload = self.payload(request)

@@ -119,3 +119,18 @@ class LiveStreamContract:
             live_stream.add("run-a", _entries(1), 0, KEEP_S)
         with pytest.raises(ValueError, match="limit"):
             live_stream.read("run-a", limit=0)
+
+    def test_a_run_is_watched_while_a_reader_says_so_and_not_after(
+        self, live_stream: LiveStream
+    ) -> None:
+        assert live_stream.watched("run-a") is False
+        live_stream.watch("run-a", 60)
+        live_stream.watch("run-b", 0.2)
+        assert live_stream.watched("run-a") and live_stream.watched("run-b")
+        assert live_stream.watched("run-c") is False
+        deadline = time.monotonic() + 10
+        while live_stream.watched("run-b") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live_stream.watched("run-b") is False and live_stream.watched("run-a")
+        with pytest.raises(ValueError, match="for_s"):
+            live_stream.watch("run-a", 0)

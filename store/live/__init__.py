@@ -14,6 +14,10 @@ goes away on its own. It lives where the run store lives:
   several processes on the machine read it.
 - **memory**: in the process, for tests and single-process use.
 
+A run is **watched** while a reader says so (``watch``, again every few seconds): a model
+call streams only when its run is watched as it begins, so streaming costs nothing for
+runs nobody watches (``watched``: one read per model call).
+
 Entries are JSON objects; each one's ``cursor`` (opaque, increasing within the run) is
 where a reader that reconnects goes on from: it misses nothing still kept and sees
 nothing twice. A write is never retried: a late delta is a lost one, and the caller
@@ -79,6 +83,18 @@ class LiveStream(ABC):
             )
         return self._read(validate_run_id(run_id), after, limit, block_s)
 
+    def watch(self, run_id: str, for_s: float) -> None:
+        """Say someone watches the run for the next ``for_s`` seconds (a reader says it
+        again while it reads). StoreUnavailable if it cannot."""
+        if not for_s > 0:
+            raise ValueError(f"for_s must be positive, not {for_s}")
+        self._watch(validate_run_id(run_id), for_s)
+
+    def watched(self, run_id: str) -> bool:
+        """Whether someone said they watch the run and its time has not run out: a model
+        call streams only then (tasks/held_run.py). StoreUnavailable if it cannot tell."""
+        return self._watched(validate_run_id(run_id))
+
     def close(self) -> None:  # noqa: B027 - most hold nothing of their own
         """Release what the stream holds of its own."""
 
@@ -89,6 +105,12 @@ class LiveStream(ABC):
     def _read(
         self, run_id: str, after: str | None, limit: int, block_s: float
     ) -> list[LiveEntry]: ...
+
+    @abstractmethod
+    def _watch(self, run_id: str, for_s: float) -> None: ...
+
+    @abstractmethod
+    def _watched(self, run_id: str) -> bool: ...
 
 
 __all__ = ["DEFAULT_KEEP_S", "DEFAULT_MAXLEN", "LiveEntry", "LiveStream"]

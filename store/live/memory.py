@@ -31,7 +31,19 @@ class MemoryLiveStream(LiveStream):
 
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
+        self._watched_until: dict[str, float] = {}
         self._changed = threading.Condition()
+
+    def _watch(self, run_id: str, for_s: float) -> None:
+        with self._changed:
+            now = time.monotonic()
+            for gone in [r for r, until in self._watched_until.items() if until <= now]:
+                del self._watched_until[gone]
+            self._watched_until[run_id] = now + for_s
+
+    def _watched(self, run_id: str) -> bool:
+        with self._changed:
+            return self._watched_until.get(run_id, 0.0) > time.monotonic()
 
     def _add(self, run_id: str, entries: list[str], maxlen: int, keep_s: float) -> None:
         with self._changed:

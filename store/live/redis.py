@@ -15,7 +15,8 @@ _CURSOR = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
 
 class RedisLiveStream(LiveStream):
     """``{prefix}:run:{<id>}:live``: ``XADD MAXLEN`` (exact) and ``PEXPIRE`` in one
-    pipeline per batch; ``XREAD BLOCK`` to wait for the next entry."""
+    pipeline per batch; ``XREAD BLOCK`` to wait for the next entry. ``…:live:watched``, a
+    key with a TTL, while someone watches."""
 
     name = "redis live stream"
 
@@ -35,6 +36,18 @@ class RedisLiveStream(LiveStream):
                     pipe.xadd(key, {"e": entry}, maxlen=maxlen, approximate=False)
                 pipe.pexpire(key, int(keep_s * 1000))
                 pipe.execute()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(self._where, type(exc).__name__) from exc
+
+    def _watch(self, run_id: str, for_s: float) -> None:
+        try:
+            self._client.set(f"{self._key(run_id)}:watched", b"1", px=max(1, int(for_s * 1000)))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(self._where, type(exc).__name__) from exc
+
+    def _watched(self, run_id: str) -> bool:
+        try:
+            return bool(self._client.exists(f"{self._key(run_id)}:watched"))
         except redis.RedisError as exc:
             raise StoreUnavailable(self._where, type(exc).__name__) from exc
 

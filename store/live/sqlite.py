@@ -29,6 +29,10 @@ CREATE TABLE IF NOT EXISTS live_runs (
     expires_at_ms INTEGER NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS live_runs_by_expiry ON live_runs (expires_at_ms);
+CREATE TABLE IF NOT EXISTS watched (
+    run_id TEXT PRIMARY KEY,
+    until_ms INTEGER NOT NULL
+) WITHOUT ROWID;
 """
 _POLL_S = 0.02
 """A blocked reader looks again this often (SQLite cannot wake it)."""
@@ -69,6 +73,30 @@ class SqliteLiveStream(LiveStream):
                 "(run_id) DO UPDATE SET expires_at_ms = excluded.expires_at_ms",
                 (run_id, now_ms + int(keep_s * 1000)),
             )
+
+    def _watch(self, run_id: str, for_s: float) -> None:
+        now_ms = int(time.time() * 1000)
+        with transaction(self._connection, self._where, "IMMEDIATE") as conn:
+            conn.execute("DELETE FROM watched WHERE until_ms <= ?", (now_ms,))
+            conn.execute(
+                "INSERT INTO watched (run_id, until_ms) VALUES (?, ?) ON CONFLICT (run_id) "
+                "DO UPDATE SET until_ms = excluded.until_ms",
+                (run_id, now_ms + int(for_s * 1000)),
+            )
+
+    def _watched(self, run_id: str) -> bool:
+        try:
+            row = (
+                self._connection()
+                .execute(
+                    "SELECT 1 FROM watched WHERE run_id = ? AND until_ms > ?",
+                    (run_id, int(time.time() * 1000)),
+                )
+                .fetchone()
+            )
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(self._where, str(exc)) from exc
+        return row is not None
 
     @staticmethod
     def _forget_expired(conn: sqlite3.Connection, now_ms: int) -> None:

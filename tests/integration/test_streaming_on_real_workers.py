@@ -85,7 +85,17 @@ def model_server() -> Iterator[OpenAIServer]:
         yield running
 
 
-def enqueue_turn(redis_url: str, run_id: str) -> None:
+def enqueue_turn(redis_url: str, run_id: str, watched: bool = True) -> None:
+    """Send the run's first turn; by default once someone watches it (a model call
+    streams only when its run is watched as it begins)."""
+    if watched:
+        ctx = redis_context(redis_url)
+        try:
+            live = ctx.runs.live()
+            assert live is not None
+            wait_for("an observer says it watches", lambda: live.watched(run_id))
+        finally:
+            ctx.close()
     make_app(Settings(broker_url=redis_url)).send_task(
         "ratchet.turn", (run_id, 1), queue="ratchet.turns"
     )
@@ -319,14 +329,15 @@ def test_a_long_answer_keeps_only_maxlen_pieces_and_its_stream_expires(
     client = redis.Redis.from_url(redis_url)
     key = f"ratchet:run:{{{run_id}}}:live"
     lengths: list[int] = []
+    live = ctx.runs.live()
+    assert live is not None
+    live.watch(run_id, 60)
     enqueue_turn(redis_url, run_id)
     # When it streams, its stream never holds more than 20 entries...
     deadline = time.monotonic() + 60
     while run_status(ctx, run_id) != RunStatus.COMPLETED and time.monotonic() < deadline:
         lengths.append(int(client.xlen(key)))
         time.sleep(0.002)
-    live = ctx.runs.live()
-    assert live is not None
     wait_for(
         "the last 20 pieces are kept",
         lambda: [e.data.get("text") for e in live.read(run_id)] == list(content[-20:]),
