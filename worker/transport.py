@@ -195,6 +195,19 @@ class RedisChannel(SafeRedisReads, redis.Channel):
             except self.connection_errors as exc:
                 # A lost connection closes the channel too: kombu's close must still run.
                 log.warning("the broker's unacked bookkeeping was not written at close: %r", exc)
+            if self._in_poll:
+                try:
+                    self._brpop_read()
+                except Empty:
+                    pass
+                except self.connection_errors as exc:
+                    # kombu's close reads the BRPOP in flight first and lets a dead
+                    # connection's error out before it marks the channel closed; Celery
+                    # 5.7 then closes it again after kombu dropped the transport, and
+                    # restoring the unacked messages there died on `None.hostname`: an
+                    # unrecoverable error that ended the worker whenever its Redis went
+                    # away. The reply is lost with the connection; the close goes on.
+                    log.warning("the broker connection died with a read in flight: %r", exc)
         super().close()
 
 
