@@ -61,7 +61,8 @@ import re
 from typing import Any
 
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*):[^@\s/]*@", re.IGNORECASE)
-_QUERY_SECRET = re.compile(r"\b(password|secret|token|key)=[^&\s]*", re.IGNORECASE)
+# Also a prefixed name (`sentinel_password=` of a redis+sentinel:// URL).
+_QUERY_SECRET = re.compile(r"\b(\w*(?:password|secret|token|key))=[^&\s]*", re.IGNORECASE)
 
 
 def redacted(text: str) -> str:

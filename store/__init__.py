@@ -14,9 +14,10 @@ scheme                 snapshot store              run store
 
 Redis URLs take every form redis-py does — ``redis://[[user]:password@]host:port/db``,
 ``rediss://`` (TLS; ``?ssl_cert_reqs=…&ssl_ca_certs=…``), ``unix:///path?db=0`` —
-and the keys of both Redis stores start with ``redis_prefix`` (setting
-``RATCHET_REDIS_PREFIX``, default ``ratchet``), so several deployments can
-share one server.
+or name a primary behind Sentinel, ``redis+sentinel://host:port,host:port/service/db``
+(:mod:`store.sentinel`) — and the keys of both Redis stores start with
+``redis_prefix`` (setting ``RATCHET_REDIS_PREFIX``, default ``ratchet``), so
+several deployments can share one server.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _opening(url: str) -> Iterator[None]:
         raise StoreUrlInvalid(url, str(exc)) from exc
 
 
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 _FORMS = {
     "memory": "memory://",
     "file": "file:///dir",
@@ -59,7 +60,7 @@ _FORMS = {
     "redis": "redis://host:port/db",
     "s3": "s3://bucket/prefix",
 }
-"""How a store URL of each scheme is written (the redis form stands for all three)."""
+"""How a store URL of each scheme is written (the redis form stands for all four)."""
 _SNAPSHOT_STORES = {
     "memory": "store.snapshots.memory:MemorySnapshotStore",
     "file": "store.snapshots.file:FileSnapshotStore",

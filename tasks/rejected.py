@@ -364,12 +364,24 @@ def rejected_folder(data_dir: Path) -> Path:
     return data_dir / "broker" / "rejected"
 
 
-def open_rejected(broker_url: str, data_dir: Path) -> RejectedStore:
-    """The dead-letter store beside the broker at ``broker_url``."""
+def open_rejected(
+    broker_url: str, data_dir: Path, transport_options: dict[str, Any] | None = None
+) -> RejectedStore:
+    """The dead-letter store beside the broker at ``broker_url`` (``transport_options``:
+    the app's, which name the service of kombu's ``sentinel://`` form)."""
     if broker_url.startswith(("redis://", "rediss://", "unix://")):
         import redis
 
         return RedisRejected(redis.Redis.from_url(broker_url), owned=True)
+    if broker_url.startswith(("redis+sentinel://", "sentinel://")):
+        from store.sentinel import SentinelUrl, is_sentinel
+        from store.snapshots.redis import connect
+
+        if is_sentinel(broker_url):
+            parsed = SentinelUrl.parse(broker_url)
+        else:
+            parsed = SentinelUrl.from_kombu(broker_url, transport_options or {})
+        return RedisRejected(connect(parsed.url(), max_connections=2), owned=True)
     if broker_url.startswith(("amqp://", "amqps://", "pyamqp://")):
         return AmqpRejected(broker_url)
     if broker_url.startswith("filesystem://"):
@@ -399,7 +411,9 @@ def store_for_app(app: Any) -> RejectedStore:
         else:
             from tasks.settings import get_settings
 
-            store = open_rejected(url, get_settings().resolved_data_dir)
+            store = open_rejected(
+                url, get_settings().resolved_data_dir, app.conf.broker_transport_options
+            )
         _stores[key] = store
     return store
 

@@ -28,6 +28,7 @@ from runtime.errors import ConfigInvalid
 from runtime.numbers import Finite
 from store.live import DEFAULT_KEEP_S, DEFAULT_MAXLEN
 from store.private import private_dir, writable_by_others
+from store.sentinel import SentinelUrl
 
 ENV_PREFIX = "RATCHET_"
 EXIT_CONFIG_INVALID = 2
@@ -189,7 +190,8 @@ def masked(url: str) -> str:
     if "@" in netloc:
         userinfo, hostport = netloc.rsplit("@", 1)
         netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}" if ":" in userinfo else netloc
-    query = "&".join(q for q in parts.query.split("&") if not q.startswith("password="))
+    # password=, and sentinel_password= of a redis+sentinel:// URL.
+    query = "&".join(q for q in parts.query.split("&") if "password=" not in q)
     rest = f"{parts.path}" + (f"?{query}" if query else "")
     return f"{parts.scheme}://{netloc}{rest}" if "://" in url else url
 
@@ -200,8 +202,10 @@ _FIXES = {
     "metrics_port": "use a TCP port from 1 to 65535, e.g. RATCHET_METRICS_PORT=9808",
 }
 _URL_FIELDS = ("broker_url", "snapshot_store", "run_store")
-SNAPSHOT_STORE_SCHEMES = ("memory", "file", "sqlite", "redis", "rediss", "unix", "s3")
-RUN_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "unix")
+SNAPSHOT_STORE_SCHEMES = (
+    "memory", "file", "sqlite", "redis", "rediss", "unix", "redis+sentinel", "s3"
+)  # fmt: skip
+RUN_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "unix", "redis+sentinel")
 # kombu transports whose dependencies come with an extra of kombu's.
 _TRANSPORT_EXTRAS = {"redis": "redis", "rediss": "redis", "sentinel": "redis"}
 
@@ -247,6 +251,17 @@ def _check_broker(settings: Settings) -> None:
             "redis://host:6379/0, amqp://user:password@host:5672/vhost, or unset it for the "
             "embedded filesystem broker",
         )
+    if base == "sentinel":
+        raise ConfigInvalid(
+            variable,
+            f"{variable}={masked(url)}: kombu's sentinel:// form cannot name the service the "
+            "sentinels monitor; write it as redis+sentinel://host:port,host:port/service/db",
+        )
+    if scheme == "redis+sentinel":
+        try:
+            SentinelUrl.parse(url)
+        except ValueError as exc:
+            raise ConfigInvalid(variable, f"{variable}={masked(url)}: {exc}") from None
     try:
         resolve_transport(base)
     except ImportError as exc:

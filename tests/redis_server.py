@@ -74,9 +74,17 @@ def _binary() -> str:
 class RedisServer:
     """One ``redis-server`` process the tests own."""
 
-    def __init__(self, directory: Path, port: int | None = None, appendonly: bool = True) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        args: tuple[str, ...] = (),
+    ) -> None:
         self.directory = directory
         self.appendonly = appendonly
+        self.args = args
+        """More arguments for ``redis-server`` (``--replicaof host port``)."""
         self.port = port if port is not None else _free_port()
         self.url = f"redis://{HOST}:{self.port}"
         self.log = directory / "redis.log"
@@ -97,6 +105,7 @@ class RedisServer:
             "--dir", str(self.directory),
             "--databases", "16",
             "--daemonize", "no",
+            *self.args,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -129,6 +138,15 @@ class RedisServer:
         # Redis 7 keeps the AOF in a directory, Redis 6 in one file.
         shutil.rmtree(self.directory / "appendonlydir", ignore_errors=True)
         (self.directory / "appendonly.aof").unlink(missing_ok=True)
+
+    def crash(self) -> None:
+        """SIGKILL the server and start it again on the same port from its AOF: a crashed
+        process whose host kept its disk (what ``kill()`` leaves out)."""
+        if self._process is not None:
+            os.kill(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+            self._process = None
+        self.start()
 
     def restart(self) -> None:
         """Start again on the same port (killing the server first if it still runs)."""

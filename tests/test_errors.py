@@ -284,6 +284,15 @@ def test_a_password_in_a_store_url_is_never_shown() -> None:
     assert "hunter2" not in error.store + error.problem
 
 
+def test_a_sentinels_password_in_a_store_url_is_never_shown() -> None:
+    error = StoreUrlInvalid(
+        "redis+sentinel://h1,h2/svc/x?sentinel_password=hunter2", "database `x` is not a number"
+    )
+
+    assert "hunter2" not in str(error)
+    assert "sentinel_password=***" in str(error)
+
+
 def test_domain_refusals_are_ratchet_errors_and_still_value_errors() -> None:
     for name in ("InvalidRequest", "EventsDoNotFold", "StoreUrlInvalid"):
         error = CASES[name][0]

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from runtime.errors import StaleWrite, StoreUnavailable
+from runtime.models import Message, RunState
 from store import open_snapshot_store
 from store.snapshots import format as snapshot_format
-from store.snapshots.s3 import S3SnapshotStore
+from store.snapshots.s3 import GARBAGE_BATCH, LOAD_OBJECTS, S3SnapshotStore, Span, absorbed
 from tests.contract.test_snapshot_store_contract import make_state
+from tests.s3_layouts import requests_sent, save_before_paths
 from tests.s3_server import CREDENTIALS, S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +33,190 @@ def store(s3_url: str) -> Iterator[S3SnapshotStore]:
     assert isinstance(opened, S3SnapshotStore)
     yield opened
     opened.close()
+
+
+@pytest.fixture
+def another(s3_url: str) -> Iterator[S3SnapshotStore]:
+    """A second handle on the same bucket, as another worker opens it: it knows no run."""
+    opened = open_snapshot_store(s3_url)
+    assert isinstance(opened, S3SnapshotStore)
+    yield opened
+    opened.close()
+
+
+def run_of(saves: int) -> list[RunState]:
+    """The states of a run saved ``saves`` times, each save adding one or two messages."""
+    state = make_state(seq=1)
+    states = [state]
+    for seq in range(2, saves + 1):
+        added = tuple(
+            Message(role="tool", content=f"result {seq}.{i} " + "x" * (seq % 50), name="look")
+            for i in range(1 + seq % 2)
+        )
+        state = state.model_copy(update={"seq": seq, "transcript": state.transcript + added})
+        states.append(state)
+    return states
+
+
+def transcript_objects(store: S3SnapshotStore, run_id: str = "run-1") -> list[str]:
+    return list(store._keys(store._transcript_prefix(run_id)))
+
+
+def test_a_400_save_run_loads_in_at_most_4_requests_and_saves_in_at_most_5(
+    store: S3SnapshotStore, another: S3SnapshotStore
+) -> None:
+    # Given a run saved 400 times, counting each save's requests
+    saves: list[int] = []
+    previous: int | None = None
+    for state in run_of(400):
+        with requests_sent(store) as sent:
+            store.save(state, expected_seq=previous)
+        saves.append(sum(sent.values()))
+        previous = state.seq
+
+    # When a worker that never saw the run loads it
+    with requests_sent(another) as sent:
+        loaded = another.load("run-1")
+
+    # Then it is the last state, read with one GET of the head and at most three more
+    assert loaded == state
+    assert sum(sent.values()) <= 1 + LOAD_OBJECTS == 4, sent
+    assert set(sent) == {"GetObject"}
+    # And a save is still the head's read, one object, the head, its read-back, and now
+    # and then one delete of replaced objects
+    assert max(saves) <= 5
+    assert sum(saves) <= 4 * 400 + 400 // GARBAGE_BATCH
+    # And the replaced objects do not pile up
+    assert len(transcript_objects(store)) <= LOAD_OBJECTS + GARBAGE_BATCH + LOAD_OBJECTS
+
+
+def test_a_run_saved_by_the_release_before_paths_loads_and_saves_onwards_flat(
+    store: S3SnapshotStore, another: S3SnapshotStore
+) -> None:
+    # Given a run of 40 saves stored as the release before paths stored it
+    states = run_of(41)
+    previous: int | None = None
+    for state in states[:40]:
+        save_before_paths(store, state, previous)
+        previous = state.seq
+    assert len(transcript_objects(store)) == 40
+
+    # When this release loads it, it lists the run's objects and reads each, as that one did
+    with requests_sent(another) as sent:
+        assert another.load("run-1") == states[39]
+    assert sent["ListObjectsV2"] == 1
+    assert sent["GetObject"] == 1 + 40
+
+    # And once this release saved it, a load is flat
+    another.save(states[40], expected_seq=40)
+    store._forget("run-1")
+    with requests_sent(store) as sent:
+        assert store.load("run-1") == states[40]
+    assert sum(sent.values()) == 2, sent
+
+
+def test_the_release_before_paths_reads_what_this_one_writes(store: S3SnapshotStore) -> None:
+    # Given a run saved 100 times by this release, with replaced objects not yet deleted
+    previous: int | None = None
+    for state in run_of(100):
+        store.save(state, expected_seq=previous)
+        previous = state.seq
+    head = store._read_head("run-1")
+    assert head is not None and head.tip is not None and head.garbage
+
+    # When a reader that knows no path walks back from the tip through the objects' names
+    walked = store._walk("run-1", head.tip)
+
+    # Then it finds exactly the transcript
+    assert walked is not None
+    assert snapshot_format.assemble(head.document, walked) == snapshot_format.encode(state)
+
+
+def test_a_save_that_dies_after_its_compacted_object_leaves_the_previous_snapshot_whole(
+    store: S3SnapshotStore, another: S3SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run of 20 saves or more, whose next save rewrites two objects into its own
+    states = run_of(60)
+    previous: int | None = None
+    for at, state in enumerate(states[:-1]):
+        store.save(state, expected_seq=previous)
+        previous = state.seq
+        head = store._read_head("run-1")
+        assert head is not None and head.path is not None
+        if at >= 20 and absorbed(head.path, len(states[at + 1].transcript)) >= 2:
+            break
+    else:
+        pytest.fail("no save of the run rewrote two objects into its own")
+    states = states[: at + 2]
+
+    # When that save writes its object and dies before its head
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(store, "_write_head", die)
+    with pytest.raises(SystemExit):
+        store.save(states[-1], expected_seq=previous)
+    monkeypatch.undo()
+
+    # Then a load finds the previous snapshot, every object its head names still there
+    assert another.load("run-1") == states[-2]
+    names = {key.rsplit("/", 1)[-1] for key in transcript_objects(store)}
+    assert {span.name for span in head.path} <= names
+    # And the run saves onwards
+    store.save(states[-1], expected_seq=previous)
+    another._forget("run-1")
+    assert another.load("run-1") == states[-1]
+
+
+def test_a_zombie_writer_cannot_make_a_load_mix_two_lines_of_saves(
+    store: S3SnapshotStore, another: S3SnapshotStore
+) -> None:
+    # Given a zombie that loaded the run at seq 10 and paused
+    states = run_of(60)
+    previous: int | None = None
+    for state in states[:10]:
+        store.save(state, expected_seq=previous)
+        previous = state.seq
+    assert another.load("run-1") == states[9]
+    # While the run went on 50 saves, compacting and deleting replaced objects
+    for state in states[10:]:
+        store.save(state, expected_seq=previous)
+        previous = state.seq
+
+    # When the zombie wakes and saves its own eleventh state
+    own = states[9].model_copy(
+        update={
+            "seq": 11,
+            "transcript": states[9].transcript + (Message(role="user", content="zombie"),),
+        }
+    )
+    with pytest.raises(StaleWrite):
+        another.save(own, expected_seq=10)
+
+    # Then a load by anyone is the run's line, not a mix
+    another._forget("run-1")
+    assert another.load("run-1") == states[-1]
+    store._forget("run-1")
+    assert store.load("run-1") == states[-1]
+
+
+def test_compaction_keeps_at_most_three_objects_and_rewrites_a_message_a_few_times() -> None:
+    # Given 5000 saves of one to three messages each, as the store plans them
+    path: tuple[Span, ...] = ()
+    rewritten = longest = 0
+    end = 0
+    for save in range(5000):
+        end += 1 + save % 3
+        kept = path[: len(path) - absorbed(path, end)]
+        start = kept[-1].end if kept else 0
+        path = (*kept, Span(start, end, "0", "0"))
+        rewritten += end - start
+        longest = max(longest, len(path))
+
+    # Then the path never names more than three objects
+    assert longest == LOAD_OBJECTS
+    # And a message is written about the cube root of the run's length times, not its length
+    assert rewritten / end <= 2 * end ** (1 / 3)
 
 
 def test_without_boto3_the_s3_store_is_refused_naming_the_extra() -> None:

@@ -19,6 +19,7 @@ from celery.beat import PersistentScheduler
 
 from runtime.errors import ConfigInvalid
 from store.private import private_dir, private_files
+from store.sentinel import SentinelUrl, is_sentinel
 from tasks.delivery import MAX_PRIORITY, delivery_settings
 from tasks.messages import send_through
 from tasks.queues import AMQP_SCHEMES, CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, scheme_of
@@ -56,6 +57,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     # from tasks.install too (tasks/delivery.py).
     delivery = delivery_settings(broker_url, settings)
     transport_options.update(delivery.pop("broker_transport_options"))
+    if is_sentinel(broker_url):
+        # kombu reads Sentinel as its own URL form plus the service's name in an option.
+        broker_url, sentinel_options = SentinelUrl.parse(broker_url).kombu()
+        transport_options.update(sentinel_options)
     config = {
         "broker_url": broker_url,
         "worker_consumer": "worker.consumer:RatchetConsumer",

@@ -26,9 +26,10 @@ unknown: the worker starts and logs a warning saying what to set.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +169,7 @@ def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
 # worker; RDB snapshots alone do not count. RATCHET_ALLOW_VOLATILE_STORE=1 is the
 # operator saying they accept the rollback (a throwaway environment).
 
-REDIS_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_STORE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
 
 
 @dataclass(frozen=True)
@@ -207,12 +208,14 @@ def redis_persistence(client: Any) -> Persistence:
 def store_persistence_problem(settings: Settings) -> str | None:
     """One line saying why a Redis store makes this worker refuse to start, or None.
 
-    Logs a warning (and returns None) when a server cannot be asked, or when
-    ``RATCHET_ALLOW_VOLATILE_STORE`` accepts a store without AOF.
+    Behind Sentinel, the primary and every replica the sentinels list are asked: a
+    replica is the primary after a failover. Logs a warning (and returns None) when a
+    server cannot be asked, or when ``RATCHET_ALLOW_VOLATILE_STORE`` accepts a store
+    without AOF.
     """
     import redis
 
-    from store.snapshots.redis import connect, where
+    from store.sentinel import SentinelUrl, is_sentinel
 
     stores = {"snapshot store": settings.resolved_snapshot_store}
     stores["run store"] = settings.resolved_run_store
@@ -220,54 +223,103 @@ def store_persistence_problem(settings: Settings) -> str | None:
     for name, url in stores.items():
         if url.startswith(REDIS_STORE_SCHEMES):
             try:
-                kwargs = redis.connection.parse_url(url)
+                if is_sentinel(url):
+                    server = SentinelUrl.parse(url).identity()
+                else:
+                    kwargs = redis.connection.parse_url(url)
+                    server = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
             except ValueError:
                 continue  # opening the store says what is wrong with its URL
-            server = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
             servers.setdefault(server, []).append((name, url))
     for named in servers.values():
         names = " and ".join(name for name, _ in named)
-        url = named[0][1]
-        client = connect(url)
+        for shown, persistence in _asked(named[0][1], names):
+            problem = _persistence_problem(settings, names, shown, persistence)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _asked(url: str, names: str) -> Iterator[tuple[str, Persistence]]:
+    """Each server behind ``url`` (a primary and, behind Sentinel, its replicas) as an
+    error message names it, with what it said of its AOF; one that cannot be asked is
+    logged and skipped."""
+    import redis
+
+    from store.sentinel import SentinelUrl, is_sentinel
+    from store.snapshots.redis import SOCKET_TIMEOUT_S, connect, disconnect, where
+
+    servers: list[tuple[str, Callable[[], Any]]] = [(where(url), lambda: connect(url))]
+    if is_sentinel(url):
+        parsed = SentinelUrl.parse(url)
+        servers[0] = (f"{where(url)} (the primary)", servers[0][1])
         try:
-            persistence = redis_persistence(client)
+            replicas = redis.sentinel.Sentinel(
+                parsed.sentinels,
+                sentinel_kwargs=parsed.sentinel_kwargs(socket_timeout=SOCKET_TIMEOUT_S),
+            ).discover_replicas(parsed.service)
+        except redis.exceptions.RedisError as exc:
+            log.warning("cannot ask the sentinels of %s for replicas (%r)", where(url), exc)
+            replicas = []
+        for address in replicas:
+            host, port = str(address[0]), int(address[1])
+            servers.append(
+                (
+                    f"{where(url)} (replica {host}:{port})",
+                    functools.partial(
+                        redis.Redis,
+                        host,
+                        port,
+                        socket_timeout=SOCKET_TIMEOUT_S,
+                        **parsed.primary_kwargs(),
+                    ),
+                )
+            )
+    for shown, opener in servers:
+        client = opener()
+        try:
+            yield shown, redis_persistence(client)
         except redis.exceptions.RedisError as exc:
             log.warning(
                 "cannot check that the %s's Redis at %s keeps an append-only file (%s); "
                 "without AOF a restart rolls runs back and re-runs their tools",
                 names,
-                where(url),
+                shown,
                 type(exc).__name__,
             )
-            continue
         finally:
-            client.close()
-        if persistence.durable is None:
-            log.warning(
-                "cannot tell whether the %s's Redis at %s keeps an append-only file (%s); "
-                "make sure it runs with appendonly yes: without it a restart rolls runs "
-                "back and re-runs their tools",
-                names,
-                where(url),
-                persistence.evidence,
-            )
-        elif not persistence.durable and settings.allow_volatile_store:
-            log.warning(
-                "the %s's Redis at %s keeps no append-only file (%s); started anyway "
-                "because RATCHET_ALLOW_VOLATILE_STORE is set: a restart of it rolls runs "
-                "back and re-runs their tools",
-                names,
-                where(url),
-                persistence.evidence,
-            )
-        elif not persistence.durable:
-            return (
-                f"ratchet: refusing to start: the {names}'s Redis at {where(url)} keeps no "
-                f"append-only file ({persistence.evidence}), so a restart rolls runs back and "
-                "re-runs tools that already ran (RDB snapshots alone lose the writes since "
-                "the last save); run it with `--appendonly yes` (CONFIG SET appendonly yes), "
-                "or set RATCHET_ALLOW_VOLATILE_STORE=1 to accept the rollback"
-            )
+            disconnect(client)
+
+
+def _persistence_problem(
+    settings: Settings, names: str, shown: str, persistence: Persistence
+) -> str | None:
+    if persistence.durable is None:
+        log.warning(
+            "cannot tell whether the %s's Redis at %s keeps an append-only file (%s); "
+            "make sure it runs with appendonly yes: without it a restart rolls runs "
+            "back and re-runs their tools",
+            names,
+            shown,
+            persistence.evidence,
+        )
+    elif not persistence.durable and settings.allow_volatile_store:
+        log.warning(
+            "the %s's Redis at %s keeps no append-only file (%s); started anyway "
+            "because RATCHET_ALLOW_VOLATILE_STORE is set: a restart of it rolls runs "
+            "back and re-runs their tools",
+            names,
+            shown,
+            persistence.evidence,
+        )
+    elif not persistence.durable:
+        return (
+            f"ratchet: refusing to start: the {names}'s Redis at {shown} keeps no "
+            f"append-only file ({persistence.evidence}), so a restart rolls runs back and "
+            "re-runs tools that already ran (RDB snapshots alone lose the writes since "
+            "the last save); run it with `--appendonly yes` (CONFIG SET appendonly yes), "
+            "or set RATCHET_ALLOW_VOLATILE_STORE=1 to accept the rollback"
+        )
     return None
 
 

@@ -10,7 +10,9 @@ the next BRPOP (worker/unacked.py). Kombu's own source is untouched: the changes
 are overrides of the channel's read methods, registered under their own alias.
 
 ``transport_for`` picks ratchet's transports by broker URL — this one for
-``redis://`` and ``rediss://``, ``ratchet-filesystem`` (worker/embedded_broker.py)
+``redis://`` and ``rediss://``, its Sentinel form (``ratchet-sentinel``) for kombu's
+``sentinel://`` (which ``RATCHET_BROKER_URL=redis+sentinel://…`` becomes, worker/app.py),
+``ratchet-filesystem`` (worker/embedded_broker.py)
 for ``filesystem://`` — and ``RatchetAMQP`` and ``RatchetEvents`` are the app's
 ``amqp`` and ``events`` seams (worker/app.py).
 """
@@ -29,6 +31,7 @@ from celery.events.dispatcher import EventDispatcher
 from kombu import Connection
 from kombu.transport import TRANSPORT_ALIASES, redis
 from kombu.utils.encoding import bytes_to_str
+from redis import sentinel
 
 from store.redis_connection import CheckedConnection
 from tasks.rejected import RedisRejected, RejectedStore
@@ -39,14 +42,11 @@ from worker.unacked import RedisQoS, RidingPoller
 log = logging.getLogger("ratchet.transport")
 
 REDIS_ALIAS = "ratchet-redis"
+SENTINEL_ALIAS = "ratchet-sentinel"
 
 
 class SafeRedisReads(SafeEntries):
-    """The Redis channel's three reads of a queue entry, each through accept_entry.
-
-    A mixin, so that a Sentinel channel could share it (ratchet does not configure
-    Sentinel brokers yet: kombu's Sentinel transport needs a ``master_name`` option).
-    """
+    """The Redis channel's three reads of a queue entry, each through accept_entry."""
 
     def rejected_store(self) -> RejectedStore:
         return RedisRejected(self._create_client())
@@ -195,6 +195,19 @@ class RedisChannel(SafeRedisReads, redis.Channel):
             except self.connection_errors as exc:
                 # A lost connection closes the channel too: kombu's close must still run.
                 log.warning("the broker's unacked bookkeeping was not written at close: %r", exc)
+            if self._in_poll:
+                try:
+                    self._brpop_read()
+                except Empty:
+                    pass
+                except self.connection_errors as exc:
+                    # kombu's close reads the BRPOP in flight first and lets a dead
+                    # connection's error out before it marks the channel closed; Celery
+                    # 5.7 then closes it again after kombu dropped the transport, and
+                    # restoring the unacked messages there died on `None.hostname`: an
+                    # unrecoverable error that ended the worker whenever its Redis went
+                    # away. The reply is lost with the connection; the close goes on.
+                    log.warning("the broker connection died with a read in flight: %r", exc)
         super().close()
 
 
@@ -216,11 +229,31 @@ class RedisTransport(redis.Transport):
 TRANSPORT_ALIASES.setdefault(REDIS_ALIAS, f"{__name__}:RedisTransport")
 
 
+class RedisSentinelChannel(RedisChannel, redis.SentinelChannel):
+    """ratchet's Redis channel on the primary a Sentinel names (kombu's SentinelChannel
+    finds it: each new connection asks the sentinels, so after a failover the consumer's
+    reconnect reaches the promoted replica). Its connections are Sentinel's own class:
+    they must ask where to connect, which the plain-TCP CheckedConnection does not."""
+
+    connection_class = sentinel.SentinelManagedConnection  # type: ignore[assignment]
+    connection_class_ssl = redis.SentinelManagedSSLConnection
+
+
+class RedisSentinelTransport(RedisTransport):
+    Channel = RedisSentinelChannel
+    default_port = redis.SentinelTransport.default_port  # type: ignore[assignment]
+
+
+TRANSPORT_ALIASES.setdefault(SENTINEL_ALIAS, f"{__name__}:RedisSentinelTransport")
+
+
 def transport_for(broker_url: str) -> str | None:
     """The ratchet transport alias for ``broker_url``, or None to leave kombu's choice."""
     scheme = broker_url.split("://", 1)[0]
     if scheme in ("redis", "rediss"):
         return REDIS_ALIAS
+    if scheme == "sentinel":
+        return SENTINEL_ALIAS
     if scheme == "filesystem":
         return FILESYSTEM_ALIAS
     return None

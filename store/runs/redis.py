@@ -56,6 +56,7 @@ from store.snapshots.redis import (
     RedisSnapshotStore,
     checked_prefix,
     connect,
+    disconnect,
     lua,
     run_script,
     server,
@@ -553,4 +554,4 @@ class RedisRunStore(RunStore):
 
     def close(self) -> None:
         with translated(self._where):
-            self._client.connection_pool.disconnect()
+            disconnect(self._client)

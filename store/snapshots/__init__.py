@@ -32,7 +32,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import cast
 
@@ -76,6 +76,18 @@ class Parts:
     """The messages after ``base`` (all of them when replacing)."""
     tip: TranscriptTip
     """The transcript once written."""
+    transcript: tuple[Message, ...] = field(default=(), repr=False, compare=False)
+    """The whole transcript saved, for a backend that rewrites earlier messages together
+    with the new ones (S3's compaction): :meth:`fragments_from`."""
+
+    def fragments_from(self, start: int) -> tuple[bytes, ...]:
+        """The encoded messages from index ``start`` to the end: the stored ones from
+        ``start`` (encoded again, at the cost of one encoding each) and then ``fragments``."""
+        stored = len(self.transcript) - len(self.fragments)
+        if not 0 <= start <= stored:
+            raise ValueError(f"messages from {start}: this save holds {stored} stored before")
+        again = self.transcript[start:stored]
+        return tuple(snapshot_format.encode_fragment(m) for m in again) + self.fragments
 
 
 @dataclass(frozen=True)
@@ -393,7 +405,7 @@ class SnapshotStore(ABC):
         size = snapshot_format.document_size(head, tip.length, tip.size)
         if size > self.max_bytes:
             raise SnapshotTooLarge(run_id, size, self.max_bytes)
-        return Parts(state.seq, head, base, fragments, tip)
+        return Parts(state.seq, head, base, fragments, tip, messages)
 
     def _known(self, run_id: str) -> _Known | None:
         with self._known_lock:

@@ -54,6 +54,7 @@ from runtime.errors import (
 from runtime.models import RunState
 from store.packing import pack, unpack
 from store.redis_connection import connection_class
+from store.sentinel import SentinelUrl, is_sentinel
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
@@ -131,6 +132,16 @@ class _WaitingQueue(LifoQueue[Any]):
             raise PoolExhausted(self.maxsize, timeout or 0.0) from None
 
 
+class _BlockingSentinelPool(redis.sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
+    """redis-py's pool of connections to the primary a Sentinel names, blocking when full
+    as :func:`connect`'s pool does: each connection asks the sentinels for the primary's
+    address when it connects, so one made after a failover reaches the promoted replica."""
+
+    def __init__(self, url: SentinelUrl, sentinel: redis.sentinel.Sentinel, **kwargs: Any) -> None:
+        super().__init__(url.service, sentinel, **kwargs)  # type: ignore[no-untyped-call]
+        self.url = url
+
+
 def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     """A client with the timeouts every ratchet Redis store uses.
 
@@ -142,25 +153,51 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     connection in use waits up to POOL_WAIT_S for one, then raises StoreBusy.
     redis-py's default pool instead fails at once past 100 connections, which a
     threads or gevent worker with hundreds of slots turns into a burst of errors.
+
+    ``redis+sentinel://`` URLs (:mod:`store.sentinel`) get the same pool of connections
+    to whichever server the sentinels name as the primary.
     """
-    pool = redis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections or DEFAULT_MAX_CONNECTIONS,
-        timeout=POOL_WAIT_S,
-        queue_class=_WaitingQueue,
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=SOCKET_TIMEOUT_S,
-        health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        retry=Retry(NoBackoff(), 0),
-        client_name="ratchet",
-        **connection_class(url),
-    )
+    options: dict[str, Any] = {
+        "max_connections": max_connections or DEFAULT_MAX_CONNECTIONS,
+        "timeout": POOL_WAIT_S,
+        "queue_class": _WaitingQueue,
+        "socket_timeout": SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": SOCKET_TIMEOUT_S,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "retry": Retry(NoBackoff(), 0),
+        "client_name": "ratchet",
+    }
+    if is_sentinel(url):
+        parsed = SentinelUrl.parse(url)
+        sentinel = redis.sentinel.Sentinel(
+            parsed.sentinels,
+            sentinel_kwargs=parsed.sentinel_kwargs(
+                socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S
+            ),
+        )
+        pool: redis.ConnectionPool = _BlockingSentinelPool(
+            parsed, sentinel, **options, **parsed.primary_kwargs()
+        )
+    else:
+        pool = redis.BlockingConnectionPool.from_url(url, **options, **connection_class(url))
     return redis.Redis(connection_pool=pool)
 
 
+def disconnect(client: redis.Redis) -> None:
+    """Close every connection of ``client``'s pool (and to its sentinels, if any)."""
+    pool = client.connection_pool
+    pool.disconnect()
+    if isinstance(pool, _BlockingSentinelPool):
+        pool.sentinel_manager.close()
+
+
 def server(client: redis.Redis) -> tuple[Any, ...]:
-    """Which server and database a client talks to, as its connections are made."""
-    kwargs = client.connection_pool.connection_kwargs
+    """Which server and database a client talks to, as its connections are made (behind
+    Sentinel: which service, through which sentinels)."""
+    pool = client.connection_pool
+    if isinstance(pool, _BlockingSentinelPool):
+        return pool.url.identity()
+    kwargs = pool.connection_kwargs
     return tuple(kwargs.get(k) for k in ("host", "port", "path", "db", "username"))
 
 
@@ -181,6 +218,11 @@ def translated(store: str) -> Iterator[None]:
 
 def where(url: str) -> str:
     """The URL without its password, fit for an error message."""
+    if is_sentinel(url):
+        try:
+            return SentinelUrl.parse(url).shown()
+        except ValueError:
+            return "redis+sentinel://…"
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
@@ -411,4 +453,4 @@ class RedisSnapshotStore(SnapshotStore):
 
     def close(self) -> None:
         with translated(self._where):
-            self._client.connection_pool.disconnect()
+            disconnect(self._client)

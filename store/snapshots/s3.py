@@ -9,23 +9,41 @@ never part of the URL, a log line or an error message.
 Object layout under ``prefix``::
 
     heads/<run_id>                                       the run's head (written last)
-    transcripts/<run_id>/<start>-<end>-<before>-<after>  messages [start, end) of one save
+    transcripts/<run_id>/<start>-<end>-<before>-<after>  messages [start, end) of the transcript
     quarantine/<run_id>.<UTC time>/heads/… transcripts/…  an unusable snapshot moved aside
 
 A head is a zlib-packed JSON line ``{"seq", "form", "length", "size",
-"chain"}`` followed by the document with an empty transcript (``form:
-parts``) or the whole document (``form: whole``). Each save writes one
-transcript object holding only its new messages, then the head. ``<before>``
-and ``<after>`` are the first 16 hex digits of the transcript's hash chain
-before and after those messages, so a reader walks back from the head's tip to
-the empty transcript and picks exactly the objects that head was built on.
+"chain", "path", "garbage"}`` followed by the document with an empty
+transcript (``form: parts``) or the whole document (``form: whole``).
+``<before>`` and ``<after>`` in a transcript object's name are the first 16
+hex digits of the transcript's hash chain before and after its messages.
+
+**Flat loads.** ``path`` names the transcript objects that hold the head's
+messages, in order: at most :data:`LOAD_OBJECTS` (3) of them, so a load is one
+GET of the head and at most three GETs, made at once, however long the run.
+Each save writes one transcript object, then the head: the object holds the
+save's new messages, and, when the path would otherwise grow past three objects
+or its last objects grow out of proportion, also the messages of the last
+objects of the path, which it replaces (:func:`absorbed`). The objects of a
+path of T messages hold about T, T^(2/3) and T^(1/3) of them, so a message is
+rewritten a few times over a run, growing with the cube root of its length
+(bench/s3_loads.py measures it). ``garbage`` lists objects earlier heads
+replaced; a save deletes them, after its own head is stored, once 16 have
+gathered, so an object is deleted only when the head that stopped naming it
+is no longer the current one. Heads written before ``path`` existed name no
+path: a load lists the run's objects and walks back from the tip through the
+``<before>``/``<after>`` names, one GET per earlier save (as that release
+did), and the run's next save rewrites its transcript as one object. A head
+with a path stays readable by that walk, so a release without ``path`` still
+loads what this one writes.
 
 **Crash safety.** The transcript object is written before the head, so a head
-never names messages that are not stored. A save that dies between the two,
-or that loses the compare-and-set, leaves an orphan object no head's chain
-walks through: it is ignored, and overwritten by an identical one if the same
-messages are saved again. ``delete`` removes the head first, then every
-object of the run (orphans included).
+never names messages that are not stored, and the head's hash chain over its
+path's messages is checked on every load, so no mix of two saves is ever
+returned. A save that dies between the two, or that loses the compare-and-set,
+leaves an orphan object no head names: it is ignored, and overwritten by an
+identical one if the same messages are saved again. ``delete`` removes the
+head first, then every object of the run (orphans and garbage included).
 
 **Compare-and-set.** A save reads the head, checks its seq, and writes the new
 head with ``If-Match: <etag>`` (``If-None-Match: *`` for a run with no
@@ -61,7 +79,8 @@ from __future__ import annotations
 
 import builtins
 import json
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,7 +90,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from runtime.errors import SnapshotMalformed, StaleWrite, StoreError, StoreUnavailable
 from runtime.models import RunState
 from store.packing import pack, unpack
-from store.snapshots import EMPTY_TIP, Parts, SnapshotStore, TranscriptMoved, TranscriptTip
+from store.snapshots import Parts, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
 
 INSTALL_HINT = "pip install 'ratchet[s3]'"
@@ -80,12 +99,19 @@ READ_TIMEOUT_S = 15.0
 READ_THREADS = 8
 """Transcript objects fetched at once when a snapshot is loaded."""
 HASH_DIGITS = 16
+LOAD_OBJECTS = 3
+"""Transcript objects a head's path names at most: a load makes one more GET than this."""
+GARBAGE_BATCH = 16
+"""Replaced transcript objects a head lists before a save deletes them (one request)."""
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _TRANSIENT_CODES = frozenset(
     {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
      "RequestTimeout", "RequestTimeTooSkewed"}
 )  # fmt: skip
+
+
+log = logging.getLogger(__name__)
 
 
 def _boto3() -> Any:
@@ -99,6 +125,56 @@ def _boto3() -> Any:
 
 
 @dataclass(frozen=True)
+class Span:
+    """One transcript object: messages ``[start, end)``, between two points of the chain."""
+
+    start: int
+    end: int
+    before: str
+    """The hash chain before its first message (its first :data:`HASH_DIGITS` digits)."""
+    after: str
+    """The hash chain after its last message (the same digits)."""
+
+    @property
+    def name(self) -> str:
+        """The object's name under ``transcripts/<run_id>/``."""
+        return f"{self.start:010d}-{self.end:010d}-{self.before}-{self.after}"
+
+    @classmethod
+    def parse(cls, name: str) -> Span:
+        """The span an object's name describes; ValueError for a name that is not one."""
+        start, end, before, after = name.split("-")
+        span = cls(int(start), int(end), before, after)
+        if span.name != name or not 0 <= span.start < span.end:
+            raise ValueError(f"not a transcript object's name: {name[:80]!r}")
+        return span
+
+
+def absorbed(path: Sequence[Span], end: int) -> int:
+    """How many of ``path``'s last objects the save that stores messages up to ``end``
+    rewrites into its own object (the rest it keeps), so that loads stay flat.
+
+    The new object takes the path's last object while the path would otherwise hold
+    more than :data:`LOAD_OBJECTS`, while that object is no larger than what the new
+    one holds so far, or while the new one holds more than its place's share: the
+    object at place ``k`` (0 first) of a path of ``end`` messages is given up to
+    ``end ** ((LOAD_OBJECTS - k) / LOAD_OBJECTS)`` messages. The objects' sizes thus
+    fall geometrically along the path, and a save rewrites the small last ones often
+    and the large first one rarely.
+    """
+    kept = len(path)
+    holds = end - (path[-1].end if path else 0)
+    while kept > 0 and (
+        kept + 1 > LOAD_OBJECTS
+        or path[kept - 1].end - path[kept - 1].start <= holds
+        or holds >= end ** ((LOAD_OBJECTS - kept) / LOAD_OBJECTS)
+    ):
+        holds += path[kept - 1].end - path[kept - 1].start
+        kept -= 1
+    return len(path) - kept
+
+
+@dataclass(frozen=True)
 class _Head:
     etag: str
     base: str
@@ -108,6 +184,10 @@ class _Head:
     """``None`` for a document stored whole."""
     document: bytes
     """The head document (``tip`` set) or the whole document."""
+    path: tuple[Span, ...] | None = None
+    """The transcript objects, in order; ``None``: a head from before paths (walk them)."""
+    garbage: tuple[str, ...] = ()
+    """Names of objects earlier heads replaced, not deleted yet."""
 
 
 def _frame(fragments: tuple[bytes, ...]) -> bytes:
@@ -187,12 +267,6 @@ class S3SnapshotStore(SnapshotStore):
     def _transcript_prefix(self, run_id: str) -> str:
         return f"{self._prefix}transcripts/{run_id}/"
 
-    def _chunk_key(self, run_id: str, before: TranscriptTip, after: TranscriptTip) -> str:
-        return (
-            f"{self._transcript_prefix(run_id)}{before.length:010d}-{after.length:010d}-"
-            f"{before.chain[:HASH_DIGITS]}-{after.chain[:HASH_DIGITS]}"
-        )
-
     # --- errors ---------------------------------------------------------------
 
     @contextmanager
@@ -268,7 +342,16 @@ class S3SnapshotStore(SnapshotStore):
             tip = None
             if meta["form"] == "parts":
                 tip = TranscriptTip(int(meta["length"]), int(meta["size"]), str(meta["chain"]))
-            return _Head(etag, str(meta.get("base", "")), int(meta["seq"]), tip, document)
+            path = meta.get("path")
+            return _Head(
+                etag,
+                str(meta.get("base", "")),
+                int(meta["seq"]),
+                tip,
+                document,
+                None if path is None else tuple(Span.parse(str(name)) for name in path),
+                tuple(str(name) for name in meta.get("garbage", ())),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise SnapshotMalformed(
                 what,
@@ -279,6 +362,7 @@ class S3SnapshotStore(SnapshotStore):
     def _write_head(
         self, run_id: str, found: _Head | None, meta: dict[str, Any], document: bytes
     ) -> None:
+        """Replace ``found`` by this head (compare-and-set); StaleWrite if another got there."""
         base = found.etag if found is not None else ""
         body = pack(json.dumps({**meta, "base": base}, sort_keys=True).encode() + b"\n" + document)
         condition = {"IfMatch": base} if found is not None else {"IfNoneMatch": "*"}
@@ -315,18 +399,64 @@ class S3SnapshotStore(SnapshotStore):
                 raise StaleWrite(run_id, expected_seq, found.seq if found else None)
             if parts.base is not None and (found is None or found.tip != parts.base):
                 raise TranscriptMoved(run_id)
-            if parts.fragments:
-                before = parts.base if parts.base is not None else EMPTY_TIP
-                key = self._chunk_key(run_id, before, parts.tip)
-                self._put_object(key, pack(_frame(parts.fragments)))
-            meta = {
+            stored = found.path if found is not None and parts.base is not None else ()
+            path = self._put_transcript(run_id, parts, stored)
+            replaced = () if found is None else found.path or ()
+            named = {span.name for span in path or ()}
+            garbage = [span.name for span in replaced if span.name not in named]
+            pending = [n for n in (found.garbage if found else ()) if n not in named]
+            collect = len(pending) >= GARBAGE_BATCH
+            meta: dict[str, Any] = {
                 "form": "parts",
                 "seq": parts.seq,
                 "length": parts.tip.length,
                 "size": parts.tip.size,
                 "chain": parts.tip.chain,
+                "garbage": garbage if collect else pending + garbage,
             }
+            if path is not None:
+                meta["path"] = [span.name for span in path]
             self._write_head(run_id, found, meta, parts.head)
+            if collect:
+                # Replaced by a head that is itself replaced now: no current head names them.
+                self._delete_objects(run_id, pending)
+
+    def _put_transcript(
+        self, run_id: str, parts: Parts, stored: tuple[Span, ...] | None
+    ) -> tuple[Span, ...] | None:
+        """Write the save's transcript object; the path its head names (None: a head from
+        before paths stays one, as the save adds no messages to it)."""
+        if not parts.fragments:
+            return stored
+        # A head from before paths: its objects are not known without a listing, so
+        # this save rewrites the transcript as one object (once per run).
+        keep = () if stored is None else stored[: len(stored) - absorbed(stored, parts.tip.length)]
+        start = keep[-1].end if keep else 0
+        before = keep[-1].after if keep else snapshot_format.GENESIS[:HASH_DIGITS]
+        span = Span(start, parts.tip.length, before, parts.tip.chain[:HASH_DIGITS])
+        fragments = parts.fragments_from(start)
+        self._put_object(self._transcript_prefix(run_id) + span.name, pack(_frame(fragments)))
+        return (*keep, span)
+
+    def _delete_objects(self, run_id: str, names: Sequence[str]) -> None:
+        """Delete transcript objects no head names any more; a failure only leaves them
+        for the run's ``delete``."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        prefix = self._transcript_prefix(run_id)
+        try:
+            self._client.delete_objects(
+                Bucket=self._bucket,
+                Delete={"Objects": [{"Key": prefix + n} for n in names], "Quiet": True},
+            )
+        except (BotoCoreError, ClientError) as exc:
+            log.warning(
+                "run %s: %d replaced transcript objects were not deleted (%s); deleting the "
+                "run's snapshot removes them",
+                run_id,
+                len(names),
+                exc,
+            )
 
     def _read_tip(self, run_id: str) -> tuple[int, TranscriptTip | None] | None:
         with self._translated():
@@ -341,7 +471,11 @@ class S3SnapshotStore(SnapshotStore):
                     return None
                 if head.tip is None:
                     return unpack(head.document, self.max_bytes), None
-                fragments = self._fragments(run_id, head.tip)
+                fragments = (
+                    self._walk(run_id, head.tip)
+                    if head.path is None
+                    else self._fetch(run_id, head.path, head.tip)
+                )
                 if fragments is not None:
                     return snapshot_format.assemble(head.document, fragments), head.tip
                 # A transcript object is missing: a delete (or a new save) ran meanwhile.
@@ -354,30 +488,42 @@ class S3SnapshotStore(SnapshotStore):
                     )
         raise StoreUnavailable(self._where, f"run {run_id}'s snapshot kept changing while read")
 
-    def _fragments(self, run_id: str, tip: TranscriptTip) -> list[bytes] | None:
-        """The messages ``tip`` was built from, or ``None`` if an object is missing."""
+    def _walk(self, run_id: str, tip: TranscriptTip) -> list[bytes] | None:
+        """A head from before paths: the messages ``tip`` was built from, found by listing
+        the run's objects and walking back from the tip; ``None`` if an object is missing."""
         if tip.length == 0:
             return []
         prefix = self._transcript_prefix(run_id)
-        by_end: dict[tuple[int, str], tuple[int, str, str]] = {}
+        by_end: dict[tuple[int, str], Span] = {}
         for key in self._keys(prefix):
             try:
-                start, end, before, after = key[len(prefix) :].split("-")
-                by_end[(int(end), after)] = (int(start), before, key)
+                span = Span.parse(key[len(prefix) :])
             except ValueError:
                 continue  # not ours
-        path: list[str] = []
+            by_end[(span.end, span.after)] = span
+        path: list[Span] = []
         at = (tip.length, tip.chain[:HASH_DIGITS])
         genesis = snapshot_format.GENESIS[:HASH_DIGITS]
         while at != (0, genesis):
             link = by_end.get(at)
-            if link is None or link[0] >= at[0]:
+            if link is None:
                 return None
-            path.append(link[2])
-            at = (link[0], link[1])
+            path.append(link)
+            at = (link.start, link.before)
         path.reverse()
-        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(path))) as pool:
-            bodies = list(pool.map(self._get_object, path))
+        return self._fetch(run_id, path, tip)
+
+    def _fetch(self, run_id: str, path: Sequence[Span], tip: TranscriptTip) -> list[bytes] | None:
+        """The messages of ``path``'s objects, checked against ``tip``; ``None`` if an object
+        is missing (a save or a delete replaced it since the head was read)."""
+        if not path:
+            bodies: list[tuple[str, bytes] | None] = []
+        elif len(path) == 1:
+            bodies = [self._get_object(self._transcript_prefix(run_id) + path[0].name)]
+        else:
+            keys = [self._transcript_prefix(run_id) + span.name for span in path]
+            with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
+                bodies = list(pool.map(self._get_object, keys))
         fragments: list[bytes] = []
         for body in bodies:
             if body is None:
