@@ -11,7 +11,8 @@ asks, each piece carrying its send time), and one ``celery -A worker worker -P g
 phases, in an order that rotates from round to round so that none always goes first:
 
 - **a** ``stream = false``: the answer arrives whole after the same wait;
-- **b** ``stream = true``, no observer: deltas go to the runs' live streams, unread;
+- **b** ``stream = true``, no observer: nobody watches, so the worker asks for each
+  answer whole (store/live ``watched``: one read per model call);
 - **c** ``stream = true``, one ``Ratchet.stream`` reader per run (threads in
   ``--observers`` processes of their own), started before the runs are sent.
 

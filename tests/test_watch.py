@@ -279,3 +279,22 @@ def test_astream_yields_what_stream_does_without_blocking_the_event_loop() -> No
 
     items, ticks = asyncio.run(both())
     assert brief(items) == brief(seen(run)) and ticks > len(items)
+
+
+def test_an_answer_that_commits_before_its_last_pieces_waits_for_them() -> None:
+    # Given an answer checkpointed while its writer still holds its last piece
+    run = Run()
+    at = run.log("model.requested", turn=1)
+    run.piece(at, "Hi")
+    run.finish("Hi there")
+    items: list[Seen] = []
+    # When a reader shows the first piece, and only then the last piece is written
+    for item in watch(run.store, RUN, timeout_s=5, wait_s=0.01):
+        items.append(item)
+        if item.kind == "model.delta" and item.data["text"] == "Hi":
+            run.piece(at, " there")
+    # Then the reader showed it as a piece, before the answer, and nothing twice
+    assert brief(items)[2:] == [f"d:{at}/1:Hi", f"d:{at}/1: there", "e:model.responded",
+                                "e:run.completed"]  # fmt: skip
+    assembly = Assembly()
+    assert "".join(assembly.add(item) for item in items) == "Hi there"

@@ -44,6 +44,8 @@ from store.runs import RunStore
 
 _CURSOR = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9]{1,20}(?:-[0-9]{1,20})?)?(\+?)$")
 _BATCH = 500
+HOLD_S = 0.5
+"""How long an answer waits, at most, for pieces of it still on their way (see _holds)."""
 WATCH_S = 10.0
 """How long a reader's word that it watches a run lasts; it says it again every third of it."""
 _ENDS_AN_ATTEMPT = frozenset({"model.failed", "run.failed", "run.cancelled", "run.stalled"})
@@ -85,7 +87,21 @@ class _Attempts:
     """Whether that request has its ``model.responded``."""
     open: tuple[int, int] | None = None
     """(at, attempt) whose pieces are being shown."""
+    shown: str = ""
+    """The text of the open attempt's pieces shown so far."""
     closed: set[tuple[int, int]] = field(default_factory=set)
+
+    def behind(self, answer: Event) -> bool:
+        """Whether ``answer`` (a ``model.responded``) ends the open attempt while pieces of
+        it are still on their way: what was shown is a start of it, but not all of it."""
+        content = answer.data.get("content")
+        return (
+            self.open is not None
+            and self.open[0] == self.requested_at
+            and isinstance(content, str)
+            and len(self.shown) < len(content)
+            and content.startswith(self.shown)
+        )
 
     def close(self, reason: str) -> dict[str, Any] | None:
         """The open attempt ends unanswered: what to tell the reader, if one was open."""
@@ -93,7 +109,7 @@ class _Attempts:
             return None
         at, attempt = self.open
         self.closed.add(self.open)
-        self.open = None
+        self.open, self.shown = None, ""
         return {"at": at, "attempt": attempt, "reason": reason}
 
     def on_event(self, event: Event) -> dict[str, Any] | None:
@@ -111,7 +127,7 @@ class _Attempts:
             self.answered = True
             if self.open is not None:
                 self.closed.add(self.open)
-                self.open = None
+                self.open, self.shown = None, ""
             return None
         if event.type in _ENDS_AN_ATTEMPT:
             return self.close(f"the run went on without it ({event.type})")
@@ -129,7 +145,7 @@ class _Attempts:
             return False, None
         if "aborted" in data:
             if self.open == key:
-                self.open = None
+                self.open, self.shown = None, ""
             self.closed.add(key)
             return True, None
         told = None
@@ -138,6 +154,8 @@ class _Attempts:
                 return False, None
             told = self.close("a later attempt began")
         self.open = key
+        if isinstance(data.get("text"), str):
+            self.shown += data["text"]
         return True, told
 
 
@@ -191,6 +209,8 @@ class _Watcher:
         self.new = False
         self.log_read_at = 0.0
         self.watched_at = -WATCH_S
+        self.holding = False
+        self.held_since: float | None = None
         self.told_already = False
         if after is not None:
             seq, cursor, told = parse_watch_cursor(after)
@@ -258,18 +278,44 @@ class _Watcher:
                     self.run_id, after=self.cursor, limit=_BATCH, block_s=wait_s
                 )
         yield from self._merged(events)
+        if self.holding and self.live is not None and not self.pending:
+            self.pending = self.live.read(
+                self.run_id, after=self.cursor, limit=_BATCH, block_s=min(wait_s, HOLD_S / 5)
+            )
+            self.log_read_at = 0.0  # the held answer is read again at once
+            return
         if self.pending and not events and _int(self.pending[0].data.get("at")) > self.seq:
             # A piece of an attempt whose model.requested this reader has not read yet
             # (it is committed before any piece is written): read the log again.
             time.sleep(min(wait_s, 0.005))
 
     def _merged(self, events: list[Event]) -> Iterator[Seen]:
+        self.holding = False
         for event in events:
             while self.pending and _int(self.pending[0].data.get("at")) < event.seq:
                 yield from self._entry(self.pending.pop(0))
+            if event.type == "model.responded" and self._holds(event):
+                return  # its last pieces first: this event and those after it, next read
             yield from self._event(event)
         while self.pending and _int(self.pending[0].data.get("at")) <= self.seq:
             yield from self._entry(self.pending.pop(0))
+
+    def _holds(self, answer: Event) -> bool:
+        """Whether to hold ``answer`` back a moment (``HOLD_S`` at most) for the pieces of
+        it still on their way: the writer is behind the checkpoint under load, and a piece
+        read after its answer is dropped, so without the wait the answer's end would show
+        all at once."""
+        if not self.attempts.behind(answer):
+            self.held_since = None
+            return False
+        now = time.monotonic()
+        if self.held_since is None:
+            self.held_since = now
+        if now - self.held_since >= HOLD_S:
+            self.held_since = None
+            return False
+        self.holding = True
+        return True
 
     def _event(self, event: Event) -> Iterator[Seen]:
         told = self.attempts.on_event(event)
