@@ -357,7 +357,7 @@ class Ratchet:
         deadline exhausted, a worker holds it) or BindingChanged, each naming
         the next step. The worker classifies again before it acts.
         """
-        from tasks.recovery import examine
+        from tasks.resumption import examine
 
         # A run its dead holder left mid-turn is this resume's to recover: holding it
         # here sends no sweeper resume of it besides the operator's.
