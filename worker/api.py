@@ -495,7 +495,7 @@ class Ratchet:
 
     def tool_policies(self, run_id: str) -> builtins.list[dict[str, Any]]:
         """How each MCP tool of the run's binding is treated, and where that came from: the
-        server's annotation, the agent file, or the default (runtime/mcp/tools.py ``policy``)."""
+        server's annotation, the agent file, or the default (runtime_io/mcp/tools.py ``policy``)."""
         first = self.ctx.runs.events(run_id, after_seq=0, limit=1)
         document = first[0].data.get("binding_document") if first else None
         if not isinstance(document, dict):
