@@ -11,6 +11,7 @@ COPY pyproject.toml README.md* ./
 COPY worker ./worker
 COPY tasks ./tasks
 COPY runtime ./runtime
+COPY runtime_io ./runtime_io
 COPY store ./store
 COPY examples ./examples
 # The base install brings both brokers' transports (kombu[redis]; amqp comes with kombu);

@@ -645,17 +645,17 @@ MUTANTS: tuple[Mutant, ...] = (
         TURN,
         k="never_started",
     ),
-    # --- tasks/recovery.py: resume, dead letters, the sweep, reconcile ---------------
+    # --- tasks/recovery.py, tasks/resumption.py: resume, dead letters, the sweep, reconcile
     Mutant(
         "V1",
-        "tasks/recovery.py",
+        "tasks/resumption.py",
         "    if record is None or not live:\n",
         "    if record is None:\n",
         RECOVERY,
     ),
     Mutant(
         "V2",
-        "tasks/recovery.py",
+        "tasks/resumption.py",
         "        if seen_seq is not None and seq != seen_seq and not took_over:\n",
         "        if False:\n",
         RECOVERY,
@@ -707,14 +707,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "V10",
-        "tasks/recovery.py",
+        "tasks/resumption.py",
         "    except (LeaseLost, StaleWrite) as exc:\n        log.warning",
         "    except LeaseLost as exc:\n        log.warning",
         RECOVERY,
     ),
     Mutant(
         "V11",
-        "tasks/recovery.py",
+        "tasks/resumption.py",
         "    except (LeaseLost, StaleWrite) as exc:\n        log.warning",
         "    except StaleWrite as exc:\n        log.warning",
         RECOVERY,

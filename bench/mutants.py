@@ -44,7 +44,7 @@ __all__ = ["MUTANTS", "Mutant", "changed_files", "check", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COPIED = ("runtime", "store", "tasks", "worker", "examples", "tests", "bench")
+COPIED = ("runtime", "runtime_io", "store", "tasks", "worker", "examples", "tests", "bench")
 """What a mutant's tree holds (with pyproject.toml): the code, its tests, its examples."""
 MUTATED = ("runtime/", "store/", "tasks/")
 """Where the mutated modules live: a changed module here with no mutant is named."""

@@ -79,7 +79,7 @@ from runtime.fsm import (
 )
 from runtime.models import Event, RunState, RunStatus, ToolCall
 from runtime.probes import Answer, Probed, Rule
-from runtime.providers import ModelRequest, ModelResponse, Observer
+from runtime.provider import ModelRequest, ModelResponse, Observer
 from runtime.tools import CONTROL_TOOLS, ToolOutcome, ToolSpec
 
 ROOT = Path(__file__).resolve().parents[1]

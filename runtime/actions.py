@@ -31,7 +31,7 @@ from runtime.agent import Agent, describe_binding_change
 from runtime.errors import BindingChanged
 from runtime.models import Message, RunState, RunStatus, ToolCall
 from runtime.probes import Answer, Probed, Rule, park_cause
-from runtime.providers import ModelRequest
+from runtime.provider import ModelRequest
 from runtime.tools import ToolOutcome, error_text
 
 Items = tuple[tuple[str, dict[str, Any]], ...]

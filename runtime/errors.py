@@ -134,7 +134,7 @@ class ToolError(RatchetError):
 
 class CallNotSent(RatchetError):
     """A tool call never left this process: the server that runs the tool could not be
-    reached (an MCP server down, runtime/mcp). Nothing ran, so the run stalls and a resume
+    reached (an MCP server down, runtime_io/mcp). Nothing ran, so the run stalls and a resume
     sends the call afresh; the message names the server."""
 
 

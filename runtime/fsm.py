@@ -56,7 +56,7 @@ from runtime.models import (
     Usage,
 )
 from runtime.probes import Answer, Rule, unknown_outcome_rule
-from runtime.providers import ModelResponse
+from runtime.provider import ModelResponse
 from runtime.timers import WAIT, wait_problem, woken_content
 from runtime.timers import prompt as timer_prompt
 from runtime.tools import BLOCKED, REQUEST_USER_INPUT, ToolOutcome

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from runtime.agent import child_agent_path
 from runtime.children import (
     awaiting_delivery,
     child_tree,
@@ -24,6 +23,7 @@ from runtime.children import (
 from runtime.errors import RunBusy, RunNotFound, RunRefused, StaleWrite
 from runtime.fsm import apply, created_event
 from runtime.models import Event, RunState, ToolCall, validate_run_id
+from runtime_io.agent_files import child_agent_path
 from store.runs import RunRecord
 from tasks import failpoints
 from tasks.context import Context, get_context

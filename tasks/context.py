@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 from runtime.actions import RequestOrder
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent
 from runtime.errors import AgentFileError
 from runtime.models import Message, RunState
+from runtime_io.agent_files import load_agent
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
 from tasks import agent_cache, liveness

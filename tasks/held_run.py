@@ -42,7 +42,7 @@ from runtime.errors import (
 from runtime.fsm import decide, requested_event, requested_with_response, response_events
 from runtime.models import Message, RunState
 from runtime.probes import Probed
-from runtime.providers import ModelRequest, ModelResponse, Observer, checked_response
+from runtime.provider import ModelRequest, ModelResponse, Observer, checked_response
 from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
 from store.runs import RunRecord
 from store.snapshots import Prefetched

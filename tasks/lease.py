@@ -17,10 +17,10 @@ its child, a reconciliation, and the API's reads that may set a snapshot aside:
 
 A lease taken from a dead holder whose run was mid-turn (live) needs recovering
 before anything else is done to it. A caller that recovers it itself (a turn, a
-resume: ``recovers=True``) gets it; for any other the lease is let go at once, a
-resume is enqueued (:func:`resume_dead_turns_with`: the urgent resume of
-tasks.recovery, handed in because tasks.recovery imports this module) and
-:class:`~runtime.errors.HolderDied` says so — a control message then retries.
+resume: ``recovers=True``, both through :func:`tasks.resumption.recover`) gets it; for
+any other the lease is let go at once, the sweeper's urgent resume is enqueued
+(:func:`tasks.messages.urgent_sweeper_resume`) and :class:`~runtime.errors.HolderDied`
+says so — a control message then retries.
 
 On leaving the block the lease is released, unless the caller let it go with
 its last write (``held.released = True``).
@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from runtime.actions import Advanced
 from runtime.errors import HolderDied, LeaseHeld, RunBusy
 from store.runs import Claim, RunRecord
 from store.snapshots import Prefetched
 from tasks import liveness
 from tasks.context import Context
+from tasks.messages import urgent_sweeper_resume
 from tasks.persistence import new_owner
 
 log = logging.getLogger("ratchet.lease")
@@ -79,18 +79,6 @@ class Held:
     snapshot: Prefetched | None = None
     """The run's snapshot as read with the lease (``reads_snapshot``), for
     :func:`tasks.persistence.load`; None: not read with it."""
-
-
-ResumeSoon = Callable[[str, int], None]
-"""Enqueues a resume of a run (at its seq) whose dead holder left it mid-turn."""
-
-_resume_soon: ResumeSoon | None = None
-
-
-def resume_dead_turns_with(resume_soon: ResumeSoon) -> None:
-    """Set how a run taken from a dead holder mid-turn is recovered (tasks.recovery)."""
-    global _resume_soon
-    _resume_soon = resume_soon
 
 
 @contextmanager
@@ -135,10 +123,8 @@ def _enqueue_resume(run_id: str, seq: int, dead: str) -> None:
     log.warning(
         "run %s: took the lease from %s, which died mid-turn; enqueueing its resume", run_id, dead
     )
-    if _resume_soon is None:
-        return
     try:
-        _resume_soon(run_id, seq)
+        urgent_sweeper_resume(run_id, seq)
     except Exception as exc:  # a broker away: the sweeper finds the run once it is overdue
         log.warning("run %s: resume not enqueued (%s); the sweeper will resume it", run_id, exc)
 
@@ -192,27 +178,3 @@ def _busy(ctx: Context, run_id: str, claim: Claim, waited_s: float) -> LeaseHeld
         None if alive_until is None else alive_until > now_ms,
         None if lease is None else (lease.expires_at_ms - now_ms) / 1000,
     )
-
-
-Takeover = Callable[[Context, str, str], Advanced]
-"""Recovers a run whose lease a turn took from a dead holder: ``(ctx, run_id, owner)``."""
-
-_takeover: Takeover | None = None
-
-
-def recover_takeovers_with(recover: Takeover) -> None:
-    """Set how a turn recovers a run it took from a dead holder (tasks.recovery's resume).
-
-    Handed in rather than imported: tasks.recovery imports the turn, and importing
-    ``tasks`` imports tasks.recovery, so it is set before any turn runs.
-    """
-    global _takeover
-    _takeover = recover
-
-
-def recover_takeover(ctx: Context, run_id: str, owner: str) -> Advanced:
-    """Recover ``run_id``, whose lease a turn took (as ``owner``) from a dead holder."""
-    if _takeover is None:
-        ctx.runs.release_lease(run_id, owner)
-        raise RuntimeError("tasks.recovery is not imported: a taken-over run cannot recover")
-    return _takeover(ctx, run_id, owner)

@@ -51,7 +51,7 @@ from runtime.limits import (
 )
 from runtime.models import RunState
 from runtime.numbers import is_finite
-from runtime.providers import ModelRequest, ModelResponse
+from runtime.provider import ModelRequest, ModelResponse
 from store.limits import LimitStore, open_limit_store
 from tasks import metrics
 from tasks.context import Context

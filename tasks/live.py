@@ -57,7 +57,7 @@ def watched(writer: LiveWriter, run_id: str) -> bool:
 
 def live_piece(piece: dict[str, Any]) -> dict[str, Any]:
     """A provider's piece as an observer may print it: text without lone surrogates (the
-    journaled answer has them replaced the same way, runtime/providers ``checked_response``)."""
+    journaled answer has them replaced the same way, runtime/provider.py ``checked_response``)."""
     return {k: without_surrogates(v) if isinstance(v, str) else v for k, v in piece.items()}
 
 

@@ -53,7 +53,7 @@ def connections_per_process() -> int | None:
 def configure(slots: int) -> None:
     """Size this process's pools for ``slots`` turns at once (a worker does it at start)."""
     global _slots
-    from runtime.providers import http
+    from runtime_io.providers import http
 
     _slots = slots
     http.size_http_pool(slots + HEADROOM)

@@ -8,8 +8,9 @@
   lease and the seq make a duplicate a no-op.
 - **Resume** (turns queue): take the lease, rebuild the run, classify it
   (:mod:`runtime.recovery`), refuse all but ``resume-eligible`` with the reason,
-  record ``run.resumed`` {by, attempt} and take a turn from the state after the
-  last checkpoint. A sweeper resume of a run that recovered
+  record ``run.resumed`` {by, attempt} (all of it :mod:`tasks.resumption`, the path a
+  turn that took a dead holder's lease takes too) and take a turn from the state after
+  the last checkpoint. A sweeper resume of a run that recovered
   ``max_recovery_attempts`` times in a row without progress, or that can never
   resume, records ``run.dead_lettered`` instead, so it does not loop.
 - **Reconcile**: an operator decides the outcome of the call a parked run has
@@ -24,39 +25,21 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.actions import Advanced, TurnOutcome
-from runtime.agent import describe_binding_change
-from runtime.errors import (
-    InvalidOption,
-    LeaseLost,
-    RatchetError,
-    RunRefused,
-    RunStateLost,
-    StaleWrite,
-    ToolModuleChanged,
-)
-from runtime.models import Event, RunState, RunStatus, validate_run_id
-from runtime.recovery import (
-    OPERATOR,
-    SWEEPER,
-    DeadLetter,
-    Verdict,
-    classify,
-    consecutive_recoveries,
-    dead_letter,
-)
+from runtime.errors import InvalidOption, RunRefused, StaleWrite
+from runtime.models import RunState, RunStatus, validate_run_id
+from runtime.recovery import OPERATOR
 from runtime.timers import WAIT, wake_at_ms
 from store.runs import RunRecord, wall_ms
-from tasks import lease, metrics
+from tasks import lease, metrics, resumption
 from tasks.context import Context, get_context
 from tasks.control import expire_if_due, expires_now
-from tasks.lease import recover_takeovers_with
 from tasks.messages import (
     chain_turn,
     sweeper_resume,
     tell_parent_soon,
     urgent_sweeper_resume,
 )
-from tasks.persistence import append_ending, append_events, load
+from tasks.persistence import append_events, load
 from tasks.task_base import control_task, ratchet_task
 from tasks.timers import wake_at
 from tasks.turn import advance, enqueue_next
@@ -64,54 +47,6 @@ from tasks.turn import advance, enqueue_next
 log = logging.getLogger("ratchet.recovery")
 
 DECISIONS = ("result", "retry", "fail")
-
-
-# --- classification ---------------------------------------------------------
-
-
-def examine(
-    ctx: Context, run_id: str, set_aside: bool = True
-) -> tuple[RunState | None, list[Event], Verdict]:
-    """Load the run (:func:`tasks.persistence.load`) and classify it for resume.
-
-    ``set_aside``: move an unusable snapshot aside (callers that hold the lease).
-    RunNotFound if there is no such run; a run whose events cannot give a state
-    is classified with ``state`` None (restart-required).
-    """
-    run_id = validate_run_id(run_id)
-    state: RunState | None
-    try:
-        loaded = load(ctx, run_id, whole_log=True, set_aside=set_aside)
-        state, events = loaded.state, loaded.log()
-    except RunStateLost as exc:
-        log.warning("%s", exc)
-        state, events = None, ctx.runs.events(run_id)
-    binding, change, problem = None, "binding", None
-    if state is not None:
-        try:
-            agent = ctx.agent(state.agent_file)
-            binding = agent.binding
-            created = events[0].data.get("binding_document") if events else None
-            if created:
-                change = describe_binding_change(created, agent.binding_document)
-        except ToolModuleChanged as exc:
-            problem = exc.for_run(run_id)  # the file is fine; this worker's module is not
-            log.warning("run %s: %s", run_id, problem)
-        except (RatchetError, OSError) as exc:
-            log.warning("run %s: agent file cannot be loaded: %s", run_id, exc)
-            problem = (
-                f"its agent file {state.agent_file} cannot be loaded ({exc}); restore it and "
-                "resume, or start the run again"
-            )
-    verdict = classify(
-        run_id,
-        state,
-        agent_binding=binding,
-        binding_change=change,
-        now_ms=ctx.runs.clock(),
-        agent_problem=problem,
-    )
-    return state, events, verdict
 
 
 # --- resume -----------------------------------------------------------------
@@ -137,108 +72,16 @@ def resume(
     The lease is taken also from a holder whose process is dead (:mod:`tasks.lease`);
     ``owner``: a turn that already took it so passes its owner id.
     """
-    # Patience 0: a holder that is alive is advancing the run, which is then not orphaned.
-    with lease.holding(ctx, run_id, owner, must=False, recovers=True) as held:
-        if not held.taken:
-            reason = held.busy.reason if held.busy is not None else "lease held"
-            log.info("run %s: %s, so it is not orphaned; no resume", run_id, reason)
-            return Advanced(TurnOutcome.LEASED, -1, 0)
-        took_over = owner is not None or held.took_from is not None
-        resumed = _resume_holding(ctx, run_id, by, seen_seq, held.owner, took_over)
-        if isinstance(resumed, Advanced):
-            return resumed
-        held.released = True  # the turn below holds it on and lets it go
+    resumed = resumption.recover(ctx, run_id, by, seen_seq, owner)
+    if isinstance(resumed, Advanced):
+        return resumed
     # Still holding the lease, take the turn from the state after the last checkpoint.
-    return advance(ctx, run_id, resumed, owner=held.owner)
-
-
-def _resume_holding(
-    ctx: Context, run_id: str, by: str, seen_seq: int | None, owner: str, took_over: bool
-) -> Advanced | int:
-    """:func:`resume`'s decision under the lease: the seq of the recorded ``run.resumed``
-    to take the turn from, or what it did instead (refused, stale, dead-lettered, fenced)."""
-    try:
-        state, events, verdict = examine(ctx, run_id)
-        seq = state.seq if state is not None else _last_seq(ctx, run_id)
-        # A run that moved since the sweep saw it is in a live worker's hands, unless its
-        # lease was just taken from a dead process: then nobody moves it but this resume
-        # (the moves were the dead worker's last writes), and refusing would leave it
-        # with no lease and no turn queued until it is overdue, a whole lease later.
-        if seen_seq is not None and seq != seen_seq and not took_over:
-            log.info(
-                "run %s moved from seq %s to %s since the sweep; no resume", run_id, seen_seq, seq
-            )
-            return Advanced(TurnOutcome.STALE, seq, 0)
-        turns = state.usage.model_turns if state is not None else 0
-        ending = dead_letter(
-            run_id, by, verdict, consecutive_recoveries(events), ctx.settings.max_recovery_attempts
-        )
-        if ending is not None:
-            return _dead_letter(ctx, run_id, state, ending, verdict.reason, owner)
-        if not verdict.eligible:
-            log.warning("%s", verdict.reason)
-            if state is not None and not state.status.is_terminal:
-                # Recorded, so the operator who asked (`ratchet runs resume`) is told.
-                data = {"by": by, "status": state.status.value, "reason": verdict.reason}
-                seq = append_events(ctx, state, [("run.resume_refused", data)], owner).seq
-            return Advanced(TurnOutcome.REFUSED, seq, turns)
-        assert state is not None
-        attempt = state.recovery_attempts + 1
-        resumed = append_events(
-            ctx, state, [("run.resumed", {"by": by, "attempt": attempt})], owner
-        )
-        log.info("run %s: resumed by %s at seq %s (attempt %s)", run_id, by, state.seq, attempt)
-        return resumed.seq
-    except (LeaseLost, StaleWrite) as exc:
-        log.warning("%s", exc)
-        return Advanced(TurnOutcome.FENCED, -1, 0)
-
-
-def _resume_taken_over(ctx: Context, run_id: str, owner: str) -> Advanced:
-    """A turn took the lease from a dead holder: recover the run as the sweeper would."""
-    return resume(ctx, run_id, SWEEPER, owner=owner)
-
-
-recover_takeovers_with(_resume_taken_over)
-
-
-def _last_seq(ctx: Context, run_id: str) -> int:
-    """The seq the run's record shows (what the sweeper saw), for a run with no state."""
-    record = ctx.runs.get(run_id)
-    return record.last_seq if record is not None else -1
-
-
-def _dead_letter(
-    ctx: Context,
-    run_id: str,
-    state: RunState | None,
-    ending: DeadLetter,
-    verdict_reason: str,
-    owner: str,
-) -> Advanced:
-    """Carry out ``ending`` on a run still live; a run that is not is only refused."""
-    data = ending.data
-    record = ctx.runs.get(run_id)
-    live = state.status.is_live if state is not None else bool(record and record.status.is_live)
-    if record is None or not live:
-        log.warning("run %s: not resumed: %s", run_id, verdict_reason)
-        return Advanced(TurnOutcome.REFUSED, state.seq if state else -1, 0)
-    if state is None:
-        # Nothing to fold onto, but left live the run would be found every sweep.
-        ended = append_ending(ctx, record, "run.dead_lettered", data, owner)
-        log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-        return Advanced(TurnOutcome.DEAD_LETTERED, ended.last_seq, ended.usage.model_turns)
-    state = append_events(ctx, state, [("run.dead_lettered", data)], owner)
-    log.error("run %s: dead-lettered: %s", run_id, data["reason"])
-    return Advanced(TurnOutcome.DEAD_LETTERED, state.seq, state.usage.model_turns)
+    return advance(ctx, run_id, resumed.seq, owner=resumed.owner)
 
 
 # --- sweep ------------------------------------------------------------------
 
 Enqueue = Callable[[str, int], None]
-
-
-lease.resume_dead_turns_with(urgent_sweeper_resume)
 
 
 def wake_when_due(run_id: str, record: RunRecord) -> None:

@@ -57,7 +57,8 @@ from runtime.fsm import (
 )
 from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
-from runtime.tools import ToolOutcome, ToolSpec, ask_probe, fitted, invoke
+from runtime.tools import ToolOutcome, ToolSpec, fitted
+from runtime_io.tools import ask_probe, invoke
 from tasks import failpoints
 from tasks.calls import CallTimedOut, Started, bounded, start
 

@@ -43,8 +43,9 @@ from runtime.actions import (
 from runtime.errors import ClockSkewed, LeaseLost, StaleWrite
 from runtime.fsm import decide, suspension_event, tool_events
 from runtime.models import RunStatus, validate_run_id
+from runtime.recovery import SWEEPER
 from runtime.tools import ToolOutcome
-from tasks import failpoints, lease, limits, metrics
+from tasks import failpoints, lease, limits, metrics, resumption
 from tasks.children import start_child
 from tasks.context import Context, get_context
 from tasks.held_run import AgentNotLoaded, HeldRun, stopping
@@ -130,7 +131,10 @@ def advance(
             # The holder's process died mid-turn: recover the run here and now, as the
             # sweeper would (counted towards dead-lettering), instead of waiting for it.
             claim.released = True  # the recovery lets the lease go itself
-            return lease.recover_takeover(ctx, run_id, claim.owner)
+            resumed = resumption.recover(ctx, run_id, SWEEPER, owner=claim.owner)
+            if isinstance(resumed, Advanced):
+                return resumed
+            return advance(ctx, run_id, resumed.seq, owner=resumed.owner)
         if not claim.taken:
             reason = claim.busy.reason if claim.busy is not None else "lease held"
             log.info("run %s: %s; this delivery is a duplicate", run_id, reason)

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 import tasks.context
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent
+from runtime_io.agent_files import load_agent
 from tests.helpers import call, memory_context, turn, write_agent
 
 SCRIPT = [turn("look", call("lookup_order", order_id="A1")), turn("Done.")]

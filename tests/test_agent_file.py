@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.agent import load_agent
 from runtime.errors import AgentFileError
+from runtime_io.agent_files import load_agent
 from tests.helpers import turn, write_agent
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "refund-desk.toml"

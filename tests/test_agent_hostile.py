@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.agent import load_agent
 from runtime.continuation import parse_message
 from runtime.errors import AgentFileError, MalformedContinuation
+from runtime_io.agent_files import load_agent
 from tests.helpers import turn, write_agent
 
 pytestmark = pytest.mark.timeout(120)

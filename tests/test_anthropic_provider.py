@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from runtime.agent import load_agent
 from runtime.errors import AgentFileError, ProviderError, ProviderRateLimited
 from runtime.models import Message, RunStatus, ToolCall
-from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest
-from runtime.providers.anthropic import API_VERSION, AnthropicProvider
-from runtime.providers.known import make_provider
+from runtime.provider import INVALID_ARGUMENTS_KEY, ModelRequest
+from runtime_io.agent_files import load_agent
+from runtime_io.providers.anthropic import API_VERSION, AnthropicProvider
+from runtime_io.providers.known import make_provider
 from tasks.limits import limit_store
 from tasks.settings import Settings
 from tasks.start import create_run

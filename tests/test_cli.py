@@ -351,7 +351,7 @@ def test_small_things_are_said_plainly(ctx: Context, tmp_path: Path) -> None:
     refused = cli("runs", "start", str(keyed), "--input", "hi")
     assert refused.exit_code == Exit.USAGE and "RATCHET_OPENAI_API_KEY" in refused.output
     assert "sk-x" not in refused.output
-    for package in ("runtime", "store", "tasks", "worker"):
+    for package in ("runtime", "runtime_io", "store", "tasks", "worker"):
         assert (ROOT / package / "py.typed").is_file()
 
 

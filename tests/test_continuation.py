@@ -410,7 +410,7 @@ def test_the_sweep_expires_only_runs_that_waited_longer_than_their_own_limit(
 
 
 def test_an_agent_without_max_suspended_s_keeps_the_binding_it_always_had(tmp_path: Path) -> None:
-    from runtime.agent import load_agent
+    from runtime_io.agent_files import load_agent
 
     plain = load_agent(write_agent(tmp_path / "a", ASK))
     limited = load_agent(write_agent(tmp_path / "b", ASK, extra="max_suspended_s = 60"))

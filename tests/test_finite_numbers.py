@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from runtime.agent import load_agent
 from runtime.errors import AgentFileError, ConfigInvalid, InvalidRequest
+from runtime_io.agent_files import load_agent
 from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
 from store.runs.redis import RedisRunStore
 from tasks.context import Context, set_context

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent
 from runtime.errors import EventsDoNotFold
 from runtime.fsm import (
     CallModel,
@@ -29,6 +29,7 @@ from runtime.fsm import (
 )
 from runtime.models import Event, RunState, RunStatus
 from runtime.probes import Rule
+from runtime_io.agent_files import load_agent
 from tests.helpers import write_agent
 
 T0_MS = 1_700_000_000_000

@@ -7,7 +7,7 @@ from collections import Counter
 
 import httpx
 
-from runtime.providers import http
+from runtime_io.providers import http
 
 
 def test_threads_share_the_process_client_spread_evenly_over_its_shards() -> None:

@@ -22,7 +22,8 @@ from runtime.errors import NotStorable, SnapshotMalformed, StoreError
 from runtime.json_values import MAX_DEPTH, MAX_INT_DIGITS, MAX_OUTPUT_BYTES, checked
 from runtime.models import Event, Message, ToolCall
 from runtime.probes import Answer, probed_event
-from runtime.tools import ask_probe, spec_from_function
+from runtime.tools import spec_from_function
+from runtime_io.tools import ask_probe
 from store.runs.redis import _packed, _unpacked
 from store.runs.sqlite import _decoded, _encoded
 from store.snapshots import format as snapshot_format

@@ -151,7 +151,7 @@ def test_a_control_path_that_takes_a_dead_holders_run_mid_turn_hands_it_to_a_res
     run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund my order").run_id
     owner = dead_owner(ctx, run_id)
     resumes: list[tuple[str, int]] = []
-    monkeypatch.setattr(lease, "_resume_soon", lambda r, s: resumes.append((r, s)))
+    monkeypatch.setattr(lease, "urgent_sweeper_resume", lambda r, s: resumes.append((r, s)))
     before = ctx.runs.events(run_id)
 
     # When a control path (here a budget-style write under the lease) wants the lease
@@ -350,7 +350,7 @@ def test_an_operators_resume_of_a_run_whose_holder_died_mid_turn_enqueues_one_re
     run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund my order").run_id
     dead_owner(ctx, run_id)
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(lease, "_resume_soon", lambda r, s: sent.append(("sweeper", r)))
+    monkeypatch.setattr(lease, "urgent_sweeper_resume", lambda r, s: sent.append(("sweeper", r)))
     monkeypatch.setattr(
         worker.api, "enqueue_resume", lambda **fields: sent.append((fields["by"], fields["run_id"]))
     )

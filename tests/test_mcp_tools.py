@@ -27,9 +27,9 @@ import pytest
 from click.testing import CliRunner
 
 from runtime.errors import BindingChanged
-from runtime.mcp import parse_servers
 from runtime.models import RunStatus
 from runtime.probes import idempotency_key
+from runtime_io.mcp import parse_servers
 from tasks.messages import send_through, sending_app
 from tasks.recovery import sweep_orphans
 from tasks.settings import Settings
@@ -141,8 +141,8 @@ def test_a_server_table_is_checked_at_load_in_one_line_naming_the_key() -> None:
 
 
 def test_a_missing_tool_or_server_is_refused_naming_the_reference(tmp_path: Path) -> None:
-    from runtime.agent import load_agent
     from runtime.errors import AgentFileError
+    from runtime_io.agent_files import load_agent
 
     ledger = tmp_path / "ledger"
     agent = write_agent(
@@ -162,8 +162,8 @@ def test_a_listed_tool_is_checked_before_it_reaches_the_binding(tmp_path: Path) 
     from mcp_types import Tool
 
     from runtime.errors import ToolError
-    from runtime.mcp import Server
-    from runtime.mcp.tools import MAX_SCHEMA_BYTES, _declared
+    from runtime_io.mcp import Server
+    from runtime_io.mcp.tools import MAX_SCHEMA_BYTES, _declared
 
     server = Server("billing", parse_servers({"billing": {"command": ["x"]}})["billing"], tmp_path)
     schema, text = _declared(server, Tool(name="ok", description="Fine \ud83d", input_schema={}))
@@ -511,9 +511,9 @@ def test_the_example_mcp_agent_refunds_through_its_server(
 def test_the_example_servers_refund_is_booked_once_per_key_whichever_process_gets_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runtime.mcp import Server
-    from runtime.mcp.tools import specs
     from runtime.probes import ToolContext
+    from runtime_io.mcp import Server
+    from runtime_io.mcp.tools import specs
 
     # Given the example's server started twice (as a worker and its successor after a
     # crash would: two tables are two sessions, each its own process), one refund database

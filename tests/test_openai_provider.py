@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.agent import load_agent
 from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import Message, TokenUsage, ToolCall
-from runtime.providers import INVALID_ARGUMENTS_KEY, ModelRequest
-from runtime.providers.known import make_provider
-from runtime.providers.openai import OpenAIProvider, parse_arguments, retry_after_s
+from runtime.provider import INVALID_ARGUMENTS_KEY, ModelRequest
+from runtime_io.agent_files import load_agent
+from runtime_io.providers.known import make_provider
+from runtime_io.providers.openai import OpenAIProvider, parse_arguments, retry_after_s
 from tests.openai_server import OpenAIServer, load_fixture, serve
 
 pytestmark = pytest.mark.timeout(30)

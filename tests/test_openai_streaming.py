@@ -16,8 +16,8 @@ import pytest
 
 from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import RunStatus
-from runtime.providers import ModelRequest
-from runtime.providers.openai import OpenAIProvider, server_sent_data
+from runtime.provider import ModelRequest
+from runtime_io.providers.openai import OpenAIProvider, server_sent_data
 from tasks.start import create_run
 from tests.helpers import drive, memory_context
 from tests.openai_server import OpenAIServer, serve, text_chunks

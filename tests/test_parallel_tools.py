@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.actions import RequestOrder, extend_request_order, in_request_order
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent
 from runtime.fsm import CallModel, RunTool, Suspend, apply, decide, rebuild, response_events
 from runtime.models import Event, Message, RunState, RunStatus, ToolCall
 from runtime.probes import idempotency_key
+from runtime_io.agent_files import load_agent
 from tasks.start import create_run
 from tests.helpers import call, drive, memory_context, turn, write_agent
 

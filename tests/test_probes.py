@@ -16,7 +16,8 @@ from runtime.actions import TOOL_TIMEOUT_ATTEMPTS
 from runtime.errors import ToolError
 from runtime.models import RunStatus
 from runtime.probes import idempotency_key
-from runtime.tools import invoke, spec_from_function
+from runtime.tools import spec_from_function
+from runtime_io.tools import invoke
 from tasks.control import cancel
 from tasks.start import create_run
 from tasks.turn import advance

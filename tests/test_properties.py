@@ -28,11 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.actions import CallModel, RunTool
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent
 from runtime.errors import SnapshotError
 from runtime.fsm import apply, decide, rebuild
 from runtime.limits import Rate
 from runtime.models import RunState, RunStatus, ToolCall
+from runtime_io.agent_files import load_agent
 from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
 from store.snapshots import format as snapshot_format
 from tests.conftest import examples

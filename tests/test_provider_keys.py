@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime.agent import load_agent
 from runtime.errors import AgentFileError, ProviderError
 from runtime.models import Message
-from runtime.providers import ModelRequest
-from runtime.providers.openai import OpenAIProvider
+from runtime.provider import ModelRequest
+from runtime_io.agent_files import load_agent
+from runtime_io.providers.openai import OpenAIProvider
 from tests.openai_server import OpenAIServer, load_fixture, serve
 
 pytestmark = pytest.mark.timeout(30)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent
 from runtime.children import (
     child_run_id,
     child_tree,
@@ -20,6 +20,7 @@ from runtime.children import (
 )
 from runtime.fsm import RefuseCall, StartChild, apply, created_event, decide
 from runtime.models import Event, RunState, RunStatus
+from runtime_io.agent_files import load_agent
 from store.snapshots.format import decode, encode
 from tests.helpers import write_agent
 

@@ -31,7 +31,8 @@ from store.snapshots import format as snapshot_format
 from store.snapshots.file import FileSnapshotStore
 from tasks.context import Context, set_context
 from tasks.control import apply_continuation
-from tasks.recovery import examine, resume, sweep_orphans
+from tasks.recovery import resume, sweep_orphans
+from tasks.resumption import examine
 from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance

@@ -368,7 +368,7 @@ class Ratchet:
         deadline exhausted, a worker holds it) or BindingChanged, each naming
         the next step. The worker classifies again before it acts.
         """
-        from tasks.recovery import examine
+        from tasks.resumption import examine
 
         # A run its dead holder left mid-turn is this resume's to recover: holding it
         # here sends no sweeper resume of it besides the operator's.
@@ -506,7 +506,7 @@ class Ratchet:
 
     def tool_policies(self, run_id: str) -> builtins.list[dict[str, Any]]:
         """How each MCP tool of the run's binding is treated, and where that came from: the
-        server's annotation, the agent file, or the default (runtime/mcp/tools.py ``policy``)."""
+        server's annotation, the agent file, or the default (runtime_io/mcp/tools.py ``policy``)."""
         first = self.ctx.runs.events(run_id, after_seq=0, limit=1)
         document = first[0].data.get("binding_document") if first else None
         if not isinstance(document, dict):

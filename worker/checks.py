@@ -55,7 +55,7 @@ class LongestTurn:
 
 
 def agent_longest_turn_s(agent_file: str) -> float:
-    from runtime.agent import load_agent
+    from runtime_io.agent_files import load_agent
 
     spec = load_agent(agent_file).spec
     return (

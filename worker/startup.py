@@ -15,7 +15,7 @@ from pathlib import Path
 
 from celery.utils.imports import cwd_in_path
 
-RATCHET_PACKAGES = ("tasks", "store", "runtime", "worker")
+RATCHET_PACKAGES = ("tasks", "store", "runtime", "runtime_io", "worker")
 """Ratchet's top-level packages: a module of the same name earlier on sys.path shadows them."""
 RATCHET_ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,16 @@ from tests.workers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SOURCES = ("pyproject.toml", "README.md", "worker", "tasks", "runtime", "store", "examples")
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "worker",
+    "tasks",
+    "runtime",
+    "runtime_io",
+    "store",
+    "examples",
+)
 
 
 @dataclass(frozen=True)

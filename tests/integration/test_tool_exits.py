@@ -1,5 +1,5 @@
 """A tool that raises SystemExit or KeyboardInterrupt on a prefork worker: the call is a tool
-error the model reads, the tool runs once, the pool process lives (runtime/tools.py)."""
+error the model reads, the tool runs once, the pool process lives (runtime_io/tools.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from worker.api import Ratchet
 from worker.app import make_app
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-PACKAGES = ("runtime", "tasks", "store", "worker")
+PACKAGES = ("runtime", "runtime_io", "tasks", "store", "worker")
 
 
 def documented(section: str) -> set[str]:

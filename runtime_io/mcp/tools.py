@@ -2,7 +2,7 @@
 
 Listing happens when an agent file is loaded (a worker's first turn of the agent,
 ``ratchet runs start``, a resume); calling, on the worker's session of the server
-(runtime/mcp/sessions.py). Before each call the session is pinged: a server that
+(runtime_io/mcp/sessions.py). Before each call the session is pinged: a server that
 died between turns is started (or reached) again first, and the call goes to the
 new session — it had not been sent. A call whose session fails *after* it was sent
 has an unknown outcome: the call waits out the agent's ``tool_timeout_s`` and is then
@@ -23,10 +23,10 @@ from pydantic_core import to_jsonable_python
 
 from runtime import json_values
 from runtime.errors import NotStorable, ToolError
-from runtime.mcp import META_KEY, McpToolPolicy, Server, ServerRefused
-from runtime.mcp.sessions import ServerUnavailable, client_for, forget, process_loop
 from runtime.probes import ToolContext
 from runtime.tools import ToolSpec, is_tool_name
+from runtime_io.mcp import META_KEY, McpToolPolicy, Server, ServerRefused
+from runtime_io.mcp.sessions import ServerUnavailable, client_for, forget, process_loop
 
 _ANNOTATION_NAMES = {
     "read_only_hint": "readOnlyHint",
@@ -44,7 +44,7 @@ def _connect(server: Server) -> Any:
     from mcp import Client
 
     if server.table.command is not None:
-        from runtime.mcp.pipes import pipe_client
+        from runtime_io.mcp.pipes import pipe_client
 
         command = list(server.table.command)
         return Client(pipe_client(command, server.environment(), server.folder), mode="legacy")

@@ -2,7 +2,7 @@
 
 The SDK's ``stdio_client`` spawns through asyncio's subprocess support, which under
 gevent's patching needs a child watcher that only the main thread's hub has; our loop
-runs on a thread of its own (runtime/mcp/sessions.py). This transport spawns the
+runs on a thread of its own (runtime_io/mcp/sessions.py). This transport spawns the
 server itself, unpatched, and reads and writes its pipes on the loop: one JSON-RPC
 message per line, as the stdio transport of the protocol says. The server gets only
 the environment it is given (no inherited variables beyond it) and its stderr goes to

@@ -42,7 +42,7 @@ Guarantees:
 - **Malformed tool arguments**: a tool call whose ``arguments`` is not JSON,
   or is JSON but not an object, does not fail the call. Its
   :class:`~runtime.models.ToolCall` carries exactly one argument,
-  :data:`runtime.providers.INVALID_ARGUMENTS_KEY` (``"__invalid_json__"``), holding the raw
+  :data:`runtime.provider.INVALID_ARGUMENTS_KEY` (``"__invalid_json__"``), holding the raw
   string; the runtime answers such a call with a ``tool.failed`` result
   ("arguments were not valid JSON: …") without running the tool, so the model
   can correct itself. Sent back in a later request, the call's arguments are
@@ -70,7 +70,7 @@ Guarantees:
   echoes the key puts it there. Importing this module raises the ``httpcore``
   logger to WARNING unless the operator set its level, and every
   ``httpx``/``httpcore`` record has the key of a call in flight redacted,
-  whatever its level (:mod:`runtime.providers.redaction`).
+  whatever its level (:mod:`runtime_io.providers.redaction`).
 - **The API key** is read from the environment at each call and never kept
   on the provider. It is not in ``identity()``, the repr, logs, observer
   payloads or exceptions; text quoted from a server's response is redacted
@@ -100,15 +100,15 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from runtime.errors import ProviderError, ProviderRateLimited, plain_problem
 from runtime.models import Message, TokenUsage
 from runtime.numbers import Finite
-from runtime.providers import (
+from runtime.provider import (
     INVALID_ARGUMENTS_KEY,
     Deltas,
     ModelRequest,
     ModelResponse,
     Observer,
 )
-from runtime.providers.http import build_shared_client, pool_size, shared_client
-from runtime.providers.redaction import guard_http_logs, redacted_in_logs
+from runtime_io.providers.http import build_shared_client, pool_size, shared_client
+from runtime_io.providers.redaction import guard_http_logs, redacted_in_logs
 
 log = logging.getLogger("ratchet.providers.openai")
 guard_http_logs()
@@ -229,7 +229,7 @@ class OpenAIProvider:
     """Chat completions over HTTP. Holds no secret; safe to share between threads.
 
     The HTTP call, the key rules, the retry policy and the error texts are shared with
-    other wire formats (:class:`runtime.providers.anthropic.AnthropicProvider`): a
+    other wire formats (:class:`runtime_io.providers.anthropic.AnthropicProvider`): a
     subclass names its variables and endpoint below and overrides ``payload``,
     ``auth_headers`` and ``parse``.
     """

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from runtime.errors import ProviderError
 from runtime.models import TokenUsage
 from runtime.numbers import Finite
-from runtime.providers import Deltas, ModelRequest, ModelResponse, Observer
+from runtime.provider import Deltas, ModelRequest, ModelResponse, Observer
 
 
 class _ScriptCall(BaseModel):

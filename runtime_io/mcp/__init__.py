@@ -129,7 +129,7 @@ def _check_variable(name: str, key: str) -> None:
 def _check_url(url: str) -> None:
     import httpx
 
-    from runtime.providers.openai import is_loopback  # one definition of loopback
+    from runtime_io.providers.openai import is_loopback  # one definition of loopback
 
     try:
         parsed = httpx.URL(url)

@@ -14,7 +14,7 @@
     stream = true                      # ask for server-sent events (default false)
 
 It shares the OpenAI provider's HTTP call, key rules and retry policy
-(:mod:`runtime.providers.openai`, whose docstring states them): one request is one
+(:mod:`runtime_io.providers.openai`, whose docstring states them): one request is one
 attempt, tenacity owns the retries, and the observer hears of each. The
 differences are the wire format and these:
 
@@ -60,8 +60,8 @@ from typing import Any, ClassVar
 
 from runtime.errors import ProviderError
 from runtime.models import Message, TokenUsage
-from runtime.providers import INVALID_ARGUMENTS_KEY, Deltas, ModelRequest, ModelResponse
-from runtime.providers.openai import OpenAIProvider, ProviderTable, StreamAssembly
+from runtime.provider import INVALID_ARGUMENTS_KEY, Deltas, ModelRequest, ModelResponse
+from runtime_io.providers.openai import OpenAIProvider, ProviderTable, StreamAssembly
 
 DEFAULT_BASE_URL = "https://api.anthropic.com/v1"
 BASE_URL_ENV = "RATCHET_ANTHROPIC_BASE_URL"

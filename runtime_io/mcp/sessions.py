@@ -16,7 +16,7 @@ a turn is a coroutine handed to that loop; the caller waits for it:
 
 A stdio server is spawned with the original ``os.posix_spawn`` on every pool
 (gevent's ``Popen`` would need a child watcher on the loop thread, which only the main
-thread's hub has), and spoken to through :mod:`runtime.mcp.pipes`. A forked pool
+thread's hub has), and spoken to through :mod:`runtime_io.mcp.pipes`. A forked pool
 child makes its own loop and sessions (the pid is checked), never sharing its
 parent's pipes or sockets.
 """
@@ -75,7 +75,7 @@ def _import_before_the_loop() -> None:
         "httpx2",
         "mcp.client.client",
         "mcp.client.streamable_http",
-        "runtime.mcp.pipes",
+        "runtime_io.mcp.pipes",
         "trio",
     ):
         try:

@@ -1,4 +1,4 @@
-"""Model providers: one small protocol, several implementations.
+"""The model provider's contract: one small protocol, its implementations in runtime_io/providers/.
 
 A provider turns a :class:`ModelRequest` into a :class:`ModelResponse`. It
 raises :class:`~runtime.errors.ProviderError` (``retryable`` set when another
@@ -6,7 +6,7 @@ attempt may succeed) and nothing else. ``identity()`` is what of the provider
 decides the run's behaviour; it goes into the binding (never a secret).
 
 ``model = "scripted"`` plays a JSON script; ``model = "openai:<name>"`` and
-others plug in through :func:`runtime.providers.known.make_provider`.
+others plug in through :func:`runtime_io.providers.known.make_provider`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from runtime.models import UNUSABLE_ARGUMENTS_KEY, Message, Strict, TokenUsage, 
 
 Observer = Callable[[str, dict[str, Any]], None]
 Deltas = Callable[[dict[str, Any]], None]
-"""Told each piece of a streamed answer as it comes (``runtime/providers/openai.py``)."""
+"""Told each piece of a streamed answer as it comes (``runtime_io/providers/openai.py``)."""
 
 
 class ModelRequest(Strict):
