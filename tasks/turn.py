@@ -16,10 +16,9 @@
 6. **Enqueue the next turn** (:func:`enqueue_next`, tasks/messages.py), carrying the seq it
    must find; on one Redis for broker and stores, the last checkpoint pushed it already.
 
-To follow one message to the next and the saved snapshot, read (docs/architecture.md):
-this file, tasks/lease.py, tasks/held_run.py, tasks/tools_parallel.py,
-tasks/persistence.py, tasks/messages.py, runtime/fsm.py, runtime/actions.py,
-store/runs/__init__.py.
+To follow one message to the next and the saved snapshot, read the files
+docs/architecture.md lists, in its order (tests/integration/test_turn_trace.py checks that
+list against the files a real turn runs).
 """
 
 from __future__ import annotations
