@@ -76,8 +76,10 @@ def test_the_bytes_a_save_writes_do_not_grow_with_the_transcript(
         written.append(store.bytes_written - before)
 
     # Then the last saves cost what the first ones did, while the document grew 30-fold
+    # (S3 trades a little: a save folds the newest objects together so that a load reads
+    # at most three, docs/stores.md; its bytes grow with the cube root of the transcript)
     first, last = sum(written[:10]) / 10, sum(written[-10:]) / 10
-    assert last <= first * 1.1, (first, last)
+    assert last <= first * (1.5 if isinstance(store, S3SnapshotStore) else 1.1), (first, last)
     assert len(snapshot_format.encode(state)) > 30 * last
     # and the document reads back whole and byte-identical
     assert store.load_document("run-1") == snapshot_format.encode(state)
@@ -238,7 +240,9 @@ def test_a_worker_that_remembers_an_older_seq_appends_after_the_stored_tip_not_i
     newest = grown(taken_on, 3)
     store.save(newest, expected_seq=taken_on.seq)
 
-    # Then it wrote only the newest turn: its remembered tip was not trusted
-    assert store.bytes_written - before < 1.5 * one_turn
+    # Then it wrote only the newest turn (on S3, folded with the stored tip's newest
+    # object, never the whole transcript): its remembered tip was not trusted
+    bound = 2.0 if isinstance(store, S3SnapshotStore) else 1.5
+    assert store.bytes_written - before < bound * one_turn
     assert other.load_document("run-1") == snapshot_format.encode(newest)
     other.close()
