@@ -107,7 +107,7 @@ def cut_and_retried() -> Run:
     )
     run.log("tool.completed", RunStatus.TOOLS, call_id="c1", result={})
     again = run.log("model.requested", turn=2)
-    run.piece(again, "Done")
+    run.piece(again, "Done.")
     run.finish("Done.")
     return run
 
