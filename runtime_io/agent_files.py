@@ -187,6 +187,14 @@ def _load(path: Path) -> Agent:
             raise AgentFileError(
                 str(path), "policy.require_approval", f"`{name}` is not one of the agent's tools"
             )
+        if name not in approvals and _waived(tools[name]):
+            mcp = tools[name].mcp or {}
+            raise AgentFileError(
+                str(path),
+                "policy.require_approval",
+                f"`{name}` is listed here, but `[mcp.{mcp.get('server')}.tools.{name}] "
+                "approval = false` says it runs without one; keep one of the two",
+            )
     _check_children(path, spec, tools)
     settings = dict(raw)
     if spec.script and spec.model == "scripted":
@@ -202,6 +210,12 @@ def _load(path: Path) -> Agent:
     binding = binding_of(document)
     listed = time.monotonic() if any(t.mcp is not None for t in tools.values()) else None
     return Agent(spec, path, tools, provider, binding, document, listed)
+
+
+def _waived(tool: ToolSpec) -> bool:
+    """Whether the agent file's own MCP table said this tool needs no approval."""
+    sources = (tool.mcp or {}).get("policy_from") or {}
+    return sources.get("approval") == "agent file"
 
 
 def _provider_key(problem: str) -> str:

@@ -158,6 +158,27 @@ def test_a_missing_tool_or_server_is_refused_naming_the_reference(tmp_path: Path
         load_agent(other)
 
 
+def test_a_tool_both_waived_and_required_to_await_approval_is_refused_at_load(
+    tmp_path: Path,
+) -> None:
+    from runtime.errors import AgentFileError
+    from runtime_io.agent_files import load_agent
+
+    # Given a file whose MCP table says a tool runs without approval, and whose [policy]
+    # lists it as awaiting one
+    waived = "[mcp.billing.tools.issue_refund]\napproval = false\n"
+    agent = write_agent(
+        tmp_path,
+        [turn("Done.")],
+        tools=["mcp:billing/issue_refund"],
+        require_approval=["issue_refund"],
+        extra=stdio_table("billing", tmp_path / "ledger") + waived,
+    )
+    # Then it is refused in one line naming both, instead of one silently winning
+    with pytest.raises(AgentFileError, match=r"approval = false` says it runs without one"):
+        load_agent(agent)
+
+
 def test_a_listed_tool_is_checked_before_it_reaches_the_binding(tmp_path: Path) -> None:
     from mcp_types import Tool
 
