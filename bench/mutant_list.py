@@ -879,7 +879,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "G2",
-        "store/lua/limits/admit.lua",
+        "store/limits/lua/admit.lua",
         "    if go > base then base = go end\n",
         "",
         LIMITS,
@@ -887,7 +887,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "G3",
-        "store/limits.py",
+        "store/limits/local.py",
         "            for line in lines:\n                line.pop(run_id, None)\n",
         "",
         LIMITS,
@@ -895,7 +895,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "G4",
-        "store/lua/limits/admit.lua",
+        "store/limits/lua/admit.lua",
         "redis.call('ZREM', KEYS[6], run)\n",
         "",
         LIMITS,
@@ -903,7 +903,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "G5",
-        "store/limits.py",
+        "store/limits/local.py",
         'doc["blocked_until"] = max(doc.get("blocked_until", 0.0), now + for_ms)',
         'doc["blocked_until"] = now + for_ms',
         LIMITS,
@@ -911,7 +911,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "G6",
-        "store/lua/limits/block.lua",
+        "store/limits/lua/block.lua",
         "if until_ms > was then",
         "if true then",
         LIMITS,
@@ -953,7 +953,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # A reservation taken late waits for room behind the calls that went (CI's bunching).
     Mutant(
         "G8",
-        "store/limits.py",
+        "store/limits/local.py",
         "    at = mine[0] if mine[0] - now > RESERVATION_EARLY_MS else room[0]\n",
         "    at = mine[0]\n",
         LIMITS,
@@ -961,7 +961,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "G9",
-        "store/lua/limits/admit.lua",
+        "store/limits/lua/admit.lua",
         "  if at - now <= early then at = room end\n",
         "",
         LIMITS,

@@ -34,7 +34,7 @@ started runs want the capacity, new runs do not start.
 size and the completion's expected ``max_tokens``) and corrected from the
 response's usage (:func:`corrected_tat`), which moves the token TAT back or on.
 
-The Redis store runs the same arithmetic in one Lua script (store/limits.py);
+The Redis store runs the same arithmetic in one Lua script (store/limits/redis.py);
 tests hold the two to the same answers.
 """
 

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from runtime.errors import StoreUrlInvalid
+from store.limits import LimitStore
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
@@ -124,4 +125,34 @@ def open_run_store(
     return store
 
 
-__all__ = ["RunStore", "SnapshotStore", "open_run_store", "open_snapshot_store"]
+def open_limit_store(runs: Any, redis_prefix: str = "ratchet") -> LimitStore:
+    """The limit store beside run store ``runs``: its Redis, a SQLite file beside it, or memory."""
+    import sys
+
+    # Looked up, not imported: a run store of a backend never imported is not of it, and
+    # importing redis-py costs what the embedded default should not pay (and more, with
+    # opentelemetry installed, which redis-py then loads).
+    redis_backend = sys.modules.get("store.runs.redis")
+    sqlite_backend = sys.modules.get("store.runs.sqlite")
+    if redis_backend is not None and isinstance(runs, redis_backend.RedisRunStore):
+        from store.limits.redis import RedisLimitStore
+
+        return RedisLimitStore(runs._client, redis_prefix)
+    if sqlite_backend is not None and isinstance(runs, sqlite_backend.SqliteRunStore):
+        from store.limits.sqlite import SqliteLimitStore
+
+        path = Path(runs.path)
+        return SqliteLimitStore(path.with_name(path.stem + ".limits.sqlite3"))
+    from store.limits.memory import MemoryLimitStore
+
+    return MemoryLimitStore()
+
+
+__all__ = [
+    "LimitStore",
+    "RunStore",
+    "SnapshotStore",
+    "open_limit_store",
+    "open_run_store",
+    "open_snapshot_store",
+]

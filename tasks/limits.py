@@ -1,6 +1,6 @@
 """Before each model call: the fleet's rate limits and concurrency caps. Waiting costs no slot.
 
-:func:`admit` asks the limit store (store/limits.py) whether the run may call its
+:func:`admit` asks the limit store (store/limits/) whether the run may call its
 model now. If not, it says how long to wait and which events to record, and the
 turn ends: ``run.throttled`` is appended, the lease released, and the same turn
 put back on the queue with a countdown (:func:`tasks.turn.enqueue_next`). No model
@@ -52,7 +52,8 @@ from runtime.limits import (
 from runtime.models import RunState
 from runtime.numbers import is_finite
 from runtime.provider import ModelRequest, ModelResponse
-from store.limits import LimitStore, open_limit_store
+from store import open_limit_store
+from store.limits import LimitStore
 from tasks import metrics
 from tasks.context import Context
 from tasks.messages import chain_turn, sending_app

@@ -46,7 +46,7 @@ from store.conformance import (
     SnapshotStoreContract,
     TransitionContract,
 )
-from store.limits import MemoryLimitStore
+from store.limits.memory import MemoryLimitStore
 from store.snapshots.file import FileSnapshotStore
 from tests.third_party_stores import PlainSnapshotStore, {run_store}
 

@@ -18,7 +18,10 @@ from click.testing import CliRunner
 
 from runtime.errors import AgentFileError, ConfigInvalid, InvalidRequest
 from runtime_io.agent_files import load_agent
-from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
+from store.limits import LimitStore
+from store.limits.memory import MemoryLimitStore
+from store.limits.redis import RedisLimitStore
+from store.limits.sqlite import SqliteLimitStore
 from store.runs.redis import RedisRunStore
 from tasks.context import Context, set_context
 from tasks.limits import limit_store

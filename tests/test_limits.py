@@ -19,7 +19,7 @@ from runtime.limits import (
     schedule,
 )
 from runtime.models import Event, Message, RunStatus
-from store.limits import MemoryLimitStore
+from store.limits.memory import MemoryLimitStore
 from tasks.limits import Wait, admit, use_limit_store
 from tasks.start import create_run
 from tasks.turn import advance

@@ -10,14 +10,14 @@ from typing import Any
 
 import redis
 
-import store.limits
+import store.limits.redis
 import store.runs.redis
 import store.snapshots.redis
 from runtime.models import Event, RunStatus
 from store.conformance import FakeClock
 from store.conformance.records import new_run, record
 from store.conformance.snapshots import grown, make_state
-from store.limits import RedisLimitStore
+from store.limits.redis import RedisLimitStore
 from store.packing import pack
 from store.runs import Checkpoint
 from store.runs.redis import RedisRunStore
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BACKENDS: dict[str, ModuleType] = {
     "store/runs/lua": store.runs.redis,
     "store/snapshots/lua": store.snapshots.redis,
-    "store/lua/limits": store.limits,
+    "store/limits/lua": store.limits.redis,
 }
 """Each folder of scripts, and the backend module beside it that runs them."""
 

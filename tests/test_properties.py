@@ -34,7 +34,10 @@ from runtime.fsm import apply, decide, rebuild
 from runtime.limits import Rate
 from runtime.models import RunState, RunStatus, ToolCall
 from runtime_io.agent_files import load_agent
-from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
+from store.limits import LimitStore
+from store.limits.memory import MemoryLimitStore
+from store.limits.redis import RedisLimitStore
+from store.limits.sqlite import SqliteLimitStore
 from store.snapshots import format as snapshot_format
 from tests.conftest import examples
 from tests.helpers import call, turn, write_agent

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from store.limits import SqliteLimitStore
+from store.limits.sqlite import SqliteLimitStore
 from store.snapshots.sqlite import connect
 
 REAL_CONNECT = sqlite3.connect

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from store.conformance import LimitStoreContract
-from store.limits import LimitStore, MemoryLimitStore, RedisLimitStore, SqliteLimitStore
+from store.limits import LimitStore
+from store.limits.memory import MemoryLimitStore
+from store.limits.redis import RedisLimitStore
+from store.limits.sqlite import SqliteLimitStore
 
 
 class TestLimitStores(LimitStoreContract):

@@ -409,7 +409,7 @@ def _state(ctx: Context, run_id: str) -> RunState:
 
 def throttled(ctx: Context, home: Path) -> str:
     """A second call over the agent's rate limit reserves its time and waits on the queue."""
-    from store.limits import MemoryLimitStore
+    from store.limits.memory import MemoryLimitStore
     from tasks.limits import use_limit_store
 
     now = [1_000_000.0]

@@ -186,7 +186,7 @@ def test_the_conformance_suites_and_the_lua_scripts_are_installed(
     assert where.stdout.strip().endswith("site-packages/store/conformance/__init__.py")
     # The backends read their Lua scripts at import: each folder of them was installed too.
     backends = subprocess.run(
-        [fresh_venv.bin("python"), "-c", "import store.limits, store.runs.redis"],
+        [fresh_venv.bin("python"), "-c", "import store.limits.redis, store.runs.redis"],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert backends.returncode == 0, backends.stderr

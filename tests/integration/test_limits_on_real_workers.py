@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from runtime.models import Event, RunState, RunStatus
-from store.limits import RESERVATION_EARLY_MS, RedisLimitStore
+from store.limits import RESERVATION_EARLY_MS
+from store.limits.redis import RedisLimitStore
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
