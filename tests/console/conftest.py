@@ -51,10 +51,20 @@ class ConsoleServer:
 
 
 @pytest.fixture
-def console_server(redis_url: str, ledger: Path, tmp_path: Path) -> Iterator[ConsoleServer]:
+def console_env() -> dict[str, str]:
+    """More of the console's environment (a test module overrides this fixture)."""
+    return {}
+
+
+@pytest.fixture
+def console_server(
+    redis_url: str, ledger: Path, tmp_path: Path, console_env: dict[str, str]
+) -> Iterator[ConsoleServer]:
     """``python -m worker console`` over the test's Redis stores and broker."""
     port = free_port()
-    env = worker_env(redis_url, ledger, tmp_path / "data", RATCHET_CONSOLE_TOKEN=TOKEN)
+    env = worker_env(
+        redis_url, ledger, tmp_path / "data", RATCHET_CONSOLE_TOKEN=TOKEN, **console_env
+    )
     log_path = tmp_path / "console.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(

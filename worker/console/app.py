@@ -54,8 +54,9 @@ LIST_POLL_MS = 3000
 """How often the runs page reads its list and counts again (a list read per status)."""
 MAX_FORM_BYTES = 64 * 1024
 MAX_STREAMS = 64
-"""Run pages a console streams to at once; one more is answered 503 with Retry-After. Each
-holds a thread of its own while it waits, never one the pages' requests need."""
+"""Run pages a console streams to at once by default (``RATCHET_CONSOLE_MAX_STREAMS``); one
+more is answered 503 with Retry-After. Each holds a thread of its own while it waits,
+never one the pages' requests need."""
 KEEPALIVE_S = 15.0
 """A comment line this often on a quiet stream: proxies keep the connection open, and a
 browser that went away is noticed (the watcher's thread is given back) at the latest then."""
@@ -73,12 +74,20 @@ _templates.globals.update(when=views.when, statuses=[s.value for s in RunStatus]
 class Console:
     """The app's state: the API it calls, the token it checks, the sessions it gave out."""
 
-    def __init__(self, api: Ratchet, token: str) -> None:
+    def __init__(
+        self,
+        api: Ratchet,
+        token: str,
+        max_streams: int = MAX_STREAMS,
+        keepalive_s: float = KEEPALIVE_S,
+    ) -> None:
         self.api = api
+        self.keepalive_s = keepalive_s
         self.token = token
         self.sessions = Sessions()
         self.throttle = LoginThrottle()
-        self.streams = anyio.CapacityLimiter(MAX_STREAMS)
+        self.max_streams = max_streams
+        self.streams = anyio.CapacityLimiter(max_streams)
         self.streaming = 0
 
     # --- responses ------------------------------------------------------------
@@ -243,15 +252,15 @@ class Console:
         after = request.headers.get("last-event-id") or request.query_params.get("after")
         try:
             seen = self.api.stream(
-                request.path_params["run_id"], after=after or None, idle_s=KEEPALIVE_S
+                request.path_params["run_id"], after=after or None, idle_s=self.keepalive_s
             )
         except (InvalidRunId, RunNotFound) as exc:
             return PlainTextResponse(actions.refusal_line(exc), 404)
         except RatchetError as exc:
             return PlainTextResponse(actions.refusal_line(exc), 400)
-        if self.streaming >= MAX_STREAMS:
+        if self.streaming >= self.max_streams:
             retry = {"Retry-After": "5", "Cache-Control": "no-store"}
-            busy = f"this console streams to {MAX_STREAMS} pages already; try again shortly"
+            busy = f"this console streams to {self.max_streams} pages already; try again shortly"
             return PlainTextResponse(busy, 503, headers=retry)
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(
@@ -398,9 +407,11 @@ async def _healthz(request: Request) -> Response:
     return PlainTextResponse("ok")
 
 
-def make_app(api: Ratchet, token: str) -> Starlette:
+def make_app(
+    api: Ratchet, token: str, max_streams: int = MAX_STREAMS, keepalive_s: float = KEEPALIVE_S
+) -> Starlette:
     """The console over ``api``, for the operators who know ``token``."""
-    console = Console(api, token)
+    console = Console(api, token, max_streams, keepalive_s)
     return Starlette(
         routes=[
             Route("/healthz", _healthz),

@@ -48,6 +48,11 @@ class ConsoleSettings(BaseSettings):
     host: str = "127.0.0.1"
     """Where the console listens; anything but loopback is plain HTTP to the network."""
     port: int = Field(default=8765, ge=1, le=65535)
+    max_streams: int = Field(default=64, ge=1, le=10_000)
+    """Run pages streamed to at once (each holds a thread); past it, 503 with Retry-After."""
+    keepalive_s: float = Field(default=15.0, ge=0.5, le=3600, allow_inf_nan=False)
+    """A quiet stream gets a comment line this often (proxies keep it open; a page that
+    went away gives its stream back at the latest then)."""
 
 
 def console_settings() -> ConsoleSettings:

@@ -51,4 +51,7 @@ def console(host: str | None, port: int | None) -> None:
             err=True,
         )
     click.echo(f"ratchet console on http://{host}:{port}/ (log in with RATCHET_CONSOLE_TOKEN)")
-    uvicorn.run(make_app(Ratchet(), token), host=host, port=port, log_level="warning")
+    app = make_app(
+        Ratchet(), token, max_streams=settings.max_streams, keepalive_s=settings.keepalive_s
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning")
