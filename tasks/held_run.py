@@ -50,7 +50,7 @@ from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
 from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, TranscriptSize
-from tasks.live import SETTLE_S, live_piece, watched
+from tasks.live import MAX_PIECES_BYTES, SETTLE_S, live_piece, watched
 from tasks.messages import tell_parent_soon, turn_outbox
 from tasks.persistence import (
     Transition,
@@ -255,9 +255,17 @@ class HeldRun:
         named = {"kind": "model.delta", "run": run_id, "model_call": model_calls}
         named["at"] = self.state.seq
 
+        left = [MAX_PIECES_BYTES]  # a model's output is an input: what it may put in the stream
+
         def deltas(piece: dict[str, Any]) -> None:
-            if not abandoned.is_set():
-                live.put(run_id, {**named, **live_piece(piece)})
+            if abandoned.is_set():
+                return
+            shown = live_piece(piece)
+            left[0] -= sum(len(v) for v in shown.values() if isinstance(v, str))
+            if left[0] < 0:
+                metrics.live_dropped("too_large", 1)
+                return
+            live.put(run_id, {**named, **shown})
 
         def complete(request: ModelRequest, observer: Observer) -> ModelResponse:
             answer = provider.complete(request, observer=observer, deltas=deltas)  # type: ignore[call-arg]

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from runtime import json_values
 from runtime.errors import StoreError
 from runtime.json_values import without_surrogates
 from store.live import LiveStream
@@ -39,6 +40,10 @@ log = logging.getLogger("ratchet.live")
 
 CAPACITY = 10_000
 """Entries waiting for the writer before new ones are dropped."""
+MAX_PIECES_BYTES = 2 * json_values.MAX_OUTPUT_BYTES
+"""The most characters of pieces one model call puts in the stream (its text and its calls'
+arguments may each be up to the answer's limit); past it, pieces are dropped and counted
+(``too_large``), and watchers see the rest of the answer when it commits."""
 SETTLE_S = 0.1
 """How long a streamed model call waits for its last pieces to be written before its
 answer commits (:meth:`LiveWriter.settle`): past it, the turn goes on and they are late."""

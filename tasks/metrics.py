@@ -41,8 +41,9 @@ Exposed (all counters except the two histograms):
   split by whether the turn ended waiting on a limit (the slot time waiting costs).
   ``ratchet limits`` shows each limit's use this minute, its lines and its places.
 - ``ratchet_live_dropped_total{reason}`` — live-stream entries (model deltas, tool
-  progress) dropped rather than hold a turn: ``full`` (the writer's queue) or ``store``
-  (the stream's store failed); the event log never drops anything.
+  progress) dropped rather than hold a turn: ``full`` (the writer's queue), ``store``
+  (the stream's store failed) or ``too_large`` (a model call's pieces past their
+  bound); the event log never drops anything.
 """
 
 from __future__ import annotations

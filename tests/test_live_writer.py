@@ -3,7 +3,9 @@ and a streamed model call can wait, briefly, for its last pieces to be written."
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,3 +76,31 @@ def test_a_full_queue_drops_what_does_not_fit_without_waiting(
     assert writer.settle(10)
     written = texts(stream)
     assert 3 <= len(written) < 10 and written == sorted(written)
+
+
+def test_a_model_call_puts_at_most_its_bound_of_pieces_in_the_stream(tmp_path: Path) -> None:
+    from runtime.models import RunStatus
+    from tasks.live import MAX_PIECES_BYTES
+    from tasks.start import create_run
+    from tests.helpers import drive, memory_context, write_agent
+
+    # Given a watched run whose model streams an answer past any bound (3 MiB of text)
+    content = "x" * (3 * 2**20)
+    agent = write_agent(tmp_path, [{"content": content}], tools=[])
+    script = agent.with_name(f"{agent.stem}.script.json")
+    played = json.loads(script.read_text())
+    pace = {"chunk_chars": 100_000, "interval_s": 0}
+    script.write_text(json.dumps({**played, "stream": pace}))
+    ctx = memory_context()
+    run_id = create_run(ctx, agent, "go").run_id
+    live = ctx.runs.live()
+    assert live is not None
+    live.watch(run_id, 60)
+    # When it is driven (the answer itself is refused as too large, as without streaming)
+    drive(ctx, run_id)
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.status == RunStatus.FAILED
+    # Then the stream holds no more of its pieces than the bound
+    ctx.live().settle(10)  # type: ignore[union-attr]
+    kept = sum(len(e.data.get("text", "")) for e in live.read(run_id, limit=10_000))
+    assert 0 < kept <= MAX_PIECES_BYTES, kept
