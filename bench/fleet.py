@@ -180,14 +180,15 @@ def suspended_records(runs: RedisRunStore, count: int, batch: int = 2000) -> Non
                     ),
                 }
             )
+            shard = runs._keys.of(run_id)
             runs._scripts["create"](
                 keys=[
-                    runs._run_key(run_id, "record"),
-                    runs._run_key(run_id, "events"),
-                    runs._by_created,
-                    runs._status_key(record.status),
-                    runs._due,
-                    runs._finished,
+                    shard.run_key(run_id, "record"),
+                    shard.run_key(run_id, "events"),
+                    shard.by_created,
+                    runs._status_key(shard, record.status),
+                    shard.due,
+                    shard.finished,
                 ],
                 args=[*runs._record_args(record), "1", _packed(first), ""],
                 client=pipe,

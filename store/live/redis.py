@@ -8,6 +8,7 @@ from typing import Any
 import redis
 
 from runtime.errors import StoreUnavailable
+from store.keyspace import Keyspace
 from store.live import LiveEntry, LiveStream, decoded
 
 _CURSOR = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
@@ -16,17 +17,18 @@ _CURSOR = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
 class RedisLiveStream(LiveStream):
     """``{prefix}:run:{<id>}:live``: ``XADD MAXLEN`` (exact) and ``PEXPIRE`` in one
     pipeline per batch; ``XREAD BLOCK`` to wait for the next entry. ``…:live:watched``, a
-    key with a TTL, while someone watches."""
+    key with a TTL, while someone watches. On a cluster ``{prefix}`` is the run's shard's
+    (:mod:`store.keyspace`): the stream sits in its run's slot."""
 
     name = "redis live stream"
 
-    def __init__(self, client: redis.Redis, prefix: str, where: str) -> None:
+    def __init__(self, client: Any, keys: Keyspace, where: str) -> None:
         self._client = client
-        self._prefix = prefix
+        self._keys = keys
         self._where = f"live stream {where}"
 
     def _key(self, run_id: str) -> str:
-        return f"{self._prefix}:run:{{{run_id}}}:live"
+        return self._keys.of(run_id).run_key(run_id, "live")
 
     def _add(self, run_id: str, entries: list[str], maxlen: int, keep_s: float) -> None:
         key = self._key(run_id)

@@ -28,9 +28,13 @@ time (the record's ``next``) has not come. With a
 prefix, the same script also saves the snapshot and may release the lease: one round
 trip per transition (:meth:`RunStore.commit`); and the lease's script reads the
 snapshot with the record, one round trip to open a turn (:meth:`RunStore.acquire_and_read`).
-The four ``runs:*`` indexes are global, in other slots than the run's keys:
-the scripts touch them on a single node (and Sentinel); on Redis Cluster the
-index updates would move into separate calls after the per-run script.
+On one server (or Sentinel) the four ``runs:*`` indexes and ``procs`` are one key each.
+On Redis Cluster (``redis+cluster://``) the whole layout above is kept once per shard,
+``{prefix}`` standing for the shard's ``{<prefix>:<n>}`` (:mod:`store.keyspace`): a run's
+keys and its entries in every index share one slot, so each script, unchanged, touches
+one slot. What spans runs reads every shard, pipelined, and merges (:meth:`_list`,
+:meth:`_overdue`, :meth:`_orphaned`, :meth:`_purge`); a process's liveness is written to
+every shard, since a claim reads it beside the run's lease.
 
 Lease expiry is compared with the ``now_ms`` the base class takes from its
 clock, never with Redis's own time, so an injected clock drives it. The PX
@@ -39,6 +43,7 @@ TTL only sweeps away leases long dead.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -47,6 +52,7 @@ import redis
 from runtime import json_values
 from runtime.errors import LeaseLost, StaleWrite, StoreError
 from runtime.models import Event, RunStatus
+from store.keyspace import Shard
 from store.live.redis import RedisLiveStream
 from store.packing import pack, unpack
 from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
@@ -54,11 +60,12 @@ from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, Transcri
 from store.snapshots.redis import (
     DEFAULT_PREFIX,
     RedisSnapshotStore,
-    checked_prefix,
     connect,
     disconnect,
+    keyspace_of,
     lua,
     run_script,
+    run_scripts,
     server,
     translated,
     where,
@@ -124,7 +131,7 @@ class RedisRunStore(RunStore):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], int] | None = None,
         url: str = "redis",
@@ -132,16 +139,11 @@ class RedisRunStore(RunStore):
         super().__init__(clock)
         self._client = client
         self._server = server(client)  # asked on every checkpoint: a pool's kwargs stay put
-        self._prefix = checked_prefix(prefix)
         self._where = f"run store {where(url)}"
-        self._by_created = f"{prefix}:runs:by_created"
-        self._status_prefix = f"{prefix}:runs:status:"
-        self._due = f"{prefix}:runs:due"
-        self._finished = f"{prefix}:runs:finished"
+        self._keys = keyspace_of(client, prefix, self._where)
+        self._prefix = self._keys.prefix
         self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
-        self._procs = f"{prefix}:procs"
-        self._proc_prefix = f"{prefix}:proc:"
-        self._live = RedisLiveStream(client, self._prefix, where(url))
+        self._live = RedisLiveStream(client, self._keys, where(url))
 
     def live(self) -> RedisLiveStream:
         return self._live
@@ -154,7 +156,8 @@ class RedisRunStore(RunStore):
         clock: Callable[[], int] | None = None,
         max_connections: int | None = None,
     ) -> RedisRunStore:
-        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``); connects lazily.
+        """Open ``redis://host:port/db`` (or ``rediss://``, ``unix://``, ``redis+sentinel://``:
+        connects lazily; ``redis+cluster://``: asks the cluster for its layout now).
 
         ``max_connections``: the most calls this process makes at once (see
         :func:`store.snapshots.redis.connect`).
@@ -162,10 +165,11 @@ class RedisRunStore(RunStore):
         return cls(connect(url, max_connections), prefix, clock, url)
 
     def _run_key(self, run_id: str, part: str) -> str:
-        return f"{self._prefix}:run:{{{run_id}}}:{part}"
+        return self._keys.of(run_id).run_key(run_id, part)
 
-    def _status_key(self, status: RunStatus) -> str:
-        return f"{self._status_prefix}{status.value}"
+    @staticmethod
+    def _status_key(shard: Shard, status: RunStatus) -> str:
+        return f"{shard.status_prefix}{status.value}"
 
     @staticmethod
     def _record_args(record: RunRecord) -> list[str]:
@@ -186,13 +190,14 @@ class RedisRunStore(RunStore):
 
     def _create(self, record: RunRecord, first: Event) -> None:
         run_id = record.run_id
+        shard = self._keys.of(run_id)
         keys = [
-            self._run_key(run_id, "record"),
-            self._run_key(run_id, "events"),
-            self._by_created,
-            self._status_key(record.status),
-            self._due,
-            self._finished,
+            shard.run_key(run_id, "record"),
+            shard.run_key(run_id, "events"),
+            shard.by_created,
+            self._status_key(shard, record.status),
+            shard.due,
+            shard.finished,
         ]
         args: list[str | bytes] = [
             *self._record_args(record),
@@ -214,11 +219,14 @@ class RedisRunStore(RunStore):
         """True for a Redis snapshot store on this store's server, database and prefix."""
         return isinstance(snapshots, RedisSnapshotStore) and snapshots.keyspace() == (
             self._server,
-            self._prefix,
+            self._keys.identity(),
         )
 
     def pushes_to(self, server: dict[str, Any]) -> bool:
-        """True for a client of this store's server, as the same user (any database)."""
+        """True for a client of this store's server, as the same user (any database); never
+        on a cluster, which no broker is (kombu has no Redis Cluster transport)."""
+        if self._keys.sharded:
+            return False
         mine = self._client.connection_pool.connection_kwargs
         keys = ("host", "port", "path", "username", "password")
         return all(server.get(k) == mine.get(k) for k in keys)
@@ -239,17 +247,19 @@ class RedisRunStore(RunStore):
         run_id = record.run_id
         expected = events[0].seq - 1
         release = whole is not None and whole.release
+        shard = self._keys.of(run_id)
+        lease = shard.run_key(run_id, "lease")
         keys = [
-            self._run_key(run_id, "record"),
-            self._run_key(run_id, "events"),
-            self._run_key(run_id, "lease"),
-            self._status_key(record.status),
-            self._due,
-            self._finished,
-            self._run_key(run_id, "snapshot"),
-            f"{self._prefix}:snapshots",
-            self._run_key(run_id, "transcript"),
-            self._held_key(owner or "", self._run_key(run_id, "lease")),
+            shard.run_key(run_id, "record"),
+            shard.run_key(run_id, "events"),
+            lease,
+            self._status_key(shard, record.status),
+            shard.due,
+            shard.finished,
+            shard.run_key(run_id, "snapshot"),
+            shard.snapshots,
+            shard.run_key(run_id, "transcript"),
+            self._held_key(shard, owner or "", lease),
         ]
         # The scalars in one argument (append.lua splits it at spaces, which none holds): the
         # framing redis-py gives each argument was most of the cost of sending a transition.
@@ -262,7 +272,7 @@ class RedisRunStore(RunStore):
             str(expected),
             "0" if owner is None else "1",
             str(now_ms),
-            self._status_prefix,
+            shard.status_prefix,
             self._finished_at(record),
             "1" if release else "0",
         ]
@@ -328,15 +338,30 @@ class RedisRunStore(RunStore):
     def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]:
         if limit <= 0:
             return []
-        index = self._by_created if status is None else self._status_key(status)
         with translated(self._where):
-            # Equal scores come back in reverse member order: newest first, then id descending.
-            run_ids = cast("list[bytes]", self._client.zrevrange(index, 0, limit - 1))
+            if self._keys.sharded:
+                run_ids = self._newest(status, limit)
+            else:
+                shard = self._keys.shards[0]
+                index = shard.by_created if status is None else self._status_key(shard, status)
+                # Equal scores come back in reverse member order: newest first, then id descending.
+                run_ids = cast("list[bytes]", self._client.zrevrange(index, 0, limit - 1))
             pipe = self._client.pipeline(transaction=False)
             for run_id in run_ids:
                 pipe.hget(self._run_key(run_id.decode(), "record"), "record")
             found = cast("list[bytes | None]", pipe.execute())
         return [RunRecord.model_validate_json(data) for data in found if data is not None]
+
+    def _newest(self, status: RunStatus | None, limit: int) -> list[bytes]:
+        """The ``limit`` newest run ids of every shard's index, merged in the order one
+        index gives them (newest first, then id descending)."""
+        pipe = self._client.pipeline(transaction=False)
+        for shard in self._keys.shards:
+            index = shard.by_created if status is None else self._status_key(shard, status)
+            pipe.zrevrange(index, 0, limit - 1, withscores=True)
+        pages = cast("list[list[tuple[bytes, float]]]", pipe.execute())
+        merged = sorted((entry for page in pages for entry in page), key=lambda e: (e[1], e[0]))
+        return [member for member, _ in reversed(merged[-limit:])]
 
     def _events(self, run_id: str, after_seq: int, limit: int | None) -> list[Event]:
         if limit is not None and limit <= 0:
@@ -356,9 +381,10 @@ class RedisRunStore(RunStore):
         self, run_id: str, owner: str, lease_ms: int, now_ms: int
     ) -> tuple[bool, RunRecord | None]:
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
-        lease = self._run_key(run_id, "lease")
+        shard = self._keys.of(run_id)
+        lease = shard.run_key(run_id, "lease")
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id]
-        keys = [lease, self._run_key(run_id, "record"), self._held_key(owner, lease)]
+        keys = [lease, shard.run_key(run_id, "record"), self._held_key(shard, owner, lease)]
         with translated(self._where):
             found = cast("list[Any]", run_script(self._scripts["acquire"], keys, args))
         if not found[0]:
@@ -383,16 +409,17 @@ class RedisRunStore(RunStore):
     ) -> tuple[bool, RunRecord | None, Prefetched | None]:
         assert isinstance(snapshots, RedisSnapshotStore)
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
-        lease = self._run_key(run_id, "lease")
+        shard = self._keys.of(run_id)
+        lease = shard.run_key(run_id, "lease")
         start = 0 if base is None else base.length
         unless = "" if unless_at is None else str(unless_at)
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, str(start), unless]
         keys = [
             lease,
-            self._run_key(run_id, "record"),
-            self._held_key(owner, lease),
-            self._run_key(run_id, "snapshot"),
-            self._run_key(run_id, "transcript"),
+            shard.run_key(run_id, "record"),
+            self._held_key(shard, owner, lease),
+            shard.run_key(run_id, "snapshot"),
+            shard.run_key(run_id, "transcript"),
         ]
         with translated(self._where):
             found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
@@ -437,19 +464,23 @@ class RedisRunStore(RunStore):
         return extended
 
     def _release(self, run_id: str, owner: str) -> None:
-        lease = self._run_key(run_id, "lease")
+        shard = self._keys.of(run_id)
+        lease = shard.run_key(run_id, "lease")
         with translated(self._where):
             self._scripts["release"](
-                keys=[lease, self._held_key(owner, lease)], args=[owner, run_id]
+                keys=[lease, self._held_key(shard, owner, lease)], args=[owner, run_id]
             )
 
-    def _held_key(self, owner: str, otherwise: str) -> str:
-        """The set of runs ``owner``'s process claimed; ``otherwise`` if it names none."""
+    @staticmethod
+    def _held_key(shard: Shard, owner: str, otherwise: str) -> str:
+        """The set of runs ``owner``'s process claimed in ``shard``; ``otherwise`` if it
+        names none."""
         process = owner_process(owner)
-        return otherwise if process is None else f"{self._proc_prefix}{process}:leases"
+        return otherwise if process is None else f"{shard.proc_prefix}{process}:leases"
 
     def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
-        keys = [self._run_key(run_id, "record"), self._due]
+        shard = self._keys.of(run_id)
+        keys = [shard.run_key(run_id, "record"), shard.due]
         with translated(self._where):
             moved = self._scripts["postpone"](
                 keys=keys, args=[run_id, str(seen_seq), str(due_at_ms)]
@@ -459,10 +490,11 @@ class RedisRunStore(RunStore):
     def _claim(
         self, run_id: str, owner: str, process: str | None, lease_ms: int, now_ms: int
     ) -> Claim:
-        lease = self._run_key(run_id, "lease")
+        shard = self._keys.of(run_id)
+        lease = shard.run_key(run_id, "lease")
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
-        keys = [lease, self._procs, self._held_key(owner, lease)]
-        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, self._proc_prefix]
+        keys = [lease, shard.procs, self._held_key(shard, owner, lease)]
+        args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, shard.proc_prefix]
         with translated(self._where):
             found = cast("list[int | bytes]", self._scripts["claim"](keys=keys, args=args))
         if found[0] == 1:
@@ -472,11 +504,15 @@ class RedisRunStore(RunStore):
         return Claim(False, cast("bytes", found[1]).decode(), int(float(alive)) if alive else None)
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
+        args = [process, str(expires_at_ms), str(now_ms)]
         with translated(self._where):
-            was = self._scripts["beat"](
-                keys=[self._procs], args=[process, str(expires_at_ms), str(now_ms)]
-            )
-        return bool(was)
+            if not self._keys.sharded:
+                was = self._scripts["beat"](keys=[self._keys.shards[0].procs], args=args)
+                return bool(was)
+            # A claim reads the holder's liveness beside the run's lease, in the run's
+            # shard: every shard keeps it (one pipelined call per node a beat).
+            calls = [([shard.procs], args) for shard in self._keys.shards]
+            return all(run_scripts(self._scripts["beat"], calls))
 
     clock_source = "Redis TIME"
 
@@ -487,15 +523,26 @@ class RedisRunStore(RunStore):
 
     def _liveness(self, process: str) -> int | None:
         with translated(self._where):
-            score = self._client.zscore(self._procs, process)
-        return None if score is None else int(score)
+            pipe = self._client.pipeline(transaction=False)
+            for shard in self._keys.shards:
+                pipe.zscore(shard.procs, process)
+            # A shard may have forgotten a dead process the others still hold leases of.
+            scores = [s for s in cast("list[float | None]", pipe.execute()) if s is not None]
+        return int(max(scores)) if scores else None
 
     def _orphaned(self, now_ms: int, limit: int) -> list[Orphan]:
-        args = [str(now_ms), str(limit), self._proc_prefix, f"{self._prefix}:run:{{"]
+        calls = [
+            ([shard.procs], [str(now_ms), str(limit), shard.proc_prefix, shard.run_head])
+            for shard in self._keys.shards
+        ]
         with translated(self._where):
-            found = cast("list[bytes]", self._scripts["orphaned"](keys=[self._procs], args=args))
+            if self._keys.sharded:
+                found = [x for got in run_scripts(self._scripts["orphaned"], calls) for x in got]
+            else:
+                keys, args = calls[0]
+                found = cast("list[bytes]", self._scripts["orphaned"](keys=keys, args=args))
         pairs = zip(found[::2], found[1::2], strict=True)
-        return [Orphan(run_id.decode(), owner.decode()) for run_id, owner in pairs]
+        return [Orphan(run_id.decode(), owner.decode()) for run_id, owner in pairs][:limit]
 
     def _lease(self, run_id: str, now_ms: int) -> Lease | None:
         with translated(self._where):
@@ -511,46 +558,87 @@ class RedisRunStore(RunStore):
         """Walk the due index from the most overdue run, skipping runs whose lease is live.
 
         Reads only runs already past due (plus one lease per run), so the cost
-        grows with the overdue runs, not with every run ever made.
+        grows with the overdue runs, not with every run ever made. On a cluster every
+        shard's index is walked so, in step (a batch of each per round trip), until no
+        shard can hold a run more overdue than the ``limit`` found; then merged by due time.
         """
-        free: list[str] = []
+        free: list[tuple[float, str]] = []
         seen: set[str] = set()
-        offset = 0
+        offsets = dict.fromkeys(self._keys.shards, 0)
         with translated(self._where):
-            while len(free) < limit:
-                batch = cast(
-                    "list[bytes]",
-                    self._client.zrangebyscore(
-                        self._due, "-inf", now_ms, start=offset, num=OVERDUE_BATCH
-                    ),
-                )
+            while offsets:
+                shards = list(offsets)
                 pipe = self._client.pipeline(transaction=False)
-                for member in batch:
-                    pipe.hget(self._run_key(member.decode(), "lease"), "expires_at_ms")
-                    # The exact due time: the index may hold one up to DUE_SLACK early
-                    # (append.lua); a record written before 'next' existed has none.
-                    pipe.hget(self._run_key(member.decode(), "record"), "next")
-                found = cast("list[bytes | None]", pipe.execute()) if batch else []
-                for member, expires, due in zip(batch, found[::2], found[1::2], strict=True):
-                    run_id = member.decode()
-                    if due is not None and (due == b"" or int(due) > now_ms):
-                        continue  # it moved on since the index was written: not overdue yet
+                for shard in shards:
+                    pipe.zrangebyscore(
+                        shard.due, "-inf", now_ms, start=offsets[shard], num=OVERDUE_BATCH,
+                        withscores=True,
+                    )  # fmt: skip
+                pages = cast("list[list[tuple[bytes, float]]]", pipe.execute())
+                for due, run_id in self._past_due([e for page in pages for e in page], now_ms):
                     # Paging by offset while sweepers and workers move runs may show
                     # one twice; a sweep enqueues each run once.
-                    if run_id not in seen and (expires is None or int(expires) <= now_ms):
-                        free.append(run_id)
+                    if run_id not in seen:
+                        free.append((due, run_id))
                     seen.add(run_id)
-                if len(batch) < OVERDUE_BATCH:
-                    break
-                offset += len(batch)
-        return free[:limit]
+                # The limit-th most overdue run so far: a shard whose page ended past it
+                # has nothing left that would come before it.
+                bound = sorted(free)[limit - 1] if len(free) >= limit else None
+                for shard, page in zip(shards, pages, strict=True):
+                    offsets[shard] += len(page)
+                    last = page[-1] if page else None
+                    ended = len(page) < OVERDUE_BATCH
+                    if ended or (bound and last and (last[1], last[0].decode()) >= bound):
+                        del offsets[shard]
+        return [run_id for _, run_id in sorted(free)[:limit]]
+
+    def _past_due(self, batch: list[tuple[bytes, float]], now_ms: int) -> list[tuple[float, str]]:
+        """The runs of ``batch`` (index entries) that are due by the record's exact due time,
+        with no live lease: (due time as indexed, run id); one pipelined read of each."""
+        pipe = self._client.pipeline(transaction=False)
+        for member, _ in batch:
+            pipe.hget(self._run_key(member.decode(), "lease"), "expires_at_ms")
+            # The exact due time: the index may hold one up to DUE_SLACK early
+            # (append.lua); a record written before 'next' existed has none.
+            pipe.hget(self._run_key(member.decode(), "record"), "next")
+        found = cast("list[bytes | None]", pipe.execute()) if batch else []
+        due_now = []
+        for (member, score), expires, due in zip(batch, found[::2], found[1::2], strict=True):
+            if due is not None and (due == b"" or int(due) > now_ms):
+                continue  # it moved on since the index was written: not overdue yet
+            if expires is None or int(expires) <= now_ms:
+                due_now.append((score, member.decode()))
+        return due_now
 
     def _purge(self, before_ms: int, limit: int) -> list[str]:
-        keys = [self._finished, self._by_created, self._due]
-        args = [str(before_ms), str(limit), f"{self._prefix}:run:{{", self._status_prefix]
+        shards = self._keys.shards
+        calls = [
+            (
+                [shard.finished, shard.by_created, shard.due],
+                [str(before_ms), str(limit), shard.run_head, shard.status_prefix],
+            )
+            for shard in shards
+        ]
         with translated(self._where):
-            purged = cast("list[bytes]", self._scripts["purge"](keys=keys, args=args))
-        return [run_id.decode() for run_id in purged]
+            if not self._keys.sharded:
+                keys, args = calls[0]
+                purged = cast("list[bytes]", self._scripts["purge"](keys=keys, args=args))
+                return [run_id.decode() for run_id in purged]
+            # The oldest `limit` across the shards first; then each shard purges its share
+            # of them (its own oldest, which they are).
+            pipe = self._client.pipeline(transaction=False)
+            for shard in shards:
+                pipe.zrangebyscore(
+                    shard.finished, "-inf", f"({before_ms}", start=0, num=limit, withscores=True
+                )
+            pages = cast("list[list[tuple[bytes, float]]]", pipe.execute())
+            oldest = sorted((score, n) for n, page in enumerate(pages) for _, score in page)
+            shares = Counter(n for _, n in oldest[:limit])
+            mine = [
+                (calls[n][0], [str(before_ms), str(k), *calls[n][1][2:]]) for n, k in shares.items()
+            ]
+            answers = run_scripts(self._scripts["purge"], mine) if mine else []
+        return [run_id.decode() for got in answers for run_id in got]
 
     def close(self) -> None:
         with translated(self._where):

@@ -11,6 +11,10 @@ Key layout (``prefix`` defaults to ``ratchet``, setting ``RATCHET_REDIS_PREFIX``
     {prefix}:quarantine:{<run_id>}:<UTC time>:snapshot / :transcript
                                         an unusable snapshot moved aside, kept for a person
 
+On Redis Cluster (``redis+cluster://``, :mod:`store.redis_cluster`) the same keys are
+kept once per shard, ``{prefix}`` standing for the shard's ``{<prefix>:<n>}``
+(:mod:`store.keyspace`): a run's keys and its entry in the index share one slot.
+
 A save sends the head and only the messages added since the stored seq, so
 the bytes a checkpoint writes stay flat however long the transcript grows;
 ``load_document`` joins them back into the document, byte-identical to
@@ -40,7 +44,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
@@ -52,7 +56,9 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.models import RunState
+from store.keyspace import Keyspace, Shard
 from store.packing import pack, unpack
+from store.redis_cluster import ClusterUrl, is_cluster
 from store.redis_connection import connection_class
 from store.sentinel import SentinelUrl, is_sentinel
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
@@ -68,6 +74,9 @@ A worker sizes its stores from its pool's concurrency instead (tasks.pool)."""
 POOL_WAIT_S = 2 * SOCKET_TIMEOUT_S
 """How long a call waits for a free pooled connection before StoreBusy. Longer than any one
 reply may take, so a wait this long means the pool is too small, not briefly full."""
+
+CLUSTER_RETRIES = 3
+"""Attempts a cluster client makes past the first when a node fails or a slot moved."""
 
 DEFAULT_PREFIX = "ratchet"
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -95,6 +104,32 @@ def run_script(script: Script, keys: Sequence[str], args: Sequence[str | bytes])
         return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
     except redis.exceptions.NoScriptError:
         return script(keys=keys, args=args)
+
+
+def run_scripts(script: Script, calls: Sequence[tuple[Sequence[str], Sequence[str]]]) -> list[Any]:
+    """``script`` once per ``(keys, args)``, pipelined (a cluster pipeline sends each node
+    its share); the answers in order. A node that does not know the script yet is given
+    it, and only the calls it refused are sent again."""
+    client: Any = script.registered_client
+
+    def send(batch: Sequence[tuple[Sequence[str], Sequence[str]]]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for keys, args in batch:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        return cast("list[Any]", pipe.execute(raise_on_error=False))
+
+    found = send(calls)
+    missing = [
+        i for i, answer in enumerate(found) if isinstance(answer, redis.exceptions.NoScriptError)
+    ]
+    if missing:
+        client.script_load(script.script)
+        for i, answer in zip(missing, send([calls[i] for i in missing]), strict=True):
+            found[i] = answer
+    for answer in found:
+        if isinstance(answer, Exception):
+            raise answer
+    return found
 
 
 _PUT = lua(__package__ or "store.snapshots", "put.lua")
@@ -132,6 +167,16 @@ class _WaitingQueue(LifoQueue[Any]):
             raise PoolExhausted(self.maxsize, timeout or 0.0) from None
 
 
+class _Cluster(redis.cluster.RedisCluster):
+    """redis-py's cluster client, knowing the URL it was opened from (its keyspace's
+    identity and shard count)."""
+
+    def __init__(self, url: ClusterUrl, **kwargs: Any) -> None:
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in url.nodes]  # type: ignore[no-untyped-call]
+        super().__init__(startup_nodes=nodes, **kwargs)
+        self.url = url
+
+
 class _BlockingSentinelPool(redis.sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
     """redis-py's pool of connections to the primary a Sentinel names, blocking when full
     as :func:`connect`'s pool does: each connection asks the sentinels for the primary's
@@ -142,7 +187,7 @@ class _BlockingSentinelPool(redis.sentinel.SentinelConnectionPool, redis.Blockin
         self.url = url
 
 
-def connect(url: str, max_connections: int | None = None) -> redis.Redis:
+def connect(url: str, max_connections: int | None = None) -> Any:
     """A client with the timeouts every ratchet Redis store uses.
 
     redis-py's own retries are off: ``store.retry`` is the one retry policy, so
@@ -155,7 +200,9 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     threads or gevent worker with hundreds of slots turns into a burst of errors.
 
     ``redis+sentinel://`` URLs (:mod:`store.sentinel`) get the same pool of connections
-    to whichever server the sentinels name as the primary.
+    to whichever server the sentinels name as the primary. ``redis+cluster://`` URLs
+    (:mod:`store.redis_cluster`) get a ``RedisCluster`` with such a pool per node; it asks
+    the nodes for the cluster's layout now (StoreUnavailable when none answers).
     """
     options: dict[str, Any] = {
         "max_connections": max_connections or DEFAULT_MAX_CONNECTIONS,
@@ -167,6 +214,19 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
         "retry": Retry(NoBackoff(), 0),
         "client_name": "ratchet",
     }
+    if is_cluster(url):
+        cluster = ClusterUrl.parse(url)
+        # A few retries of its own: redis-py re-learns the layout between them, which is
+        # what carries a call across a failover or a moved slot (store.retry then sees
+        # only what outlasts that).
+        options["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), CLUSTER_RETRIES)
+        with translated(f"store {where(url)}"):
+            return _Cluster(
+                cluster,
+                connection_pool_class=redis.BlockingConnectionPool,
+                **options,
+                **cluster.client_kwargs(),
+            )
     if is_sentinel(url):
         parsed = SentinelUrl.parse(url)
         sentinel = redis.sentinel.Sentinel(
@@ -183,17 +243,23 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     return redis.Redis(connection_pool=pool)
 
 
-def disconnect(client: redis.Redis) -> None:
-    """Close every connection of ``client``'s pool (and to its sentinels, if any)."""
+def disconnect(client: Any) -> None:
+    """Close every connection of ``client``'s pool (and to its sentinels, if any; to every
+    node, on a cluster)."""
+    if isinstance(client, _Cluster):
+        client.close()
+        return
     pool = client.connection_pool
     pool.disconnect()
     if isinstance(pool, _BlockingSentinelPool):
         pool.sentinel_manager.close()
 
 
-def server(client: redis.Redis) -> tuple[Any, ...]:
+def server(client: Any) -> tuple[Any, ...]:
     """Which server and database a client talks to, as its connections are made (behind
-    Sentinel: which service, through which sentinels)."""
+    Sentinel: which service, through which sentinels; on a cluster: which nodes)."""
+    if isinstance(client, _Cluster):
+        return client.url.identity()
     pool = client.connection_pool
     if isinstance(pool, _BlockingSentinelPool):
         return pool.url.identity()
@@ -218,6 +284,11 @@ def translated(store: str) -> Iterator[None]:
 
 def where(url: str) -> str:
     """The URL without its password, fit for an error message."""
+    if is_cluster(url):
+        try:
+            return ClusterUrl.parse(url).shown()
+        except ValueError:
+            return url.split("://", 1)[0] + "://…"
     if is_sentinel(url):
         try:
             return SentinelUrl.parse(url).shown()
@@ -242,19 +313,35 @@ def checked_prefix(prefix: str) -> str:
     return prefix
 
 
+def keyspace_of(client: Any, prefix: str, shown: str) -> Keyspace:
+    """The keyspace of ``prefix`` on ``client``'s server: the plain one, or on a cluster the
+    sharded one, whose shard count the cluster then holds (ValueError if it holds another).
+    """
+    if not isinstance(client, _Cluster):
+        return Keyspace(checked_prefix(prefix))
+    keys = Keyspace(checked_prefix(prefix), client.url.shards)
+    with translated(shown):
+        recorded = keys.claim(client)
+    if recorded != client.url.shards:
+        raise ValueError(
+            f"the cluster keeps the `{prefix}` keys in {recorded} shards (key {keys.meta_key}), "
+            f"this URL says shards={client.url.shards}: give every worker and tool the same "
+            f"count (shards={recorded}); another would look for runs where they are not"
+        )
+    return keys
+
+
 class RedisSnapshotStore(SnapshotStore):
     name = "redis snapshot store"
     appends_transcript = True
 
-    def __init__(
-        self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, url: str = "redis"
-    ) -> None:
+    def __init__(self, client: Any, prefix: str = DEFAULT_PREFIX, url: str = "redis") -> None:
         super().__init__()
         self._client = client
         self._server = server(client)  # asked on every checkpoint: a pool's kwargs stay put
-        self._prefix = checked_prefix(prefix)
         self._where = f"snapshot store {where(url)}"
-        self._index = f"{prefix}:snapshots"
+        self._keys = keyspace_of(client, prefix, self._where)
+        self._prefix = self._keys.prefix
         self._put_script = client.register_script(_PUT)
         self._put_parts_script = client.register_script(_PUT_PARTS)
         self._quarantine_script = client.register_script(_QUARANTINE)
@@ -271,15 +358,18 @@ class RedisSnapshotStore(SnapshotStore):
         """
         return cls(connect(url, max_connections), prefix, url)
 
-    def keyspace(self) -> tuple[tuple[Any, ...], str]:
-        """The server and database this store's keys are in, and their prefix."""
-        return self._server, self._prefix
+    def keyspace(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The server and database this store's keys are in, and their prefix (and shards)."""
+        return self._server, self._keys.identity()
+
+    def _shard(self, run_id: str) -> Shard:
+        return self._keys.of(run_id)
 
     def _key(self, run_id: str) -> str:
-        return f"{self._prefix}:run:{{{run_id}}}:snapshot"
+        return self._keys.of(run_id).run_key(run_id, "snapshot")
 
     def _transcript_key(self, run_id: str) -> str:
-        return f"{self._prefix}:run:{{{run_id}}}:transcript"
+        return self._keys.of(run_id).run_key(run_id, "transcript")
 
     def _put(self, run_id: str, state: RunState, data: bytes, expected_seq: int | None) -> None:
         expected = "" if expected_seq is None else str(expected_seq)
@@ -288,7 +378,11 @@ class RedisSnapshotStore(SnapshotStore):
             refused = cast(
                 "list[bytes] | None",
                 self._put_script(
-                    keys=[self._key(run_id), self._index, self._transcript_key(run_id)],
+                    keys=[
+                        self._key(run_id),
+                        self._shard(run_id).snapshots,
+                        self._transcript_key(run_id),
+                    ],
                     args=[expected, str(state.seq), packed, run_id],
                 ),
             )
@@ -318,7 +412,11 @@ class RedisSnapshotStore(SnapshotStore):
             refused = cast(
                 "list[bytes] | None",
                 self._put_parts_script(
-                    keys=[self._key(run_id), self._index, self._transcript_key(run_id)],
+                    keys=[
+                        self._key(run_id),
+                        self._shard(run_id).snapshots,
+                        self._transcript_key(run_id),
+                    ],
                     args=args,
                 ),
             )
@@ -425,7 +523,7 @@ class RedisSnapshotStore(SnapshotStore):
 
     def _quarantine(self, run_id: str, stamp: str) -> str | None:
         # The run's hash tag stays in the quarantined names: one Cluster slot, one script.
-        aside = f"{self._prefix}:quarantine:{{{run_id}}}:{stamp}"
+        aside = f"{self._shard(run_id).prefix}:quarantine:{{{run_id}}}:{stamp}"
         with translated(self._where):
             moved = self._quarantine_script(
                 keys=[
@@ -433,7 +531,7 @@ class RedisSnapshotStore(SnapshotStore):
                     self._transcript_key(run_id),
                     f"{aside}:snapshot",
                     f"{aside}:transcript",
-                    self._index,
+                    self._shard(run_id).snapshots,
                 ],
                 args=[run_id],
             )
@@ -443,13 +541,16 @@ class RedisSnapshotStore(SnapshotStore):
         with translated(self._where):
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(self._key(run_id), self._transcript_key(run_id))
-            pipe.srem(self._index, run_id)
+            pipe.srem(self._shard(run_id).snapshots, run_id)
             pipe.execute()
 
     def _list(self) -> list[str]:
         with translated(self._where):
-            members = cast("set[bytes]", self._client.smembers(self._index))
-        return [m.decode() for m in members]
+            pipe = self._client.pipeline(transaction=False)
+            for shard in self._keys.shards:
+                pipe.smembers(shard.snapshots)
+            found = cast("list[set[bytes]]", pipe.execute())
+        return [m.decode() for members in found for m in members]
 
     def close(self) -> None:
         with translated(self._where):

@@ -61,7 +61,7 @@ def test_redis_keeps_a_runs_due_index_entry_while_its_due_time_moves_within_the_
     # Kept where the first due time put it (the later ones were within append.lua's
     # DUE_SLACK of it): one ZADD, not one for every transition; overdue() still answers
     # by the record's exact due time (the contract's test of it).
-    assert client.zscore(store._due, "run-1") == T0_MS + 1000
+    assert client.zscore(store._keys.of("run-1").due, "run-1") == T0_MS + 1000
     clock.advance(1399)
     assert store.overdue() == []
     clock.advance(1)
