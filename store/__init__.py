@@ -9,15 +9,19 @@ scheme                 snapshot store              run store
 ``file:///dir``        FileSnapshotStore           —
 ``sqlite:///path``     SqliteSnapshotStore         SqliteRunStore
 ``redis://`` …         RedisSnapshotStore          RedisRunStore
+``redis+cluster://`` …  RedisSnapshotStore          RedisRunStore
 ``s3://bucket/prefix``  S3SnapshotStore (extra s3)   —
 =====================  ==========================  ==========================
 
 Redis URLs take every form redis-py does — ``redis://[[user]:password@]host:port/db``,
 ``rediss://`` (TLS; ``?ssl_cert_reqs=…&ssl_ca_certs=…``), ``unix:///path?db=0`` —
 or name a primary behind Sentinel, ``redis+sentinel://host:port,host:port/service/db``
-(:mod:`store.sentinel`) — and the keys of both Redis stores start with
+(:mod:`store.sentinel`), or a Redis Cluster, ``redis+cluster://host:port,host:port[?shards=64]``
+(``rediss+cluster://`` for TLS; :mod:`store.redis_cluster`, whose keys are spread over
+hash-tagged shards, :mod:`store.keyspace`) — and the keys of both Redis stores start with
 ``redis_prefix`` (setting ``RATCHET_REDIS_PREFIX``, default ``ratchet``), so
-several deployments can share one server.
+several deployments can share one server. The limit store and the live streams are
+on the run store's Redis, cluster or not.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def _opening(url: str) -> Iterator[None]:
         raise StoreUrlInvalid(url, str(exc)) from exc
 
 
-_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
 _FORMS = {
     "memory": "memory://",
     "file": "file:///dir",
@@ -61,7 +65,7 @@ _FORMS = {
     "redis": "redis://host:port/db",
     "s3": "s3://bucket/prefix",
 }
-"""How a store URL of each scheme is written (the redis form stands for all four)."""
+"""How a store URL of each scheme is written (the redis form stands for all six)."""
 _SNAPSHOT_STORES = {
     "memory": "store.snapshots.memory:MemorySnapshotStore",
     "file": "store.snapshots.file:FileSnapshotStore",
@@ -126,7 +130,8 @@ def open_run_store(
 
 
 def open_limit_store(runs: Any, redis_prefix: str = "ratchet") -> LimitStore:
-    """The limit store beside run store ``runs``: its Redis, a SQLite file beside it, or memory."""
+    """The limit store beside run store ``runs``: its Redis (or cluster: a limit's keys share
+    one hash tag, and each script decides for one limit), a SQLite file beside it, or memory."""
     import sys
 
     # Looked up, not imported: a run store of a backend never imported is not of it, and

@@ -28,6 +28,8 @@ from runtime.errors import ConfigInvalid
 from runtime.numbers import Finite
 from store.live import DEFAULT_KEEP_S, DEFAULT_MAXLEN
 from store.private import private_dir, writable_by_others
+from store.redis_cluster import SCHEMES as CLUSTER_SCHEMES
+from store.redis_cluster import ClusterUrl
 from store.sentinel import SentinelUrl
 
 ENV_PREFIX = "RATCHET_"
@@ -203,9 +205,13 @@ _FIXES = {
 }
 _URL_FIELDS = ("broker_url", "snapshot_store", "run_store")
 SNAPSHOT_STORE_SCHEMES = (
-    "memory", "file", "sqlite", "redis", "rediss", "unix", "redis+sentinel", "s3"
+    "memory", "file", "sqlite", "redis", "rediss", "unix", "redis+sentinel", "redis+cluster",
+    "rediss+cluster", "s3",
 )  # fmt: skip
-RUN_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "unix", "redis+sentinel")
+RUN_STORE_SCHEMES = (
+    "memory", "sqlite", "redis", "rediss", "unix", "redis+sentinel", "redis+cluster",
+    "rediss+cluster",
+)  # fmt: skip
 # kombu transports whose dependencies come with an extra of kombu's.
 _TRANSPORT_EXTRAS = {"redis": "redis", "rediss": "redis", "sentinel": "redis"}
 
@@ -251,6 +257,13 @@ def _check_broker(settings: Settings) -> None:
             "redis://host:6379/0, amqp://user:password@host:5672/vhost, or unset it for the "
             "embedded filesystem broker",
         )
+    if scheme in CLUSTER_SCHEMES:
+        raise ConfigInvalid(
+            variable,
+            f"{variable}={masked(url)}: a Redis Cluster cannot be the broker (kombu has no "
+            "Redis Cluster transport); keep the stores on the cluster and give the broker a "
+            "Redis of its own (redis://host:6379/0) or RabbitMQ (amqp://…)",
+        )
     if base == "sentinel":
         raise ConfigInvalid(
             variable,
@@ -283,6 +296,11 @@ def _check_store(variable: str, url: str, schemes: tuple[str, ...]) -> None:
             f"{variable}={masked(url)} is not a store URL ratchet opens; use one of {accepted} "
             "(README, Settings), or unset it for the default under RATCHET_DATA_DIR",
         )
+    if scheme in CLUSTER_SCHEMES:
+        try:
+            ClusterUrl.parse(url)
+        except ValueError as exc:
+            raise ConfigInvalid(variable, f"{variable}={masked(url)}: {exc}") from None
     if scheme == "s3" and importlib.util.find_spec("boto3") is None:
         raise ConfigInvalid(
             variable,

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-pytest_plugins = ("tests.redis_server", "tests.s3_server", "tests.workers", "tests.netns")
+pytest_plugins = (
+    "tests.redis_server",
+    "tests.cluster_servers",
+    "tests.s3_server",
+    "tests.workers",
+    "tests.netns",
+)
 
 PROFILES = {"fast": 1, "bench": 20}
 """Profile name → how many times each property test's own example count it runs."""

@@ -169,7 +169,9 @@ def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
 # worker; RDB snapshots alone do not count. RATCHET_ALLOW_VOLATILE_STORE=1 is the
 # operator saying they accept the rollback (a throwaway environment).
 
-REDIS_STORE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
+REDIS_STORE_SCHEMES = (
+    "redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://", "rediss+cluster://"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -209,12 +211,14 @@ def store_persistence_problem(settings: Settings) -> str | None:
     """One line saying why a Redis store makes this worker refuse to start, or None.
 
     Behind Sentinel, the primary and every replica the sentinels list are asked: a
-    replica is the primary after a failover. Logs a warning (and returns None) when a
+    replica is the primary after a failover. On a cluster, every node it lists (and
+    those its URL names). Logs a warning (and returns None) when a
     server cannot be asked, or when ``RATCHET_ALLOW_VOLATILE_STORE`` accepts a store
     without AOF.
     """
     import redis
 
+    from store.redis_cluster import ClusterUrl, is_cluster
     from store.sentinel import SentinelUrl, is_sentinel
 
     stores = {"snapshot store": settings.resolved_snapshot_store}
@@ -225,6 +229,8 @@ def store_persistence_problem(settings: Settings) -> str | None:
             try:
                 if is_sentinel(url):
                     server = SentinelUrl.parse(url).identity()
+                elif is_cluster(url):
+                    server = ClusterUrl.parse(url).identity()
                 else:
                     kwargs = redis.connection.parse_url(url)
                     server = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
@@ -241,15 +247,18 @@ def store_persistence_problem(settings: Settings) -> str | None:
 
 
 def _asked(url: str, names: str) -> Iterator[tuple[str, Persistence]]:
-    """Each server behind ``url`` (a primary and, behind Sentinel, its replicas) as an
-    error message names it, with what it said of its AOF; one that cannot be asked is
-    logged and skipped."""
+    """Each server behind ``url`` (a primary and, behind Sentinel, its replicas; every node
+    of a cluster) as an error message names it, with what it said of its AOF; one that
+    cannot be asked is logged and skipped."""
     import redis
 
+    from store.redis_cluster import is_cluster
     from store.sentinel import SentinelUrl, is_sentinel
     from store.snapshots.redis import SOCKET_TIMEOUT_S, connect, disconnect, where
 
     servers: list[tuple[str, Callable[[], Any]]] = [(where(url), lambda: connect(url))]
+    if is_cluster(url):
+        servers = _cluster_nodes(url)
     if is_sentinel(url):
         parsed = SentinelUrl.parse(url)
         servers[0] = (f"{where(url)} (the primary)", servers[0][1])
@@ -289,6 +298,40 @@ def _asked(url: str, names: str) -> Iterator[tuple[str, Persistence]]:
             )
         finally:
             disconnect(client)
+
+
+def _cluster_nodes(url: str) -> list[tuple[str, Callable[[], Any]]]:
+    """Every node of the cluster ``url`` names, primaries and replicas (a replica is a
+    primary after a failover), with an opener of a plain client of each."""
+    import redis
+
+    from runtime.errors import StoreError
+    from store.redis_cluster import ClusterUrl
+    from store.snapshots.redis import SOCKET_TIMEOUT_S, connect, disconnect, where
+
+    parsed = ClusterUrl.parse(url)
+    nodes = set(parsed.nodes)
+    try:
+        client = connect(url)
+        try:
+            listed = client.cluster_nodes()
+        finally:
+            disconnect(client)
+        for address, node in listed.items():
+            if "noaddr" not in str(node.get("flags", "")):
+                host, _, port = str(address).rpartition(":")
+                nodes.add((host, int(port.split("@")[0])))
+    except (StoreError, redis.exceptions.RedisError) as exc:
+        log.warning("cannot ask the cluster %s for its nodes (%r)", where(url), exc)
+    return [
+        (
+            f"{where(url)} (node {host}:{port})",
+            functools.partial(
+                redis.Redis, host, port, socket_timeout=SOCKET_TIMEOUT_S, **parsed.client_kwargs()
+            ),
+        )
+        for host, port in sorted(nodes)
+    ]
 
 
 def _persistence_problem(

@@ -28,7 +28,7 @@ from tasks.settings import Settings
 
 log = logging.getLogger("ratchet.senders")
 
-REMOTE_STORES = ("redis", "rediss", "redis+sentinel", "s3")
+REMOTE_STORES = ("redis", "rediss", "redis+sentinel", "redis+cluster", "rediss+cluster", "s3")
 """Store schemes other machines share: workers elsewhere read them."""
 
 

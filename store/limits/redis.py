@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from runtime.errors import StoreUnavailable
 from runtime.limits import (
@@ -128,17 +128,33 @@ class RedisLimitStore(LimitStore):
             )
         return [_s(h) for h in handed]
 
+    def _timed(self, key: str, fill: Callable[[Any], None]) -> list[Any]:
+        """The server's TIME, then the answers to what ``fill`` puts on a pipeline: one round
+        trip. On a cluster, whose pipelines take no TIME, the time is asked apart, of the
+        node that holds ``key``'s limit (whose clock its scripts read)."""
+        import redis.cluster
+
+        pipe = self._client.pipeline(transaction=False)
+        if isinstance(self._client, redis.cluster.RedisCluster):
+            fill(pipe)
+            node = self._client.get_node_from_key(self._k(key, "blocked"))  # type: ignore[no-untyped-call]
+            return [self._client.time(target_nodes=node), *pipe.execute()]
+        pipe.time()
+        fill(pipe)
+        return cast("list[Any]", pipe.execute())
+
     def use(self, key: str) -> LimitUse:
         minute = minute_of(time.time() * 1000)
-        pipe = self._client.pipeline(transaction=False)
-        pipe.time()
-        for part in ("tat:requests", "tat:tokens", "blocked", f"count:requests:{minute}",
-                     f"count:tokens:{minute}"):  # fmt: skip
-            pipe.get(self._k(key, part))
-        pipe.zcard(self._k(key, "line:under_way"))
-        pipe.zcard(self._k(key, "line:new"))
+
+        def fill(pipe: Any) -> None:
+            for part in ("tat:requests", "tat:tokens", "blocked", f"count:requests:{minute}",
+                         f"count:tokens:{minute}"):  # fmt: skip
+                pipe.get(self._k(key, part))
+            pipe.zcard(self._k(key, "line:under_way"))
+            pipe.zcard(self._k(key, "line:new"))
+
         with self._translated():
-            (secs, micros), tr, tt, blocked, cr, ct, w0, w1 = pipe.execute()
+            (secs, micros), tr, tt, blocked, cr, ct, w0, w1 = self._timed(key, fill)
         now = secs * 1000 + micros / 1000
         ahead = {u: max(0.0, float(v) - now) / 1000 for u, v in (("requests", tr), ("tokens", tt))
                  if v is not None}  # fmt: skip
@@ -189,11 +205,10 @@ class RedisLimitStore(LimitStore):
         return limits, caps
 
     def held_off_s(self, key: str) -> float:
-        pipe = self._client.pipeline(transaction=False)
-        pipe.time()
-        pipe.get(self._k(key, "blocked"))
         with self._translated():
-            (secs, micros), blocked = pipe.execute()
+            (secs, micros), blocked = self._timed(
+                key, lambda pipe: pipe.get(self._k(key, "blocked"))
+            )
         return max(0.0, float(blocked) - (secs * 1000 + micros / 1000)) / 1000 if blocked else 0.0
 
     def note_key(self, key: str) -> None:

@@ -18,8 +18,21 @@ from store.snapshots import SnapshotStore
 
 __all__ = ["T0_MS", "FakeClock", "open_run_store", "open_snapshot_store", "race"]
 
-SNAPSHOT_BACKENDS = ("memory", "file", "sqlite", "redis", "s3")
-RUN_BACKENDS = ("memory", "sqlite", "redis")
+SNAPSHOT_BACKENDS = ("memory", "file", "sqlite", "redis", "redis-cluster", "s3")
+RUN_BACKENDS = ("memory", "sqlite", "redis", "redis-cluster")
+CONTRACT_SHARDS = 8
+"""Shards of the cluster backends here: few runs a test, so few shards still put them in
+several (the merges across shards are what differs from one server)."""
+
+
+def cluster_url(request: pytest.FixtureRequest) -> str:
+    """The session's cluster (tests/cluster_servers.py), with CONTRACT_SHARDS shards."""
+    return str(request.getfixturevalue("redis_cluster").url(shards=CONTRACT_SHARDS))
+
+
+def cluster_prefix(request: pytest.FixtureRequest) -> str:
+    """The test's own key prefix on the cluster (a cluster has only database 0)."""
+    return str(request.getfixturevalue("cluster_prefix"))
 
 
 @pytest.fixture
@@ -48,6 +61,10 @@ def open_snapshot_store(
         from store.snapshots.redis import RedisSnapshotStore
 
         return RedisSnapshotStore.from_url(request.getfixturevalue("redis_url"))
+    if backend == "redis-cluster":
+        from store.snapshots.redis import RedisSnapshotStore
+
+        return RedisSnapshotStore.from_url(cluster_url(request), prefix=cluster_prefix(request))
     if backend == "s3":
         from store.snapshots.s3 import S3SnapshotStore
 
@@ -70,6 +87,12 @@ def open_run_store(
         from store.runs.redis import RedisRunStore
 
         return RedisRunStore.from_url(request.getfixturevalue("redis_url"), clock=clock)
+    if backend == "redis-cluster":
+        from store.runs.redis import RedisRunStore
+
+        return RedisRunStore.from_url(
+            cluster_url(request), prefix=cluster_prefix(request), clock=clock
+        )
     raise AssertionError(f"no run backend {backend}")
 
 

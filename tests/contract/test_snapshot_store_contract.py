@@ -53,7 +53,9 @@ def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
             )
         ]
     if isinstance(store, RedisSnapshotStore):
-        keys = store._client.keys(f"ratchet:quarantine:{{{run_id}}}:*:snapshot")
+        # SCAN, not KEYS: on a cluster redis-py scans every primary (KEYS asks one node).
+        pattern = f"{store._shard(run_id).prefix}:quarantine:{{{run_id}}}:*:snapshot"
+        keys = list(store._client.scan_iter(match=pattern))
         return [b"".join(cast(list[bytes], store._client.hvals(k))) for k in keys]
     assert isinstance(store, S3SnapshotStore)
     prefix = f"{store._prefix}quarantine/{run_id}."

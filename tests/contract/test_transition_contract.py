@@ -27,6 +27,7 @@ PAIRS = {
     "sqlite+sqlite": ("sqlite", "sqlite", True),
     "redis+s3": ("redis", "s3", False),
     "redis+redis": ("redis", "redis", True),
+    "cluster+cluster": ("redis-cluster", "redis-cluster", True),
 }
 """Each pair's run store and snapshot store, and whether they commit together."""
 
