@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,15 @@ def rearm(runs: RedisRunStore, due: int) -> None:
     pipe.execute()
 
 
+def collect(into: list[str]) -> Callable[[str, int], None]:
+    """An enqueue for the sweeper that collects the run ids instead of sending resumes."""
+
+    def enqueue(run_id: str, seq: int) -> None:
+        into.append(run_id)
+
+    return enqueue
+
+
 def sweep_bench(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     runs = RedisRunStore.from_url(target.url, prefix="bench", clock=lambda: NOW_MS)
     snapshots = RedisSnapshotStore.from_url(target.url, prefix="bench")
@@ -147,7 +157,7 @@ def sweep_bench(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         enqueued: list[str] = []
         before = target.commandstats()
         started = time.perf_counter()
-        sweep_orphans(ctx, enqueue=lambda run_id, seq, to=enqueued: to.append(run_id))
+        sweep_orphans(ctx, enqueue=collect(enqueued))
         wall_s = time.perf_counter() - started
         spent = target.commandstats() - before
         assert len(enqueued) == args.due, (target.name, len(enqueued))
