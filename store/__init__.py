@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from runtime.errors import StoreUrlInvalid
+from runtime.errors import RatchetError, StoreUrlInvalid
 from store.limits import LimitStore
+from store.rejected import RejectedStore, rejected_folder
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
@@ -148,11 +149,56 @@ def open_limit_store(runs: Any, redis_prefix: str = "ratchet") -> LimitStore:
     return MemoryLimitStore()
 
 
+_REJECTED_STORES = {
+    "redis": "store.rejected.redis:RedisRejected",
+    "amqp": "store.rejected.amqp:AmqpRejected",
+    "folder": "store.rejected.folder:FolderRejected",
+}
+
+
+def _rejected(kind: str) -> Any:
+    """The rejected-message store class of ``kind``, imported only now."""
+    module, _, name = _REJECTED_STORES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def open_rejected(
+    broker_url: str, data_dir: Path, transport_options: dict[str, Any] | None = None
+) -> RejectedStore:
+    """The rejected-message store beside the broker at ``broker_url`` (``transport_options``:
+    the app's, which name the service of kombu's ``sentinel://`` form)."""
+    store: RejectedStore
+    if broker_url.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
+        store = _rejected("redis")(redis.Redis.from_url(broker_url), owned=True)
+    elif broker_url.startswith(("redis+sentinel://", "sentinel://")):
+        from store.sentinel import SentinelUrl, is_sentinel
+        from store.snapshots.redis import connect
+
+        if is_sentinel(broker_url):
+            parsed = SentinelUrl.parse(broker_url)
+        else:
+            parsed = SentinelUrl.from_kombu(broker_url, transport_options or {})
+        store = _rejected("redis")(connect(parsed.url(), max_connections=2), owned=True)
+    elif broker_url.startswith(("amqp://", "amqps://", "pyamqp://")):
+        store = _rejected("amqp")(broker_url)
+    elif broker_url.startswith("filesystem://"):
+        store = _rejected("folder")(rejected_folder(data_dir))
+    else:
+        raise RatchetError(
+            f"no rejected-message store for the broker {broker_url.split('://', 1)[0]}://; "
+            "ratchet keeps refused messages on Redis, RabbitMQ and filesystem:// brokers"
+        )
+    return store
+
+
 __all__ = [
     "LimitStore",
     "RunStore",
     "SnapshotStore",
     "open_limit_store",
+    "open_rejected",
     "open_run_store",
     "open_snapshot_store",
 ]

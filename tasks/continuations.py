@@ -13,8 +13,8 @@ with an optional ``suspension_seq`` (the suspension it answers). A well-formed
 message is handed to ``ratchet.continue`` on the control queue — the one
 handler every continuation goes through, with its checks and exactly-once
 rules — and then acknowledged. A malformed one (not JSON, not an object, no
-``run_id``, a wrong type, an unknown key) is set aside in the dead-letter store
-(:mod:`tasks.rejected`) with a logged reason; it never stops the consumer.
+``run_id``, a wrong type, an unknown key) is set aside in the rejected-message store
+(:mod:`store.rejected`) with a logged reason; it never stops the consumer.
 
 If the worker dies after handing a message on but before acknowledging it,
 the broker delivers it again: with a ``continuation_id`` the second copy is a
@@ -33,8 +33,9 @@ from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
 from runtime.errors import MalformedContinuation, MessageRefused
+from store.rejected import RejectedStore
 from tasks.messages import VERSION, decode, send
-from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
+from tasks.refusals import message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
 

@@ -48,7 +48,6 @@ from store.runs import RunRecord
 from store.snapshots import Prefetched
 from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
-from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, TranscriptSize
 from tasks.live import MAX_PIECES_BYTES, SETTLE_S, live_piece, watched
 from tasks.messages import tell_parent_soon, turn_outbox
@@ -63,6 +62,7 @@ from tasks.persistence import (
     save_snapshot,
     transition,
 )
+from tasks.threads import CallTimedOut, bounded, heartbeats
 
 log = logging.getLogger("ratchet.turn")
 

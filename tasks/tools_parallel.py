@@ -5,7 +5,7 @@ pending call and the plain calls after it, at most the agent's
 ``max_parallel_tools``) are journaled ``tool.requested`` together — with the
 model's response already when every one of them may run again
 (:func:`runtime.fsm.requested_with_response`) — then each runs on a caller
-thread of its own (tasks/calls.py). Each outcome is journaled
+thread of its own (tasks/threads.py). Each outcome is journaled
 and checkpointed **as it finishes**, in whatever order they finish; the model
 reads them in the order it asked (``runtime.actions.in_request_order``). A crash
 in the middle leaves the finished calls recorded — never run again — and the
@@ -60,7 +60,7 @@ from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, p
 from runtime.tools import ToolOutcome, ToolSpec, fitted
 from runtime_io.tools import ask_probe, invoke
 from tasks import failpoints
-from tasks.calls import CallTimedOut, Started, bounded, start
+from tasks.threads import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
     from tasks.held_run import HeldRun

@@ -19,11 +19,11 @@ from celery.beat import PersistentScheduler
 
 from runtime.errors import ConfigInvalid
 from store.private import private_dir, private_files
+from store.rejected import rejected_folder
 from store.sentinel import SentinelUrl, is_sentinel
 from tasks.delivery import MAX_PRIORITY, delivery_settings
 from tasks.messages import send_through
 from tasks.queues import AMQP_SCHEMES, CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, scheme_of
-from tasks.rejected import rejected_folder
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from worker.startup import on_a_command_line
 

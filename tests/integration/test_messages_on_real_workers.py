@@ -20,6 +20,8 @@ from celery import Celery
 from runtime.models import RunStatus
 from runtime.recovery import SWEEPER
 from runtime.timers import wake_at_ms
+from store.rejected import Rejected
+from store.rejected.redis import RedisRejected
 from store.runs import RunRecord
 from tasks.messages import (
     VERSION_HEADER,
@@ -33,7 +35,6 @@ from tasks.messages import (
     enqueue_turn,
     enqueue_wake,
 )
-from tasks.rejected import RedisRejected, Rejected
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.integration.test_broker_faults import alive, ready
