@@ -32,6 +32,8 @@ from store.sentinel import SentinelUrl
 
 ENV_PREFIX = "RATCHET_"
 EXIT_CONFIG_INVALID = 2
+QueueType = Literal["classic", "quorum"]
+"""How ratchet's RabbitMQ queues are declared (``RATCHET_TASK_DEFAULT_QUEUE_TYPE``)."""
 """Exit status of every command (``ratchet …``, ``celery -A worker …``) refused for a bad setting."""
 
 
@@ -60,7 +62,7 @@ class Settings(BaseSettings):
     turn_time_limit_s: int = Field(default=1500, gt=0)
     """Celery's hard time limit for one turn task; must stay below `visibility_timeout_s` (and,
     on RabbitMQ, `amqp_consumer_timeout_s`)."""
-    task_default_queue_type: Literal["classic", "quorum"] = "classic"
+    task_default_queue_type: QueueType = "classic"
     """RabbitMQ only (Celery's `task_default_queue_type`): `quorum` declares ratchet's queues as
     replicated quorum queues, without message priorities on RabbitMQ 3.x (docs/broker.md)."""
     amqp_consumer_timeout_s: int = Field(default=1800, gt=0)

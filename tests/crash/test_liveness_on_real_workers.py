@@ -20,7 +20,7 @@ from runtime.models import RunStatus
 from store.runs import Lease
 from tasks.context import Context
 from tasks.recovery import sweep_orphans
-from tasks.settings import Settings
+from tasks.settings import QueueType, Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for
@@ -113,7 +113,7 @@ def test_rabbitmq_redelivers_a_killed_workers_turn_and_it_takes_the_run_over_its
     redis_url: str,
     ledger: Path,
     tmp_path: Path,
-    queue_type: str,
+    queue_type: QueueType,
 ) -> None:
     ctx = redis_context(redis_url, lease_s=120)
     broker = {

@@ -34,7 +34,7 @@ from store.runs.redis import RedisRunStore
 from tasks import messages
 from tasks.context import Context
 from tasks.recovery import sweep_orphans
-from tasks.settings import Settings
+from tasks.settings import QueueType, Settings
 from tasks.start import create_run
 from tests.console.test_console_pages import TOKEN, act
 from tests.helpers import call, turn, write_agent
@@ -107,7 +107,7 @@ class Fleet:
     """The app in-process senders (API, console) go through: the one the worker runs."""
     cli_env: dict[str, str]
     agents: Path
-    queue_type: str
+    queue_type: QueueType
     """RabbitMQ: how ratchet's queues are declared (``classic`` on other brokers)."""
 
     def agent(self, script: list[dict[str, Any]], name: str) -> str:
@@ -196,7 +196,7 @@ def fleet(request: pytest.FixtureRequest, redis_url: str, tmp_path: Path) -> Ite
     app_name, broker = request.param
     rabbitmq = broker.startswith("rabbitmq")
     broker_url = request.getfixturevalue("rabbitmq_vhost") if rabbitmq else redis_url
-    queue_type = "quorum" if broker == "rabbitmq-quorum" else "classic"
+    queue_type: QueueType = "quorum" if broker == "rabbitmq-quorum" else "classic"
     team = write_proj(tmp_path / "team")
     base = worker_env(redis_url, tmp_path / "refunds.ledger", tmp_path / "data")
     if queue_type == "quorum":
