@@ -19,7 +19,9 @@ from tasks.delivery import MAX_PRIORITY, declaration_refusal
 from tasks.queues import queues
 from tasks.settings import Settings
 from tasks.start import create_run
+from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
+from tests.integration.test_limits_on_real_workers import wait_all
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for, wait_until
 from worker.app import make_app
 
@@ -141,3 +143,44 @@ def test_a_classic_app_is_refused_on_quorum_queues_naming_the_queue_type_to_keep
     assert "(a classic queue behind a direct exchange" in refusal
     assert "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'ratchet.turns'" in refusal
     assert "or set RATCHET_TASK_DEFAULT_QUEUE_TYPE=quorum to keep the queues" in refusal
+
+
+def test_on_rabbitmq_3_quorum_queues_first_turns_queued_earlier_go_before_a_run_under_way(
+    worker_processes: WorkerProcesses, rabbitmq_vhost: str, redis_url: str, tmp_path: Path
+) -> None:
+    # The classic-queue case is test_limits_on_real_workers.py's
+    # test_a_turn_of_a_run_under_way_is_taken_before_first_turns_queued_earlier: there the
+    # run under way finishes before any new run's first call. RabbitMQ 3.x quorum queues
+    # have no priorities (4.0 gives them two levels, and this would change: docs/broker.md).
+    with Connection(rabbitmq_vhost) as connection:
+        version = str(connection.default_channel.connection.server_properties["version"])
+    assert version.startswith("3."), f"RabbitMQ {version}: quorum queues have priorities now"
+    settings = Settings(broker_url=rabbitmq_vhost, task_default_queue_type="quorum")
+    ctx = redis_context(redis_url, broker_url=rabbitmq_vhost, task_default_queue_type="quorum")
+    # Given a run under way (its first call made, in this process) and five new runs
+    agent = write_agent(
+        tmp_path, [turn("Looking.", call("lookup_order", order_id="A1")), turn("Done.")]
+    )
+    started = create_run(ctx, agent, "under way")
+    done = advance(ctx, started.run_id, None)
+    assert done.outcome == "next" and done.priority == 7
+    new = [create_run(ctx, agent, f"new {i}") for i in range(5)]
+    # When the five first turns are queued first, then the run under way's next turn at
+    # its priority, and only then a worker with one slot starts
+    client = make_app(settings)
+    try:
+        for state in new:
+            client.send_task("ratchet.turn", (state.run_id, state.seq))
+        client.send_task("ratchet.turn", (started.run_id, done.seq), priority=done.priority)
+    finally:
+        client.close()
+    worker_processes.start("--pool", "solo", RATCHET_BROKER_URL=rabbitmq_vhost, **QUORUM)
+    wait_all(ctx, [started.run_id] + [s.run_id for s in new], worker_processes)
+    # Then the queue handed them over in the order they came: every new run made its
+    # first call before the run under way finished
+    finished = next(e.at_ms for e in ctx.runs.events(started.run_id) if e.type == "run.completed")
+    firsts = [
+        next(e.at_ms for e in ctx.runs.events(s.run_id) if e.type == "model.requested") for s in new
+    ]
+    assert finished > max(firsts), (finished, firsts)
+    ctx.close()
