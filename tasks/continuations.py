@@ -28,13 +28,14 @@ import logging
 from typing import Any
 
 from celery import bootsteps
-from kombu import Consumer, Queue
+from kombu import Consumer
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
 from runtime.errors import MalformedContinuation, MessageRefused
 from store.rejected import RejectedStore
 from tasks.messages import VERSION, decode, send
+from tasks.queues import continuations_queue
 from tasks.refusals import message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
@@ -52,12 +53,13 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.queue_name: str = parent.app.conf.get(
             "ratchet_continuations_queue", "ratchet.continuations"
         )
+        self.queue_type: str = parent.app.conf.get("ratchet_queue_type") or "classic"
 
     def get_consumers(self, channel: Any) -> list[Any]:
         return [
             Consumer(  # type: ignore[no-untyped-call]
                 channel,
-                queues=[Queue(self.queue_name)],  # type: ignore[no-untyped-call]
+                queues=[continuations_queue(self.queue_name, self.queue_type)],
                 callbacks=[self.on_message],
                 accept=["json"],
                 on_decode_error=self.on_decode_error,

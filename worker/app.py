@@ -90,7 +90,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # and names runs.
         **delivery,
     }
-    if scheme_of(broker_url) in AMQP_SCHEMES:
+    if scheme_of(broker_url) in AMQP_SCHEMES and settings.task_default_queue_type == "quorum":
+        # Every other queue this app declares (RATCHET_NOTIFY_QUEUE's, one made by `-Q`)
+        # a quorum queue too; Celery's pidbox and event queues (exclusive, auto-delete)
+        # cannot be, and stay classic.
+        config["task_default_queue_type"] = "quorum"
+        config["task_create_missing_queue_type"] = "quorum"
+    elif scheme_of(broker_url) in AMQP_SCHEMES:
         # Every other queue this app declares (RATCHET_NOTIFY_QUEUE's, one made by `-Q`)
         # with priorities too, as earlier releases declared them: RabbitMQ refuses a
         # second declaration of a queue with other arguments.

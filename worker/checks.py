@@ -36,6 +36,7 @@ from typing import Any
 from celery.signals import import_modules, worker_init
 
 from runtime.actions import TOOL_TIMEOUT_ATTEMPTS
+from tasks.delivery import declaration_refusal
 from tasks.pool import pool_name
 from tasks.settings import Settings, get_settings
 from worker.startup import shadow_problem
@@ -465,3 +466,6 @@ def _check_tasks_stores_and_broker(sender: Any = None, **_: Any) -> None:
     problem = broker_unreachable(app, get_settings().broker_start_retries)
     if problem is not None:
         _refuse(problem)
+    refusal = declaration_refusal(app)
+    if refusal is not None:
+        _refuse(f"ratchet: refusing to start: {refusal}")
