@@ -30,7 +30,9 @@ from tests.redis_server import (
     replica_caught_up,
     running_replicated_pair,
 )
+from tests.sentinel_servers import running_sentinel_group
 from tests.workers import wait_for
+from worker.checks import store_persistence_problem
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +228,15 @@ def test_only_the_journal_of_a_call_that_is_not_idempotent_waits_for_the_replica
         assert [e.data["name"] for e in waited] == ["lookup_order", "issue_refund"]
     finally:
         ctx.close()
+
+
+def test_the_aof_check_at_start_still_asks_a_sentinel_store_whose_url_has_min_replicas(
+    tmp_path: Path,
+) -> None:
+    with running_sentinel_group(tmp_path, sentinels=1) as group:
+        with _client(group.primary.port) as client:
+            client.config_set("appendonly", "no")
+
+        problem = store_persistence_problem(Settings(run_store=f"{group.url(0)}?min_replicas=1"))
+
+        assert problem is not None and "(the primary)" in problem and "append-only" in problem
