@@ -15,7 +15,9 @@ scheme                 snapshot store              run store
 Redis URLs take every form redis-py does — ``redis://[[user]:password@]host:port/db``,
 ``rediss://`` (TLS; ``?ssl_cert_reqs=…&ssl_ca_certs=…``), ``unix:///path?db=0`` —
 or name a primary behind Sentinel, ``redis+sentinel://host:port,host:port/service/db``
-(:mod:`store.sentinel`) — and the keys of both Redis stores start with
+(:mod:`store.sentinel`), each with ``?min_replicas=N&replica_timeout_ms=T`` if a
+non-idempotent call must wait for replicas (:mod:`store.replicas`) — and the keys of
+both Redis stores start with
 ``redis_prefix`` (setting ``RATCHET_REDIS_PREFIX``, default ``ratchet``), so
 several deployments can share one server.
 """

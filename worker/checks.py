@@ -216,6 +216,7 @@ def store_persistence_problem(settings: Settings) -> str | None:
     """
     import redis
 
+    from store.replicas import split_replica_wait
     from store.sentinel import SentinelUrl, is_sentinel
 
     stores = {"snapshot store": settings.resolved_snapshot_store}
@@ -224,14 +225,15 @@ def store_persistence_problem(settings: Settings) -> str | None:
     for name, url in stores.items():
         if url.startswith(REDIS_STORE_SCHEMES):
             try:
-                if is_sentinel(url):
-                    server = SentinelUrl.parse(url).identity()
+                plain, _ = split_replica_wait(url)  # ratchet's parameters, not the server's
+                if is_sentinel(plain):
+                    server = SentinelUrl.parse(plain).identity()
                 else:
-                    kwargs = redis.connection.parse_url(url)
+                    kwargs = redis.connection.parse_url(plain)
                     server = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
             except ValueError:
                 continue  # opening the store says what is wrong with its URL
-            servers.setdefault(server, []).append((name, url))
+            servers.setdefault(server, []).append((name, plain))
     for named in servers.values():
         names = " and ".join(name for name, _ in named)
         for shown, persistence in _asked(named[0][1], names):

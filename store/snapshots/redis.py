@@ -54,6 +54,7 @@ from runtime.errors import (
 from runtime.models import RunState
 from store.packing import pack, unpack
 from store.redis_connection import connection_class
+from store.replicas import split_replica_wait
 from store.sentinel import SentinelUrl, is_sentinel
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
@@ -155,8 +156,10 @@ def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     threads or gevent worker with hundreds of slots turns into a burst of errors.
 
     ``redis+sentinel://`` URLs (:mod:`store.sentinel`) get the same pool of connections
-    to whichever server the sentinels name as the primary.
+    to whichever server the sentinels name as the primary. ``min_replicas`` and
+    ``replica_timeout_ms`` are ratchet's (store/replicas.py): redis-py never sees them.
     """
+    url, _ = split_replica_wait(url)
     options: dict[str, Any] = {
         "max_connections": max_connections or DEFAULT_MAX_CONNECTIONS,
         "timeout": POOL_WAIT_S,
@@ -220,7 +223,7 @@ def where(url: str) -> str:
     """The URL without its password, fit for an error message."""
     if is_sentinel(url):
         try:
-            return SentinelUrl.parse(url).shown()
+            return SentinelUrl.parse(split_replica_wait(url)[0]).shown()
         except ValueError:
             return "redis+sentinel://…"
     parts = urlsplit(url)
