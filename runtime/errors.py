@@ -40,7 +40,8 @@
     │   ├── StoreUnavailable      transient: the backend could not be reached
     │   │   └── StoreBusy         every pooled connection stayed busy: the pool is too small
     │   ├── StaleWrite            compare-and-set lost: someone wrote a newer seq
-    │   └── LeaseLost             this worker no longer holds the run's lease (a zombie)
+    │   ├── LeaseLost             this worker no longer holds the run's lease (a zombie)
+    │   └── NotReplicated         fewer replicas than required acknowledged a journal entry
     ├── SnapshotFailed            a checkpoint could not be saved; the run stays where it was
     ├── RejectedEntryNotFound     no message with this id in the dead-letter store
     ├── ConfigInvalid             a setting (environment variable) is wrong: names it and the fix
@@ -583,6 +584,32 @@ class LeaseLost(StoreError):
             "nothing to do: the lease holder, or the sweeper after it, carries the run on",
         )
         self.run_id, self.owner = run_id, owner
+
+
+class NotReplicated(StoreError):
+    """A journal entry the run store wrote on its primary, acknowledged by fewer replicas
+    than its URL's ``min_replicas`` within ``replica_timeout_ms`` (``acked`` None: the
+    reply was lost, so no acknowledgement is known). A failover now could lose it, so
+    the call it journals must not start (store/replicas.py)."""
+
+    def __init__(
+        self, run_id: str, store: str, acked: int | None, needed: int, timeout_ms: int
+    ) -> None:
+        store = redacted(store)
+        heard = (
+            "its reply was lost, so no replica's acknowledgement is known"
+            if acked is None
+            else f"{acked} of the {needed} replica(s) it requires acknowledged it within "
+            f"{timeout_ms} ms"
+        )
+        super().__init__(
+            f"run {run_id}: {store} wrote the call's journal entry, but {heard} "
+            f"(min_replicas={needed}); a failover now could lose the entry and run the call "
+            "twice, so it was not started — bring the replicas back (`INFO replication` on "
+            f"the primary lists them), then `ratchet runs resume {run_id}`",
+        )
+        self.run_id, self.store, self.acked = run_id, store, acked
+        self.needed, self.timeout_ms = needed, timeout_ms
 
 
 class SnapshotFailed(RatchetError):

@@ -16,7 +16,7 @@ produces, checkpoints, and chains the next turn.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from runtime.actions import (
@@ -383,6 +383,7 @@ ENDINGS: dict[str, RunStatus] = {
 """Events that end a run's course, with the status each leaves it in: the fold sets it, and
 the ``reason`` as the run's error (the ``output`` of ``run.completed``)."""
 
+
 def _cancelled(state: RunState, event: Event) -> RunState:
     """Cancelled: a suspension it ends counts as suspended up to the cancel.
 
@@ -631,6 +632,23 @@ def requested_with_response(state: RunState, agent: Agent, now_ms: int) -> RunTo
     return action
 
 
+def journal_replicated(calls: Sequence[ToolCall], agent: Agent) -> bool:
+    """Whether the ``tool.requested`` of ``calls`` must reach the run store's replicas
+    before any of them starts (``min_replicas``, store/replicas.py).
+
+    True when one of them is a call whose rule is not to run again (runtime/probes.py):
+    should a failover lose its entry, the call would look as if it never started, and
+    run again. A call whose rule is to run again may lose it: it would run again anyway.
+    """
+    for call in calls:
+        spec = agent.tools.get(call.name)
+        if spec is not None and (
+            unknown_outcome_rule(spec.idempotent, spec.probe is not None) != Rule.RERUN
+        ):
+            return True
+    return False
+
+
 def tool_events(call: ToolCall, outcome: ToolOutcome) -> list[tuple[str, dict[str, Any]]]:
     if outcome.ok:
         return [
@@ -677,6 +695,7 @@ __all__ = [
     "created_event",
     "decide",
     "rebuild",
+    "journal_replicated",
     "requested_event",
     "unsent_event",
     "requested_with_response",

@@ -189,7 +189,7 @@ def invoke(
         value = spec.fn(**parsed)
     except (Exception, SystemExit, KeyboardInterrupt) as exc:
         # A tool's failure is the model's to handle, not the run's. A tool runs on a caller
-        # thread (tasks/calls.py), so its `sys.exit()` or KeyboardInterrupt is its own
+        # thread (tasks/threads.py), so its `sys.exit()` or KeyboardInterrupt is its own
         # failure, never a signal to this worker: re-raised, it would end the pool process
         # and the tool, whose call is journaled, would run again on the retry.
         return ToolOutcome(False, error_text(f"`{spec.name}` raised {type(exc).__name__}: {exc}"))

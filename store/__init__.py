@@ -16,9 +16,11 @@ scheme                 snapshot store              run store
 Redis URLs take every form redis-py does — ``redis://[[user]:password@]host:port/db``,
 ``rediss://`` (TLS; ``?ssl_cert_reqs=…&ssl_ca_certs=…``), ``unix:///path?db=0`` —
 or name a primary behind Sentinel, ``redis+sentinel://host:port,host:port/service/db``
-(:mod:`store.sentinel`), or a Redis Cluster, ``redis+cluster://host:port,host:port[?shards=64]``
-(``rediss+cluster://`` for TLS; :mod:`store.redis_cluster`, whose keys are spread over
-hash-tagged shards, :mod:`store.keyspace`) — and the keys of both Redis stores start with
+(:mod:`store.sentinel`), each with ``?min_replicas=N&replica_timeout_ms=T`` if a
+non-idempotent call must wait for replicas (:mod:`store.replicas`), or a Redis Cluster,
+``redis+cluster://host:port,host:port[?shards=64]`` (``rediss+cluster://`` for TLS;
+:mod:`store.redis_cluster`, whose keys are spread over hash-tagged shards,
+:mod:`store.keyspace`) — and the keys of both Redis stores start with
 ``redis_prefix`` (setting ``RATCHET_REDIS_PREFIX``, default ``ratchet``), so
 several deployments can share one server. The limit store and the live streams are
 on the run store's Redis, cluster or not.
@@ -33,8 +35,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from runtime.errors import StoreUrlInvalid
+from runtime.errors import RatchetError, StoreUrlInvalid
 from store.limits import LimitStore
+from store.rejected import RejectedStore, rejected_folder
 from store.runs import RunStore
 from store.snapshots import SnapshotStore
 
@@ -153,11 +156,56 @@ def open_limit_store(runs: Any, redis_prefix: str = "ratchet") -> LimitStore:
     return MemoryLimitStore()
 
 
+_REJECTED_STORES = {
+    "redis": "store.rejected.redis:RedisRejected",
+    "amqp": "store.rejected.amqp:AmqpRejected",
+    "folder": "store.rejected.folder:FolderRejected",
+}
+
+
+def _rejected(kind: str) -> Any:
+    """The rejected-message store class of ``kind``, imported only now."""
+    module, _, name = _REJECTED_STORES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def open_rejected(
+    broker_url: str, data_dir: Path, transport_options: dict[str, Any] | None = None
+) -> RejectedStore:
+    """The rejected-message store beside the broker at ``broker_url`` (``transport_options``:
+    the app's, which name the service of kombu's ``sentinel://`` form)."""
+    store: RejectedStore
+    if broker_url.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
+        store = _rejected("redis")(redis.Redis.from_url(broker_url), owned=True)
+    elif broker_url.startswith(("redis+sentinel://", "sentinel://")):
+        from store.sentinel import SentinelUrl, is_sentinel
+        from store.snapshots.redis import connect
+
+        if is_sentinel(broker_url):
+            parsed = SentinelUrl.parse(broker_url)
+        else:
+            parsed = SentinelUrl.from_kombu(broker_url, transport_options or {})
+        store = _rejected("redis")(connect(parsed.url(), max_connections=2), owned=True)
+    elif broker_url.startswith(("amqp://", "amqps://", "pyamqp://")):
+        store = _rejected("amqp")(broker_url)
+    elif broker_url.startswith("filesystem://"):
+        store = _rejected("folder")(rejected_folder(data_dir))
+    else:
+        raise RatchetError(
+            f"no rejected-message store for the broker {broker_url.split('://', 1)[0]}://; "
+            "ratchet keeps refused messages on Redis, RabbitMQ and filesystem:// brokers"
+        )
+    return store
+
+
 __all__ = [
     "LimitStore",
     "RunStore",
     "SnapshotStore",
     "open_limit_store",
+    "open_rejected",
     "open_run_store",
     "open_snapshot_store",
 ]

@@ -11,6 +11,7 @@ version). docs/security.md lists what is where.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -81,3 +82,43 @@ def _tighten(path: Path, mode: int) -> None:
         return  # a link is refused where it is opened; another user's file is theirs
     if stat.S_IMODE(found.st_mode) & ~mode:
         os.chmod(path, stat.S_IMODE(found.st_mode) & mode)
+
+
+def write_atomically(
+    folder: Path, name: str, data: bytes, sync: bool = True, staging: Path | None = None
+) -> None:
+    """Write ``folder/name`` whole or not at all: temp file (O_EXCL|O_NOFOLLOW), fsync, rename.
+
+    The temp file's name is unpredictable and starts with a dot, so no reader that
+    looks for ``*.msg`` or ``*.json`` sees it; on any failure it is removed. Without
+    ``sync`` it is not fsynced: still whole or absent for every reader and across a
+    crash of the process, but a crash of the host may leave it empty. With
+    ``staging`` (a folder on the same file system) the temp file is written there,
+    so a watch on ``folder`` sees only the rename.
+    """
+    temp = (staging or folder) / f".{secrets.token_hex(8)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, folder / name)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def read_no_follow(path: Path, max_bytes: int) -> bytes | None:
+    """The file's first ``max_bytes`` bytes, or None if it is gone or is a symlink (never followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
+        return None
+    with os.fdopen(fd, "rb") as file:
+        return file.read(max_bytes)

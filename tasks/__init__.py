@@ -15,7 +15,12 @@ from typing import Any
 
 from tasks.children import deliver_run
 from tasks.control import cancel_run, continue_run
-from tasks.delivery import apply_delivery, delivery_refusal, delivery_settings
+from tasks.delivery import (
+    apply_delivery,
+    declaration_refusal,
+    delivery_refusal,
+    delivery_settings,
+)
 from tasks.messages import send_through
 from tasks.queues import ROUTES, beat_schedule
 from tasks.recovery import reconcile_run, resume_run, sweep
@@ -84,6 +89,8 @@ def install(app: Any, settings: Settings | None = None) -> None:
         if getattr(sender, "app", None) is not app:
             return
         problem = delivery_refusal(app, settings, getattr(sender, "prefetch_multiplier", None))
+        if problem is None:
+            problem = declaration_refusal(app)
         if problem is not None:
             # SystemExit passes through Celery's signal dispatch (it catches Exception only).
             print(f"ratchet: refusing to start: {problem}", file=sys.stderr, flush=True)

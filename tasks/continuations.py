@@ -13,8 +13,8 @@ with an optional ``suspension_seq`` (the suspension it answers). A well-formed
 message is handed to ``ratchet.continue`` on the control queue — the one
 handler every continuation goes through, with its checks and exactly-once
 rules — and then acknowledged. A malformed one (not JSON, not an object, no
-``run_id``, a wrong type, an unknown key) is set aside in the dead-letter store
-(:mod:`tasks.rejected`) with a logged reason; it never stops the consumer.
+``run_id``, a wrong type, an unknown key) is set aside in the rejected-message store
+(:mod:`store.rejected`) with a logged reason; it never stops the consumer.
 
 If the worker dies after handing a message on but before acknowledging it,
 the broker delivers it again: with a ``continuation_id`` the second copy is a
@@ -28,13 +28,15 @@ import logging
 from typing import Any
 
 from celery import bootsteps
-from kombu import Consumer, Queue
+from kombu import Consumer
 from kombu.common import ignore_errors
 
 from runtime.continuation import parse_message
 from runtime.errors import MalformedContinuation, MessageRefused
+from store.rejected import RejectedStore
 from tasks.messages import VERSION, decode, send
-from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
+from tasks.queues import continuations_queue
+from tasks.refusals import message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
 
@@ -51,12 +53,13 @@ class ContinuationConsumer(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.queue_name: str = parent.app.conf.get(
             "ratchet_continuations_queue", "ratchet.continuations"
         )
+        self.queue_type: str = parent.app.conf.get("ratchet_queue_type") or "classic"
 
     def get_consumers(self, channel: Any) -> list[Any]:
         return [
             Consumer(  # type: ignore[no-untyped-call]
                 channel,
-                queues=[Queue(self.queue_name)],  # type: ignore[no-untyped-call]
+                queues=[continuations_queue(self.queue_name, self.queue_type)],
                 callbacks=[self.on_message],
                 accept=["json"],
                 on_decode_error=self.on_decode_error,

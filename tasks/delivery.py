@@ -32,6 +32,11 @@ does the ordering:
   declaration with other arguments (PRECONDITION_FAILED): a deployment whose
   ``ratchet.turns`` / ``ratchet.control`` were declared without priorities must delete
   them (once drained).
+- **RabbitMQ quorum queues** (``RATCHET_TASK_DEFAULT_QUEUE_TYPE=quorum``): no
+  ``x-max-priority`` (3.10 refuses it). Messages still carry their priority: RabbitMQ
+  3.x serves a quorum queue in order whatever it says; 4.0 and later serve two levels,
+  above 4 (runs under way, control messages) two for every one at 0-4 (new runs)
+  (``python -m bench.quorum_priorities``, docs/broker.md).
 - **filesystem://** and **memory://** have no priorities: messages go in order.
 """
 
@@ -48,12 +53,16 @@ from tasks.queues import (
     REDIS_SCHEMES,
     ROUTES,
     TURNS_QUEUE,
+    continuations_queue,
     queues,
     scheme_of,
 )
 from tasks.settings import Settings
 
 MAX_PRIORITY = 9
+PRECONDITION_FAILED = 406
+"""AMQP's reply code to a declaration that differs from what the broker has."""
+CONTINUATIONS = "ratchet.continuations"
 
 REDIS_PRIORITY_SEP = "\x06\x16"
 """kombu's Redis transport keeps a queue's step ``n`` > 0 in the list ``<queue>\\x06\\x16<n>``."""
@@ -80,8 +89,10 @@ def delivery_settings(broker_url: str, settings: Settings) -> dict[str, Any]:
             "priority_steps": list(range(MAX_PRIORITY + 1)),
             "queue_order_strategy": "round_robin",
         }
+    amqp = scheme in AMQP_SCHEMES
+    queue_type = settings.task_default_queue_type if amqp else "classic"
     return {
-        "task_queues": queues(MAX_PRIORITY if scheme in AMQP_SCHEMES else None),
+        "task_queues": queues(MAX_PRIORITY if amqp else None, queue_type),
         "task_routes": _routes(scheme),
         "broker_transport_options": transport,
         "accept_content": ["json"],
@@ -90,6 +101,7 @@ def delivery_settings(broker_url: str, settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": task_events_on(settings, scheme),
         "task_send_sent_event": task_events_on(settings, scheme),
         "ratchet_continuations_queue": settings.continuations_queue,
+        "ratchet_queue_type": queue_type,
     }
 
 
@@ -215,6 +227,76 @@ def delivery_refusal(
     )
 
 
+def declaration_refusal(app: Any) -> str | None:
+    """Why RabbitMQ refuses ratchet's queues as ``app`` declares them, in one line; or None.
+
+    Declares ratchet's queues (their exchanges, the queues, the bindings) as the
+    worker is about to. RabbitMQ never changes a queue's type or arguments, nor an
+    exchange's type: one declared before otherwise (a classic ``ratchet.turns`` from
+    before ``RATCHET_TASK_DEFAULT_QUEUE_TYPE=quorum``, or the other way round) is
+    refused with PRECONDITION_FAILED, which Celery's consumer met as an unrecoverable
+    traceback. None on other brokers, and when RabbitMQ cannot be reached (Celery's
+    own connection retries report that).
+    """
+    conf = app.conf
+    if scheme_of(str(conf.broker_url or "")) not in AMQP_SCHEMES:
+        return None
+    queue_type = conf.get("ratchet_queue_type") or "classic"
+    ours = [app.amqp.queues[name] for name in (TURNS_QUEUE, CONTROL_QUEUE)]
+    ours.append(
+        continuations_queue(conf.get("ratchet_continuations_queue") or CONTINUATIONS, queue_type)
+    )
+    connection = app.connection_for_write()
+    try:
+        for queue in ours:
+            refused = _refused(connection, queue)
+            if refused is not None:
+                return _migrate(connection, queue, queue_type, refused)
+    except connection.connection_errors:
+        return None
+    finally:
+        connection.release()
+    return None
+
+
+def _refused(connection: Any, queue: Any) -> str | None:
+    """RabbitMQ's PRECONDITION_FAILED reply to declaring ``queue``, or None once declared."""
+    channel = connection.channel()
+    try:
+        queue(channel).declare()
+    except connection.channel_errors as exc:
+        if getattr(exc, "code", None) != PRECONDITION_FAILED:
+            raise
+        return " ".join(str(exc).split())
+    finally:
+        try:
+            channel.close()
+        except connection.channel_errors:
+            pass  # RabbitMQ closed it with its refusal
+    return None
+
+
+def _migrate(connection: Any, queue: Any, queue_type: str, refused: str) -> str:
+    vhost = connection.virtual_host or "/"
+    declared = f"a {queue_type} queue behind a {queue.exchange.type} exchange"
+    # RabbitMQ names the first argument that differs: the queue's type, or the exchange's
+    # (which quorum queues change too), means the other type was declared before.
+    other = "classic" if queue_type == "quorum" else "quorum"
+    keep = (
+        f"; or set RATCHET_TASK_DEFAULT_QUEUE_TYPE={other} to keep the queues RabbitMQ has"
+        if "'x-queue-type'" in refused or "for exchange" in refused
+        else ""
+    )
+    return (
+        f"RabbitMQ refuses {queue.name} as this worker declares it ({declared}, "
+        f"RATCHET_TASK_DEFAULT_QUEUE_TYPE={queue_type}): {refused}; RabbitMQ never changes "
+        "a queue's type or arguments, nor an exchange's type: stop the senders and workers "
+        f"of the old declaration, let {queue.name} drain, delete it and its exchange "
+        f"(`rabbitmqctl delete_queue -p {vhost} {queue.name}`, `rabbitmqadmin -V {vhost} "
+        f"delete exchange name={queue.name}`) and start the workers again{keep}"
+    )
+
+
 def _declared(queue: Any) -> str:
     exchange = queue.exchange.name if queue.exchange is not None else ""
     arguments = dict(queue.queue_arguments or {})
@@ -226,6 +308,7 @@ __all__ = [
     "MAX_PRIORITY",
     "TURNS_QUEUE",
     "apply_delivery",
+    "declaration_refusal",
     "delivery_problems",
     "delivery_refusal",
     "delivery_settings",

@@ -33,6 +33,7 @@ from runtime.actions import (
 from runtime.agent import Agent
 from runtime.errors import (
     AgentFileError,
+    NotReplicated,
     ProviderError,
     ProviderRateLimited,
     RunNotFound,
@@ -48,7 +49,6 @@ from store.runs import RunRecord
 from store.snapshots import Prefetched
 from store.snapshots import format as snapshot_format
 from tasks import failpoints, limits, metrics
-from tasks.calls import CallTimedOut, bounded, heartbeats
 from tasks.context import Context, TranscriptSize
 from tasks.live import MAX_PIECES_BYTES, SETTLE_S, live_piece, watched
 from tasks.messages import tell_parent_soon, turn_outbox
@@ -63,6 +63,7 @@ from tasks.persistence import (
     save_snapshot,
     transition,
 )
+from tasks.threads import CallTimedOut, bounded, heartbeats
 
 log = logging.getLogger("ratchet.turn")
 
@@ -321,6 +322,24 @@ class HeldRun:
         """Append events (fenced by lease and seq) and the record they produce."""
         with self._recording:
             self.state = append_events(self.ctx, self.state, items, self.owner)
+
+    def record_replicated(self, items: list[tuple[str, dict[str, Any]]]) -> NotReplicated | None:
+        """:meth:`record`, returning once the run store's replicas hold the events too: the
+        journal of a call that is not idempotent, which must not start before a failover
+        can no longer lose it (:meth:`~store.runs.RunStore.append_replicated`).
+
+        The NotReplicated if they did not acknowledge it in time: the events are written,
+        and this state has them, all the same.
+        """
+        with self._recording:
+            change = transition(self.ctx, self.state, items)
+            try:
+                append_transition(self.ctx, self.state, change, self.owner, replicated=True)
+            except NotReplicated as exc:
+                self.state = change.state
+                return exc
+            self.state = change.state
+            return None
 
     def checkpointed(
         self, items: list[tuple[str, dict[str, Any]]], requesting: bool = False

@@ -39,8 +39,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 from runtime.errors import InvalidRunId, MessageRefused
 from runtime.models import validate_run_id
 from runtime.recovery import OPERATOR, SWEEPER
-from tasks import publish as lean
-from tasks.queues import CONTROL_QUEUE, ROUTES
+from tasks import next_turn as lean
+from tasks.queues import CONTROL_QUEUE, ROUTES, whole_seconds_on_quorum
 
 VERSION = 1
 """The message format version this release sends and reads (besides v0)."""
@@ -348,11 +348,11 @@ def send(
     """
     if priority is not None:
         options["priority"] = priority
-    if countdown_s > 0:
-        options["countdown"] = countdown_s
     options["queue"] = queue or options.get("queue") or message.queue()
     headers = {**(options.pop("headers", None) or {}), VERSION_HEADER: VERSION}
     app = app or sending_app()
+    if countdown_s > 0:
+        options["countdown"] = whole_seconds_on_quorum(app, options["queue"], countdown_s)
     if app.conf.task_serializer != "json":
         # ratchet's messages are JSON whatever an application's own tasks are sent as.
         options.setdefault("serializer", "json")
@@ -368,7 +368,7 @@ def send(
 
 def turn_outbox(runs: Any, run_id: str, seq: int, priority: int | None) -> Any:
     """The next turn of ``run_id`` at ``seq`` as an outbox message for ``runs`` to push with
-    the checkpoint that ends this turn (:meth:`tasks.publish.LeanTurns.outbox`); None when
+    the checkpoint that ends this turn (:meth:`tasks.next_turn.LeanTurns.outbox`); None when
     it must be sent as every other message is, after the checkpoint (:func:`send`)."""
     message = build(Turn, run_id=run_id, expected_seq=seq)
     app = sending_app()

@@ -40,6 +40,9 @@ Exposed (all counters except the two histograms):
   they took; ``ratchet_turn_seconds_total{throttled}`` — time inside turn tasks,
   split by whether the turn ended waiting on a limit (the slot time waiting costs).
   ``ratchet limits`` shows each limit's use this minute, its lines and its places.
+- ``ratchet_unreplicated_calls_total`` — tool calls not started because the run store's
+  replicas did not acknowledge their journal entry within ``replica_timeout_ms``
+  (``min_replicas``, store/replicas.py): each stalls its run until an operator resumes it;
 - ``ratchet_live_dropped_total{reason}`` — live-stream entries (model deltas, tool
   progress) dropped rather than hold a turn: ``full`` (the writer's queue), ``store``
   (the stream's store failed) or ``too_large`` (a model call's pieces past their
@@ -121,6 +124,10 @@ class _Metrics:
             "Live-stream entries (deltas, tool progress) dropped, by why.",
             ["reason"],
         )
+        self.unreplicated = counter(
+            "ratchet_unreplicated_calls",
+            "Tool calls not started: the run store's replicas did not acknowledge their journal.",
+        )
         self.turn_s = counter(
             "ratchet_turn_seconds", "Time inside turn tasks, by whether they waited.", ["throttled"]
         )
@@ -174,6 +181,12 @@ def live_dropped(reason: str, entries: int) -> None:
     """``entries`` live-stream entries were dropped: the queue was full, or the store failed."""
     if _on is not None:
         _on.live_dropped.labels(reason).inc(entries)
+
+
+def unreplicated(calls: int) -> None:
+    """``calls`` tool calls were not started: too few replicas acknowledged their journal."""
+    if _on is not None:
+        _on.unreplicated.inc(calls)
 
 
 def limit_checked(seconds: float, outcome: str) -> None:

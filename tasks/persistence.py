@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from runtime.continuation import max_suspended_s_of
 from runtime.errors import (
     EventsDoNotFold,
+    NotReplicated,
     RatchetError,
     RunNotFound,
     RunStateLost,
@@ -274,10 +275,22 @@ def append_events(
 
 
 def append_transition(
-    ctx: Context, before: RunState, change: Transition, owner: str | None
+    ctx: Context, before: RunState, change: Transition, owner: str | None, replicated: bool = False
 ) -> RunState:
-    """Append ``change``, made after ``before`` (fenced as :func:`append_events`); its state."""
-    ctx.runs.append(change.record, change.events, owner)
+    """Append ``change``, made after ``before`` (fenced as :func:`append_events`); its state.
+
+    ``replicated``: and return once the run store's replicas hold it too
+    (:meth:`~store.runs.RunStore.append_replicated`); NotReplicated when they did not
+    acknowledge it in time — it is written, and committed here, all the same.
+    """
+    if not replicated:
+        ctx.runs.append(change.record, change.events, owner)
+    else:
+        try:
+            ctx.runs.append_replicated(change.record, change.events, owner)
+        except NotReplicated:
+            _committed(ctx, before.status, change)
+            raise
     _committed(ctx, before.status, change)
     return change.state
 

@@ -34,6 +34,8 @@ from store.sentinel import SentinelUrl
 
 ENV_PREFIX = "RATCHET_"
 EXIT_CONFIG_INVALID = 2
+QueueType = Literal["classic", "quorum"]
+"""How ratchet's RabbitMQ queues are declared (``RATCHET_TASK_DEFAULT_QUEUE_TYPE``)."""
 """Exit status of every command (``ratchet …``, ``celery -A worker …``) refused for a bad setting."""
 
 
@@ -62,6 +64,9 @@ class Settings(BaseSettings):
     turn_time_limit_s: int = Field(default=1500, gt=0)
     """Celery's hard time limit for one turn task; must stay below `visibility_timeout_s` (and,
     on RabbitMQ, `amqp_consumer_timeout_s`)."""
+    task_default_queue_type: QueueType = "classic"
+    """RabbitMQ only (Celery's `task_default_queue_type`): `quorum` declares ratchet's queues as
+    replicated quorum queues, without message priorities on RabbitMQ 3.x (docs/broker.md)."""
     amqp_consumer_timeout_s: int = Field(default=1800, gt=0)
     """RabbitMQ only: the server's `consumer_timeout` (rabbitmq.conf; its default is 30 min).
     A delivery unacknowledged this long closes the worker's channel: every turn and every
@@ -123,6 +128,19 @@ class Settings(BaseSettings):
                 f"RATCHET_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}), or the broker "
                 "delivers a long turn a second time while it still runs; lower the one or "
                 "raise the other"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quorum_queues_are_rabbitmqs(self) -> Settings:
+        # Only RabbitMQ replicates a queue; kombu's other transports ignore the argument,
+        # and an operator would believe the queues survive a node they do not.
+        scheme = self.resolved_broker_url.split("://", 1)[0].split("+", 1)[0]
+        if self.task_default_queue_type == "quorum" and scheme not in ("amqp", "amqps", "pyamqp"):
+            raise ValueError(
+                "RATCHET_TASK_DEFAULT_QUEUE_TYPE=quorum is a RabbitMQ queue type, and "
+                f"RATCHET_BROKER_URL is a {scheme}:// broker; point RATCHET_BROKER_URL at "
+                "RabbitMQ (amqp://…), or unset RATCHET_TASK_DEFAULT_QUEUE_TYPE"
             )
         return self
 

@@ -7,7 +7,7 @@ traceback in the worker log. :class:`RatchetTask` reads the message first, as
 its task's model in :mod:`tasks.messages` (strict: no coercion, ``"5"`` is not
 an int, ``true`` is not an int; no unknown keyword; a run id that is an id; a
 version this worker knows). A message that fails is set aside in the
-dead-letter store (:mod:`tasks.rejected`) with one WARNING line naming the
+rejected-message store (:mod:`store.rejected`) with one WARNING line naming the
 task, the argument and the signature to send, and Celery records the task as
 ignored (the message is acknowledged: sending it again would fail the same way).
 """
@@ -27,7 +27,7 @@ from celery.local import Proxy
 from runtime.errors import ClockSkewed, InvalidRunId, MessageRefused, RunBusy, StoreUnavailable
 from tasks.messages import MESSAGES, VERSION_HEADER, call_form, decode, sending_app
 from tasks.queues import CONTROL_QUEUE, ROUTES
-from tasks.rejected import set_aside, store_for_app
+from tasks.refusals import set_aside, store_for_app
 
 
 class RatchetTask(Task):  # type: ignore[misc]

@@ -5,7 +5,7 @@ pending call and the plain calls after it, at most the agent's
 ``max_parallel_tools``) are journaled ``tool.requested`` together — with the
 model's response already when every one of them may run again
 (:func:`runtime.fsm.requested_with_response`) — then each runs on a caller
-thread of its own (tasks/calls.py). Each outcome is journaled
+thread of its own (tasks/threads.py). Each outcome is journaled
 and checkpointed **as it finishes**, in whatever order they finish; the model
 reads them in the order it asked (``runtime.actions.in_request_order``). A crash
 in the middle leaves the finished calls recorded — never run again — and the
@@ -15,6 +15,12 @@ A call whose server could not be reached before it was sent (an MCP server down:
 :class:`~runtime.errors.CallNotSent`) did not run: it is journaled ``tool.unsent``
 — requested no more — and, once the batch's other calls are recorded, the run
 stalls with one line naming the server. A resume sends it afresh.
+
+With ``min_replicas`` on the run store's URL, a batch with a call that is not
+idempotent starts only once the store's replicas acknowledged its ``tool.requested``
+(:func:`runtime.fsm.journal_replicated`); if they do not in time, no call of it
+starts: each is journaled ``tool.unsent`` and the run stalls saying why, for an
+operator's resume once the replicas are back (store/replicas.py).
 
 :func:`resolve` carries out :class:`runtime.fsm.Unresolved`, the calls a crash
 or a timeout left with no outcome, each by its rule (runtime/probes.py): an
@@ -46,10 +52,11 @@ from runtime.actions import (
     probes_left,
     tool_attempts,
 )
-from runtime.errors import CallNotSent
+from runtime.errors import CallNotSent, NotReplicated
 from runtime.fsm import (
     RunTool,
     Unresolved,
+    journal_replicated,
     requested_event,
     tool_events,
     unknown_tool_outcome,
@@ -59,8 +66,8 @@ from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, fitted
 from runtime_io.tools import ask_probe, invoke
-from tasks import failpoints
-from tasks.calls import CallTimedOut, Started, bounded, start
+from tasks import failpoints, metrics
+from tasks.threads import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
     from tasks.held_run import HeldRun
@@ -138,8 +145,9 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
                 call.name,
                 call.id,
             )
-    if fresh:
-        held.record([requested_event(call) for call in fresh])
+    held_back = _journal(held, fresh)
+    if held_back is not None:
+        return held_back
     failpoints.hit("tool.requested", model_calls)
     batch = _Batch(held)
     unsent: list[tuple[ToolCall, CallNotSent]] = []
@@ -187,6 +195,30 @@ def _not_sent(held: HeldRun, unsent: list[tuple[ToolCall, CallNotSent]]) -> Stal
     )
     log.warning("run %s: %s", held.state.run_id, reason)
     return Stall(reason, tuple(unsent_event(c, str(e)) for c, e in unsent))
+
+
+def _journal(held: HeldRun, calls: list[ToolCall]) -> Stall | None:
+    """Journal ``calls`` as requested, before any starts; with a call that is not
+    idempotent among them, confirmed by the run store's replicas (``min_replicas``). The
+    Stall to carry out instead of starting them if the replicas did not confirm it."""
+    if not calls:
+        return None
+    journal = [requested_event(call) for call in calls]
+    if not journal_replicated(calls, held.agent):
+        held.record(journal)
+        return None
+    shortfall = held.record_replicated(journal)
+    return None if shortfall is None else _not_replicated(held, calls, shortfall)
+
+
+def _not_replicated(held: HeldRun, calls: list[ToolCall], error: NotReplicated) -> Stall:
+    """The stall for a batch whose journal entry too few replicas acknowledged: none of its
+    calls started, so each is journaled unsent, and a resume requests it afresh — and waits
+    for the replicas again."""
+    log.warning("%s", error)
+    metrics.unreplicated(len(calls))
+    why = "the run store's replicas did not acknowledge its journal entry in time"
+    return Stall(str(error), tuple(unsent_event(call, why) for call in calls))
 
 
 def _timed_out(held: HeldRun, batch: _Batch, item: _Call) -> bool:

@@ -148,6 +148,16 @@ class RedisServer:
             self._process = None
         self.start()
 
+    def pause(self) -> None:
+        """SIGSTOP the server: it answers nothing and reads nothing until :meth:`resume`."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a server :meth:`pause` stopped."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGCONT)
+
     def restart(self) -> None:
         """Start again on the same port (killing the server first if it still runs)."""
         self.kill()
@@ -181,6 +191,62 @@ def running_redis_server(directory: Path, appendonly: bool = True) -> Iterator[R
         yield server
     finally:
         server.stop()
+
+
+QUICK_SYNC = ("--repl-diskless-sync-delay", "0")
+"""For servers that replicate: a full sync starts at once. Redis otherwise waits 5 s for more
+replicas to share it (``repl-diskless-sync-delay``), a replica's first sync included."""
+
+
+def replica_caught_up(primary: RedisServer, replica: RedisServer) -> bool:
+    """Whether ``replica`` is linked to ``primary`` and has applied everything it wrote."""
+    with _client(primary.port) as client:
+        offset = client.info("replication")["master_repl_offset"]
+    with _client(replica.port) as client:
+        state = client.info("replication")
+    linked = state.get("master_link_status") == "up"
+    return linked and int(state.get("slave_repl_offset", -1)) >= int(offset)
+
+
+def cut_off(primary: RedisServer, replica: RedisServer) -> None:
+    """Stop ``replica`` (SIGSTOP) and have ``primary`` drop its link, so that nothing the
+    primary writes from now on reaches it.
+
+    SIGSTOP alone is not enough: the primary's stream keeps arriving in the stopped
+    replica's socket buffer (on loopback, all of it), and the replica applies it on SIGCONT.
+    With its link dropped while it is stopped, it cannot reconnect until it is resumed.
+    """
+    replica.pause()
+    with _client(primary.port) as client:
+        client.client_kill_filter(_type="replica")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while client.info("replication")["connected_slaves"]:
+            assert time.monotonic() < deadline, "the primary kept its replica's link"
+            time.sleep(0.01)
+
+
+@contextmanager
+def running_replicated_pair(directory: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A primary and a replica of it, linked and in sync; both stopped on exit."""
+    primary = RedisServer(directory / "primary", args=QUICK_SYNC)
+    primary.directory.mkdir(parents=True)
+    replica = RedisServer(
+        directory / "replica", args=("--replicaof", HOST, str(primary.port), *QUICK_SYNC)
+    )
+    replica.directory.mkdir()
+    try:
+        primary.start()
+        replica.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not replica_caught_up(primary, replica):
+            assert time.monotonic() < deadline, "the replica did not sync with its primary"
+            time.sleep(0.02)
+        yield primary, replica
+    finally:
+        if replica.running:
+            replica.resume()  # a paused server does not act on SIGTERM
+        replica.stop()
+        primary.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """A Redis primary, its replica and three sentinels watching them, all on 127.0.0.1.
 
 :func:`running_sentinel_group` starts them and waits until the sentinels agree on
-the primary, know its replica and each other; :meth:`SentinelGroup.fail_over` kills
-the primary (SIGKILL, a lost host) and waits until the sentinels promote the replica.
+the primary, know its replicas and each other; :meth:`SentinelGroup.fail_over` kills
+the primary (SIGKILL, a lost host) and waits until the sentinels promote a replica.
 Sentinels decide fast here (``down-after-milliseconds`` 500, a 2-second
 ``failover-timeout``) so that a test sees a failover in a few seconds.
 """
@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-from tests.redis_server import HOST, RedisServer, _answers_ping, _binary, _client, _free_port
+from tests.redis_server import (
+    HOST,
+    QUICK_SYNC,
+    RedisServer,
+    _answers_ping,
+    _binary,
+    _client,
+    _free_port,
+)
 
 SERVICE = "ratchet-primary"
 DOWN_AFTER_MS = 500
@@ -30,6 +38,7 @@ QUORUM = 2
 class Sentinel:
     directory: Path
     primary_port: int
+    quorum: int = QUORUM
     port: int = field(default_factory=_free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -41,7 +50,7 @@ class Sentinel:
             f"port {self.port}\n"
             f"bind {HOST}\n"
             f"dir {self.directory}\n"
-            f"sentinel monitor {SERVICE} {HOST} {self.primary_port} {QUORUM}\n"
+            f"sentinel monitor {SERVICE} {HOST} {self.primary_port} {self.quorum}\n"
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {SERVICE} 1\n"
@@ -74,6 +83,12 @@ class SentinelGroup:
     primary: RedisServer
     replica: RedisServer
     sentinels: list[Sentinel]
+    others: list[RedisServer] = field(default_factory=list)
+    """Replicas besides ``replica``, if the group was started with more than one."""
+
+    @property
+    def replicas(self) -> list[RedisServer]:
+        return [self.replica, *self.others]
 
     def url(self, db: int = 0) -> str:
         """The ``redis+sentinel://`` URL of the group's database ``db``."""
@@ -97,21 +112,34 @@ class SentinelGroup:
                 replicas = client.sentinel_slaves(SERVICE)
             if state.get("num-other-sentinels") != len(self.sentinels) - 1:
                 return False
-            if not any(r["port"] == self.replica.port and not r["is_sdown"] for r in replicas):
-                return False
-        with _client(self.replica.port) as client:
-            link = client.info("replication").get("master_link_status")
-        return link == "up" and self.primary_port() == self.primary.port
+            for replica in self.replicas:
+                if not any(r["port"] == replica.port and not r["is_sdown"] for r in replicas):
+                    return False
+        for replica in self.replicas:
+            with _client(replica.port) as client:
+                if client.info("replication").get("master_link_status") != "up":
+                    return False
+        return self.primary_port() == self.primary.port
 
-    def fail_over(self, timeout_s: float = 20) -> float:
-        """SIGKILL the primary; wait until every sentinel names the replica. Seconds taken."""
+    def promoted(self) -> RedisServer | None:
+        """The replica every sentinel names as the primary, or None."""
+        port = self.primary_port()
+        return next((r for r in self.replicas if r.port == port), None)
+
+    def fail_over(self, timeout_s: float = 20, then: Callable[[], None] | None = None) -> float:
+        """SIGKILL the primary; wait until every sentinel names a replica. Seconds taken.
+
+        ``then``: called once the primary is dead, before the wait (a test resumes a
+        replica it stopped)."""
         started = time.monotonic()
         self.primary.kill()
-        while self.primary_port() != self.replica.port:
+        if then is not None:
+            then()
+        while (promoted := self.promoted()) is None:
             if time.monotonic() - started > timeout_s:
-                raise AssertionError(f"the sentinels did not promote the replica in {timeout_s} s")
+                raise AssertionError(f"the sentinels did not promote a replica in {timeout_s} s")
             time.sleep(0.05)
-        with _client(self.replica.port) as client:
+        with _client(promoted.port) as client:
             while client.info("replication").get("role") != "master":
                 if time.monotonic() - started > timeout_s:
                     raise AssertionError("the replica was not told it is the primary")
@@ -120,19 +148,29 @@ class SentinelGroup:
 
 
 @contextmanager
-def running_sentinel_group(directory: Path, timeout_s: float = 20) -> Iterator[SentinelGroup]:
-    """A primary, a replica of it and three sentinels, ready; all stopped on exit."""
-    primary = RedisServer(directory / "primary")
+def running_sentinel_group(
+    directory: Path, timeout_s: float = 20, replicas: int = 1, sentinels: int = 3
+) -> Iterator[SentinelGroup]:
+    """A primary, ``replicas`` replicas of it and ``sentinels`` sentinels (the quorum two,
+    or one for a lone sentinel: it is ready sooner, not waiting to meet the others),
+    ready; all stopped on exit."""
+    # Each may sync replicas: the primary now, a promoted replica after a failover.
+    primary = RedisServer(directory / "primary", args=QUICK_SYNC)
     primary.directory.mkdir(parents=True)
     primary.start()
-    replica_dir = directory / "replica"
-    replica_dir.mkdir()
-    replica = RedisServer(replica_dir, args=("--replicaof", HOST, str(primary.port)))
-    group = SentinelGroup(primary, replica, [])
+    made = []
+    for n in range(replicas):
+        replica_dir = directory / ("replica" if n == 0 else f"replica-{n}")
+        replica_dir.mkdir()
+        made.append(
+            RedisServer(replica_dir, args=("--replicaof", HOST, str(primary.port), *QUICK_SYNC))
+        )
+    group = SentinelGroup(primary, made[0], [], made[1:])
     try:
-        replica.start()
-        for n in range(3):
-            sentinel = Sentinel(directory / f"sentinel-{n}", primary.port)
+        for replica in group.replicas:
+            replica.start()
+        for n in range(sentinels):
+            sentinel = Sentinel(directory / f"sentinel-{n}", primary.port, min(QUORUM, sentinels))
             group.sentinels.append(sentinel)
             sentinel.start()
         deadline = time.monotonic() + timeout_s
@@ -144,5 +182,8 @@ def running_sentinel_group(directory: Path, timeout_s: float = 20) -> Iterator[S
     finally:
         for sentinel in group.sentinels:
             sentinel.stop()
-        replica.stop()
+        for replica in group.replicas:
+            if replica.running:
+                replica.resume()  # one a test left stopped ends on SIGTERM only once resumed
+            replica.stop()
         primary.stop()

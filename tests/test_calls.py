@@ -1,4 +1,4 @@
-"""The caller threads a turn runs its model and tool calls on (tasks/calls.py)."""
+"""The caller threads a turn runs its model and tool calls on (tasks/threads.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tasks.calls import CallTimedOut, bounded, start
+from tasks.threads import CallTimedOut, bounded, start
 
 
 def test_a_call_returns_its_value_or_raises_its_exception_on_the_waiting_thread() -> None:

@@ -69,3 +69,49 @@ def test_turns_are_prioritised_on_the_sending_apps_broker_without_ratchet_broker
     priority = first_turn_priority(ctx, ctx.agent(EXAMPLE_AGENT), None)
     assert priority == 7
     assert redis_lists("ratchet.turns")[priority] == "ratchet.turns\x06\x167"
+
+
+# --- RabbitMQ quorum queues (RATCHET_TASK_DEFAULT_QUEUE_TYPE) ------------------------
+
+AMQP = "amqp://guest@127.0.0.1:1//"
+
+
+def test_quorum_queues_are_declared_without_priorities_behind_topic_exchanges() -> None:
+    quorum = make_app(Settings(broker_url=AMQP, task_default_queue_type="quorum"))
+    classic = make_app(Settings(broker_url=AMQP))
+    for name in ("ratchet.turns", "ratchet.control"):
+        # RabbitMQ 3.10 refuses x-max-priority on a quorum queue; Celery's native delayed
+        # delivery routes only through topic (or fanout) exchanges
+        declared = quorum.amqp.queues[name]
+        assert declared.queue_arguments == {"x-queue-type": "quorum"}
+        assert declared.durable and not declared.auto_delete and not declared.exclusive
+        assert declared.exchange.type == "topic"
+        # and classic queues are declared as every release did
+        assert classic.amqp.queues[name].queue_arguments == {"x-max-priority": 9}
+        assert classic.amqp.queues[name].exchange.type == "direct"
+    # A queue made on the fly (`-Q`, RATCHET_NOTIFY_QUEUE's) is a quorum queue too
+    assert quorum.amqp.queues["team.notify"].queue_arguments == {"x-queue-type": "quorum"}
+    assert classic.amqp.queues["team.notify"].queue_arguments == {"x-max-priority": 9}
+    quorum.close()
+    classic.close()
+
+
+def test_a_countdown_to_a_quorum_queue_is_whole_seconds_rounded_up() -> None:
+    from tasks.queues import whole_seconds_on_quorum
+
+    quorum = make_app(Settings(broker_url=AMQP, task_default_queue_type="quorum"))
+    classic = make_app(Settings(broker_url=AMQP))
+    # Celery 5.7 refuses a countdown under 1 s to a quorum queue, and cuts others down
+    assert whole_seconds_on_quorum(quorum, "ratchet.control", 0.2) == 1.0
+    assert whole_seconds_on_quorum(quorum, "ratchet.turns", 2.01) == 3.0
+    assert whole_seconds_on_quorum(quorum, "ratchet.turns", 4.0) == 4.0
+    assert whole_seconds_on_quorum(classic, "ratchet.turns", 2.01) == 2.01
+    quorum.close()
+    classic.close()
+
+
+def test_quorum_queues_on_another_broker_than_rabbitmq_are_refused_naming_both_settings() -> None:
+    with pytest.raises(ValueError, match="RATCHET_TASK_DEFAULT_QUEUE_TYPE=quorum is a RabbitMQ"):
+        Settings(broker_url="redis://127.0.0.1:1/0", task_default_queue_type="quorum")
+    with pytest.raises(ValueError, match="RATCHET_BROKER_URL is a filesystem:// broker"):
+        Settings(task_default_queue_type="quorum")

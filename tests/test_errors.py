@@ -167,6 +167,12 @@ CASES: dict[str, tuple[RatchetError, str | None, str]] = {
         RUN,
         "nothing to do: the lease holder, or the sweeper after it, carries the run on",
     ),
+    "NotReplicated": (
+        errors.NotReplicated(RUN, "run store redis://ana:hunter2@127.0.0.1:6379/0", 0, 1, 1000),
+        RUN,
+        f"bring the replicas back (`INFO replication` on the primary lists them), then "
+        f"`ratchet runs resume {RUN}`",
+    ),
     "SnapshotFailed": (
         SnapshotFailed(RUN, 7, "disk full"),
         RUN,

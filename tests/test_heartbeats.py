@@ -13,9 +13,9 @@ import pytest
 
 from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
-from tasks.calls import _Heartbeats
 from tasks.context import Context
 from tasks.settings import Settings
+from tasks.threads import _Heartbeats
 
 
 class CountingRunStore(RedisRunStore):

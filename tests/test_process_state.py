@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROCESS_STATE: dict[str, str] = {
     "tasks/agent_cache.py:_first_seen": "the tool modules this process imported and how their "
     "files were when first seen: sys.modules is the process's, whatever Context loads",
-    "tasks/calls.py:_callers": "the caller threads of this process (made again after a fork)",
-    "tasks/calls.py:_heartbeats": "the heartbeat thread of this process",
+    "tasks/threads.py:_callers": "the caller threads of this process (made again after a fork)",
+    "tasks/threads.py:_heartbeats": "the heartbeat thread of this process",
     "tasks/context.py:_context": "the process's Context itself (get_context)",
     "tasks/context.py:_context_pid": "the pid that built it: a forked child builds its own",
     "tasks/held_run.py:_stopping": "Celery's worker_shutting_down: the process is stopping",
@@ -37,9 +37,8 @@ PROCESS_STATE: dict[str, str] = {
     "tasks/pool.py:_slots": "the pool's concurrency from Celery's worker_init, before any "
     "Context: it sizes the HTTP and store pools",
     "tasks/pool.py:_pending": "a worker whose concurrency Celery resolves after worker_init",
-    "tasks/publish.py:_publishers": "the lean publisher (a broker connection) of each Celery app",
-    "tasks/rejected.py:_entry_clock": "a clock that never goes backwards, for dead-letter ids",
-    "tasks/rejected.py:_stores": "the dead-letter store of each broker this process uses",
+    "tasks/next_turn.py:_publishers": "the lean publisher (a broker connection) of each Celery app",
+    "tasks/refusals.py:_stores": "the rejected-message store of each broker this process uses",
     "tasks/sweep_logs.py:_quiet": "the filter on Celery's loggers: logging is process-wide",
     "tasks/tracing.py:_tracing": "OpenTelemetry's tracer provider: global by OTel's design",
     "tasks/tracing.py:_tracing_pid": "the pid that set it up: a forked child sets up its own",

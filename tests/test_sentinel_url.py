@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import ConfigInvalid, StoreUrlInvalid
-from store import open_run_store
+from store import open_rejected, open_run_store
+from store.rejected.redis import RedisRejected
 from store.sentinel import SentinelUrl
 from store.snapshots.redis import where
-from tasks.rejected import RedisRejected, open_rejected
 from tasks.settings import Settings, load_settings
 from worker.app import celery_config
 from worker.transport import SENTINEL_ALIAS, transport_for

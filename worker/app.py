@@ -19,11 +19,11 @@ from celery.beat import PersistentScheduler
 
 from runtime.errors import ConfigInvalid
 from store.private import private_dir, private_files
+from store.rejected import rejected_folder
 from store.sentinel import SentinelUrl, is_sentinel
 from tasks.delivery import MAX_PRIORITY, delivery_settings
 from tasks.messages import send_through
 from tasks.queues import AMQP_SCHEMES, CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, scheme_of
-from tasks.rejected import rejected_folder
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from worker.startup import on_a_command_line
 
@@ -90,7 +90,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # and names runs.
         **delivery,
     }
-    if scheme_of(broker_url) in AMQP_SCHEMES:
+    if scheme_of(broker_url) in AMQP_SCHEMES and settings.task_default_queue_type == "quorum":
+        # Every other queue this app declares (RATCHET_NOTIFY_QUEUE's, one made by `-Q`)
+        # a quorum queue too; Celery's pidbox and event queues (exclusive, auto-delete)
+        # cannot be, and stay classic.
+        config["task_default_queue_type"] = "quorum"
+        config["task_create_missing_queue_type"] = "quorum"
+    elif scheme_of(broker_url) in AMQP_SCHEMES:
         # Every other queue this app declares (RATCHET_NOTIFY_QUEUE's, one made by `-Q`)
         # with priorities too, as earlier releases declared them: RabbitMQ refuses a
         # second declaration of a queue with other arguments.

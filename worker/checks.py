@@ -36,6 +36,7 @@ from typing import Any
 from celery.signals import import_modules, worker_init
 
 from runtime.actions import TOOL_TIMEOUT_ATTEMPTS
+from tasks.delivery import declaration_refusal
 from tasks.pool import pool_name
 from tasks.settings import Settings, get_settings
 from worker.startup import shadow_problem
@@ -219,6 +220,7 @@ def store_persistence_problem(settings: Settings) -> str | None:
     import redis
 
     from store.redis_cluster import ClusterUrl, is_cluster
+    from store.replicas import split_replica_wait
     from store.sentinel import SentinelUrl, is_sentinel
 
     stores = {"snapshot store": settings.resolved_snapshot_store}
@@ -227,16 +229,17 @@ def store_persistence_problem(settings: Settings) -> str | None:
     for name, url in stores.items():
         if url.startswith(REDIS_STORE_SCHEMES):
             try:
-                if is_sentinel(url):
-                    server = SentinelUrl.parse(url).identity()
-                elif is_cluster(url):
-                    server = ClusterUrl.parse(url).identity()
+                plain, _ = split_replica_wait(url)  # ratchet's parameters, not the server's
+                if is_sentinel(plain):
+                    server = SentinelUrl.parse(plain).identity()
+                elif is_cluster(plain):
+                    server = ClusterUrl.parse(plain).identity()
                 else:
-                    kwargs = redis.connection.parse_url(url)
+                    kwargs = redis.connection.parse_url(plain)
                     server = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
             except ValueError:
                 continue  # opening the store says what is wrong with its URL
-            servers.setdefault(server, []).append((name, url))
+            servers.setdefault(server, []).append((name, plain))
     for named in servers.values():
         names = " and ".join(name for name, _ in named)
         for shown, persistence in _asked(named[0][1], names):
@@ -508,3 +511,6 @@ def _check_tasks_stores_and_broker(sender: Any = None, **_: Any) -> None:
     problem = broker_unreachable(app, get_settings().broker_start_retries)
     if problem is not None:
         _refuse(problem)
+    refusal = declaration_refusal(app)
+    if refusal is not None:
+        _refuse(f"ratchet: refusing to start: {refusal}")

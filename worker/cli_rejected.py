@@ -1,4 +1,4 @@
-"""``ratchet rejected list|show|purge``: the messages workers refused (the dead-letter store)."""
+"""``ratchet rejected list|show|purge``: the messages workers refused (the rejected-message store)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from contextlib import closing
 
 import click
 
-from tasks.rejected import Rejected, RejectedStore, open_rejected
+from store import open_rejected
+from store.rejected import Rejected, RejectedStore
 from worker.cli_base import _dump, flag, json_flag, main, refusals
 
 
@@ -77,7 +78,7 @@ def rejected_show(entry_id: str, as_json: bool, raw: bool) -> None:
 @flag("--yes", "Do not ask.")
 @refusals
 def rejected_purge(yes: bool) -> None:
-    """Delete every refused message from the dead-letter store."""
+    """Delete every refused message from the rejected-message store."""
     with closing(_store()) as store:
         if not yes:
             click.confirm(f"delete every rejected message in {store.where}?", abort=True)

@@ -29,7 +29,7 @@ from runtime.errors import InvalidRequest
 from tasks.delivery import MERGED, apply_delivery, delivery_settings
 from tasks.messages import enqueue_cancel, enqueue_continue, enqueue_start
 from tasks.queues import CONTROL_QUEUE, ROUTES, TURNS_QUEUE
-from tasks.settings import get_settings
+from tasks.settings import Settings, get_settings
 
 __all__ = [
     "CONTROL_QUEUE",
@@ -45,16 +45,19 @@ QUEUES = ROUTES
 """The queue of each ratchet task (the workers' ``task_routes``)."""
 
 
-def route(app: Any) -> None:
+def route(app: Any, settings: Settings | None = None) -> None:
     """Route ``app``'s ratchet messages as ratchet's workers read them, keeping its own routes.
 
     ratchet's queues (declared as the workers declare them: with ``x-max-priority`` on
     RabbitMQ, which refuses a queue declared twice with other arguments), ratchet's
     routes ahead of the app's, the Redis priority steps, and ``json`` accepted — the
     sending half of the table the workers are configured from (:mod:`tasks.delivery`).
+    ``settings``: the workers' (``RATCHET_TASK_DEFAULT_QUEUE_TYPE`` above all); default:
+    this process's environment.
     """
     conf = app.conf
-    table = delivery_settings(conf.broker_url or get_settings().resolved_broker_url, get_settings())
+    settings = settings or get_settings()
+    table = delivery_settings(conf.broker_url or settings.resolved_broker_url, settings)
     apply_delivery(conf, {name: table[name] for name in MERGED})
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from kombu import compression
 from kombu.utils.encoding import ensure_bytes
 
-from tasks.rejected import MAX_MESSAGE_BYTES
+from store.rejected import MAX_MESSAGE_BYTES
 
 MAX_DECOMPRESSED_BYTES = MAX_MESSAGE_BYTES
 """A compressed body may inflate to at most this (4 MiB): what it could have been sent as."""

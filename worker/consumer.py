@@ -2,7 +2,7 @@
 
 The messages Celery itself refuses before any task runs (a body it cannot decode, a
 pickle, a message that is not a task, a task it does not know) are set aside in the
-dead-letter store (:mod:`tasks.rejected`), with one log line instead of a traceback.
+rejected-message store (:mod:`store.rejected`), with one log line instead of a traceback.
 The plain-JSON continuations consumer is :mod:`tasks.continuations`.
 """
 
@@ -17,7 +17,8 @@ from celery import signals
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.common import ignore_errors
 
-from tasks.rejected import RejectedStore, message_bytes, set_aside, store_for_app
+from store.rejected import RejectedStore
+from tasks.refusals import message_bytes, set_aside, store_for_app
 
 log = logging.getLogger("ratchet.continuations")
 
@@ -92,7 +93,7 @@ def _body_problem(body: Any) -> str | None:
 
 
 class RatchetConsumer(CeleryConsumer):  # type: ignore[misc]
-    """Celery's worker consumer; what it refuses goes to the dead-letter store, in one line."""
+    """Celery's worker consumer; what it refuses goes to the rejected-message store, in one line."""
 
     _events_flush_due: float | None = None
     """When the pending delayed flush of task events runs (monotonic); None: none pending."""

@@ -43,14 +43,10 @@ from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.json import dumps
 
-from store.private import private_dir, private_files
-from tasks.rejected import (
-    FolderRejected,
-    RejectedStore,
-    read_no_follow,
-    set_aside,
-    write_atomically,
-)
+from store.private import private_dir, private_files, read_no_follow, write_atomically
+from store.rejected import MAX_MESSAGE_BYTES, RejectedStore
+from store.rejected.folder import FolderRejected
+from tasks.refusals import set_aside
 from worker.entries import SafeEntries
 
 log = logging.getLogger("ratchet.transport")
@@ -133,7 +129,7 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
             except FileNotFoundError:
                 continue
             try:
-                data = read_no_follow(Path(claimed))
+                data = read_no_follow(Path(claimed), MAX_MESSAGE_BYTES + 1)
             finally:
                 try:
                     os.unlink(claimed)
@@ -190,7 +186,7 @@ class FilesystemChannel(SafeEntries, filesystem.Channel):
             super()._queue_bind(exchange, routing_key, pattern, queue)
         except ValueError as exc:
             file = self._exchange_file(exchange)
-            data = read_no_follow(file) or b""
+            data = read_no_follow(file, MAX_MESSAGE_BYTES + 1) or b""
             set_aside(
                 data, f"exchange table {file.name} is unreadable ({exc}); rebuilt", exchange,
                 self.rejected_store,

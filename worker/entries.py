@@ -10,7 +10,7 @@ valid base64, a zero-byte file left by a full disk) raises there and the
 worker exits with ``Unrecoverable error``. :class:`SafeEntries` checks an entry
 where a channel reads it — Redis ``BRPOP``/``RPOP`` (worker/transport.py), a
 ``*.msg`` file (worker/embedded_broker.py) — and hands a bad one to the
-dead-letter store (:mod:`tasks.rejected`) instead, so the channel goes on with
+rejected-message store (:mod:`store.rejected`) instead, so the channel goes on with
 the next entry.
 """
 
@@ -22,7 +22,8 @@ from typing import Any
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from tasks.rejected import MAX_MESSAGE_BYTES, RejectedStore, set_aside
+from store.rejected import MAX_MESSAGE_BYTES, RejectedStore
+from tasks.refusals import set_aside
 
 
 def envelope_problem(payload: Any, decode_body: Any) -> str | None:

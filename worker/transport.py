@@ -34,7 +34,8 @@ from kombu.utils.encoding import bytes_to_str
 from redis import sentinel
 
 from store.redis_connection import CheckedConnection
-from tasks.rejected import RedisRejected, RejectedStore
+from store.rejected import RejectedStore
+from store.rejected.redis import RedisRejected
 from worker.embedded_broker import FILESYSTEM_ALIAS, FilesystemChannel
 from worker.entries import SafeEntries, envelope_problem
 from worker.unacked import RedisQoS, RidingPoller

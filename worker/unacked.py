@@ -34,7 +34,7 @@ not (``HSET unacked t garbage`` with ``t`` in the index: ``JSONDecodeError``; ``
 ``ValueError``) ended every worker at its first restore, and stayed to end the next.
 Here an entry that cannot be restored is taken out of the hash and its index in the
 same transaction as any restore, and set aside in the refused-message store
-(:mod:`tasks.rejected`) once, by the one worker whose transaction removed it.
+(:mod:`store.rejected`) once, by the one worker whose transaction removed it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from kombu.transport import redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from tasks.rejected import set_aside
+from tasks.refusals import set_aside
 from worker.entries import envelope_problem
 
 log = logging.getLogger("ratchet.transport")

@@ -7,7 +7,7 @@ started again when its server died, closed when the process exits). A call from
 a turn is a coroutine handed to that loop; the caller waits for it:
 
 - **prefork and threads pools**: the caller blocks on a native lock (a thread of
-  its own: the turn's tool caller, tasks/calls.py), bounded by the call's timeout;
+  its own: the turn's tool caller, tasks/threads.py), bounded by the call's timeout;
 - **gevent**: Celery patched ``threading`` before anything of ours loaded, so the loop
   thread is started with the *original* ``_thread`` and uses the original epoll
   selector (a patched one would look for a gevent hub on that thread), and a

@@ -134,6 +134,21 @@ class RunStoreContract(DueRunsAndRetention):
         assert [e.seq for e in run_store.events("run-1")] == [1, 2, 3, 4]
         assert run_store.events("run-1")[2] == event(3, "model.responded", content="hé ☃")  # fmt: skip
 
+    def test_a_replicated_append_with_no_replicas_required_appends_and_fences_as_append(
+        self, run_store: RunStore
+    ) -> None:
+        new_run(run_store, "run-1")
+        latest = record("run-1", last_seq=2, status=RunStatus.TOOLS)
+        requested = event(2, "tool.requested", call_id="c1", name="charge")
+
+        run_store.append_replicated(latest, [requested], owner=None)
+
+        assert run_store.get("run-1") == latest
+        assert run_store.events("run-1")[1:] == [requested]
+        other = event(2, "tool.requested", call_id="c2", name="charge")
+        with pytest.raises(StaleWrite):
+            run_store.append_replicated(latest, [other], owner=None)
+
     @pytest.mark.parametrize("first_seq", [1, 3, 5, 9], ids=lambda s: f"first-seq-{s}")
     def test_an_append_that_does_not_follow_the_last_seq_is_stale_and_writes_nothing(
         self, run_store: RunStore, first_seq: int

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 from pydantic import Field
 
-from runtime.errors import StaleWrite
+from runtime.errors import NotReplicated, StaleWrite
 from runtime.models import FINISHED_STATUSES as FINISHED_STATUSES  # what retention purges
 from runtime.models import (
     Event,
@@ -54,6 +54,7 @@ from runtime.models import (
 from store.clock import ClockReading, StoreClock
 from store.clock import wall_ms as wall_ms  # re-exported: tasks and tests import it here
 from store.live import LiveStream
+from store.replicas import ReplicaWait
 from store.retry import with_retries
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 
@@ -286,6 +287,58 @@ class RunStore(ABC):
         except StaleWrite as exc:
             if not self._landed(exc, mine):
                 raise
+
+    replica_wait = ReplicaWait()
+    """What :meth:`append_replicated` waits for: nothing, unless the store's URL asks
+    (``min_replicas`` on a Redis URL, store/replicas.py)."""
+
+    def append_replicated(
+        self, record: RunRecord, events: Sequence[Event], owner: str | None
+    ) -> None:
+        """:meth:`append`, returning once as many replicas as the store requires hold the
+        events too: the journal a call that is not idempotent starts after, so that no
+        failover can lose it and run the call again. A store that requires none — every
+        backend, unless a Redis URL says ``min_replicas`` — just appends: no extra command.
+
+        Raises what :meth:`append` does, and NotReplicated when fewer replicas
+        acknowledged within the bound (or the attempt that wrote it lost its reply, and
+        with it the count): the events are written all the same, on the primary alone —
+        start nothing they journal.
+        """
+        wait = self.replica_wait
+        if wait.min_replicas == 0:
+            self.append(record, events, owner)
+            return
+        mine = _checked_batch(record, events)
+        acked: int | None
+        try:
+            acked = with_retries(
+                lambda: self._append_waiting(record, mine, owner, self.clock()), record.run_id
+            )
+        except StaleWrite as exc:
+            if not self._landed(exc, mine):
+                raise
+            acked = None
+        if acked is None or acked < wait.min_replicas:
+            raise NotReplicated(
+                record.run_id, self.shown(), acked, wait.min_replicas, wait.timeout_ms
+            )
+
+    def _append_waiting(
+        self,
+        record: RunRecord,
+        events: builtins.list[Event],
+        owner: str | None,
+        now_ms: int,
+    ) -> int:
+        """Backends with replicas: :meth:`_append`, then wait up to ``replica_wait.timeout_ms``
+        for ``replica_wait.min_replicas`` replicas to acknowledge it (and every write before
+        it); how many did."""
+        raise NotImplementedError(f"{self.name} has no replicas to wait for")
+
+    def shown(self) -> str:
+        """The store as a message names it (never with a password)."""
+        return self.name
 
     def _landed(self, exc: StaleWrite, mine: builtins.list[Event]) -> bool:
         """A retry whose first attempt landed (reply lost) finds its own events."""

@@ -55,6 +55,8 @@ from runtime.models import Event, RunStatus
 from store.keyspace import Shard
 from store.live.redis import RedisLiveStream
 from store.packing import pack, unpack
+from store.redis_cluster import is_cluster
+from store.replicas import ReplicaWait, split_replica_wait
 from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
 from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots.redis import (
@@ -135,9 +137,12 @@ class RedisRunStore(RunStore):
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], int] | None = None,
         url: str = "redis",
+        replica_wait: ReplicaWait | None = None,
     ) -> None:
         super().__init__(clock)
         self._client = client
+        if replica_wait is not None:
+            self.replica_wait = replica_wait
         self._server = server(client)  # asked on every checkpoint: a pool's kwargs stay put
         self._where = f"run store {where(url)}"
         self._keys = keyspace_of(client, prefix, self._where)
@@ -160,9 +165,20 @@ class RedisRunStore(RunStore):
         connects lazily; ``redis+cluster://``: asks the cluster for its layout now).
 
         ``max_connections``: the most calls this process makes at once (see
-        :func:`store.snapshots.redis.connect`).
+        :func:`store.snapshots.redis.connect`). ``?min_replicas=N&replica_timeout_ms=T``:
+        what :meth:`append_replicated` waits for (store/replicas.py).
         """
-        return cls(connect(url, max_connections), prefix, clock, url)
+        plain, replica_wait = split_replica_wait(url)
+        if replica_wait.min_replicas and is_cluster(plain):
+            # A pipelined WAIT has no key: a cluster pipeline would send it to any node,
+            # not to the one that took the append.
+            raise ValueError(
+                "min_replicas is not supported on a Redis Cluster store yet; remove it"
+            )
+        return cls(connect(plain, max_connections), prefix, clock, url, replica_wait)
+
+    def shown(self) -> str:
+        return self._where
 
     def _run_key(self, run_id: str, part: str) -> str:
         return self._keys.of(run_id).run_key(run_id, part)
@@ -215,6 +231,11 @@ class RedisRunStore(RunStore):
     ) -> None:
         self._transition(record, events, owner, now_ms)
 
+    def _append_waiting(
+        self, record: RunRecord, events: list[Event], owner: str | None, now_ms: int
+    ) -> int:
+        return self._transition(record, events, owner, now_ms, waits=True)
+
     def commits_with(self, snapshots: SnapshotStore) -> bool:
         """True for a Redis snapshot store on this store's server, database and prefix."""
         return isinstance(snapshots, RedisSnapshotStore) and snapshots.keyspace() == (
@@ -242,8 +263,12 @@ class RedisRunStore(RunStore):
         owner: str | None,
         now_ms: int,
         whole: Transition | None = None,
-    ) -> None:
-        """The append script: the events and record, and the snapshot and release if given."""
+        waits: bool = False,
+    ) -> int:
+        """The append script: the events and record, and the snapshot and release if given.
+
+        ``waits``: then ``WAIT`` for the replicas :attr:`replica_wait` asks for; how many
+        acknowledged it (0 when not asked to wait)."""
         run_id = record.run_id
         expected = events[0].seq - 1
         release = whole is not None and whole.release
@@ -310,13 +335,19 @@ class RedisRunStore(RunStore):
         args += fragments
         if outbox is not None:
             args.append(outbox.payload)
+        acked = 0
         with translated(self._where):
-            refused = cast("list[bytes] | None", run_script(self._scripts["append"], keys, args))
+            if waits:
+                refused, acked = self._script_then_wait(keys, args)
+            else:
+                refused = cast(
+                    "list[bytes] | None", run_script(self._scripts["append"], keys, args)
+                )
         if whole is not None and refused is None:
             assert isinstance(whole.snapshots, RedisSnapshotStore)
             whole.snapshots.bytes_written += len(head) + sum(len(f) for f in fragments)
         if refused is None:
-            return
+            return acked
         if refused[0] == b"stale":
             found = refused[1].decode()
             raise StaleWrite(run_id, expected, int(found) if found else None)
@@ -327,6 +358,36 @@ class RedisRunStore(RunStore):
         if refused[0] == b"moved":
             raise TranscriptMoved(run_id)
         raise LeaseLost(run_id, str(owner))
+
+    def _script_then_wait(
+        self, keys: list[str], args: list[str | bytes]
+    ) -> tuple[list[bytes] | None, int]:
+        """The append script, then ``WAIT min_replicas timeout_ms``: what the script
+        answered, and how many replicas acknowledged.
+
+        One pipeline, so both go on one connection in one round trip: WAIT counts the
+        replicas that acknowledged the writes of the connection it is sent on — the
+        script's, and with them every write the primary took before it (replication is one
+        stream). Not a transaction: inside MULTI, WAIT answers at once without waiting; nor
+        in the script: Lua may not call WAIT. On Redis Cluster the same pair would go to a
+        connection to the node that owns the run's slot.
+        """
+        script, wait = self._scripts["append"], self.replica_wait
+
+        def pipelined() -> tuple[list[bytes] | None, int]:
+            pipe: Any
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", wait.min_replicas, wait.timeout_ms)
+                refused, acked = pipe.execute()
+            return cast("list[bytes] | None", refused), int(acked)
+
+        try:
+            return pipelined()
+        except redis.exceptions.NoScriptError:
+            # The server forgot its scripts (a restart, a failover): nothing was written.
+            self._client.script_load(script.script)
+            return pipelined()
 
     def _get(self, run_id: str) -> RunRecord | None:
         with translated(self._where):

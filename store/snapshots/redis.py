@@ -60,6 +60,7 @@ from store.keyspace import Keyspace, Shard
 from store.packing import pack, unpack
 from store.redis_cluster import ClusterUrl, is_cluster
 from store.redis_connection import connection_class
+from store.replicas import split_replica_wait
 from store.sentinel import SentinelUrl, is_sentinel
 from store.snapshots import Parts, Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots import format as snapshot_format
@@ -203,7 +204,10 @@ def connect(url: str, max_connections: int | None = None) -> Any:
     to whichever server the sentinels name as the primary. ``redis+cluster://`` URLs
     (:mod:`store.redis_cluster`) get a ``RedisCluster`` with such a pool per node; it asks
     the nodes for the cluster's layout now (StoreUnavailable when none answers).
+    ``min_replicas`` and ``replica_timeout_ms`` are ratchet's (store/replicas.py): redis-py
+    never sees them.
     """
+    url, _ = split_replica_wait(url)
     options: dict[str, Any] = {
         "max_connections": max_connections or DEFAULT_MAX_CONNECTIONS,
         "timeout": POOL_WAIT_S,
@@ -286,12 +290,12 @@ def where(url: str) -> str:
     """The URL without its password, fit for an error message."""
     if is_cluster(url):
         try:
-            return ClusterUrl.parse(url).shown()
+            return ClusterUrl.parse(split_replica_wait(url)[0]).shown()
         except ValueError:
             return url.split("://", 1)[0] + "://…"
     if is_sentinel(url):
         try:
-            return SentinelUrl.parse(url).shown()
+            return SentinelUrl.parse(split_replica_wait(url)[0]).shown()
         except ValueError:
             return "redis+sentinel://…"
     parts = urlsplit(url)

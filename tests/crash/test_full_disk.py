@@ -22,9 +22,10 @@ import pytest
 
 from runtime.models import RunStatus
 from store import open_run_store, open_snapshot_store
+from store.rejected import Rejected, rejected_folder
+from store.rejected.folder import FolderRejected
 from store.runs import RunRecord
 from tasks.context import Context
-from tasks.rejected import FolderRejected, Rejected, rejected_folder
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent

@@ -18,7 +18,8 @@ import pytest
 import redis
 
 from runtime.models import RunStatus
-from tasks.rejected import REDIS_KEY, RedisRejected
+from store.rejected import REDIS_KEY
+from store.rejected.redis import RedisRejected
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import turn, write_agent

@@ -20,7 +20,7 @@ from runtime.models import RunStatus
 from store.runs import Lease
 from tasks.context import Context
 from tasks.recovery import sweep_orphans
-from tasks.settings import Settings
+from tasks.settings import QueueType, Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for
@@ -106,21 +106,27 @@ def test_the_sweeper_takes_a_killed_workers_run_once_its_liveness_lapses(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_rabbitmq_redelivers_a_killed_workers_turn_and_it_takes_the_run_over_itself(
     worker_processes: WorkerProcesses,
     rabbitmq_vhost: str,
     redis_url: str,
     ledger: Path,
     tmp_path: Path,
+    queue_type: QueueType,
 ) -> None:
     ctx = redis_context(redis_url, lease_s=120)
-    broker = {"RATCHET_BROKER_URL": rabbitmq_vhost, **LONG_LEASE}
-    # Given a worker in a long model call and a second worker on the same queue;
-    # no sweeper runs in this test
+    broker = {
+        "RATCHET_BROKER_URL": rabbitmq_vhost,
+        "RATCHET_TASK_DEFAULT_QUEUE_TYPE": queue_type,
+        **LONG_LEASE,
+    }
+    # Given a worker in a long model call and a second worker on the same queue (classic
+    # or quorum); no sweeper runs in this test
     first = worker_processes.start("--pool", "prefork", "-c", "1", **broker)
     ready(first)
     run_id = create_run(ctx, slow_agent(tmp_path), "look B2").run_id
-    sender = make_app(Settings(broker_url=rabbitmq_vhost))
+    sender = make_app(Settings(broker_url=rabbitmq_vhost, task_default_queue_type=queue_type))
     sender.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
     lease = held_in_a_model_call(ctx, run_id)
     second = worker_processes.start("--pool", "solo", **broker)

@@ -26,7 +26,7 @@ from runtime.models import RunStatus
 from store.runs.redis import RedisRunStore
 from tasks.delivery import redis_lists
 from tasks.messages import VERSION, VERSION_HEADER
-from tasks.publish import lean_turns
+from tasks.next_turn import lean_turns
 from tasks.queues import TURNS_QUEUE
 from tasks.settings import Settings
 from tasks.start import create_run

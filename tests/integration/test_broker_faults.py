@@ -25,13 +25,9 @@ import redis
 from kombu import Connection, Queue
 
 from runtime.models import RunStatus
-from tasks.rejected import (
-    MAX_ENTRIES,
-    MAX_MESSAGE_BYTES,
-    FolderRejected,
-    RedisRejected,
-    Rejected,
-)
+from store.rejected import MAX_ENTRIES, MAX_MESSAGE_BYTES, Rejected
+from store.rejected.folder import FolderRejected
+from store.rejected.redis import RedisRejected
 from tests.helpers import write_agent
 from tests.integration.test_continuations_on_real_workers import (
     ASK,

@@ -20,6 +20,8 @@ from celery import Celery
 from runtime.models import RunStatus
 from runtime.recovery import SWEEPER
 from runtime.timers import wake_at_ms
+from store.rejected import Rejected
+from store.rejected.redis import RedisRejected
 from store.runs import RunRecord
 from tasks.messages import (
     VERSION_HEADER,
@@ -33,7 +35,6 @@ from tasks.messages import (
     enqueue_turn,
     enqueue_wake,
 )
-from tasks.rejected import RedisRejected, Rejected
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.integration.test_broker_faults import alive, ready
@@ -192,17 +193,23 @@ def rejected_with(session_app: Celery, task_id: str) -> Rejected | None:
 def set_aside_once(
     session_app: Celery, caplog: pytest.LogCaptureFixture, kwargs: dict[str, Any], version: int
 ) -> Rejected:
-    """Send a ``ratchet.turn`` of ``version``; its dead-letter entry, once it has one WARNING."""
+    """Send a ``ratchet.turn`` of ``version``; its rejected-message entry, once it has one WARNING."""
+
+    def warnings() -> list[logging.LogRecord]:
+        return [
+            r for r in caplog.records if r.levelno >= logging.WARNING and sent.id in r.getMessage()
+        ]
+
     with caplog.at_level(logging.WARNING):
         sent = session_app.send_task(
             "ratchet.turn", kwargs=kwargs, queue="ratchet.turns", headers={VERSION_HEADER: version}
         )
         wait_until("it is set aside", lambda: rejected_with(session_app, sent.id) is not None)
+        # The worker logs its line once the entry is stored: after, not with, the entry.
+        wait_until("its warning is logged", lambda: bool(warnings()))
     entry = rejected_with(session_app, sent.id)
     assert entry is not None
-    lines = [
-        r for r in caplog.records if r.levelno >= logging.WARNING and sent.id in r.getMessage()
-    ]
+    lines = warnings()
     assert len(lines) == 1 and "message refused" in lines[0].getMessage(), lines
     assert "Traceback" not in caplog.text
     return entry

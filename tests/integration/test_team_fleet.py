@@ -34,7 +34,7 @@ from store.runs.redis import RedisRunStore
 from tasks import messages
 from tasks.context import Context
 from tasks.recovery import sweep_orphans
-from tasks.settings import Settings
+from tasks.settings import QueueType, Settings
 from tasks.start import create_run
 from tests.console.test_console_pages import TOKEN, act
 from tests.helpers import call, turn, write_agent
@@ -107,6 +107,8 @@ class Fleet:
     """The app in-process senders (API, console) go through: the one the worker runs."""
     cli_env: dict[str, str]
     agents: Path
+    queue_type: QueueType
+    """RabbitMQ: how ratchet's queues are declared (``classic`` on other brokers)."""
 
     def agent(self, script: list[dict[str, Any]], name: str) -> str:
         """The agent ``name`` (written by the fixture, before any sender runs)."""
@@ -170,15 +172,35 @@ def _import_proj(root: Path, broker_url: str) -> Any:
 
 
 @pytest.fixture(
-    params=[("proj", "redis"), ("proj", "rabbitmq"), ("worker", "redis"), ("worker", "rabbitmq")],
-    ids=["proj-redis", "proj-rabbitmq", "worker-redis", "worker-rabbitmq"],
+    params=[
+        ("proj", "redis"),
+        ("proj", "rabbitmq"),
+        ("worker", "redis"),
+        ("worker", "rabbitmq"),
+        ("worker", "rabbitmq-quorum"),
+    ],
+    ids=[
+        "proj-redis",
+        "proj-rabbitmq",
+        "worker-redis",
+        "worker-rabbitmq",
+        "worker-rabbitmq-quorum",
+    ],
 )
 def fleet(request: pytest.FixtureRequest, redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    """One worker of the app on the broker (stores: the test's Redis database), and no beat."""
+    """One worker of the app on the broker (stores: the test's Redis database), and no beat.
+
+    ``rabbitmq-quorum``: ratchet's queues are quorum queues (RATCHET_TASK_DEFAULT_QUEUE_TYPE),
+    for the workers and for every sender.
+    """
     app_name, broker = request.param
-    broker_url = request.getfixturevalue("rabbitmq_vhost") if broker == "rabbitmq" else redis_url
+    rabbitmq = broker.startswith("rabbitmq")
+    broker_url = request.getfixturevalue("rabbitmq_vhost") if rabbitmq else redis_url
+    queue_type: QueueType = "quorum" if broker == "rabbitmq-quorum" else "classic"
     team = write_proj(tmp_path / "team")
     base = worker_env(redis_url, tmp_path / "refunds.ledger", tmp_path / "data")
+    if queue_type == "quorum":
+        base["RATCHET_TASK_DEFAULT_QUEUE_TYPE"] = queue_type
     base["PYTHONPATH"] = f"{team}{os.pathsep}{ROOT}"
     queues = "ratchet.turns,ratchet.control"
     if app_name == "proj":
@@ -199,12 +221,15 @@ def fleet(request: pytest.FixtureRequest, redis_url: str, tmp_path: Path) -> Ite
         if app_name == "proj":
             sender = _import_proj(team, broker_url)
         else:
-            sender = make_app(Settings(broker_url=broker_url))
+            sender = make_app(Settings(broker_url=broker_url, task_default_queue_type=queue_type))
             messages.send_through(sender)
         write_agent(tmp_path / "agents", LOOKUP, name="lookup")
         write_agent(tmp_path / "agents", ASK, name="ask")
         wait_for("the worker is ready", lambda: "ready." in worker.log(), timeout_s=60)
-        yield Fleet(app_name, broker_url, redis_url, ctx, worker, sender, base, tmp_path / "agents")
+        yield Fleet(
+            app_name, broker_url, redis_url, ctx, worker, sender, base, tmp_path / "agents",
+            queue_type,
+        )  # fmt: skip
     finally:
         processes.stop_all()
         messages.send_through(before)
@@ -265,7 +290,9 @@ def client_start(fleet: Fleet) -> str:
     run_id = f"client-{uuid.uuid4().hex[:8]}"
     shop = Celery("shop", broker=fleet.broker_url, set_as_current=False)
     try:
-        client.route(shop)
+        client.route(
+            shop, Settings(broker_url=fleet.broker_url, task_default_queue_type=fleet.queue_type)
+        )
         client.start_run(shop, fleet.agent(LOOKUP, "lookup"), "B2", run_id=run_id)
     finally:
         shop.close()
@@ -275,12 +302,15 @@ def client_start(fleet: Fleet) -> str:
 def plain_json_answer(fleet: Fleet) -> str:
     run_id = fleet.ask()
     body = {"run_id": run_id, "input": "Order B2", "continuation_id": f"json-{run_id}"}
+    # A producer that declares the queue declares it as the workers do: RabbitMQ 3.10
+    # refuses a quorum queue declared again without its x-queue-type.
+    arguments = {"x-queue-type": "quorum"} if fleet.queue_type == "quorum" else None
     with Connection(fleet.broker_url) as connection:
         connection.Producer().publish(
             body,
             exchange="",
             routing_key="ratchet.continuations",
-            declare=[Queue("ratchet.continuations")],
+            declare=[Queue("ratchet.continuations", queue_arguments=arguments)],
             serializer="json",
             retry=True,
         )

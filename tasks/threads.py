@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from tasks import metrics
 from tasks.context import Context
-from tasks.liveness import PeriodicStats, PerProcess, Rounds
+from tasks.per_process import PeriodicStats, PerProcess, Rounds
 
 log = logging.getLogger("ratchet.turn")
 
