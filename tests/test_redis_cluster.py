@@ -63,6 +63,13 @@ def test_a_malformed_cluster_url_is_refused_in_one_line_without_its_password(
     assert "s3cret" not in message and "\n" not in message
 
 
+def test_min_replicas_on_a_cluster_store_is_refused_until_its_wait_reaches_the_right_node() -> None:
+    with pytest.raises(StoreUrlInvalid) as refused:
+        open_run_store("redis+cluster://h:7000?min_replicas=1")
+
+    assert "min_replicas is not supported on a Redis Cluster store" in str(refused.value)
+
+
 def test_a_cluster_is_refused_as_the_broker_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RATCHET_BROKER_URL", "redis+cluster://h:7000")
     with pytest.raises(ConfigInvalid) as refused:
