@@ -141,6 +141,14 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,  # includes BusyLoadingError (a restarted server)
     redis.exceptions.TimeoutError,
     redis.exceptions.ReadOnlyError,  # a primary demoted to replica by a failover
+    # A cluster's: no node answered (the client's own retries and slot refreshes
+    # exhausted), a slot with no primary yet, CLUSTERDOWN or TRYAGAIN while a primary
+    # fails over. None of them is an answer to the command: what it did is unknown or
+    # nothing, as with a connection lost, and the fences make a write tried again safe.
+    redis.exceptions.RedisClusterUnreachableError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
 )
 
 

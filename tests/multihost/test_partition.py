@@ -11,9 +11,12 @@ to send, and w2 is running runs of its own, when w1's cable is pulled for 30 s
 (the checkpoint goes into the dead link). It runs in both deployments of the snapshot
 store: combined with the run store (one Redis database and prefix: the checkpoint held is
 the whole transition script, events and snapshot) and apart (another database: the
-answer's events are in, the checkpoint held is the snapshot save). Then:
+answer's events are in, the checkpoint held is the snapshot save). And a third time with
+both stores on a Redis Cluster (six nodes on the store host, three primaries with a
+replica each; the broker on its own Redis there) and workers on three hosts: ``w3``
+beside ``w2``, either of which may take w1's runs. Then:
 
-- while w1 is cut off, its runs move to w2 within the recovery bound (the
+- while w1 is cut off, its runs move to w2 (or w3) within the recovery bound (the
   expiry of w1's claim, read from the settings, plus one sweep interval);
 - once w1 is back, every write its stale turns attempt is refused by the
   store's fences (counted from w1's own log and its metrics), and the
@@ -30,6 +33,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from runtime.models import Event, RunStatus
 from store.runs.redis import RedisRunStore
@@ -57,6 +62,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multihost]
 CUT_S = 30.0
 """How long w1 is cut off."""
 REDIS_PORT = 6379
+CLUSTER_PORTS = range(7000, 7006)
+"""The cluster's nodes on the store host (each also listens on its port + 10000, the bus)."""
 METRICS_PORT = 9808
 LONG_CALL_S = 40.0
 """w1's calls in flight at the cut outlast it, so they try to write after the heal."""
@@ -93,8 +100,14 @@ class Deployment:
     store: Host
     w1: Host
     w2: Host
+    w3: Host | None = None
+    """The third worker host, on the cluster only."""
     redis_url: str = ""
+    """The broker's URL (and the run store's, but on the cluster)."""
+    run_url: str = ""
     snapshot_url: str = ""
+    store_ports: tuple[int, ...] = (REDIS_PORT,)
+    """Where the stores' commands go: the Redis, or every node of the cluster."""
     started: dict[str, Process] = field(default_factory=dict)
 
     def env(self, host: Host, **extra: str) -> dict[str, str]:
@@ -102,7 +115,7 @@ class Deployment:
         env.update(
             RATCHET_BROKER_URL=self.redis_url,
             RATCHET_SNAPSHOT_STORE=self.snapshot_url,
-            RATCHET_RUN_STORE=self.redis_url,
+            RATCHET_RUN_STORE=self.run_url,
             RATCHET_DATA_DIR=str(self.directory / f"data-{host.name}"),
             RATCHET_EXAMPLE_LEDGER=str(self.directory / "refunds.ledger"),
             RATCHET_TEST_CALLS=str(self.directory / "effects.log"),
@@ -139,18 +152,23 @@ def _ready(process: Process) -> bool:
     return "ready." in process.log()
 
 
-COMBINED, SEPARATE = "combined", "separate"
-"""The two deployments of the snapshot store: in the run store's Redis database and
+COMBINED, SEPARATE, CLUSTER = "combined", "separate", "cluster"
+"""The deployments of the snapshot store: in the run store's Redis database and
 prefix (a transition is one script, the default), or in another database (the run
-store's calls, then the snapshot store's)."""
+store's calls, then the snapshot store's); or both stores on a Redis Cluster, combined
+(a transition is one script, on the node that holds the run's shard)."""
 
 
 def deploy(fleet: Fleet, snapshots: str) -> Deployment:
     store, w1, w2 = fleet.add_host("store"), fleet.add_host("w1"), fleet.add_host("w2")
     deployment = Deployment(fleet, fleet.directory, store, w1, w2)
-    deployment.redis_url = f"redis://{store.address}:{REDIS_PORT}/0"
+    deployment.redis_url = deployment.run_url = f"redis://{store.address}:{REDIS_PORT}/0"
     snapshot_db = 0 if snapshots == COMBINED else 1
     deployment.snapshot_url = f"redis://{store.address}:{REDIS_PORT}/{snapshot_db}"
+    if snapshots == CLUSTER:
+        deployment.w3 = fleet.add_host("w3")
+        deployment.run_url = deployment.snapshot_url = start_cluster(deployment)
+        deployment.store_ports = tuple(CLUSTER_PORTS)
     redis_dir = fleet.directory / "redis"
     redis_dir.mkdir()
     deployment.start(
@@ -168,25 +186,68 @@ def deploy(fleet: Fleet, snapshots: str) -> Deployment:
     return deployment
 
 
+def start_cluster(d: Deployment) -> str:
+    """Six cluster nodes on the store host, made one cluster (three primaries, a replica
+    each); the stores' URL, naming every node."""
+    nodes = []
+    for port in CLUSTER_PORTS:
+        node_dir = d.directory / f"cluster-{port}"
+        node_dir.mkdir()
+        d.start(
+            f"cluster-{port}",
+            d.store,
+            ["redis-server", "--bind", d.store.address, "--port", str(port),
+             "--protected-mode", "no", "--save", "", "--appendonly", "yes",
+             "--dir", str(node_dir), "--cluster-enabled", "yes",
+             "--cluster-config-file", str(node_dir / "nodes.conf"),
+             "--cluster-announce-ip", d.store.address, "--cluster-node-timeout", "2000",
+             "--repl-diskless-sync-delay", "0"],
+            {},
+        )  # fmt: skip
+        nodes.append(f"{d.store.address}:{port}")
+    for port in CLUSTER_PORTS:
+        d.fleet.wait_for_port(d.store, port)
+    made = subprocess.run(
+        ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, f"redis-cli --cluster create failed:\n{made.stdout}{made.stderr}"
+
+    def ready() -> bool:
+        for port in CLUSTER_PORTS:
+            with redis.Redis(host=d.store.address, port=port, socket_timeout=5) as client:
+                info = client.execute_command("CLUSTER", "INFO").decode()
+            if "cluster_state:ok" not in info or f"cluster_known_nodes:{len(nodes)}" not in info:
+                return False
+        return True
+
+    wait_for("the cluster is ready", ready, timeout_s=30)
+    return "redis+cluster://" + ",".join(nodes)
+
+
 class StoreMonitor:
-    """Every command the store host's Redis executes from one address (Redis MONITOR).
+    """Every command the store's Redis (each node of a cluster) executes from one address
+    (Redis MONITOR).
 
     The store's own record of what reached it, whatever the sender believes.
     """
 
-    def __init__(self, store: Host, address: str) -> None:
+    def __init__(self, store: Host, address: str, ports: tuple[int, ...] = (REDIS_PORT,)) -> None:
         self._needle = f" {address}:".encode()
-        self._sock = socket.create_connection((store.address, REDIS_PORT), timeout=5)
-        self._sock.sendall(b"MONITOR\r\n")
-        self._sock.settimeout(None)
+        self._socks = [socket.create_connection((store.address, port), timeout=5) for port in ports]
         self.seen: list[tuple[float, str]] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._read, name="store-monitor", daemon=True).start()
+        for sock in self._socks:
+            sock.sendall(b"MONITOR\r\n")
+            sock.settimeout(None)
+            threading.Thread(
+                target=self._read, args=(sock,), name="store-monitor", daemon=True
+            ).start()
 
-    def _read(self) -> None:
+    def _read(self, sock: socket.socket) -> None:
         buffer = b""
         with contextlib.suppress(OSError):
-            while chunk := self._sock.recv(65536):
+            while chunk := sock.recv(65536):
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\r\n")
                 for line in lines:
@@ -194,6 +255,7 @@ class StoreMonitor:
                         at, _, text = line.lstrip(b"+").partition(b" ")
                         with self._lock:
                             self.seen.append((float(at), text.decode(errors="replace")))
+                            self.seen.sort()  # the nodes' lines, merged in time order
 
     def commands(self, after_s: float, matching: Callable[[str], bool]) -> list[tuple[float, str]]:
         """The commands run after ``after_s`` (epoch s) ``matching``, with when each ran."""
@@ -206,9 +268,10 @@ class StoreMonitor:
             path.write_text("".join(f"{at:.6f} {text}\n" for at, text in self.seen))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def types(ctx: Context, run_id: str) -> list[str]:
@@ -259,14 +322,18 @@ def fenced_turns(log: str, run_id: str) -> int:
     return len(re.findall(rf"succeeded in \S+: 'fenced' \(run {run_id}\)", log))
 
 
-HELD_AFTER = {COMBINED: "model.requested", SEPARATE: "tool.requested"}
+HELD_AFTER = {COMBINED: "model.requested", SEPARATE: "tool.requested", CLUSTER: "model.requested"}
 """The late run's last event while w1 holds its write at ``snapshot.before_save``: combined,
 the model's answer, its events and snapshot are one script not sent yet; apart, the answer's
 events are appended and the snapshot is not saved yet. The answer's events are
 ``model.responded`` and the idempotent lookup's ``tool.requested``, journaled with it."""
 HELD_SEQ = 4
 """The seq of the held checkpoint: created, model requested, answered, lookup requested."""
-HELD_WRITE = {COMBINED: "transition script", SEPARATE: "snapshot save"}
+HELD_WRITE = {
+    COMBINED: "transition script",
+    SEPARATE: "snapshot save",
+    CLUSTER: "transition script",
+}
 
 
 def held_write(snapshots: str, late: str, owner: str) -> Callable[[str], bool]:
@@ -321,7 +388,7 @@ RECOVERY_EVENTS = {"run.resumed"}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("snapshots", [COMBINED, SEPARATE])
+@pytest.mark.parametrize("snapshots", [COMBINED, SEPARATE, CLUSTER])
 def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_cannot_write(
     fleet: Fleet,
     snapshots: str,
@@ -334,10 +401,10 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
     ctx = Context(
         settings=Settings(),
         snapshots=RedisSnapshotStore.from_url(d.snapshot_url),
-        runs=RedisRunStore.from_url(d.redis_url),
+        runs=RedisRunStore.from_url(d.run_url),
     )
     # The deployment is the one named: a transition is one store call only when combined
-    assert ctx.runs.commits_with(ctx.snapshots) is (snapshots == COMBINED)
+    assert ctx.runs.commits_with(ctx.snapshots) is (snapshots != SEPARATE)
     client = make_app(Settings(broker_url=d.redis_url))
     agents = fleet.directory / "agents"
     monitor: StoreMonitor | None = None
@@ -360,6 +427,9 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
                       RATCHET_FAILPOINT="snapshot.before_save@1",
                       RATCHET_FAILPOINT_HOLD=str(hold))  # fmt: skip
         w2 = d.worker("w2", d.w2, "--pool", "threads", "--concurrency", "6")
+        # (and on the cluster, w3 beside it: w1's runs may move to either)
+        others = [w2] + ([d.worker("w3", d.w3, "--pool", "threads", "--concurrency", "6")]
+                         if d.w3 is not None else [])  # fmt: skip
         # Given w1 holding three runs, each in a call that outlasts the cut: a charge (not
         # idempotent), a model call, and a lookup (idempotent, quick when tried again)
         charge = start(
@@ -432,7 +502,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         wait_for("w2 works on its runs",
                  lambda: all("model.requested" in types(ctx, r) for r in own), timeout_s=30)  # fmt: skip
         before = scrape(d.w1)
-        monitor = StoreMonitor(d.store, d.w1.address)
+        monitor = StoreMonitor(d.store, d.w1.address, d.store_ports)
 
         # When w1's cable is pulled for 30 s
         cut_ms = ctx.runs.clock()
@@ -462,7 +532,7 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
             f"{(cut_ms - asked_ms) / 1000:.1f} s from the call to the cut)"
         )
         for run_id in [*held, late]:
-            assert f"(run {run_id})" in w2.log(), f"w2 never took run {run_id}"
+            assert any(f"(run {run_id})" in w.log() for w in others), f"nobody took {run_id}"
         # And the checkpoint w1 sent into the cut reaches the store after the heal (TCP
         # retransmits a socket's bytes after its client gave up on it and closed it)
         wait_for("w1's late checkpoint reaches the store",
@@ -490,13 +560,21 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         # And nothing a stale turn wrote got in: each log is exactly what w2's turns wrote,
         # and w2, which took the runs over, never had a write refused (the late checkpoint
         # did not fence it out)
-        assert refusals(w2.log()) == {kind: [] for kind in REFUSALS}
-        # (nor got in before w2's next save, which would have found it and replaced it)
-        assert "a late checkpoint of a worker that lost the run" not in w2.log()
-        # And w1's late turn, its write timed out in the cut, said so and stopped: its
-        # checkpoint not saved, the stall it then tried not recorded (the store unreachable)
-        assert f"run {late}: checkpoint at seq {HELD_SEQ} could not be saved" in w1.log()
-        assert f"run {late}: could not record the stall" in w1.log()
+        for w in others:
+            assert refusals(w.log()) == {kind: [] for kind in REFUSALS}, w.name
+            # (nor got in before its next save, which would have found it and replaced it)
+            assert "a late checkpoint of a worker that lost the run" not in w.log()
+        if snapshots == CLUSTER:
+            # And w1's late turn: redis-py's cluster client tried its write again (refreshing
+            # the slot table) until the heal, when the store refused it by its seq fence
+            assert f"run {late}: write expected seq" in w1.log()
+            fenced_runs = {*held, late}
+        else:
+            # And w1's late turn, its write timed out in the cut, said so and stopped: its
+            # checkpoint not saved, the stall it then tried not recorded (the store unreachable)
+            assert f"run {late}: checkpoint at seq {HELD_SEQ} could not be saved" in w1.log()
+            assert f"run {late}: could not record the stall" in w1.log()
+            fenced_runs = set(held)
         done = {r: [t for t in types(ctx, r) if t not in RECOVERY_EVENTS] for r in [*held, late]}
         assert done[charge] == ["run.created", "model.requested", "model.responded",
                                 "tool.requested", "run.parked"]  # fmt: skip
@@ -509,16 +587,18 @@ def test_a_worker_host_cut_off_for_30_s_loses_its_runs_to_the_other_host_and_can
         check_late_log(ctx, snapshots, late, late_seq, cut_ms, done[lookup], done[model])
         # And no non-idempotent tool ran twice; the idempotent lookup ran again, on w2
         ran = effects(d)
-        assert sorted(ran) == sorted(
-            ["charge c1 w1", "lookup k1 w1", "lookup k1 w2", "lookup k2 w2", "refund M1 1500",
-             "refund S0 100", "refund T0 200", "refund S1 100", "refund T1 200"]
+        # (w2 and w3 alike are "the other host": either may have taken a lookup over)
+        by_others = [re.sub(r" w[23]$", " w2|w3", line) for line in ran]
+        assert sorted(by_others) == sorted(
+            ["charge c1 w1", "lookup k1 w1", "lookup k1 w2|w3", "lookup k2 w2|w3",
+             "refund M1 1500", "refund S0 100", "refund T0 200", "refund S1 100", "refund T1 200"]
         )  # fmt: skip
         once = [" ".join(line.split()[:2]) for line in ran if not line.startswith("lookup")]
         # And the refusals counted in w1's log are the ones its metrics counted
         logged_refused = len(refused["lease"]) + len(refused["seq"])
         renewals_refused = len(refused["renewal"])
-        assert set(refused["lease"] + refused["seq"]) == held.keys()
-        assert logged_refused == len(held)
+        assert set(refused["lease"] + refused["seq"]) == fenced_runs
+        assert logged_refused == len(fenced_runs)
         fenced_delta = after['ratchet_turns_total{outcome="fenced"}'] - before.get(
             'ratchet_turns_total{outcome="fenced"}', 0
         )
