@@ -328,6 +328,21 @@ def expires_at_ms(suspension: Suspension, max_suspended_s: int | None) -> int | 
     return suspension.since_ms + max_suspended_s * 1000 + 1
 
 
+def expiry_is_due(status: RunStatus, due_at_ms: int | None, now_ms: int) -> bool:
+    """A run in ``status``, due at ``due_at_ms`` in the run store's due index, waits for a
+    person and its expiry (:func:`expires_at_ms`, its due time then) has come.
+
+    The sweeper's cheap look, from the run's record alone; the expiry itself checks again
+    against the state (:func:`expiry_reason`) under the run's lease.
+    """
+    return (
+        status.is_suspended
+        and status != RunStatus.WAITING
+        and due_at_ms is not None
+        and due_at_ms <= now_ms
+    )
+
+
 def expiry_reason(suspension: Suspension, max_suspended_s: int | None, now_ms: int) -> str | None:
     """Why the run expires instead of continuing, or None while it may still wait."""
     expires_at = expires_at_ms(suspension, max_suspended_s)

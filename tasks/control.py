@@ -32,6 +32,7 @@ from runtime.continuation import (
     check_pinned,
     check_suspended,
     continued_event_data,
+    expiry_is_due,
     expiry_reason,
     find_applied,
     make_continuation,
@@ -328,13 +329,7 @@ def expire_if_due(ctx: Context, run_id: str) -> bool:
 
 def expires_now(record: RunRecord | None, now_ms: int) -> bool:
     """The record is of a run waiting for a person whose due time (its expiry) has come."""
-    return (
-        record is not None
-        and record.status.is_suspended
-        and record.status != RunStatus.WAITING
-        and record.due_at_ms is not None
-        and record.due_at_ms <= now_ms
-    )
+    return record is not None and expiry_is_due(record.status, record.due_at_ms, now_ms)
 
 
 def expire_suspended(ctx: Context, limit: int = 1000) -> list[str]:
