@@ -690,13 +690,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "V7",
-        "tasks/recovery.py",
-        "        elif record.status.is_live:\n",
-        "        else:\n",
-        RECOVERY,
-        harmless="the overdue index holds live runs only (a run leaves it when it suspends, "
-        "parks or finishes: run store contract), and a resume of a run that is not live is "
-        "refused (V1's tests); the check only saves enqueueing a no-op",
+        "runtime/recovery.py",
+        "    if status.is_live:\n        return SweepStep(SweepKind.RESUME, postpone_ms=lease_ms)\n"
+        "    return LEAVE\n",
+        "    return SweepStep(SweepKind.RESUME, postpone_ms=lease_ms)\n",
+        (*RECOVERY, "tests/test_sweep_rules.py"),
     ),
     Mutant(
         "V8",
@@ -814,16 +812,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "W2",
         "tasks/recovery.py",
-        "            tell(run_id)\n",
-        "            pass\n",
+        "        tell(run_id)\n",
+        "        pass\n",
         PROMISES,
         k="untold",
     ),
     Mutant(
         "W3",
         "tasks/recovery.py",
-        "        ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + lease_ms)\n",
-        "",
+        "            ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + step.postpone_ms)\n",
+        "            pass\n",
         PROMISES,
         k="postpones",
     ),
