@@ -924,6 +924,21 @@ MUTANTS: tuple[Mutant, ...] = (
         PROMISES,
         k="duplicate_delivery",
     ),
+    # The cancel cascade (runtime/children.py): which runs a cancel reaches, and its refusal.
+    Mutant(
+        "D2",
+        "runtime/children.py",
+        "        return [child_run_id(run_id, suspension.call_id)]\n",
+        "        return []\n",
+        ("tests/test_cancel_and_expiry_rules.py",),
+    ),
+    Mutant(
+        "D3",
+        "runtime/children.py",
+        "        self.ended += int(ended)\n",
+        "        pass\n",
+        ("tests/test_cancel_and_expiry_rules.py",),
+    ),
     Mutant(
         "B1",
         "runtime/budget.py",
