@@ -588,8 +588,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T13",
         "tasks/turn.py",
-        "        if held.asked_model:\n            return TurnOutcome.NEXT\n",
+        "        if ends_turn(action, held.asked_model):\n            return TurnOutcome.NEXT\n",
         "",
+        TURN,
+    ),
+    Mutant(
+        "T21",
+        "runtime/fsm.py",
+        "    return asked_model and isinstance(action, CallModel)\n",
+        "    return False\n",
         TURN,
     ),
     Mutant(
