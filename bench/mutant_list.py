@@ -588,8 +588,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T13",
         "tasks/turn.py",
-        "        if held.asked_model:\n            return TurnOutcome.NEXT\n",
+        "        if ends_turn(action, held.asked_model):\n            return TurnOutcome.NEXT\n",
         "",
+        TURN,
+    ),
+    Mutant(
+        "T21",
+        "runtime/fsm.py",
+        "    return asked_model and isinstance(action, CallModel)\n",
+        "    return False\n",
         TURN,
     ),
     Mutant(
@@ -690,13 +697,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "V7",
-        "tasks/recovery.py",
-        "        elif record.status.is_live:\n",
-        "        else:\n",
-        RECOVERY,
-        harmless="the overdue index holds live runs only (a run leaves it when it suspends, "
-        "parks or finishes: run store contract), and a resume of a run that is not live is "
-        "refused (V1's tests); the check only saves enqueueing a no-op",
+        "runtime/recovery.py",
+        "    if status.is_live:\n        return SweepStep(SweepKind.RESUME, postpone_ms=lease_ms)\n"
+        "    return LEAVE\n",
+        "    return SweepStep(SweepKind.RESUME, postpone_ms=lease_ms)\n",
+        (*RECOVERY, "tests/test_sweep_rules.py"),
     ),
     Mutant(
         "V8",
@@ -814,16 +819,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "W2",
         "tasks/recovery.py",
-        "            tell(run_id)\n",
-        "            pass\n",
+        "        tell(run_id)\n",
+        "        pass\n",
         PROMISES,
         k="untold",
     ),
     Mutant(
         "W3",
         "tasks/recovery.py",
-        "        ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + lease_ms)\n",
-        "",
+        "            ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + step.postpone_ms)\n",
+        "            pass\n",
         PROMISES,
         k="postpones",
     ),
@@ -925,6 +930,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         PROMISES,
         k="duplicate_delivery",
+    ),
+    # The cancel cascade (runtime/children.py): which runs a cancel reaches, and its refusal.
+    Mutant(
+        "D2",
+        "runtime/children.py",
+        "        return [child_run_id(run_id, suspension.call_id)]\n",
+        "        return []\n",
+        ("tests/test_cancel_and_expiry_rules.py",),
+    ),
+    Mutant(
+        "D3",
+        "runtime/children.py",
+        "        self.ended += int(ended)\n",
+        "        pass\n",
+        ("tests/test_cancel_and_expiry_rules.py",),
     ),
     Mutant(
         "B1",

@@ -47,11 +47,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import deque
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.models import RunState, Suspension, Tree, Usage
+from runtime.errors import RunRefused
+from runtime.models import RunState, RunStatus, Suspension, Tree, Usage
 
 RUN_CHILD = "run_child"
 MAX_INPUT_BYTES = 8192
@@ -177,6 +179,72 @@ def possible_children(state: RunState) -> list[str]:
     """The ids of the children ``state`` may have made that have not ended for it: those of
     its ``run_child`` calls without an outcome (a parent makes them one at a time)."""
     return [child_run_id(state.run_id, c.id) for c in state.pending if c.name == RUN_CHILD]
+
+
+def cancel_reaches(
+    run_id: str, status: RunStatus, suspension: Suspension | None
+) -> list[str] | None:
+    """The children a cancel of ``run_id`` goes on to, from its record alone; ``None``: they
+    are its :func:`possible_children`, read from its state.
+
+    Children run one at a time, so a suspended run's only live child is the one its
+    suspension waits for; a completed run answered, so every call it made has its outcome.
+    Any other run (live, parked, failed or cancelled: a cancel cut short by a dead process
+    is finished by the next) may have made a child its state names.
+    """
+    if status.is_suspended:
+        if suspension is None or suspension.tool != RUN_CHILD:
+            return []
+        return [child_run_id(run_id, suspension.call_id)]
+    if status == RunStatus.COMPLETED:
+        return []
+    return None
+
+
+class CancelCascade:
+    """The runs a cancel reaches below its run, breadth first, each once: the shell cancels
+    the run :meth:`next` names and reports the children it found under it (:meth:`reached`).
+
+    A queue, not a recursion, so a tree's depth costs no stack. The walk goes on through
+    runs that had ended already, and counts only the runs this cancel ended: a cancel that
+    ended nothing, its run's or any below, is refused (:meth:`refusal`).
+    """
+
+    def __init__(self, run_id: str, children: list[str], ended: bool) -> None:
+        self.run_id = run_id
+        self._queue = deque((child, run_id) for child in children)
+        self._seen = {run_id}
+        self.ended = int(ended)
+        """How many runs this cancel ended, its own included."""
+
+    def next(self) -> tuple[str, str] | None:
+        """The next run to cancel and its parent; None when the walk is done."""
+        while self._queue:
+            child, parent = self._queue.popleft()
+            if child in self._seen:
+                continue  # ids are hashes of their parent's: only a forged one could loop
+            self._seen.add(child)
+            return child, parent
+        return None
+
+    def reached(self, run_id: str, children: list[str], ended: bool) -> None:
+        """``run_id`` was cancelled (``ended``: by this cancel) and may have ``children``."""
+        self.ended += int(ended)
+        self._queue.extend((child, run_id) for child in children)
+
+    def refusal(self, status: RunStatus) -> RunRefused | None:
+        """The cancel's refusal when its run (in ``status``) and every run below had ended
+        already; None when it ended one."""
+        if self.ended:
+            return None
+        return RunRefused(
+            self.run_id, status.value, "it has already finished; there is nothing to cancel"
+        )
+
+
+def parent_cancelled_reason(parent_id: str) -> str:
+    """The reason a child's ``run.cancelled`` gives when its parent's cancel reached it."""
+    return f"its parent run {parent_id} was cancelled"
 
 
 def waits_for(parent: RunState, child_id: str) -> bool:

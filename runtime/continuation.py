@@ -297,6 +297,15 @@ def suspended_for_ms(suspension: Suspension, now_ms: int) -> int:
     return max(0, now_ms - suspension.since_ms)
 
 
+MAX_CANCEL_REASON_CHARS = 2000
+
+
+def cancel_reason(reason: str | None) -> str:
+    """A cancel's reason as recorded: whitespace runs made one space, cut to
+    :data:`MAX_CANCEL_REASON_CHARS`, and a default when none is left."""
+    return " ".join((reason or "").split())[:MAX_CANCEL_REASON_CHARS] or "cancelled by an operator"
+
+
 def cancelled_event_data(
     status_before: RunStatus, suspension: Suspension | None, reason: str, now_ms: int
 ) -> dict[str, Any]:
@@ -326,6 +335,38 @@ def expires_at_ms(suspension: Suspension, max_suspended_s: int | None) -> int | 
         # max_suspended_s bounds a wait for a person; a timer's length is its own.
         return None
     return suspension.since_ms + max_suspended_s * 1000 + 1
+
+
+def expiry_is_due(status: RunStatus, due_at_ms: int | None, now_ms: int) -> bool:
+    """A run in ``status``, due at ``due_at_ms`` in the run store's due index, waits for a
+    person and its expiry (:func:`expires_at_ms`, its due time then) has come.
+
+    The sweeper's cheap look, from the run's record alone; the expiry itself checks again
+    against the state (:func:`expiry_reason`) under the run's lease.
+    """
+    return (
+        status.is_suspended
+        and status != RunStatus.WAITING
+        and due_at_ms is not None
+        and due_at_ms <= now_ms
+    )
+
+
+def expiry_of(state: RunState, max_suspended_s: int | None, now_ms: int) -> str | None:
+    """Why ``state`` expires now (:func:`expiry_reason`), or None: it is not waiting for an
+    answer, or may go on waiting."""
+    if state.suspension is None or not state.status.is_suspended:
+        return None
+    return expiry_reason(state.suspension, max_suspended_s, now_ms)
+
+
+def expired_event_data(suspension: Suspension, reason: str, now_ms: int) -> dict[str, Any]:
+    """``run.expired``'s data: why, the suspension it ends, and how long that lasted."""
+    return {
+        "reason": reason,
+        "suspension_seq": suspension.seq,
+        "suspended_ms": suspended_for_ms(suspension, now_ms),
+    }
 
 
 def expiry_reason(suspension: Suspension, max_suspended_s: int | None, now_ms: int) -> str | None:

@@ -609,6 +609,12 @@ def unsent_event(call: ToolCall, reason: str) -> tuple[str, dict[str, Any]]:
     return ("tool.unsent", {"call_id": call.id, "name": call.name, "reason": reason})
 
 
+def ends_turn(action: Action, asked_model: bool) -> bool:
+    """Whether a turn that has ``asked_model`` ends before ``action``: a turn calls the model
+    at most once, so after its model call the next one is the next turn's."""
+    return asked_model and isinstance(action, CallModel)
+
+
 def requested_with_response(state: RunState, agent: Agent, now_ms: int) -> RunTool | None:
     """The calls to journal as requested in the same transition as the model response that
     asked for them (``state``: the state that response leaves), or None.
@@ -620,7 +626,11 @@ def requested_with_response(state: RunState, agent: Agent, now_ms: int) -> RunTo
     journaled before it provably started, a crash there would park the run (or ask its
     probe) for a call that never started, so it is journaled when it starts.
     """
-    action = decide(state, agent, now_ms)
+    return requested_early(decide(state, agent, now_ms), agent)
+
+
+def requested_early(action: Action, agent: Agent) -> RunTool | None:
+    """:func:`requested_with_response` of the state ``action`` was decided on."""
     if not isinstance(action, RunTool):
         return None
     for call in action.calls:
@@ -694,10 +704,12 @@ __all__ = [
     "apply",
     "created_event",
     "decide",
+    "ends_turn",
     "rebuild",
     "journal_replicated",
     "requested_event",
     "unsent_event",
+    "requested_early",
     "requested_with_response",
     "response_events",
     "suspension_event",

@@ -61,6 +61,11 @@ class RunStatus(StrEnum):
     def is_terminal(self) -> bool:
         return self in TERMINAL_STATUSES
 
+    @property
+    def operator_actions(self) -> tuple[OperatorAction, ...]:
+        """What an operator may ask of a run in this status (:data:`OPERATOR_ACTIONS`)."""
+        return OPERATOR_ACTIONS[self]
+
 
 LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.MODEL, RunStatus.TOOLS})
 SUSPENDED_STATUSES = frozenset(
@@ -73,6 +78,45 @@ FINISHED_STATUSES = TERMINAL_STATUSES | {RunStatus.DEAD_LETTERED}
 only an operator's resume moves it on). A waiter stops at these; retention purges them.
 Parked (needs_reconciliation, stalled) and suspended runs wait for a person and are not
 among them."""
+
+
+class OperatorAction(StrEnum):
+    """What a person can ask of a run from the console or the CLI."""
+
+    ANSWER = "answer"
+    APPROVE = "approve"
+    DENY = "deny"
+    RECONCILE = "reconcile"
+    RESUME = "resume"
+    CANCEL = "cancel"
+
+
+_ANSWERED = (OperatorAction.ANSWER, OperatorAction.CANCEL)
+_RESUMED = (OperatorAction.RESUME, OperatorAction.CANCEL)
+OPERATOR_ACTIONS: dict[RunStatus, tuple[OperatorAction, ...]] = {
+    # A live run resumes only when its worker died; the resume refuses it otherwise, saying why.
+    RunStatus.QUEUED: _RESUMED,
+    RunStatus.MODEL: _RESUMED,
+    RunStatus.TOOLS: _RESUMED,
+    RunStatus.NEEDS_USER_INPUT: _ANSWERED,
+    RunStatus.BLOCKED: _ANSWERED,
+    RunStatus.AWAITING_APPROVAL: (
+        OperatorAction.APPROVE,
+        OperatorAction.DENY,
+        OperatorAction.CANCEL,
+    ),
+    # A timer wakes the run by itself: nothing to answer.
+    RunStatus.WAITING: (OperatorAction.CANCEL,),
+    RunStatus.COMPLETED: (),
+    RunStatus.FAILED: (),
+    RunStatus.CANCELLED: (),
+    RunStatus.NEEDS_RECONCILIATION: (OperatorAction.RECONCILE, OperatorAction.CANCEL),
+    RunStatus.STALLED: _RESUMED,
+    RunStatus.DEAD_LETTERED: _RESUMED,
+}
+"""The actions the console and ``ratchet runs show`` offer for each status, in the order
+they are shown. An offer, not a permission: the action itself still checks the run and
+refuses with its reason (a live run's resume while its worker lives, say)."""
 
 INVALID_ARGUMENTS_KEY = "__invalid_json__"
 """A provider that receives tool arguments it cannot parse puts the raw text under this

@@ -21,17 +21,25 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from runtime.children import RUN_CHILD, child_run_id, possible_children
+from runtime.children import (
+    CancelCascade,
+    cancel_reaches,
+    parent_cancelled_reason,
+    possible_children,
+)
 from runtime.continuation import (
     Continuation,
+    cancel_reason,
     cancelled_event_data,
     check_pinned,
     check_suspended,
     continued_event_data,
+    expired_event_data,
+    expiry_is_due,
+    expiry_of,
     expiry_reason,
     find_applied,
     make_continuation,
@@ -43,14 +51,13 @@ from runtime.errors import (
     RunBusy,
     RunMoving,
     RunNotFound,
-    RunRefused,
     RunStateLost,
     SnapshotError,
     StaleWrite,
     StoreUnavailable,
     SuspensionExpired,
 )
-from runtime.models import RunState, RunStatus, validate_run_id
+from runtime.models import RunState, validate_run_id
 from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.lease import holding
@@ -147,13 +154,8 @@ def _continue_holding_lease(
 
 
 def _expire(ctx: Context, state: RunState, reason: str, owner: str, now: int) -> None:
-    suspension = state.suspension
-    assert suspension is not None
-    data = {
-        "reason": reason,
-        "suspension_seq": suspension.seq,
-        "suspended_ms": suspended_for_ms(suspension, now),
-    }
+    assert state.suspension is not None
+    data = expired_event_data(state.suspension, reason, now)
     append_events(ctx, state, [("run.expired", data)], owner)
     ctx.snapshots.delete(state.run_id)
     log.warning("run %s: expired: %s", state.run_id, reason)
@@ -193,43 +195,31 @@ def continue_run(self: Any, answer: Continue) -> str:
 
 # --- cancel -----------------------------------------------------------------
 
-MAX_REASON_CHARS = 2000
-
 
 def cancel(ctx: Context, run_id: str, reason: str | None = None) -> RunRecord:
     """Make the run terminal (`run.cancelled`), delete its snapshot, and do the same to
     every live run of its subtree; return the run's new record.
 
     Fenced by seq only, never waiting for a lease: a turn in progress loses its
-    next write and stops. The subtree is walked with a queue, not a recursion, so
-    its depth costs no stack: each run names the children that may exist under it
-    (its ``run_child`` calls without an outcome, runtime/children.py), and a child
-    its parent's turn creates after that look is cancelled by that turn at once
-    (tasks/children.py reads the parent after creating a child). The walk goes on
-    through runs that ended already, so a cancel cut short (its process died
-    mid-walk) is finished by the next cancel of the same run. Raises RunNotFound,
-    RunRefused for a run that had finished with nothing left to cancel under it.
+    next write and stops. Which runs of the subtree the cancel reaches is the core's
+    (:class:`runtime.children.CancelCascade`, :func:`runtime.children.cancel_reaches`);
+    a child its parent's turn creates after the cascade looked is cancelled by that turn
+    at once (tasks/children.py reads the parent after creating a child). Raises
+    RunNotFound, RunRefused for a run that had finished with nothing left to cancel under it.
     """
     run_id = validate_run_id(run_id)
-    reason = " ".join((reason or "").split())[:MAX_REASON_CHARS] or "cancelled by an operator"
-    record, children, ended = _cancel_one(ctx, run_id, reason)
-    queue = deque((child, run_id) for child in children)
-    seen, descendants = {run_id}, 0
-    while queue:
-        child, parent = queue.popleft()
-        if child in seen:
-            continue  # ids are hashes of their parent's: only a forged one could loop
-        seen.add(child)
+    record, children, ended = _cancel_one(ctx, run_id, cancel_reason(reason))
+    cascade = CancelCascade(run_id, children, ended)
+    while (step := cascade.next()) is not None:
+        child, parent = step
         try:
-            _, more, now = _cancel_one(ctx, child, f"its parent run {parent} was cancelled", parent)
+            _, more, now = _cancel_one(ctx, child, parent_cancelled_reason(parent), parent)
         except RunNotFound:
             continue  # its parent's call never made it
-        descendants += now
-        queue.extend((grandchild, child) for grandchild in more)
-    if not ended and not descendants:
-        raise RunRefused(
-            run_id, record.status.value, "it has already finished; there is nothing to cancel"
-        )
+        cascade.reached(child, more, now)
+    refusal = cascade.refusal(record.status)
+    if refusal is not None:
+        raise refusal
     return record
 
 
@@ -268,15 +258,9 @@ def _children_of(ctx: Context, run_id: str) -> tuple[RunRecord, list[str]]:
     record = ctx.runs.get(run_id)
     if record is None:
         raise RunNotFound(run_id)
-    if record.status.is_suspended:
-        # Children run one at a time: a suspended run's only live child is the one its
-        # suspension waits for.
-        suspension = record.suspension
-        if suspension is None or suspension.tool != RUN_CHILD:
-            return record, []
-        return record, [child_run_id(run_id, suspension.call_id)]
-    if record.status == RunStatus.COMPLETED:
-        return record, []  # it answered: every call it made has its outcome
+    children = cancel_reaches(run_id, record.status, record.suspension)
+    if children is not None:
+        return record, children
     try:
         loaded = load(ctx, run_id, set_aside=False, record=record)
     except RunStateLost:
@@ -316,10 +300,8 @@ def expire_if_due(ctx: Context, run_id: str) -> bool:
             return False
         loaded = load(ctx, run_id, whole_log=True)
         state = loaded.state
-        if state.suspension is None or not state.status.is_suspended:
-            return False
         now = ctx.runs.clock()
-        reason = expiry_reason(state.suspension, max_suspended_s_of(loaded.log()), now)
+        reason = expiry_of(state, max_suspended_s_of(loaded.log()), now)
         if reason is None:
             return False
         _expire(ctx, state, reason, held.owner, now)
@@ -328,13 +310,7 @@ def expire_if_due(ctx: Context, run_id: str) -> bool:
 
 def expires_now(record: RunRecord | None, now_ms: int) -> bool:
     """The record is of a run waiting for a person whose due time (its expiry) has come."""
-    return (
-        record is not None
-        and record.status.is_suspended
-        and record.status != RunStatus.WAITING
-        and record.due_at_ms is not None
-        and record.due_at_ms <= now_ms
-    )
+    return record is not None and expiry_is_due(record.status, record.due_at_ms, now_ms)
 
 
 def expire_suspended(ctx: Context, limit: int = 1000) -> list[str]:

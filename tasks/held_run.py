@@ -19,6 +19,7 @@ from typing import Any
 from celery.signals import worker_shutting_down
 
 from runtime.actions import (
+    Action,
     CallModel,
     CheckBinding,
     Fail,
@@ -40,7 +41,7 @@ from runtime.errors import (
     SnapshotFailed,
     StoreUnavailable,
 )
-from runtime.fsm import decide, requested_event, requested_with_response, response_events
+from runtime.fsm import decide, ends_turn, requested_early, requested_event, response_events
 from runtime.models import Message, RunState
 from runtime.probes import Probed
 from runtime.provider import ModelRequest, ModelResponse, Observer, checked_response
@@ -129,6 +130,7 @@ class HeldRun:
         """Calls journaled as requested with the model's response, not started yet: the
         turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
         self._beat: tuple[str, str] | None = None
+        self._decided: tuple[RunState, Action] | None = None
 
     @classmethod
     def open(
@@ -412,7 +414,7 @@ class HeldRun:
     def _requesting(self, change: Transition) -> Transition:
         """``change`` (a model response) with the ``tool.requested`` of the calls it asks for,
         when all of them may run again; ``change`` as it is otherwise."""
-        batch = requested_with_response(change.state, self.agent, self.ctx.runs.clock())
+        batch = requested_early(self.decided(change.state), self.agent)
         if batch is None:
             return change
         self.requested_early = frozenset(call.id for call in batch.calls)
@@ -425,6 +427,21 @@ class HeldRun:
         priority = limits.turn_priority(self.ctx, self.agent, state)
         return turn_outbox(self.ctx.runs, state.run_id, state.seq, priority)
 
+    def decided(self, state: RunState) -> Action:
+        """:func:`runtime.fsm.decide` on ``state``, asked once per state: the checkpoint that
+        leaves a state (is it the turn's last? which calls go with it?) and the turn's next
+        step (tasks/turn.py) share one answer."""
+        if self._decided is None or self._decided[0] is not state:
+            self._decided = (state, decide(state, self.agent, self.ctx.runs.clock()))
+        return self._decided[1]
+
+    def next_action(self) -> Action:
+        """What the run does next (:meth:`decided` on its state), for the turn's loop, which
+        takes it once: a loop back to a state it did not move decides again, on a fresh clock."""
+        action = self.decided(self.state)
+        self._decided = None
+        return action
+
     def _ends_turn(self, state: RunState) -> bool:
         """Whether the turn ends right after checkpointing ``state``, with the next model call
         (the next turn's): that checkpoint takes the lease's release along."""
@@ -432,7 +449,7 @@ class HeldRun:
             self.asked_model
             and state.status.is_live
             and not stopping()
-            and isinstance(decide(state, self.agent, self.ctx.runs.clock()), CallModel)
+            and ends_turn(self.decided(state), self.asked_model)
         )
 
     def snapshot_room(self, size: int) -> int:

@@ -27,12 +27,12 @@ from typing import Any
 from runtime.actions import Advanced, TurnOutcome
 from runtime.errors import InvalidOption, RunRefused, StaleWrite
 from runtime.models import RunState, RunStatus, validate_run_id
-from runtime.recovery import OPERATOR
-from runtime.timers import WAIT, wake_at_ms
+from runtime.recovery import OPERATOR, SweepKind, SweepStep, dead_holder_step, sweep_step
+from runtime.timers import wake_at_ms
 from store.runs import RunRecord, wall_ms
 from tasks import lease, metrics, resumption
 from tasks.context import Context, get_context
-from tasks.control import expire_if_due, expires_now
+from tasks.control import expire_if_due
 from tasks.messages import (
     chain_turn,
     sweeper_resume,
@@ -119,7 +119,6 @@ def sweep_orphans(
     found: list[str] = []
     expired: list[str] = []
     # Live runs whose lease holder's process died first: they need not wait for the lease.
-    # (A suspended or finished run such a process held needs no worker: its lease lapses.)
     if enqueue_orphan is None:
         enqueue_orphan = urgent_sweeper_resume if enqueue is sweeper_resume else enqueue
     lease_ms = int(ctx.settings.lease_s * 1000)
@@ -130,24 +129,11 @@ def sweep_orphans(
         record = ctx.runs.get(run_id)
         if record is None:
             continue
-        if record.suspension is not None and record.suspension.tool == WAIT:
-            # Not an orphan: a timer one sweep from its time; wake it then (ETA).
-            wake(run_id, record)
-            found.append(run_id)
-        elif record.status.is_suspended:
-            # Waiting for a person past its agent's max_suspended_s: it expires now.
+        step = sweep_step(record.status, record.suspension, lease_ms)
+        if step.kind == SweepKind.EXPIRE:
             if _expire(ctx, run_id):
                 expired.append(run_id)
-        elif record.status.is_terminal:
-            # Only a child whose parent was not told yet is terminal and due.
-            tell(run_id)
-            found.append(run_id)
-        elif record.status.is_live:
-            enqueue(run_id, record.last_seq)
-            # Not again for a lease: a run merely waiting in a long queue is overdue too, and
-            # a resume per sweep for each would grow the backlog it waits in (a chaos run
-            # reached 20,000 queued messages and lost 64 runs at a 1 s sweep interval).
-            ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + lease_ms)
+        elif _send(ctx, step, record, enqueue, wake, tell):
             found.append(run_id)
     if found:
         log.info("sweep: %s overdue run(s) with no lease; resume enqueued", len(found))
@@ -156,17 +142,41 @@ def sweep_orphans(
     return found + expired
 
 
+def _send(
+    ctx: Context,
+    step: SweepStep,
+    record: RunRecord,
+    enqueue: Enqueue,
+    wake: Wake,
+    tell: Callable[[str], None],
+) -> bool:
+    """Send the message ``step`` asks for; whether it asked for one."""
+    run_id = record.run_id
+    if step.kind == SweepKind.WAKE:
+        wake(run_id, record)
+    elif step.kind == SweepKind.TELL_PARENT:
+        tell(run_id)
+    elif step.kind == SweepKind.RESUME:
+        enqueue(run_id, record.last_seq)
+        if step.postpone_ms is not None:
+            ctx.runs.postpone(run_id, record.last_seq, ctx.runs.clock() + step.postpone_ms)
+    else:
+        return False
+    return True
+
+
 def _enqueue_dead_holders(ctx: Context, enqueue: Enqueue, limit: int) -> list[str]:
     found = []
     now = ctx.runs.clock()
     for orphan in ctx.runs.orphaned(limit):
         record = ctx.runs.get(orphan.run_id)
-        if record is not None and record.status.is_live:
+        if record is None:
+            continue
+        step = dead_holder_step(record.status, record.due_at_ms, now)
+        if step.kind == SweepKind.RESUME:
             enqueue(orphan.run_id, record.last_seq)
             found.append(orphan.run_id)
-        elif expires_now(record, now) and _expire(ctx, orphan.run_id):
-            # Past its max_suspended_s, its lease a dead process's: the overdue index
-            # leaves out a run with an unexpired lease, so it is expired from here.
+        elif step.kind == SweepKind.EXPIRE and _expire(ctx, orphan.run_id):
             found.append(orphan.run_id)
     return found
 

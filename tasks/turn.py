@@ -40,7 +40,7 @@ from runtime.actions import (
     Unresolved,
 )
 from runtime.errors import ClockSkewed, LeaseLost, StaleWrite
-from runtime.fsm import decide, suspension_event, tool_events
+from runtime.fsm import ends_turn, suspension_event, tool_events
 from runtime.models import RunStatus, validate_run_id
 from runtime.recovery import SWEEPER
 from runtime.tools import ToolOutcome
@@ -199,7 +199,7 @@ def _not_loaded(
 def take(held: HeldRun) -> TurnOutcome:
     """Carry out decisions until the turn ends; how it ended."""
     while not held.released:  # the last checkpoint let the lease go: the next turn decides
-        action = decide(held.state, held.agent, held.ctx.runs.clock())
+        action = held.next_action()
         if stopping() and not isinstance(action, (CheckBinding, Idle)):
             log.info(
                 "run %s: worker shutting down; stopping at seq %s and chaining the rest",
@@ -216,7 +216,7 @@ def take(held: HeldRun) -> TurnOutcome:
 def perform(held: HeldRun, action: Action) -> TurnOutcome | None:
     """Carry out one action and record it; the turn's outcome if that ends the turn."""
     if isinstance(action, CallModel):
-        if held.asked_model:
+        if ends_turn(action, held.asked_model):
             return TurnOutcome.NEXT
         held.asked_model = True
         return held.call_model(action)

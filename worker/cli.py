@@ -16,6 +16,7 @@ from runtime.models import Event, RunStatus, validate_run_id
 from worker.cli_base import _api, _dump, _record_json, finite, flag, json_flag, main, refusals, runs
 from worker.exits import Exit, wait_exit
 from worker.render import (
+    actions_line,
     event_line,
     lineage_lines,
     open_call_lines,
@@ -241,10 +242,12 @@ def runs_show(run_id: str, as_json: bool) -> None:
                 "snapshot_seq": snapshot_seq,
                 "lineage": lineage,
                 "mcp_tools": policies,
+                "actions": [action.value for action in record.status.operator_actions],
             }
         )
         return
-    lines = record_lines(record, api.ctx.runs.clock()) + lineage_lines(lineage)
+    lines = record_lines(record, api.ctx.runs.clock()) + [actions_line(record)]
+    lines += lineage_lines(lineage)
     lines += tool_policy_lines(policies)
     if lost is not None:
         lines.append(f"snapshot   {lost}")

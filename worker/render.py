@@ -180,6 +180,11 @@ def record_lines(record: RunRecord, now_ms: int | None = None) -> list[str]:
     return lines
 
 
+def actions_line(record: RunRecord) -> str:
+    """What an operator may do to the run now: the core's list, as the console offers it."""
+    return f"actions    {', '.join(record.status.operator_actions) or 'none'}"
+
+
 def lineage_lines(lineage: dict[str, Any]) -> list[str]:
     """The runs a run is linked to, for `runs show`: its parent, children, fork origin."""
     lines = []

@@ -110,23 +110,6 @@ class RunPage:
         return f"{self.record.status.value}:{self.record.last_seq}"
 
 
-def actions_for(status: RunStatus) -> list[str]:
-    """The actions the page offers; the API still decides and refuses with its reason."""
-    offered = []
-    if status in (RunStatus.NEEDS_USER_INPUT, RunStatus.BLOCKED):
-        offered.append("answer")
-    if status == RunStatus.AWAITING_APPROVAL:
-        offered += ["approve", "deny"]
-    if status == RunStatus.NEEDS_RECONCILIATION:
-        offered.append("reconcile")
-    if status in (RunStatus.STALLED, RunStatus.DEAD_LETTERED) or status.is_live:
-        # A live run resumes only when its worker died; the API says so otherwise.
-        offered.append("resume")
-    if not status.is_terminal:
-        offered.append("cancel")
-    return offered
-
-
 def run_page(api: Ratchet, run_id: str) -> RunPage:
     record = api.get(run_id)
     events: list[Event] = api.events(run_id)
@@ -153,5 +136,5 @@ def run_page(api: Ratchet, run_id: str) -> RunPage:
         open_call_arguments=pretty(entry.arguments) if entry else "",
         suspension_arguments=pretty(suspension.arguments) if suspension else "",
         trace_id=f"{trace_id_of(record.run_id, record.created_at_ms):032x}",
-        actions=actions_for(record.status),
+        actions=[action.value for action in record.status.operator_actions],
     )
