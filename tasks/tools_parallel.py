@@ -59,7 +59,6 @@ from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, fitted
 from runtime_io.tools import ask_probe, invoke
-from tasks import failpoints
 from tasks.threads import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
@@ -125,22 +124,11 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
     :class:`Unresolved`, which asks its probe or parks the run. The Stall to carry out
     if a call could not be sent (its ``tool.unsent`` goes before the stall).
     """
-    state = held.state
-    model_calls = state.usage.model_turns
-    fresh = [c for c in action.calls if c.id not in state.running]
-    early, held.requested_early = held.requested_early, frozenset()
-    for call in action.calls:
-        if call.id in state.running and call.id not in early:
-            log.info(
-                "run %s: running tool %s (call %s) again: its outcome was unknown and it may run "
-                "again",
-                state.run_id,
-                call.name,
-                call.id,
-            )
-    if fresh:
-        held.record([requested_event(call) for call in fresh])
-    failpoints.hit("tool.requested", model_calls)
+    model_calls = held.state.usage.model_turns
+    _journal_requested(held, action)
+    observers = held.ctx.observers
+    if observers:
+        observers.reached("tool.requested", model_calls)
     batch = _Batch(held)
     unsent: list[tuple[ToolCall, CallNotSent]] = []
     waiting: dict[int, _Call] = {}
@@ -165,7 +153,8 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
             if isinstance(outcome, CallNotSent):
                 unsent.append((item.call, outcome))
                 continue
-            failpoints.hit("tool.completed", model_calls)
+            if observers:
+                observers.reached("tool.completed", model_calls)
             _record(held, item.call, outcome)
             continue
         now = time.monotonic()
@@ -173,6 +162,25 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
             if not _timed_out(held, batch, item):
                 del waiting[item.index]
     return _not_sent(held, unsent)
+
+
+def _journal_requested(held: HeldRun, action: RunTool) -> None:
+    """Journal the action's calls as requested, but those that are already (a call run again
+    since its outcome was unknown, or journaled with the model's response)."""
+    state = held.state
+    fresh = [c for c in action.calls if c.id not in state.running]
+    early, held.requested_early = held.requested_early, frozenset()
+    for call in action.calls:
+        if call.id in state.running and call.id not in early:
+            log.info(
+                "run %s: running tool %s (call %s) again: its outcome was unknown and it may run "
+                "again",
+                state.run_id,
+                call.name,
+                call.id,
+            )
+    if fresh:
+        held.record([requested_event(call) for call in fresh])
 
 
 def _not_sent(held: HeldRun, unsent: list[tuple[ToolCall, CallNotSent]]) -> Stall | None:
