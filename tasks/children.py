@@ -25,7 +25,6 @@ from runtime.fsm import apply, created_event
 from runtime.models import Event, RunState, ToolCall, validate_run_id
 from runtime_io.agent_files import child_agent_path
 from store.runs import RunRecord
-from tasks import failpoints
 from tasks.context import Context, get_context
 from tasks.control import cancel
 from tasks.lease import holding
@@ -68,7 +67,8 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
             log.warning("run %s: child id %s is taken by another run", parent.run_id, child_id)
             return squatted_child(child_id)
         log.info("run %s: child %s of call %s already started", parent.run_id, child_id, call.id)
-    failpoints.hit("child.created", model_calls)
+    if ctx.observers:
+        ctx.observers.reached("child.created", model_calls)
     parent_record = ctx.runs.get(parent.run_id)
     if parent_record is None or parent_record.status.is_terminal:
         _cancel_orphan(ctx, parent.run_id, child_id)
@@ -76,7 +76,8 @@ def start_child(ctx: Context, parent: RunState, call: ToolCall, child_id: str) -
     record = ctx.runs.get(child_id)
     if record is not None and record.last_seq == 1:
         chain_turn(child_id, 1)
-    failpoints.hit("child.enqueued", model_calls)
+    if ctx.observers:
+        ctx.observers.reached("child.enqueued", model_calls)
     return None
 
 

@@ -1,4 +1,5 @@
-"""What a task needs around the pure core: settings, the two stores, loaded agents.
+"""What a task needs around the pure core: settings, the two stores, loaded agents, and
+the observers that watch its turns.
 
 Opened lazily, once per process (after Celery's prefork pool has forked), and
 reopened if the process id changes.
@@ -23,9 +24,11 @@ from runtime.models import Message, RunState
 from runtime_io.agent_files import load_agent
 from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
 from store.runs import RunRecord
-from tasks import agent_cache, liveness
+from tasks import agent_cache, failpoints, liveness, tracing
 from tasks.agent_cache import Version
 from tasks.live import LiveWriter
+from tasks.metrics import MetricsObserver
+from tasks.observers import Observer, Observers
 from tasks.pool import connections_per_process as connections
 from tasks.settings import Settings, get_settings
 
@@ -57,6 +60,11 @@ class Context:
     _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
     _transcript_sizes: OrderedDict[str, TranscriptSize] = field(default_factory=OrderedDict)
     _live: LiveWriter | None = None
+    observers: Observers = field(init=False)
+    """What watches this context's turns (tasks/observers.py): :func:`observers_for`."""
+
+    def __post_init__(self) -> None:
+        self.observers = observers_for(self.settings, self.runs)
 
     CHECKPOINTS_KEPT = 256
     """Runs whose last checkpoint (and last request order) this process remembers (least
@@ -210,13 +218,31 @@ class Context:
                 if stream is None:
                     return None
                 settings = self.settings
-                self._live = LiveWriter(stream, settings.live_maxlen, settings.live_keep_s)
+                self._live = LiveWriter(
+                    stream, settings.live_maxlen, settings.live_keep_s, self.observers
+                )
             return self._live
 
     def close(self) -> None:
         liveness.forget(self.runs)
         self.snapshots.close()
         self.runs.close()
+
+
+def observers_for(settings: Settings, runs: RunStore) -> Observers:
+    """The observers a context built now with ``settings`` carries, each only when switched
+    on, in this order: failpoints (``RATCHET_FAILPOINT`` armed a point: read at import),
+    metrics (``RATCHET_METRICS_PORT``: they count once ``worker_init`` enabled them), tracing
+    (``RATCHET_OTEL_EXPORTER``, read now). None on: the empty list, which costs a turn
+    nothing."""
+    on: list[Observer] = []
+    if failpoints.armed():
+        on.append(failpoints.FailpointObserver())
+    if settings.metrics_port is not None:
+        on.append(MetricsObserver())
+    if tracing.configured():
+        on.append(tracing.TracingObserver(runs))
+    return Observers(on)
 
 
 def _keep(lock: threading.Lock, kept: OrderedDict[str, T], key: str, value: T, most: int) -> None:

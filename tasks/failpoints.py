@@ -4,7 +4,9 @@ Arm one with ``RATCHET_FAILPOINT=<name>`` (any turn) or ``<name>@<n>`` (only
 when the run's count of model calls, the one under way included, is ``n``:
 1-based); the process then calls ``os._exit(137)`` at that point — no cleanup,
 no ack, like SIGKILL.
-Unarmed, a failpoint costs one comparison with ``None``.
+Armed, a :class:`FailpointObserver` is on every context's list of observers
+(tasks/observers.py, tasks/context.py), whose ``reached`` hook the turn calls at each
+point, exactly where the point stands; unarmed, no code of this module runs in a turn.
 
 With ``RATCHET_FAILPOINT_HOLD=<path>`` as well, the armed point does not end the
 process: while ``<path>`` exists the turn waits there, then goes on (no file: it
@@ -35,6 +37,7 @@ import sys
 import time
 
 from runtime.errors import ConfigInvalid
+from tasks.observers import Observer
 
 POINTS = (
     "model.response.received",
@@ -76,6 +79,18 @@ _hold = os.environ.get("RATCHET_FAILPOINT_HOLD") or None
 def check() -> None:
     """Raise ConfigInvalid if ``RATCHET_FAILPOINT`` is set but names no point."""
     _parse(_given)
+
+
+def armed() -> bool:
+    """Whether ``RATCHET_FAILPOINT`` armed a point in this process (read at import)."""
+    return _armed is not None
+
+
+class FailpointObserver(Observer):
+    """Ends the process (or holds the turn) at the armed point: :func:`hit`."""
+
+    def reached(self, point: str, model_calls: int) -> None:
+        hit(point, model_calls)
 
 
 def hit(name: str, model_calls: int) -> None:

@@ -49,7 +49,7 @@ from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
 from store.runs import RunRecord
 from store.snapshots import Prefetched
 from store.snapshots import format as snapshot_format
-from tasks import failpoints, limits, metrics
+from tasks import limits
 from tasks.context import Context, TranscriptSize
 from tasks.live import MAX_PIECES_BYTES, SETTLE_S, live_piece, watched
 from tasks.messages import tell_parent_soon, turn_outbox
@@ -225,7 +225,8 @@ class HeldRun:
             )
         except ProviderError as exc:
             return self.end(model_failed(self.state.run_id, model_calls, str(exc), exc.retryable))
-        failpoints.hit("model.response.received", model_calls)
+        if self.ctx.observers:
+            self.ctx.observers.reached("model.response.received", model_calls)
         limits.settle(self.ctx, gate, response)
         message = Message(
             role="assistant", content=response.content, tool_calls=response.tool_calls
@@ -236,7 +237,8 @@ class HeldRun:
         if too_large is not None:
             return self.end(model_failed(self.state.run_id, model_calls, too_large, False))
         self.checkpointed(response_events(response), requesting=True)
-        failpoints.hit("model.response.checkpointed", model_calls)
+        if self.ctx.observers:
+            self.ctx.observers.reached("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
 
     def _model_call(
@@ -259,6 +261,7 @@ class HeldRun:
         named["at"] = self.state.seq
 
         left = [MAX_PIECES_BYTES]  # a model's output is an input: what it may put in the stream
+        observers = self.ctx.observers
 
         def deltas(piece: dict[str, Any]) -> None:
             if abandoned.is_set():
@@ -266,7 +269,8 @@ class HeldRun:
             shown = live_piece(piece)
             left[0] -= sum(len(v) for v in shown.values() if isinstance(v, str))
             if left[0] < 0:
-                metrics.live_dropped("too_large", 1)
+                if observers:
+                    observers.live_dropped("too_large", 1)
                 return
             live.put(run_id, {**named, **shown})
 
@@ -362,7 +366,9 @@ class HeldRun:
                 self.checkpoint()
                 return
             model_calls = change.state.usage.model_turns
-            failpoints.hit("snapshot.before_save", model_calls)
+            observers = self.ctx.observers
+            if observers:
+                observers.reached("snapshot.before_save", model_calls)
             if change.state.status.is_terminal:
                 self._finished(change)
                 return
@@ -374,9 +380,9 @@ class HeldRun:
                     self.ctx, self.state, change, self.owner, self.snapshot_seq, release,
                     outbox.outbox if outbox is not None else None,
                 )  # fmt: skip
-                metrics.checkpointed(
-                    time.perf_counter() - started, self.ctx.snapshots.last_save_bytes
-                )
+                if observers:
+                    seconds = time.perf_counter() - started
+                    observers.checkpointed(seconds, self.ctx.snapshots.last_save_bytes)
             except StoreUnavailable as exc:
                 # All or nothing: the run is still where it was.
                 error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
@@ -392,7 +398,8 @@ class HeldRun:
                 if self._beat is not None:
                     heartbeats().remove(self._beat)
             self.ctx.remember_checkpoint(self.state)
-            failpoints.hit("snapshot.after_save", model_calls)
+            if observers:
+                observers.reached("snapshot.after_save", model_calls)
 
     def _finished(self, change: Transition) -> None:
         """The run finished: its events, the snapshot's deletion and the lease's release
@@ -400,7 +407,8 @@ class HeldRun:
         try:
             started = time.perf_counter()
             commit_finished(self.ctx, self.state, change, self.owner)
-            metrics.checkpointed(time.perf_counter() - started, None)
+            if self.ctx.observers:
+                self.ctx.observers.checkpointed(time.perf_counter() - started, None)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
             self._record_stall(str(error))
@@ -409,7 +417,8 @@ class HeldRun:
         self.dropped = self.released = True
         if self._beat is not None:
             heartbeats().remove(self._beat)
-        failpoints.hit("snapshot.after_save", change.state.usage.model_turns)
+        if self.ctx.observers:
+            self.ctx.observers.reached("snapshot.after_save", change.state.usage.model_turns)
 
     def _requesting(self, change: Transition) -> Transition:
         """``change`` (a model response) with the ``tool.requested`` of the calls it asks for,
@@ -484,18 +493,23 @@ class HeldRun:
     def checkpoint(self) -> None:
         """Save the snapshot (CAS on seq). Fail-stop: on failure the run stays where it was."""
         model_calls = self.state.usage.model_turns
-        failpoints.hit("snapshot.before_save", model_calls)
+        observers = self.ctx.observers
+        if observers:
+            observers.reached("snapshot.before_save", model_calls)
         try:
             started = time.perf_counter()
             save_snapshot(self.ctx, self.state, self.snapshot_seq, self.owner)
-            metrics.checkpointed(time.perf_counter() - started, self.ctx.snapshots.last_save_bytes)
+            if observers:
+                seconds = time.perf_counter() - started
+                observers.checkpointed(seconds, self.ctx.snapshots.last_save_bytes)
         except StoreUnavailable as exc:
             error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))
             self._record_stall(str(error))
             raise error from exc
         self.snapshot_seq = self.state.seq
         self.ctx.remember_checkpoint(self.state)
-        failpoints.hit("snapshot.after_save", model_calls)
+        if observers:
+            observers.reached("snapshot.after_save", model_calls)
 
     def _record_stall(self, reason: str) -> None:
         try:

@@ -54,7 +54,6 @@ from runtime.numbers import is_finite
 from runtime.provider import ModelRequest, ModelResponse
 from store import open_limit_store
 from store.limits import LimitStore
-from tasks import metrics
 from tasks.context import Context
 from tasks.messages import chain_turn, sending_app
 from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
@@ -215,7 +214,8 @@ def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) ->
     admission = store.admit(key, state.run_id, state.seq, state.seq + 1, limits, costs,
                             horizon, under_way)  # fmt: skip
     verdict = admission.verdict
-    metrics.limit_checked(time.perf_counter() - started, verdict.outcome)
+    if ctx.observers:
+        ctx.observers.limit_checked(time.perf_counter() - started, verdict.outcome)
     tokens = next((r for r in limits if r.unit == "tokens"), None)
     if verdict.outcome == "go":
         return Go(key, tokens, estimate)
@@ -262,7 +262,8 @@ def _cap_wait(ctx: Context, state: RunState, turn: int, cap_key: str, cap: int, 
         "wait_s": CAP_RECHECK_S,
         "until_ms": now + int(CAP_RECHECK_S * 1000),
     }
-    metrics.throttled("concurrency")
+    if ctx.observers:
+        ctx.observers.throttled("concurrency")
     return Wait(CAP_RECHECK_S, [("run.throttled", data)])
 
 
@@ -282,7 +283,8 @@ def _rate_wait(ctx: Context, agent: Agent, state: RunState, turn: int, key: str,
     }
     if refused:
         data["refused"] = True
-    metrics.throttled(reason)
+    if ctx.observers:
+        ctx.observers.throttled(reason)
     events: list[tuple[str, dict[str, Any]]] = [("run.throttled", data)]
     if now + wait_ms - since > max_wait_ms:
         waited_s = (now - since) / 1000

@@ -34,7 +34,7 @@ from runtime import json_values
 from runtime.errors import StoreError
 from runtime.json_values import without_surrogates
 from store.live import LiveStream
-from tasks import metrics
+from tasks.observers import NONE, Observers
 
 log = logging.getLogger("ratchet.live")
 
@@ -69,8 +69,12 @@ def live_piece(piece: dict[str, Any]) -> dict[str, Any]:
 class LiveWriter:
     """One process's writer to one live stream (made again after a fork)."""
 
-    def __init__(self, stream: LiveStream, maxlen: int, keep_s: float) -> None:
+    def __init__(
+        self, stream: LiveStream, maxlen: int, keep_s: float, observers: Observers = NONE
+    ) -> None:
         self.stream, self.maxlen, self.keep_s = stream, maxlen, keep_s
+        self.observers = observers
+        """Told of each entry dropped (its context's, tasks/observers.py)."""
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(CAPACITY)
         self._lock = threading.Lock()
         self._pid = 0
@@ -94,7 +98,8 @@ class LiveWriter:
             try:
                 self._queue.put_nowait((run_id, entry))
             except queue.Full:
-                metrics.live_dropped("full", 1)
+                if self.observers:
+                    self.observers.live_dropped("full", 1)
                 self._warn("its queue is full")
                 return
             self._handed += 1
@@ -148,7 +153,8 @@ class LiveWriter:
                 try:
                     self.stream.add(run_id, entries, self.maxlen, self.keep_s)
                 except Exception as exc:  # noqa: BLE001 - never into a turn: counted, logged
-                    metrics.live_dropped("store", len(entries))
+                    if self.observers:
+                        self.observers.live_dropped("store", len(entries))
                     self._warn(f"{self.stream.name} failed ({type(exc).__name__}: {exc})")
             for _ in batch:
                 self._queue.task_done()

@@ -5,8 +5,9 @@ name runs' statuses and tools' outcomes, which is nobody else's business, and a
 scraper on another host is a choice an operator makes (``0.0.0.0`` or an interface's
 address), not a default.
 
-``pip install 'ratchet[metrics]'`` (prometheus-client). The hooks below are
-called from the tasks; with metrics off each is one ``if`` and a return.
+``pip install 'ratchet[metrics]'`` (prometheus-client). The tasks reach the metrics
+through :class:`MetricsObserver`, on a context's list of observers (tasks/observers.py)
+only while ``RATCHET_METRICS_PORT`` is set: unset, no code of this module runs in a turn.
 
 **Prefork.** Celery's prefork pool runs turns in child processes, and a child
 cannot serve the port its parent owns. So ratchet uses prometheus-client's
@@ -62,7 +63,8 @@ from typing import Any
 from celery.signals import worker_init, worker_shutdown
 
 from runtime.actions import TurnOutcome
-from runtime.models import Event, RunStatus
+from runtime.models import Event, RunState, RunStatus
+from tasks.observers import Observer
 from tasks.settings import get_settings
 
 log = logging.getLogger("ratchet.metrics")
@@ -143,60 +145,74 @@ _BY_TYPE = {
 }
 
 
-# --- hooks (no-ops unless enabled) -----------------------------------------------
+# --- the observer (tasks/observers.py) ------------------------------------------------
 
 
-def recorded(before: RunStatus | None, after: RunStatus, events: Sequence[Event]) -> None:
-    """Events were appended, taking a run from status ``before`` to ``after``."""
-    if _on is None:
-        return
-    for event in events:
-        _on.events.labels(event.type).inc()
-        if event.type == "run.resumed":
-            _on.resumes.labels(str(event.data.get("by", "unknown"))).inc()
-        elif event.type == "run.suspended":
-            _on.suspensions.labels(str(event.data.get("reason", "unknown"))).inc()
-        elif event.type in _BY_TYPE:
-            getattr(_on, _BY_TYPE[event.type]).inc()
-    if after != before:
-        _on.transitions.labels(after.value).inc()
+class MetricsObserver(Observer):
+    """Counts what the tasks do, once :func:`enable` ran in this process (at ``worker_init``);
+    on every context built while ``RATCHET_METRICS_PORT`` is set (tasks/context.py), since a
+    context may be built before the worker starts."""
+
+    def committed(
+        self, before: RunStatus, after: RunStatus, events: Sequence[Event], state: RunState | None
+    ) -> None:
+        if _on is None:
+            return
+        for event in events:
+            _on.events.labels(event.type).inc()
+            if event.type == "run.resumed":
+                _on.resumes.labels(str(event.data.get("by", "unknown"))).inc()
+            elif event.type == "run.suspended":
+                _on.suspensions.labels(str(event.data.get("reason", "unknown"))).inc()
+            elif event.type in _BY_TYPE:
+                getattr(_on, _BY_TYPE[event.type]).inc()
+        if after != before:
+            _on.transitions.labels(after.value).inc()
+
+    def turn_ended(self, outcome: TurnOutcome, seconds: float, throttled: bool) -> None:
+        if _on is not None:
+            _on.turn_s.labels("yes" if throttled else "no").inc(seconds)
+            _on.turns.labels(outcome).inc()
+
+    def throttled(self, reason: str) -> None:
+        if _on is not None:
+            _on.throttled.labels(reason).inc()
+
+    def live_dropped(self, reason: str, entries: int) -> None:
+        if _on is not None:
+            _on.live_dropped.labels(reason).inc(entries)
+
+    def limit_checked(self, seconds: float, outcome: str) -> None:
+        if _on is not None:
+            _on.limit_checks.labels(outcome).inc()
+            _on.limit_check_s.inc(seconds)
+
+    def checkpointed(self, seconds: float, nbytes: int | None) -> None:
+        if _on is None:
+            return
+        _on.checkpoint_s.observe(seconds)
+        if nbytes is not None:
+            _on.checkpoint_bytes.observe(nbytes)
+
+    def purged(self, count: int) -> None:
+        if _on is not None and count:
+            _on.purged.inc(count)
+
+    def unreplicated(self, calls: int) -> None:
+        if _on is not None:
+            _on.unreplicated.inc(calls)
 
 
-def turn_done(outcome: TurnOutcome) -> None:
-    if _on is not None:
-        _on.turns.labels(outcome).inc()
-
-
-def turn_timed(seconds: float, throttled: bool) -> None:
-    if _on is not None:
-        _on.turn_s.labels("yes" if throttled else "no").inc(seconds)
-
-
-def throttled(reason: str) -> None:
-    if _on is not None:
-        _on.throttled.labels(reason).inc()
-
-
-def live_dropped(reason: str, entries: int) -> None:
-    """``entries`` live-stream entries were dropped: the queue was full, or the store failed."""
-    if _on is not None:
-        _on.live_dropped.labels(reason).inc(entries)
-
-
-def unreplicated(calls: int) -> None:
-    """``calls`` tool calls were not started: too few replicas acknowledged their journal."""
-    if _on is not None:
-        _on.unreplicated.inc(calls)
-
-
-def limit_checked(seconds: float, outcome: str) -> None:
-    if _on is not None:
-        _on.limit_checks.labels(outcome).inc()
-        _on.limit_check_s.inc(seconds)
+# --- the heartbeat: the process's, not a context's ------------------------------------
 
 
 def heartbeat_round(late_s: float, took_s: float, leases: int, lost: int) -> None:
-    """A heartbeat round started ``late_s`` after its planned time and renewed ``leases``."""
+    """A heartbeat round started ``late_s`` after its planned time and renewed ``leases``.
+
+    Called by the process's one heartbeat thread (tasks/threads.py), whose rounds renew
+    the leases of every context of the process at once: a round is no context's to
+    observe, and the gauge of its lateness is the process's.
+    """
     if _on is None:
         return
     global _worst_late_s
@@ -210,19 +226,6 @@ def heartbeat_round(late_s: float, took_s: float, leases: int, lost: int) -> Non
 
 
 _worst_late_s = 0.0
-
-
-def checkpointed(seconds: float, nbytes: int | None) -> None:
-    if _on is None:
-        return
-    _on.checkpoint_s.observe(seconds)
-    if nbytes is not None:
-        _on.checkpoint_bytes.observe(nbytes)
-
-
-def purged(count: int) -> None:
-    if _on is not None and count:
-        _on.purged.inc(count)
 
 
 # --- switching on ------------------------------------------------------------------

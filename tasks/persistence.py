@@ -29,7 +29,6 @@ from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import sweep_due_ms
 from store.runs import Checkpoint, Dropped, Outbox, RunRecord
 from store.snapshots import Prefetched
-from tasks import metrics, tracing
 from tasks.context import Context
 from tasks.liveness import process_id
 
@@ -289,9 +288,13 @@ def append_transition(
         try:
             ctx.runs.append_replicated(change.record, change.events, owner)
         except NotReplicated:
-            _committed(ctx, before.status, change)
+            if ctx.observers:
+                ctx.observers.committed(
+                    before.status, change.state.status, change.events, change.state
+                )
             raise
-    _committed(ctx, before.status, change)
+    if ctx.observers:  # only now, when the events are committed
+        ctx.observers.committed(before.status, change.state.status, change.events, change.state)
     return change.state
 
 
@@ -385,10 +388,14 @@ def commit_checkpointed(
             # too large is refused there again, once the events are in).
             log.info("run %s: %s; writing the events and the snapshot apart", before.run_id, exc)
         else:
-            _committed(ctx, before.status, change)
+            if ctx.observers:
+                ctx.observers.committed(
+                    before.status, change.state.status, change.events, change.state
+                )
             return outbox is not None
     ctx.runs.append(change.record, change.events, owner)
-    _committed(ctx, before.status, change)
+    if ctx.observers:
+        ctx.observers.committed(before.status, change.state.status, change.events, change.state)
     save_snapshot(ctx, change.state, snapshot_seq, owner)
     if release:
         ctx.runs.release_lease(before.run_id, owner)
@@ -401,12 +408,8 @@ def commit_finished(ctx: Context, before: RunState, change: Transition, owner: s
     snapshot store, the separate calls otherwise. Raises StaleWrite, LeaseLost,
     StoreUnavailable."""
     ctx.runs.commit(change.record, change.events, owner, Dropped(ctx.snapshots), release=True)
-    _committed(ctx, before.status, change)
-
-
-def _committed(ctx: Context, before: RunStatus, change: Transition) -> None:
-    metrics.recorded(before, change.state.status, change.events)
-    tracing.committed(ctx, change.state, change.events)  # only now: the events are committed
+    if ctx.observers:
+        ctx.observers.committed(before.status, change.state.status, change.events, change.state)
 
 
 def append_ending(
@@ -446,5 +449,6 @@ def append_ending(
         }
     )
     ctx.runs.append(ended, events, owner)
-    metrics.recorded(record.status, status, events)
+    if ctx.observers:
+        ctx.observers.committed(record.status, status, events, None)
     return ended

@@ -30,7 +30,7 @@ from runtime.models import RunState, RunStatus, validate_run_id
 from runtime.recovery import OPERATOR, SweepKind, SweepStep, dead_holder_step, sweep_step
 from runtime.timers import wake_at_ms
 from store.runs import RunRecord, wall_ms
-from tasks import lease, metrics, resumption
+from tasks import lease, resumption
 from tasks.context import Context, get_context
 from tasks.control import expire_if_due
 from tasks.messages import (
@@ -60,7 +60,7 @@ def resume_run(*, run_id: str, by: str = OPERATOR, seen_seq: int | None = None) 
     """
     done = resume(get_context(), validate_run_id(run_id), by, seen_seq)
     if done.outcome == TurnOutcome.NEXT:
-        enqueue_next(run_id, done)
+        enqueue_next(get_context(), run_id, done)
     return done.outcome.value
 
 
@@ -202,7 +202,8 @@ def purge_finished(ctx: Context, before_ms: int | None = None, limit: int = PURG
     if before_ms is None:
         before_ms = ctx.runs.clock() - ctx.settings.retention_s * 1000
     purged = ctx.runs.purge(before_ms, limit, forget=ctx.snapshots.delete)
-    metrics.purged(purged)
+    if ctx.observers:
+        ctx.observers.purged(purged)
     if purged:
         log.info(
             "retention: purged %s finished run(s) last updated before %s ms", purged, before_ms

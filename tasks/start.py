@@ -203,5 +203,5 @@ def start_run(self: Any, request: Start) -> str:
         return "conflict"
     done = advance(ctx, run_id, expected_seq=1)
     if done.outcome == "next":
-        enqueue_next(run_id, done)
+        enqueue_next(ctx, run_id, done)
     return done.outcome.value

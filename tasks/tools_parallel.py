@@ -66,7 +66,6 @@ from runtime.models import ToolCall
 from runtime.probes import Answer, Probed, Rule, ToolContext, idempotency_key, probed_event
 from runtime.tools import ToolOutcome, ToolSpec, fitted
 from runtime_io.tools import ask_probe, invoke
-from tasks import failpoints, metrics
 from tasks.threads import CallTimedOut, Started, bounded, start
 
 if TYPE_CHECKING:
@@ -132,23 +131,13 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
     :class:`Unresolved`, which asks its probe or parks the run. The Stall to carry out
     if a call could not be sent (its ``tool.unsent`` goes before the stall).
     """
-    state = held.state
-    model_calls = state.usage.model_turns
-    fresh = [c for c in action.calls if c.id not in state.running]
-    early, held.requested_early = held.requested_early, frozenset()
-    for call in action.calls:
-        if call.id in state.running and call.id not in early:
-            log.info(
-                "run %s: running tool %s (call %s) again: its outcome was unknown and it may run "
-                "again",
-                state.run_id,
-                call.name,
-                call.id,
-            )
-    held_back = _journal(held, fresh)
+    model_calls = held.state.usage.model_turns
+    held_back = _journal_requested(held, action)
     if held_back is not None:
         return held_back
-    failpoints.hit("tool.requested", model_calls)
+    observers = held.ctx.observers
+    if observers:
+        observers.reached("tool.requested", model_calls)
     batch = _Batch(held)
     unsent: list[tuple[ToolCall, CallNotSent]] = []
     waiting: dict[int, _Call] = {}
@@ -173,7 +162,8 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
             if isinstance(outcome, CallNotSent):
                 unsent.append((item.call, outcome))
                 continue
-            failpoints.hit("tool.completed", model_calls)
+            if observers:
+                observers.reached("tool.completed", model_calls)
             _record(held, item.call, outcome)
             continue
         now = time.monotonic()
@@ -181,6 +171,25 @@ def run_tools(held: HeldRun, action: RunTool) -> Stall | None:
             if not _timed_out(held, batch, item):
                 del waiting[item.index]
     return _not_sent(held, unsent)
+
+
+def _journal_requested(held: HeldRun, action: RunTool) -> Stall | None:
+    """Journal the action's calls as requested, but those that are already (a call run again
+    since its outcome was unknown, or journaled with the model's response). The Stall to
+    carry out instead of starting them if the run store's replicas did not confirm it."""
+    state = held.state
+    fresh = [c for c in action.calls if c.id not in state.running]
+    early, held.requested_early = held.requested_early, frozenset()
+    for call in action.calls:
+        if call.id in state.running and call.id not in early:
+            log.info(
+                "run %s: running tool %s (call %s) again: its outcome was unknown and it may run "
+                "again",
+                state.run_id,
+                call.name,
+                call.id,
+            )
+    return _journal(held, fresh)
 
 
 def _not_sent(held: HeldRun, unsent: list[tuple[ToolCall, CallNotSent]]) -> Stall | None:
@@ -216,7 +225,8 @@ def _not_replicated(held: HeldRun, calls: list[ToolCall], error: NotReplicated) 
     calls started, so each is journaled unsent, and a resume requests it afresh — and waits
     for the replicas again."""
     log.warning("%s", error)
-    metrics.unreplicated(len(calls))
+    if held.ctx.observers:
+        held.ctx.observers.unreplicated(len(calls))
     why = "the run store's replicas did not acknowledge its journal entry in time"
     return Stall(str(error), tuple(unsent_event(call, why) for call in calls))
 

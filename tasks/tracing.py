@@ -1,11 +1,13 @@
 """OpenTelemetry traces of runs: one span per committed transition, never two.
 
 Switched on by ``RATCHET_OTEL_EXPORTER`` (``otlp``, ``console``, or ``module:callable``
-returning a ``SpanExporter``) with ``pip install 'ratchet[otel]'``. Unset, nothing here
-imports opentelemetry and :func:`committed` costs a call and a comparison.
+returning a ``SpanExporter``) with ``pip install 'ratchet[otel]'``. Set when a context
+is built (tasks/context.py), it puts a :class:`TracingObserver` on the context's list of
+observers (tasks/observers.py); unset, nothing here imports opentelemetry and no code of
+this module runs in a turn.
 
 Spans are **derived from the event log**, not from the code that runs: they are
-emitted from :func:`tasks.persistence.append_events` *after* the append committed, by
+emitted from the observer's ``committed`` hook *after* the append committed, by
 the process whose append closed them. An event is committed exactly once (fenced by
 seq and the lease), so a recovered, redelivered or retried turn cannot emit a span
 for a transition that is already in the log: it never appends that event again.
@@ -37,7 +39,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,10 +47,11 @@ from celery.signals import worker_init, worker_process_shutdown
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.errors import ConfigInvalid
-from runtime.models import Event, RunState
+from runtime.models import Event, RunState, RunStatus
+from tasks.observers import Observer
 
 if TYPE_CHECKING:
-    from tasks.context import Context
+    from store import RunStore
 
 log = logging.getLogger("ratchet.tracing")
 
@@ -377,12 +380,12 @@ class _Tracing:
         self._cursors: OrderedDict[str, Cursor] = OrderedDict()
         self._lock = threading.Lock()
 
-    def committed(self, ctx: Context, after: RunState, events: list[Event]) -> None:
+    def committed(self, runs: RunStore, after: RunState, events: Sequence[Event]) -> None:
         run_id, before_seq = after.run_id, events[0].seq - 1
         with self._lock:
             cursor = self._cursors.pop(run_id, None)
         if cursor is None or cursor.seq != before_seq:
-            cursor = self._rebuild(ctx, after, before_seq)
+            cursor = self._rebuild(runs, after, before_seq)
         spans: list[SpanSpec] = []
         for event in events:
             cursor, closed = step(cursor, event, after)
@@ -395,9 +398,9 @@ class _Tracing:
         for spec in spans:
             self._emit(trace_id, spec)
 
-    def _rebuild(self, ctx: Context, state: RunState, upto_seq: int) -> Cursor:
+    def _rebuild(self, runs: RunStore, state: RunState, upto_seq: int) -> Cursor:
         return rebuild_cursor(
-            lambda after, limit: ctx.runs.events(state.run_id, after_seq=after, limit=limit),
+            lambda after, limit: runs.events(state.run_id, after_seq=after, limit=limit),
             state,
             upto_seq,
         )
@@ -506,18 +509,40 @@ def _flush_at_exit(**_: Any) -> None:
         _tracing.provider.force_flush()
 
 
-def committed(ctx: Context, after: RunState, events: list[Event]) -> None:
-    """Emit the spans ``events`` close; call only once they are committed.
+def configured() -> bool:
+    """Whether ``RATCHET_OTEL_EXPORTER`` asks for traces (what :func:`enabled` reads)."""
+    return bool(TracingSettings().otel_exporter.strip())
 
-    ``after`` is the run's state after them. Never raises: a trace that cannot be
-    written must not stop a run that was recorded.
+
+class TracingObserver(Observer):
+    """Emits the spans each commit closes, read back from ``runs`` when this process has
+    no cursor of the run (another worker appended its previous events).
+
+    On a context built while :func:`configured` (tasks/context.py). The tracer itself is
+    still set up per process on first use (:func:`enabled`): a prefork pool's children
+    each set up their own, and :func:`reset` lets a test switch exporters.
     """
-    try:
-        tracing = enabled()
-        if tracing is not None and events:
-            tracing.committed(ctx, after, events)
-    except Exception:
-        log.exception("run %s: could not emit trace spans", after.run_id)
+
+    def __init__(self, runs: RunStore) -> None:
+        self.runs = runs
+
+    def committed(
+        self, before: RunStatus, after: RunStatus, events: Sequence[Event], state: RunState | None
+    ) -> None:
+        """Emit the spans ``events`` close; called only once they are committed.
+
+        Without the run's state (an ending appended without it) there is nothing to emit
+        (as before the observers: only a fold's commits were traced). Never raises: a
+        trace that cannot be written must not stop a run that was recorded.
+        """
+        if state is None:
+            return
+        try:
+            tracing = enabled()
+            if tracing is not None and events:
+                tracing.committed(self.runs, state, events)
+        except Exception:
+            log.exception("run %s: could not emit trace spans", state.run_id)
 
 
 def reset() -> None:

@@ -44,7 +44,7 @@ from runtime.fsm import ends_turn, suspension_event, tool_events
 from runtime.models import RunStatus, validate_run_id
 from runtime.recovery import SWEEPER
 from runtime.tools import ToolOutcome
-from tasks import failpoints, lease, limits, metrics, resumption
+from tasks import lease, limits, resumption
 from tasks.children import start_child
 from tasks.context import Context, get_context
 from tasks.held_run import AgentNotLoaded, HeldRun, stopping
@@ -77,14 +77,15 @@ def run_turn(*, run_id: str, expected_seq: int | None) -> str:
         # the queue for a worker whose clock agrees with the store's, or for this one later.
         enqueue_turn(run_id=run_id, expected_seq=expected_seq, countdown_s=SKEWED_COUNTDOWN_S)
         return TurnOutcome.LEASED.value
-    metrics.turn_timed(time.perf_counter() - started, throttled=done.countdown_s > 0)
-    metrics.turn_done(done.outcome)
+    if ctx.observers:
+        seconds = time.perf_counter() - started
+        ctx.observers.turn_ended(done.outcome, seconds, throttled=done.countdown_s > 0)
     if done.outcome == TurnOutcome.NEXT:
-        enqueue_next(run_id, done)
+        enqueue_next(ctx, run_id, done)
     return done.outcome.value
 
 
-def enqueue_next(run_id: str, done: Advanced) -> None:
+def enqueue_next(ctx: Context, run_id: str, done: Advanced) -> None:
     """Enqueue the next turn; it will act only if the run is still at ``done.seq``.
 
     One path for every turn that follows another: at once, or after ``countdown_s``
@@ -92,14 +93,18 @@ def enqueue_next(run_id: str, done: Advanced) -> None:
     whose last checkpoint pushed it already (``done.queued``, tasks/held_run.py) is not
     sent again.
     """
-    failpoints.hit("turn.ended", done.turns)
+    observers = ctx.observers
+    if observers:
+        observers.reached("turn.ended", done.turns)
     if done.queued:
-        failpoints.hit("turn.enqueued", done.turns)
+        if observers:
+            observers.reached("turn.enqueued", done.turns)
         return
     enqueue_turn(
         run_id=run_id, expected_seq=done.seq, priority=done.priority, countdown_s=done.countdown_s
     )
-    failpoints.hit("turn.enqueued", done.turns)
+    if observers:
+        observers.reached("turn.enqueued", done.turns)
 
 
 def advance(

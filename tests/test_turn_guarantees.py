@@ -11,8 +11,8 @@
 - The sweeper's resume of a run that is not live never touches it.
 
 In-process on memory stores. The turn's failpoints (``tasks.failpoints``) are
-the seam: a test hooks a named point to act there, where a crash test would
-end the process.
+the seam: a test puts an observer on the context (tasks/observers.py) to act at a
+named point, where a crash test would end the process.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
 from store.snapshots.redis import RedisSnapshotStore
-from tasks import failpoints
 from tasks.context import Context
 from tasks.control import cancel
+from tasks.observers import Observer, Observers
 from tasks.persistence import append_events, load
 from tasks.recovery import resume
 from tasks.settings import Settings
@@ -57,10 +57,18 @@ def ctx(clock: FakeClock) -> Context:
     return Context(Settings(lease_s=LEASE_S), MemorySnapshotStore(), MemoryRunStore(clock=clock))
 
 
-def at_point(
-    monkeypatch: pytest.MonkeyPatch, point: str, nth: int, act: Callable[[], object]
-) -> None:
-    """Call ``act`` the ``nth`` time the turn passes failpoint ``point`` (1-based)."""
+class AtPoints(Observer):
+    """Hands each named point a turn reaches, and its count of model calls, to ``act``."""
+
+    def __init__(self, act: Callable[[str, int], None]) -> None:
+        self.act = act
+
+    def reached(self, point: str, model_calls: int) -> None:
+        self.act(point, model_calls)
+
+
+def at_point(ctx: Context, point: str, nth: int, act: Callable[[], object]) -> None:
+    """Call ``act`` the ``nth`` time a turn of ``ctx`` passes failpoint ``point`` (1-based)."""
     seen = {"hits": 0}
 
     def hit(name: str, turn: int) -> None:
@@ -69,7 +77,7 @@ def at_point(
             if seen["hits"] == nth:
                 act()
 
-    monkeypatch.setattr(failpoints, "hit", hit)
+    ctx.observers = Observers([AtPoints(hit)])
 
 
 def two_tool_turns(directory: Path) -> Path:
@@ -125,7 +133,7 @@ def test_a_zombie_whose_run_was_taken_over_writes_nothing_and_its_turn_ends_fenc
     run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
     taken: dict[str, int] = {}
     # Given worker A freezes at `point` past its lease, and worker B takes the run over
-    at_point(monkeypatch, point, nth, lambda: taken.update(seq=take_over(ctx, clock, run_id)))
+    at_point(ctx, point, nth, lambda: taken.update(seq=take_over(ctx, clock, run_id)))
 
     # When A wakes up and carries on with its turn
     done = advance(ctx, run_id, 1)
@@ -163,7 +171,7 @@ def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
         assert ctx.runs.acquire_lease(run_id, "worker-b", LEASE_S)
         seen["last_seq"] = ctx.runs.events(run_id)[-1].seq
 
-    at_point(monkeypatch, point, nth, lose_lease)
+    at_point(ctx, point, nth, lose_lease)
 
     done = advance(ctx, run_id, 1)
 
@@ -204,11 +212,12 @@ def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run
             b_paused.set()
             assert b_go.wait(10)
 
-    monkeypatch.setattr(failpoints, "hit", hit)
+    ctx.observers = Observers([AtPoints(hit)])
     outcomes: dict[str, str] = {}
 
     def worker(name: str, work: Callable[[Context], Advanced]) -> threading.Thread:
         own = Context(ctx.settings, ctx.snapshots, ctx.runs)
+        own.observers = ctx.observers
         thread = threading.Thread(
             target=lambda: outcomes.update({name: work(own).outcome}), name=name
         )
@@ -254,7 +263,7 @@ def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cance
 ) -> None:
     # A cancel holds no lease: only the seq fences the turn in progress.
     run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
-    at_point(monkeypatch, point, nth, lambda: cancel(ctx, run_id, "customer hung up"))
+    at_point(ctx, point, nth, lambda: cancel(ctx, run_id, "customer hung up"))
 
     done = advance(ctx, run_id, 1)
 
@@ -285,7 +294,7 @@ def test_each_step_starts_from_a_snapshot_of_everything_before_it(
             last = ctx.runs.events(run_id)[-1].seq
             behind.append((name, turn, last - (snapshot.seq if snapshot else 0)))
 
-    monkeypatch.setattr(failpoints, "hit", hit)
+    ctx.observers = Observers([AtPoints(hit)])
 
     assert drive(ctx, run_id).outcome == "completed"
     assert behind == [
@@ -372,13 +381,13 @@ def test_a_call_whose_tool_never_started_runs_after_a_crash_without_a_park_or_a_
     def crash() -> None:
         raise Crashed
 
-    at_point(monkeypatch, "model.response.checkpointed", 1, crash)
+    at_point(ctx, "model.response.checkpointed", 1, crash)
     with pytest.raises(Crashed):
         advance(ctx, run_id, 1)
     kinds = [e.type for e in ctx.runs.events(run_id)]
     assert kinds[-1] == ("tool.requested" if requested_with_answer else "model.responded")
     assert not ledger.exists()
-    monkeypatch.setattr(failpoints, "hit", lambda name, turn: None)
+    ctx.observers = Observers()
 
     # When the sweeper resumes the run, once the dead worker's lease expired
     clock.advance(LEASE_S * 1000 + 1)

@@ -72,10 +72,14 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     directory = tmp_path_factory.mktemp("tracing")
     spans = directory / "spans.jsonl"
     with running_redis_server(directory) as server:
+        with pytest.MonkeyPatch.context() as env:
+            # Its context traces (traced_here): a context takes its observers when built.
+            env.setenv("RATCHET_OTEL_EXPORTER", EXPORTER)
+            ctx = redis_context(f"{server.url}/{STORES_DB}")
         rig = Rig(
             server,
             directory,
-            redis_context(f"{server.url}/{STORES_DB}"),
+            ctx,
             spans,
             None,  # type: ignore[arg-type]
             make_app(Settings(broker_url=f"{server.url}/{DYING_BROKER_DB}")),
