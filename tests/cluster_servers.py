@@ -97,6 +97,32 @@ class RedisClusterServers:
                 raise RuntimeError(f"the cluster was not ready within {timeout_s:g} s")
             time.sleep(0.1)
 
+    def node(self, port: int) -> RedisServer:
+        """The node listening on ``port``."""
+        return next(node for node in self.nodes if node.port == port)
+
+    def owner(self, key: str) -> RedisServer:
+        """The primary that owns ``key``'s slot, as the cluster says now."""
+        live = next(node for node in self.nodes if node.running)
+        with _client(live.port) as client:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        for first, last, primary, *_ in ranges:
+            if int(first) <= slot <= int(last):
+                return self.node(int(primary[1]))
+        raise AssertionError(f"no node owns slot {slot}")
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        """The node configured as ``primary``'s replica (linked or not)."""
+        for node in self.nodes:
+            if node is primary or not node.running:
+                continue
+            with _client(node.port) as client:
+                state = client.info("replication")
+            if state.get("role") == "slave" and int(state.get("master_port", 0)) == primary.port:
+                return node
+        raise AssertionError(f"the node on port {primary.port} has no replica")
+
     def commandstats(self) -> dict[str, int]:
         """``INFO commandstats`` calls, summed over the primaries (command → calls)."""
         totals: dict[str, int] = {}

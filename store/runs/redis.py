@@ -55,7 +55,7 @@ from runtime.models import Event, RunStatus
 from store.keyspace import Shard
 from store.live.redis import RedisLiveStream
 from store.packing import pack, unpack
-from store.redis_cluster import is_cluster
+from store.redis_cluster import on_slot_owner
 from store.replicas import ReplicaWait, split_replica_wait
 from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
 from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
@@ -169,12 +169,6 @@ class RedisRunStore(RunStore):
         what :meth:`append_replicated` waits for (store/replicas.py).
         """
         plain, replica_wait = split_replica_wait(url)
-        if replica_wait.min_replicas and is_cluster(plain):
-            # A pipelined WAIT has no key: a cluster pipeline would send it to any node,
-            # not to the one that took the append.
-            raise ValueError(
-                "min_replicas is not supported on a Redis Cluster store yet; remove it"
-            )
         return cls(connect(plain, max_connections), prefix, clock, url, replica_wait)
 
     def shown(self) -> str:
@@ -369,17 +363,26 @@ class RedisRunStore(RunStore):
         replicas that acknowledged the writes of the connection it is sent on — the
         script's, and with them every write the primary took before it (replication is one
         stream). Not a transaction: inside MULTI, WAIT answers at once without waiting; nor
-        in the script: Lua may not call WAIT. On Redis Cluster the same pair would go to a
-        connection to the node that owns the run's slot.
+        in the script: Lua may not call WAIT. On Redis Cluster the pair goes to the primary
+        that owns the run's slot (:func:`~store.redis_cluster.on_slot_owner`, which follows
+        a failover or a moved slot); a retry that finds its own append landed is refused
+        by the script's fence and so counted as not replicated (:meth:`append_replicated`).
         """
         script, wait = self._scripts["append"], self.replica_wait
+        commands = [
+            ("EVALSHA", script.sha, len(keys), *keys, *args),
+            ("WAIT", wait.min_replicas, wait.timeout_ms),
+        ]
 
         def pipelined() -> tuple[list[bytes] | None, int]:
             pipe: Any
-            with self._client.pipeline(transaction=False) as pipe:
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                pipe.execute_command("WAIT", wait.min_replicas, wait.timeout_ms)
-                refused, acked = pipe.execute()
+            if isinstance(self._client, redis.cluster.RedisCluster):
+                refused, acked = on_slot_owner(self._client, keys[0], commands)
+            else:
+                with self._client.pipeline(transaction=False) as pipe:
+                    for command in commands:
+                        pipe.execute_command(*command)
+                    refused, acked = pipe.execute()
             return cast("list[bytes] | None", refused), int(acked)
 
         try:
