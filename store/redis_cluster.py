@@ -204,7 +204,7 @@ def on_slot_owner(
             error, asked = exc, None
             if attempt < OWNER_ATTEMPTS:
                 time.sleep(_OWNER_BACKOFF.compute(attempt))
-                _refresh(cluster)
+                refresh_layout(cluster)
     raise error
 
 
@@ -212,8 +212,14 @@ def _node(host: str, port: int) -> Any:
     return redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
 
 
-def _refresh(client: Any) -> None:
-    """Ask the nodes for the slot table again; keep the old one if none answers."""
+def refresh_layout(client: Any) -> None:
+    """Ask the nodes of ``client`` (a ``RedisCluster``) for the slot table again; keep the
+    old one if none answers.
+
+    redis-py asks for a refresh after a refused connection and runs it later, once due;
+    measured on redis-py 8.2, a client whose primary was killed and replaced kept sending
+    to the dead node for the whole of store.retry's ~2 s (tests/integration/test_cluster_failover.py). A
+    store's retry after a connection error so always finds the layout read again."""
     try:
         client.nodes_manager.initialize()
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):

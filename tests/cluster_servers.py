@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.redis_server import HOST, RedisServer, _client
+from tests.redis_server import HOST, QUICK_SYNC, RedisServer, _client
 
 NODES = 6
 REPLICAS = 1
@@ -90,6 +90,30 @@ class RedisClusterServers:
                 return False
         return True
 
+    def serving(self) -> bool:
+        """Every running node says ``cluster_state:ok`` (every slot has a live primary):
+        what a test waits for after it killed a node."""
+        for node in self.nodes:
+            if node.running:
+                with _client(node.port) as client:
+                    if "cluster_state:ok" not in str(client.execute_command("CLUSTER", "INFO")):
+                        return False
+        return True
+
+    def promote(self, replica: RedisServer) -> None:
+        """Make ``replica`` a primary at once (``CLUSTER FAILOVER TAKEOVER``: no vote, no
+        handshake with its primary, which may be dead) and wait until it says so."""
+        with _client(replica.port) as client:
+            client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.role(replica) != "master":
+            assert time.monotonic() < deadline, f"the node on port {replica.port} stayed a replica"
+            time.sleep(0.02)
+
+    def role(self, node: RedisServer) -> str:
+        with _client(node.port) as client:
+            return str(client.info("replication").get("role"))
+
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.ready():
@@ -148,8 +172,13 @@ def _redis_cli() -> str:
 
 
 @contextmanager
-def running_redis_cluster(directory: Path) -> Iterator[RedisClusterServers]:
-    """Six nodes made one cluster (three primaries, one replica each), ready; stopped on exit."""
+def running_redis_cluster(
+    directory: Path, node_timeout_ms: int = NODE_TIMEOUT_MS
+) -> Iterator[RedisClusterServers]:
+    """Six nodes made one cluster (three primaries, one replica each), ready; stopped on exit.
+
+    ``node_timeout_ms``: how long a node is unreachable before the others count it failed
+    (and its replica takes over)."""
     nodes: list[RedisServer] = []
     taken: set[int] = set()
     for n in range(NODES):
@@ -165,7 +194,8 @@ def running_redis_cluster(directory: Path) -> Iterator[RedisClusterServers]:
                     "--cluster-config-file",
                     str(node_dir / "nodes.conf"),
                     "--cluster-node-timeout",
-                    str(NODE_TIMEOUT_MS),
+                    str(node_timeout_ms),
+                    *QUICK_SYNC,
                 ),
             )  # fmt: skip
         )
@@ -193,6 +223,8 @@ def running_redis_cluster(directory: Path) -> Iterator[RedisClusterServers]:
         yield cluster
     finally:
         for node in nodes:
+            if node.running:
+                node.resume()  # a paused server does not act on SIGTERM
             node.stop()
 
 

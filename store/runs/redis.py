@@ -215,7 +215,7 @@ class RedisRunStore(RunStore):
             _packed(first),
             self._finished_at(record),
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("bytes | None", self._scripts["create"](keys=keys, args=args))
         if found is not None:
             raise StaleWrite(run_id, 0, int(found))
@@ -330,7 +330,7 @@ class RedisRunStore(RunStore):
         if outbox is not None:
             args.append(outbox.payload)
         acked = 0
-        with translated(self._where):
+        with translated(self._where, self._client):
             if waits:
                 refused, acked = self._script_then_wait(keys, args)
             else:
@@ -393,7 +393,7 @@ class RedisRunStore(RunStore):
             return pipelined()
 
     def _get(self, run_id: str) -> RunRecord | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             data = cast(
                 "bytes | None", self._client.hget(self._run_key(run_id, "record"), "record")
             )
@@ -402,7 +402,7 @@ class RedisRunStore(RunStore):
     def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]:
         if limit <= 0:
             return []
-        with translated(self._where):
+        with translated(self._where, self._client):
             if self._keys.sharded:
                 run_ids = self._newest(status, limit)
             else:
@@ -431,7 +431,7 @@ class RedisRunStore(RunStore):
         if limit is not None and limit <= 0:
             return []
         key = self._run_key(run_id, "events")
-        with translated(self._where):
+        with translated(self._where, self._client):
             stop = -1 if limit is None else max(after_seq, 0) + limit - 1
             found = self._client.lrange(key, max(after_seq, 0), stop)
         return [_unpacked(data, self._where) for data in cast("list[bytes]", found)]
@@ -449,7 +449,7 @@ class RedisRunStore(RunStore):
         lease = shard.run_key(run_id, "lease")
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id]
         keys = [lease, shard.run_key(run_id, "record"), self._held_key(shard, owner, lease)]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("list[Any]", run_script(self._scripts["acquire"], keys, args))
         if not found[0]:
             return False, None
@@ -485,7 +485,7 @@ class RedisRunStore(RunStore):
             shard.run_key(run_id, "snapshot"),
             shard.run_key(run_id, "transcript"),
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
         if not found[0]:
             return False, None, None
@@ -514,7 +514,7 @@ class RedisRunStore(RunStore):
                 pipe.execute_command("EVALSHA", extend.sha, 1, key, owner, expires, ttl_ms)
             return cast("list[int]", pipe.execute())
 
-        with translated(self._where):
+        with translated(self._where, self._client):
             for start in range(0, len(leases), RENEW_BATCH):
                 part = leases[start : start + RENEW_BATCH]
                 try:
@@ -530,7 +530,7 @@ class RedisRunStore(RunStore):
     def _release(self, run_id: str, owner: str) -> None:
         shard = self._keys.of(run_id)
         lease = shard.run_key(run_id, "lease")
-        with translated(self._where):
+        with translated(self._where, self._client):
             self._scripts["release"](
                 keys=[lease, self._held_key(shard, owner, lease)], args=[owner, run_id]
             )
@@ -545,7 +545,7 @@ class RedisRunStore(RunStore):
     def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
         shard = self._keys.of(run_id)
         keys = [shard.run_key(run_id, "record"), shard.due]
-        with translated(self._where):
+        with translated(self._where, self._client):
             moved = self._scripts["postpone"](
                 keys=keys, args=[run_id, str(seen_seq), str(due_at_ms)]
             )
@@ -559,7 +559,7 @@ class RedisRunStore(RunStore):
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
         keys = [lease, shard.procs, self._held_key(shard, owner, lease)]
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, shard.proc_prefix]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("list[int | bytes]", self._scripts["claim"](keys=keys, args=args))
         if found[0] == 1:
             took = cast("bytes", found[1]).decode()
@@ -569,7 +569,7 @@ class RedisRunStore(RunStore):
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
         args = [process, str(expires_at_ms), str(now_ms)]
-        with translated(self._where):
+        with translated(self._where, self._client):
             if not self._keys.sharded:
                 was = self._scripts["beat"](keys=[self._keys.shards[0].procs], args=args)
                 return bool(was)
@@ -581,12 +581,12 @@ class RedisRunStore(RunStore):
     clock_source = "Redis TIME"
 
     def _server_ms(self) -> int | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             seconds, micros = self._client.time()
         return int(seconds) * 1000 + int(micros) // 1000
 
     def _liveness(self, process: str) -> int | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             pipe = self._client.pipeline(transaction=False)
             for shard in self._keys.shards:
                 pipe.zscore(shard.procs, process)
@@ -599,7 +599,7 @@ class RedisRunStore(RunStore):
             ([shard.procs], [str(now_ms), str(limit), shard.proc_prefix, shard.run_head])
             for shard in self._keys.shards
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             if self._keys.sharded:
                 found = [x for got in run_scripts(self._scripts["orphaned"], calls) for x in got]
             else:
@@ -609,7 +609,7 @@ class RedisRunStore(RunStore):
         return [Orphan(run_id.decode(), owner.decode()) for run_id, owner in pairs][:limit]
 
     def _lease(self, run_id: str, now_ms: int) -> Lease | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             owner, expires = cast(
                 "list[bytes | None]",
                 self._client.hmget(self._run_key(run_id, "lease"), ["owner", "expires_at_ms"]),
@@ -629,7 +629,7 @@ class RedisRunStore(RunStore):
         free: list[tuple[float, str]] = []
         seen: set[str] = set()
         offsets = dict.fromkeys(self._keys.shards, 0)
-        with translated(self._where):
+        with translated(self._where, self._client):
             while offsets:
                 shards = list(offsets)
                 pipe = self._client.pipeline(transaction=False)
@@ -683,7 +683,7 @@ class RedisRunStore(RunStore):
             )
             for shard in shards
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             if not self._keys.sharded:
                 keys, args = calls[0]
                 purged = cast("list[bytes]", self._scripts["purge"](keys=keys, args=args))
@@ -705,5 +705,5 @@ class RedisRunStore(RunStore):
         return [run_id.decode() for got in answers for run_id in got]
 
     def close(self) -> None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             disconnect(self._client)
