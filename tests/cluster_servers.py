@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.redis_server import HOST, RedisServer, _client
+from tests.redis_server import HOST, QUICK_SYNC, RedisServer, _client
 
 NODES = 6
 REPLICAS = 1
@@ -90,12 +90,62 @@ class RedisClusterServers:
                 return False
         return True
 
+    def serving(self) -> bool:
+        """Every running node says ``cluster_state:ok`` (every slot has a live primary):
+        what a test waits for after it killed a node."""
+        for node in self.nodes:
+            if node.running:
+                with _client(node.port) as client:
+                    if "cluster_state:ok" not in str(client.execute_command("CLUSTER", "INFO")):
+                        return False
+        return True
+
+    def promote(self, replica: RedisServer) -> None:
+        """Make ``replica`` a primary at once (``CLUSTER FAILOVER TAKEOVER``: no vote, no
+        handshake with its primary, which may be dead) and wait until it says so."""
+        with _client(replica.port) as client:
+            client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.role(replica) != "master":
+            assert time.monotonic() < deadline, f"the node on port {replica.port} stayed a replica"
+            time.sleep(0.02)
+
+    def role(self, node: RedisServer) -> str:
+        with _client(node.port) as client:
+            return str(client.info("replication").get("role"))
+
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.ready():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the cluster was not ready within {timeout_s:g} s")
             time.sleep(0.1)
+
+    def node(self, port: int) -> RedisServer:
+        """The node listening on ``port``."""
+        return next(node for node in self.nodes if node.port == port)
+
+    def owner(self, key: str) -> RedisServer:
+        """The primary that owns ``key``'s slot, as the cluster says now."""
+        live = next(node for node in self.nodes if node.running)
+        with _client(live.port) as client:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        for first, last, primary, *_ in ranges:
+            if int(first) <= slot <= int(last):
+                return self.node(int(primary[1]))
+        raise AssertionError(f"no node owns slot {slot}")
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        """The node configured as ``primary``'s replica (linked or not)."""
+        for node in self.nodes:
+            if node is primary or not node.running:
+                continue
+            with _client(node.port) as client:
+                state = client.info("replication")
+            if state.get("role") == "slave" and int(state.get("master_port", 0)) == primary.port:
+                return node
+        raise AssertionError(f"the node on port {primary.port} has no replica")
 
     def commandstats(self) -> dict[str, int]:
         """``INFO commandstats`` calls, summed over the primaries (command → calls)."""
@@ -122,8 +172,13 @@ def _redis_cli() -> str:
 
 
 @contextmanager
-def running_redis_cluster(directory: Path) -> Iterator[RedisClusterServers]:
-    """Six nodes made one cluster (three primaries, one replica each), ready; stopped on exit."""
+def running_redis_cluster(
+    directory: Path, node_timeout_ms: int = NODE_TIMEOUT_MS
+) -> Iterator[RedisClusterServers]:
+    """Six nodes made one cluster (three primaries, one replica each), ready; stopped on exit.
+
+    ``node_timeout_ms``: how long a node is unreachable before the others count it failed
+    (and its replica takes over)."""
     nodes: list[RedisServer] = []
     taken: set[int] = set()
     for n in range(NODES):
@@ -139,7 +194,8 @@ def running_redis_cluster(directory: Path) -> Iterator[RedisClusterServers]:
                     "--cluster-config-file",
                     str(node_dir / "nodes.conf"),
                     "--cluster-node-timeout",
-                    str(NODE_TIMEOUT_MS),
+                    str(node_timeout_ms),
+                    *QUICK_SYNC,
                 ),
             )  # fmt: skip
         )
@@ -167,6 +223,8 @@ def running_redis_cluster(directory: Path) -> Iterator[RedisClusterServers]:
         yield cluster
     finally:
         for node in nodes:
+            if node.running:
+                node.resume()  # a paused server does not act on SIGTERM
             node.stop()
 
 

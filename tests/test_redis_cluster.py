@@ -24,7 +24,8 @@ from store.redis_cluster import ClusterUrl
 from store.snapshots.redis import where
 from tasks.settings import Settings, load_settings
 from tests.cluster_servers import RedisClusterServers, cluster_client
-from tests.redis_server import HOST, _client
+from tests.redis_server import HOST, _client, replica_caught_up
+from tests.workers import wait_for
 
 FULL = "rediss+cluster://ana:s%40cret@10.0.0.1:7000,10.0.0.2,[fd00::3]:7001/0?shards=32"
 
@@ -61,13 +62,6 @@ def test_a_malformed_cluster_url_is_refused_in_one_line_without_its_password(
     message = str(refused.value)
     assert fragment in message
     assert "s3cret" not in message and "\n" not in message
-
-
-def test_min_replicas_on_a_cluster_store_is_refused_until_its_wait_reaches_the_right_node() -> None:
-    with pytest.raises(StoreUrlInvalid) as refused:
-        open_run_store("redis+cluster://h:7000?min_replicas=1")
-
-    assert "min_replicas is not supported on a Redis Cluster store" in str(refused.value)
 
 
 def test_a_cluster_is_refused_as_the_broker_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,3 +203,75 @@ def test_a_plain_redis_client_is_refused_a_cross_slot_script_the_cluster_never_g
     with pytest.raises(redis.exceptions.RedisClusterException):
         client.eval("return 1", 2, "ratchet:run:{run-1}:record", "ratchet:runs:due")
     client.close()
+
+
+# --- min_replicas: the append and its WAIT on the node that owns the run's slot ---------
+
+
+def _waits(port: int) -> int:
+    with _client(port) as client:
+        return int(client.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_a_replicated_append_on_a_cluster_waits_on_the_primary_that_owns_the_runs_slot(
+    redis_cluster: RedisClusterServers, cluster_prefix: str
+) -> None:
+    # Given a cluster store whose URL asks for one replica, and a run on it
+    runs = open_run_store(f"{redis_cluster.url()}?min_replicas=1", redis_prefix=cluster_prefix)
+    new_run(runs, "run-1")
+    events_key = f"{{{cluster_prefix}:{shard_of('run-1', DEFAULT_SHARDS)}}}:run:{{run-1}}:events"
+    owner = redis_cluster.owner(events_key)
+    replica = redis_cluster.replica_of(owner)
+    wait_for("the run's replica is in sync", lambda: replica_caught_up(owner, replica))
+    before = {node.port: _waits(node.port) for node in redis_cluster.nodes}
+
+    # When the journal of a call that is not idempotent is appended
+    runs.append_replicated(
+        record("run-1", last_seq=2, status=RunStatus.TOOLS),
+        [event(2, "tool.requested", call_id="c1", name="issue_refund")],
+        owner=None,
+    )
+
+    # Then the WAIT went to the run's primary, and to no other node
+    after = {node.port: _waits(node.port) for node in redis_cluster.nodes}
+    assert {port: after[port] - before[port] for port in after if after[port] != before[port]} == {
+        owner.port: 1
+    }
+    # And it returned once the primary's replica held the event
+    with _client(replica.port) as node:
+        node.execute_command("READONLY")
+        assert node.llen(events_key) == 2
+    runs.close()
+
+
+def test_a_replicated_append_whose_slot_table_is_out_of_date_follows_the_moved_reply(
+    redis_cluster: RedisClusterServers, cluster_prefix: str
+) -> None:
+    # Given a cluster store that believes another primary owns the run's slot (as a client
+    # does after a failover until a node tells it otherwise)
+    runs = open_run_store(
+        f"{redis_cluster.url()}?min_replicas=1&replica_timeout_ms=1000",
+        redis_prefix=cluster_prefix,
+    )
+    new_run(runs, "run-1")
+    cluster: Any = runs._client  # type: ignore[attr-defined]
+    key = f"{{{cluster_prefix}:{shard_of('run-1', DEFAULT_SHARDS)}}}:run:{{run-1}}:events"
+    owner = cluster.get_node_from_key(key)
+    other = next(node for node in cluster.get_primaries() if node.name != owner.name)
+    slot = cluster.keyslot(key)
+    cluster.nodes_manager.slots_cache[slot] = [other]
+    wrong = _waits(other.port)
+
+    # When the journal of a call that is not idempotent is appended
+    runs.append_replicated(
+        record("run-1", last_seq=2, status=RunStatus.TOOLS),
+        [event(2, "tool.requested", call_id="c1", name="issue_refund")],
+        owner=None,
+    )
+
+    # Then the other primary answered MOVED (its WAIT ran too, counting nothing of ours),
+    # and the append and its WAIT went to the owner: written once, the table put right
+    assert _waits(other.port) == wrong + 1
+    assert [e.seq for e in runs.events("run-1")] == [1, 2]
+    assert cluster.get_node_from_key(key).name == owner.name
+    runs.close()

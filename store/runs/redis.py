@@ -55,7 +55,7 @@ from runtime.models import Event, RunStatus
 from store.keyspace import Shard
 from store.live.redis import RedisLiveStream
 from store.packing import pack, unpack
-from store.redis_cluster import is_cluster
+from store.redis_cluster import on_slot_owner
 from store.replicas import ReplicaWait, split_replica_wait
 from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
 from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
@@ -169,12 +169,6 @@ class RedisRunStore(RunStore):
         what :meth:`append_replicated` waits for (store/replicas.py).
         """
         plain, replica_wait = split_replica_wait(url)
-        if replica_wait.min_replicas and is_cluster(plain):
-            # A pipelined WAIT has no key: a cluster pipeline would send it to any node,
-            # not to the one that took the append.
-            raise ValueError(
-                "min_replicas is not supported on a Redis Cluster store yet; remove it"
-            )
         return cls(connect(plain, max_connections), prefix, clock, url, replica_wait)
 
     def shown(self) -> str:
@@ -221,7 +215,7 @@ class RedisRunStore(RunStore):
             _packed(first),
             self._finished_at(record),
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("bytes | None", self._scripts["create"](keys=keys, args=args))
         if found is not None:
             raise StaleWrite(run_id, 0, int(found))
@@ -336,7 +330,7 @@ class RedisRunStore(RunStore):
         if outbox is not None:
             args.append(outbox.payload)
         acked = 0
-        with translated(self._where):
+        with translated(self._where, self._client):
             if waits:
                 refused, acked = self._script_then_wait(keys, args)
             else:
@@ -369,17 +363,26 @@ class RedisRunStore(RunStore):
         replicas that acknowledged the writes of the connection it is sent on — the
         script's, and with them every write the primary took before it (replication is one
         stream). Not a transaction: inside MULTI, WAIT answers at once without waiting; nor
-        in the script: Lua may not call WAIT. On Redis Cluster the same pair would go to a
-        connection to the node that owns the run's slot.
+        in the script: Lua may not call WAIT. On Redis Cluster the pair goes to the primary
+        that owns the run's slot (:func:`~store.redis_cluster.on_slot_owner`, which follows
+        a failover or a moved slot); a retry that finds its own append landed is refused
+        by the script's fence and so counted as not replicated (:meth:`append_replicated`).
         """
         script, wait = self._scripts["append"], self.replica_wait
+        commands = [
+            ("EVALSHA", script.sha, len(keys), *keys, *args),
+            ("WAIT", wait.min_replicas, wait.timeout_ms),
+        ]
 
         def pipelined() -> tuple[list[bytes] | None, int]:
             pipe: Any
-            with self._client.pipeline(transaction=False) as pipe:
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                pipe.execute_command("WAIT", wait.min_replicas, wait.timeout_ms)
-                refused, acked = pipe.execute()
+            if isinstance(self._client, redis.cluster.RedisCluster):
+                refused, acked = on_slot_owner(self._client, keys[0], commands)
+            else:
+                with self._client.pipeline(transaction=False) as pipe:
+                    for command in commands:
+                        pipe.execute_command(*command)
+                    refused, acked = pipe.execute()
             return cast("list[bytes] | None", refused), int(acked)
 
         try:
@@ -390,7 +393,7 @@ class RedisRunStore(RunStore):
             return pipelined()
 
     def _get(self, run_id: str) -> RunRecord | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             data = cast(
                 "bytes | None", self._client.hget(self._run_key(run_id, "record"), "record")
             )
@@ -399,7 +402,7 @@ class RedisRunStore(RunStore):
     def _list(self, status: RunStatus | None, limit: int) -> list[RunRecord]:
         if limit <= 0:
             return []
-        with translated(self._where):
+        with translated(self._where, self._client):
             if self._keys.sharded:
                 run_ids = self._newest(status, limit)
             else:
@@ -428,7 +431,7 @@ class RedisRunStore(RunStore):
         if limit is not None and limit <= 0:
             return []
         key = self._run_key(run_id, "events")
-        with translated(self._where):
+        with translated(self._where, self._client):
             stop = -1 if limit is None else max(after_seq, 0) + limit - 1
             found = self._client.lrange(key, max(after_seq, 0), stop)
         return [_unpacked(data, self._where) for data in cast("list[bytes]", found)]
@@ -446,7 +449,7 @@ class RedisRunStore(RunStore):
         lease = shard.run_key(run_id, "lease")
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id]
         keys = [lease, shard.run_key(run_id, "record"), self._held_key(shard, owner, lease)]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("list[Any]", run_script(self._scripts["acquire"], keys, args))
         if not found[0]:
             return False, None
@@ -482,7 +485,7 @@ class RedisRunStore(RunStore):
             shard.run_key(run_id, "snapshot"),
             shard.run_key(run_id, "transcript"),
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
         if not found[0]:
             return False, None, None
@@ -511,7 +514,7 @@ class RedisRunStore(RunStore):
                 pipe.execute_command("EVALSHA", extend.sha, 1, key, owner, expires, ttl_ms)
             return cast("list[int]", pipe.execute())
 
-        with translated(self._where):
+        with translated(self._where, self._client):
             for start in range(0, len(leases), RENEW_BATCH):
                 part = leases[start : start + RENEW_BATCH]
                 try:
@@ -527,7 +530,7 @@ class RedisRunStore(RunStore):
     def _release(self, run_id: str, owner: str) -> None:
         shard = self._keys.of(run_id)
         lease = shard.run_key(run_id, "lease")
-        with translated(self._where):
+        with translated(self._where, self._client):
             self._scripts["release"](
                 keys=[lease, self._held_key(shard, owner, lease)], args=[owner, run_id]
             )
@@ -542,7 +545,7 @@ class RedisRunStore(RunStore):
     def _postpone(self, run_id: str, seen_seq: int, due_at_ms: int) -> bool:
         shard = self._keys.of(run_id)
         keys = [shard.run_key(run_id, "record"), shard.due]
-        with translated(self._where):
+        with translated(self._where, self._client):
             moved = self._scripts["postpone"](
                 keys=keys, args=[run_id, str(seen_seq), str(due_at_ms)]
             )
@@ -556,7 +559,7 @@ class RedisRunStore(RunStore):
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
         keys = [lease, shard.procs, self._held_key(shard, owner, lease)]
         args = [owner, str(now_ms), str(now_ms + lease_ms), str(ttl_ms), run_id, shard.proc_prefix]
-        with translated(self._where):
+        with translated(self._where, self._client):
             found = cast("list[int | bytes]", self._scripts["claim"](keys=keys, args=args))
         if found[0] == 1:
             took = cast("bytes", found[1]).decode()
@@ -566,7 +569,7 @@ class RedisRunStore(RunStore):
 
     def _beat(self, process: str, expires_at_ms: int, now_ms: int) -> bool:
         args = [process, str(expires_at_ms), str(now_ms)]
-        with translated(self._where):
+        with translated(self._where, self._client):
             if not self._keys.sharded:
                 was = self._scripts["beat"](keys=[self._keys.shards[0].procs], args=args)
                 return bool(was)
@@ -578,12 +581,12 @@ class RedisRunStore(RunStore):
     clock_source = "Redis TIME"
 
     def _server_ms(self) -> int | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             seconds, micros = self._client.time()
         return int(seconds) * 1000 + int(micros) // 1000
 
     def _liveness(self, process: str) -> int | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             pipe = self._client.pipeline(transaction=False)
             for shard in self._keys.shards:
                 pipe.zscore(shard.procs, process)
@@ -596,7 +599,7 @@ class RedisRunStore(RunStore):
             ([shard.procs], [str(now_ms), str(limit), shard.proc_prefix, shard.run_head])
             for shard in self._keys.shards
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             if self._keys.sharded:
                 found = [x for got in run_scripts(self._scripts["orphaned"], calls) for x in got]
             else:
@@ -606,7 +609,7 @@ class RedisRunStore(RunStore):
         return [Orphan(run_id.decode(), owner.decode()) for run_id, owner in pairs][:limit]
 
     def _lease(self, run_id: str, now_ms: int) -> Lease | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             owner, expires = cast(
                 "list[bytes | None]",
                 self._client.hmget(self._run_key(run_id, "lease"), ["owner", "expires_at_ms"]),
@@ -626,7 +629,7 @@ class RedisRunStore(RunStore):
         free: list[tuple[float, str]] = []
         seen: set[str] = set()
         offsets = dict.fromkeys(self._keys.shards, 0)
-        with translated(self._where):
+        with translated(self._where, self._client):
             while offsets:
                 shards = list(offsets)
                 pipe = self._client.pipeline(transaction=False)
@@ -680,7 +683,7 @@ class RedisRunStore(RunStore):
             )
             for shard in shards
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             if not self._keys.sharded:
                 keys, args = calls[0]
                 purged = cast("list[bytes]", self._scripts["purge"](keys=keys, args=args))
@@ -702,5 +705,5 @@ class RedisRunStore(RunStore):
         return [run_id.decode() for got in answers for run_id in got]
 
     def close(self) -> None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             disconnect(self._client)

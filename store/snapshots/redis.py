@@ -58,7 +58,7 @@ from runtime.errors import (
 from runtime.models import RunState
 from store.keyspace import Keyspace, Shard
 from store.packing import pack, unpack
-from store.redis_cluster import ClusterUrl, is_cluster
+from store.redis_cluster import ClusterUrl, is_cluster, refresh_layout
 from store.redis_connection import connection_class
 from store.replicas import split_replica_wait
 from store.sentinel import SentinelUrl, is_sentinel
@@ -280,13 +280,18 @@ def server(client: Any) -> tuple[Any, ...]:
 
 
 @contextmanager
-def translated(store: str) -> Iterator[None]:
-    """Turn redis-py errors into the store errors the contract promises."""
+def translated(store: str, client: Any = None) -> Iterator[None]:
+    """Turn redis-py errors into the store errors the contract promises.
+
+    ``client``: the store's client; a cluster's reads its slot table again after a
+    transient error, so that the retry (store.retry) reaches a promoted replica."""
     try:
         yield
     except PoolExhausted as exc:
         raise StoreBusy(store, exc.max_connections, exc.waited_s) from exc
     except TRANSIENT_ERRORS as exc:
+        if isinstance(client, _Cluster):
+            refresh_layout(client)
         raise StoreUnavailable(store, str(exc) or type(exc).__name__) from exc
     except redis.exceptions.RedisError as exc:
         raise StoreError(
@@ -386,7 +391,7 @@ class RedisSnapshotStore(SnapshotStore):
     def _put(self, run_id: str, state: RunState, data: bytes, expected_seq: int | None) -> None:
         expected = "" if expected_seq is None else str(expected_seq)
         packed = pack(data)
-        with translated(self._where):
+        with translated(self._where, self._client):
             refused = cast(
                 "list[bytes] | None",
                 self._put_script(
@@ -420,7 +425,7 @@ class RedisSnapshotStore(SnapshotStore):
             parts.tip.chain,
             *fragments,
         ]
-        with translated(self._where):
+        with translated(self._where, self._client):
             refused = cast(
                 "list[bytes] | None",
                 self._put_parts_script(
@@ -441,7 +446,7 @@ class RedisSnapshotStore(SnapshotStore):
         raise StaleWrite(run_id, expected_seq, int(found) if found else None)
 
     def _read_tip(self, run_id: str) -> tuple[int, TranscriptTip | None] | None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             seq, n, size, chain = cast(
                 "list[bytes | None]",
                 self._client.hmget(self._key(run_id), ["seq", "n", "size", "chain"]),
@@ -468,7 +473,7 @@ class RedisSnapshotStore(SnapshotStore):
 
     def _fetch(self, run_id: str, start: int) -> tuple[list[bytes | None], list[bytes]]:
         """The hash's READ_FIELDS and the transcript's fragments from ``start``, together."""
-        with translated(self._where):
+        with translated(self._where, self._client):
             pipe = self._client.pipeline(transaction=True)
             pipe.hmget(self._key(run_id), list(self.READ_FIELDS))
             pipe.lrange(self._transcript_key(run_id), start, -1)
@@ -536,7 +541,7 @@ class RedisSnapshotStore(SnapshotStore):
     def _quarantine(self, run_id: str, stamp: str) -> str | None:
         # The run's hash tag stays in the quarantined names: one Cluster slot, one script.
         aside = f"{self._shard(run_id).prefix}:quarantine:{{{run_id}}}:{stamp}"
-        with translated(self._where):
+        with translated(self._where, self._client):
             moved = self._quarantine_script(
                 keys=[
                     self._key(run_id),
@@ -550,14 +555,14 @@ class RedisSnapshotStore(SnapshotStore):
         return f"{aside}:snapshot (and :transcript)" if moved else None
 
     def _delete(self, run_id: str) -> None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(self._key(run_id), self._transcript_key(run_id))
             pipe.srem(self._shard(run_id).snapshots, run_id)
             pipe.execute()
 
     def _list(self) -> list[str]:
-        with translated(self._where):
+        with translated(self._where, self._client):
             pipe = self._client.pipeline(transaction=False)
             for shard in self._keys.shards:
                 pipe.smembers(shard.snapshots)
@@ -565,5 +570,5 @@ class RedisSnapshotStore(SnapshotStore):
         return [m.decode() for members in found for m in members]
 
     def close(self) -> None:
-        with translated(self._where):
+        with translated(self._where, self._client):
             disconnect(self._client)

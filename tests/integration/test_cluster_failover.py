@@ -1,0 +1,166 @@
+"""Failover on a Redis Cluster and calls that are not idempotent: the hole ``min_replicas``
+closes, and the close.
+
+Each test starts a cluster of its own (three primaries, a replica each, a short node
+timeout): it kills a primary, which the session's cluster must keep. A run's keys live in
+one slot, so one primary and its replica decide what a failover keeps of the run
+(``RedisClusterServers.owner``). Calls are ``tests.probed_tools:effect``, which is not
+idempotent and writes one line per *invocation* (its idempotency key and label): a call
+run twice shows as its key twice.
+
+The same on a primary, a replica and Sentinel: tests/integration/test_replica_failover.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.models import RunStatus
+from store.keyspace import DEFAULT_SHARDS, shard_of
+from store.runs import RunRecord
+from tasks.context import Context, set_context
+from tasks.messages import enqueue_turn
+from tasks.start import create_run
+from tests.cluster_servers import RedisClusterServers, running_redis_cluster
+from tests.helpers import call, turn, write_agent
+from tests.redis_server import RedisServer, cut_off, replica_caught_up
+from tests.workers import (
+    redis_context,
+    wait_for,
+    wait_for_run,
+)
+from worker.api import Ratchet
+
+NODE_TIMEOUT_MS = 1000
+"""A dead primary's replica takes over about this long after the kill."""
+TOOLS = ["tests.probed_tools:effect"]
+CHARGE = [turn("Charging.", call("effect", label="charge")), turn("Charged.")]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+    with running_redis_cluster(tmp_path / "cluster", NODE_TIMEOUT_MS) as servers:
+        yield servers
+
+
+@pytest.fixture
+def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The effect log: one ``KEY LABEL`` line per invocation of ``effect``."""
+    path = tmp_path / "effects"
+    monkeypatch.setenv("RATCHET_TEST_EFFECTS", str(path))
+    return path
+
+
+@pytest.fixture
+def installed(session_worker: None) -> Iterator[list[Context]]:
+    """Install a test's context for the session's in-process worker; closed afterwards."""
+    contexts: list[Context] = []
+    yield contexts
+    set_context(None)
+    for ctx in contexts:
+        ctx.close()
+
+
+def install(installed: list[Context], url: str) -> Context:
+    ctx = redis_context(url)
+    installed.append(ctx)
+    set_context(ctx)
+    return ctx
+
+
+def status_is(status: RunStatus) -> Callable[[RunRecord], bool]:
+    return lambda record: record.status == status
+
+
+def invocations(path: Path) -> list[tuple[str, str]]:
+    """The effect log's lines as (idempotency key, label), one per invocation."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(key, label) for key, _, label in (line.partition(" ") for line in lines)]
+
+
+def run_slot(run_id: str) -> str:
+    """A key in the slot of every key of ``run_id`` (its shard's hash tag)."""
+    return f"{{ratchet:{shard_of(run_id, DEFAULT_SHARDS)}}}"
+
+
+def lose_the_primary(
+    cluster: RedisClusterServers, primary: RedisServer, replica: RedisServer
+) -> None:
+    """SIGKILL ``primary`` (its data gone), wake its cut-off ``replica`` and promote it."""
+    primary.kill()
+    replica.resume()
+    cluster.promote(replica)
+    wait_for("every slot has a live primary", cluster.serving, 30)
+
+
+@pytest.mark.timeout(90)
+def test_without_min_replicas_a_cluster_failover_that_loses_the_journal_invokes_the_call_twice(
+    installed: list[Context], cluster: RedisClusterServers, tmp_path: Path, effects: Path
+) -> None:
+    """The hole, shown: it holds today. Should this test fail, a cluster failover no longer
+    loses what a primary acknowledged without ``min_replicas``: find out why before
+    trusting it, then say so in docs/stores.md."""
+    agent = write_agent(tmp_path / "agent", CHARGE, tools=TOOLS)
+    ctx = install(installed, cluster.url())
+    # Given a run whose creation its primary's replica holds
+    run_id = create_run(ctx, agent, "charge").run_id
+    primary = cluster.owner(run_slot(run_id))
+    replica = cluster.replica_of(primary)
+    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
+    # And a replica that lags from then on: stopped, its link dropped by the primary
+    cut_off(primary, replica)
+
+    # When the run charges, every write acknowledged by the primary alone
+    enqueue_turn(run_id=run_id, expected_seq=1)
+    wait_for_run(ctx, run_id, status_is(RunStatus.COMPLETED))
+    assert [label for _, label in invocations(effects)] == ["charge"]
+    # And the primary dies (SIGKILL), and its lagging replica is promoted
+    lose_the_primary(cluster, primary, replica)
+
+    # Then the promoted replica knows the run as created: no charge journaled
+    assert [e.type for e in ctx.runs.events(run_id)] == ["run.created"]
+    # And when the run goes on (an operator resumes it), the charge is invoked again
+    Ratchet(ctx).resume(run_id)
+    wait_for_run(ctx, run_id, status_is(RunStatus.COMPLETED))
+    first, second = invocations(effects)
+    assert first == second, "the same call (one idempotency key) invoked twice"
+
+
+@pytest.mark.timeout(90)
+def test_with_min_replicas_a_cut_off_replica_stalls_the_run_and_its_failover_invokes_nothing(
+    installed: list[Context], cluster: RedisClusterServers, tmp_path: Path, effects: Path
+) -> None:
+    agent = write_agent(tmp_path / "agent", CHARGE, tools=TOOLS)
+    ctx = install(installed, f"{cluster.url()}?min_replicas=1&replica_timeout_ms=200")
+    api = Ratchet(ctx)
+    # Given a run whose creation its primary's replica holds, and the replica cut off
+    run_id = create_run(ctx, agent, "charge").run_id
+    primary = cluster.owner(run_slot(run_id))
+    replica = cluster.replica_of(primary)
+    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
+    cut_off(primary, replica)
+
+    # When the run goes to charge
+    enqueue_turn(run_id=run_id, expected_seq=1)
+
+    # Then it stalls before the charge: nothing invoked, and the reason says why
+    stalled = wait_for_run(ctx, run_id, status_is(RunStatus.STALLED))
+    assert invocations(effects) == []
+    assert stalled.error is not None
+    assert "0 of the 1 replica(s) it requires acknowledged it within 200 ms" in stalled.error
+    assert f"then `ratchet runs resume {run_id}`" in stalled.error
+
+    # When the primary dies and its lagging replica is promoted: the journal entry is lost,
+    # and nothing it journaled had started
+    lose_the_primary(cluster, primary, replica)
+    assert [e.type for e in ctx.runs.events(run_id)] == ["run.created"]
+    # And the operator resumes the run on the promoted node, which has no replica yet
+    api.resume(run_id)
+
+    # Then it stalls again before the charge, for the same reason: still nothing invoked
+    again = wait_for_run(ctx, run_id, lambda r: r.status == RunStatus.STALLED and r.last_seq > 1)
+    assert invocations(effects) == []
+    assert "0 of the 1 replica(s) it requires acknowledged it" in (again.error or "")
