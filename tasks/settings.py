@@ -30,6 +30,7 @@ from store.live import DEFAULT_KEEP_S, DEFAULT_MAXLEN
 from store.private import private_dir, writable_by_others
 from store.redis_cluster import SCHEMES as CLUSTER_SCHEMES
 from store.redis_cluster import ClusterUrl
+from store.replicas import split_replica_wait
 from store.sentinel import SentinelUrl
 
 ENV_PREFIX = "RATCHET_"
@@ -316,7 +317,9 @@ def _check_store(variable: str, url: str, schemes: tuple[str, ...]) -> None:
         )
     if scheme in CLUSTER_SCHEMES:
         try:
-            ClusterUrl.parse(url)
+            # min_replicas and replica_timeout_ms are ratchet's (store/replicas.py), checked
+            # there; the rest is the cluster's
+            ClusterUrl.parse(split_replica_wait(url)[0])
         except ValueError as exc:
             raise ConfigInvalid(variable, f"{variable}={masked(url)}: {exc}") from None
     if scheme == "s3" and importlib.util.find_spec("boto3") is None:

@@ -83,6 +83,22 @@ def test_a_bad_cluster_store_url_is_refused_with_the_settings(
     assert "only database 0" in str(refused.value)
 
 
+def test_a_cluster_store_url_with_min_replicas_is_accepted_by_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The URL both stores are documented to share (docs/stores.md): min_replicas is ratchet's
+    url = "redis+cluster://h:7000,h:7001?min_replicas=1&replica_timeout_ms=500"
+    monkeypatch.setenv("RATCHET_RUN_STORE", url)
+    monkeypatch.setenv("RATCHET_SNAPSHOT_STORE", url)
+    settings = load_settings()
+    assert settings.resolved_run_store == url
+    # And a bad value of it is refused there, in one line
+    monkeypatch.setenv("RATCHET_RUN_STORE", "redis+cluster://h:7000?min_replicas=lots")
+    with pytest.raises(ConfigInvalid) as refused:
+        load_settings()
+    assert "min_replicas" in str(refused.value) and "\n" not in str(refused.value)
+
+
 def _keys(client: Any, prefix: str) -> list[bytes]:
     """Every key of the stores under ``prefix``, on every primary."""
     return list(client.scan_iter(match=f"*{{{prefix}[:}}]*", count=1000))
