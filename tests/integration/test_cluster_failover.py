@@ -13,6 +13,7 @@ The same on a primary, a replica and Sentinel: tests/integration/test_replica_fa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,21 +24,30 @@ from store.keyspace import DEFAULT_SHARDS, shard_of
 from store.runs import RunRecord
 from tasks.context import Context, set_context
 from tasks.messages import enqueue_turn
+from tasks.settings import Settings
 from tasks.start import create_run
 from tests.cluster_servers import RedisClusterServers, running_redis_cluster
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer, cut_off, replica_caught_up
 from tests.workers import (
+    WorkerProcesses,
     redis_context,
     wait_for,
     wait_for_run,
+    wait_until,
+    worker_env,
 )
 from worker.api import Ratchet
+from worker.app import make_app
 
 NODE_TIMEOUT_MS = 1000
 """A dead primary's replica takes over about this long after the kill."""
 TOOLS = ["tests.probed_tools:effect"]
 CHARGE = [turn("Charging.", call("effect", label="charge")), turn("Charged.")]
+RUNS = 4
+STEPS = 3
+"""Each run's effects, one a turn (its probe reads the effect log, so a call the failover
+cut short is found, not parked)."""
 
 
 @pytest.fixture
@@ -164,3 +174,88 @@ def test_with_min_replicas_a_cut_off_replica_stalls_the_run_and_its_failover_inv
     again = wait_for_run(ctx, run_id, lambda r: r.status == RunStatus.STALLED and r.last_seq > 1)
     assert invocations(effects) == []
     assert "0 of the 1 replica(s) it requires acknowledged it" in (again.error or "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_call_runs_twice(
+    cluster: RedisClusterServers,
+    redis_url: str,
+    tmp_path: Path,
+    ledger: Path,
+    effects: Path,
+    record_property: Callable[[str, object], None],
+) -> None:
+    steps = [
+        {**turn(f"step {n}", call("effect", label=f"step-{n}")), "sleep_s": 0.3}
+        for n in range(STEPS)
+    ]
+    agent = write_agent(tmp_path / "agent", [*steps, turn("Done.")], tools=TOOLS)
+    stores = f"{cluster.url()}?min_replicas=1&replica_timeout_ms=1000"
+    ctx = redis_context(stores)
+    env = worker_env(redis_url, ledger, tmp_path / "data")
+    env.update(
+        RATCHET_RUN_STORE=stores,
+        RATCHET_SNAPSHOT_STORE=stores,
+        RATCHET_TEST_EFFECTS=str(effects),
+        RATCHET_LEASE_S="2",
+        RATCHET_SWEEP_INTERVAL_S="0.5",
+    )
+    workers = WorkerProcesses(env, tmp_path)
+    try:
+        # Given a worker (and beat's sweeper) whose stores, on the cluster, ask for one replica
+        worker = workers.start(
+            "--pool", "threads", "--concurrency", "4", "-B", "-s", str(tmp_path / "beat")
+        )  # fmt: skip
+        broker = make_app(Settings(broker_url=redis_url))
+        run_ids = []
+        for n in range(RUNS):
+            run_id = create_run(ctx, agent, f"run {n}").run_id
+            broker.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
+            run_ids.append(run_id)
+        # And calls under way
+        wait_for("the runs are under way", lambda: len(invocations(effects)) >= RUNS, 45)
+
+        # When the primary of a run not yet done is SIGKILLed, and the cluster fails it
+        # over to its replica (no one tells it to)
+        victim = next(r for r in run_ids if not ctx.runs.get(r).status.is_terminal)  # type: ignore[union-attr]
+        primary = cluster.owner(run_slot(victim))
+        replica = cluster.replica_of(primary)
+        primary.kill()
+        wait_for("the replica takes over", lambda: cluster.role(replica) == "master", 30)
+        wait_for("every slot has a live primary", cluster.serving, 30)
+        # And the dead node comes back empty, as the new primary's replica, and an operator
+        # resumes each run stalled for want of one (min_replicas's reason, and no other)
+        primary.start()
+        wait_for("the old primary is a replica", lambda: cluster.role(primary) == "slave", 30)
+        wait_for("it is in sync", lambda: replica_caught_up(replica, primary), 30)
+        resumed: dict[str, int] = {}
+        wait_until(
+            "every run completes",
+            functools.partial(_completed_resuming_stalls, Ratchet(ctx), run_ids, resumed),
+            90,
+        )
+
+        record_property("resumed_after_a_stall", len(resumed))
+        # Then every call was invoked exactly once: none twice, none lost
+        keys = [key for key, _ in invocations(effects)]
+        assert len(keys) == len(set(keys)), (resumed, invocations(effects))
+        assert sorted(label for _, label in invocations(effects)) == sorted(
+            f"step-{n}" for n in range(STEPS) for _ in range(RUNS)
+        )
+        assert worker.process is not None and worker.process.poll() is None, worker.log()
+    finally:
+        workers.stop_all()
+        ctx.close()
+
+
+def _completed_resuming_stalls(api: Ratchet, run_ids: list[str], resumed: dict[str, int]) -> bool:
+    """Whether every run completed; resumes each run stalled for want of a replica, once
+    per stall (``resumed``: the seq each was last resumed at)."""
+    records: list[RunRecord] = [api.get(run_id) for run_id in run_ids]
+    for record in records:
+        if record.status == RunStatus.STALLED and resumed.get(record.run_id) != record.last_seq:
+            assert "min_replicas=1" in (record.error or ""), record.error
+            api.resume(record.run_id)
+            resumed[record.run_id] = record.last_seq
+    return all(record.status == RunStatus.COMPLETED for record in records)
