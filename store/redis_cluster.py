@@ -28,12 +28,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
+from store.hosts import address, credentials, netloc
 from store.keyspace import DEFAULT_SHARDS, MAX_SHARDS
 
 SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -72,8 +73,8 @@ class ClusterUrl:
         if parts.scheme not in SCHEMES:
             raise ValueError(f"not a redis+cluster:// URL; use {FORM}")
         userinfo, _, hosts = parts.netloc.rpartition("@")
-        username, password = _credentials(userinfo)
-        nodes = tuple(_address(h) for h in hosts.split(",") if h.strip())
+        username, password = credentials(userinfo)
+        nodes = tuple(address(h, "node", DEFAULT_PORT, FORM) for h in hosts.split(",") if h.strip())
         if not nodes:
             raise ValueError(f"name at least one node of the cluster (host:port); use {FORM}")
         path = [p for p in parts.path.split("/") if p]
@@ -115,7 +116,7 @@ class ClusterUrl:
         user = f"{quote(self.username or '', safe='')}:***@" if self.password is not None else ""
         if self.username is not None and self.password is None:
             user = f"{quote(self.username, safe='')}@"
-        hosts = ",".join(_netloc(h, p) for h, p in self.nodes)
+        hosts = ",".join(netloc(h, p) for h, p in self.nodes)
         scheme = SCHEMES[1] if self.tls else SCHEMES[0]
         return f"{scheme}://{user}{hosts}?shards={self.shards}"
 
@@ -123,35 +124,6 @@ class ClusterUrl:
         """Which keyspace a client of this URL writes: the same for two URLs naming the
         same nodes (in any order), user and shards."""
         return ("cluster", frozenset(self.nodes), self.username, self.shards)
-
-
-def _credentials(userinfo: str) -> tuple[str | None, str | None]:
-    if not userinfo:
-        return None, None
-    user, colon, password = userinfo.partition(":")
-    return (unquote(user) or None), (unquote(password) if colon else None)
-
-
-def _address(text: str) -> tuple[str, int]:
-    text = text.strip()
-    if text.startswith("["):  # [v6]:port
-        host, _, rest = text[1:].partition("]")
-        port = rest.removeprefix(":")
-    else:
-        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host:
-        raise ValueError(f"node `{text}` has no host; use {FORM}")
-    try:
-        number = int(port) if port else DEFAULT_PORT
-    except ValueError:
-        raise ValueError(f"node `{text}`: the port is not a number; use {FORM}") from None
-    if not 0 < number < 65536:
-        raise ValueError(f"node `{text}`: the port is out of range; use {FORM}")
-    return host, number
-
-
-def _netloc(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _shards(text: str) -> int:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from store.hosts import address, credentials, netloc
+
 SCHEME = "redis+sentinel"
 FORM = "redis+sentinel://[[user]:password@]host:port[,host:port…]/service[/db]"
 DEFAULT_PORT = 26379
@@ -58,8 +60,10 @@ class SentinelUrl:
         if parts.scheme != SCHEME:
             raise ValueError(f"not a {SCHEME}:// URL; use {FORM}")
         userinfo, _, hosts = parts.netloc.rpartition("@")
-        username, password = _credentials(userinfo)
-        sentinels = tuple(_address(h) for h in hosts.split(",") if h.strip())
+        username, password = credentials(userinfo)
+        sentinels = tuple(
+            address(h, "sentinel", DEFAULT_PORT, FORM) for h in hosts.split(",") if h.strip()
+        )
         if not sentinels:
             raise ValueError(f"name at least one sentinel (host:port); use {FORM}")
         path = [unquote(p) for p in parts.path.split("/")[1:] if p]
@@ -94,11 +98,11 @@ class SentinelUrl:
             )
         first = urlsplit(url.split(";", 1)[0])
         sentinels = tuple(
-            _address(urlsplit(each).netloc.rpartition("@")[2])
+            address(urlsplit(each).netloc.rpartition("@")[2], "sentinel", DEFAULT_PORT, FORM)
             for each in url.split(";")
             if each.strip()
         )
-        username, password = _credentials(first.netloc.rpartition("@")[0])
+        username, password = credentials(first.netloc.rpartition("@")[0])
         db = next((p for p in first.path.split("/") if p), "0")
         own = transport_options.get("sentinel_kwargs") or {}
         return cls(
@@ -118,8 +122,8 @@ class SentinelUrl:
             userinfo = (
                 f"{quote(self.username or '', safe='')}:{quote(self.password or '', safe='')}@"
             )
-        hosts = [f"sentinel://{_netloc(host, port)}" for host, port in self.sentinels]
-        hosts[0] = f"sentinel://{userinfo}{_netloc(*self.sentinels[0])}/{self.db}"
+        hosts = [f"sentinel://{netloc(host, port)}" for host, port in self.sentinels]
+        hosts[0] = f"sentinel://{userinfo}{netloc(*self.sentinels[0])}/{self.db}"
         options: dict[str, Any] = {"master_name": self.service}
         if self.sentinel_kwargs():
             options["sentinel_kwargs"] = self.sentinel_kwargs()
@@ -141,7 +145,7 @@ class SentinelUrl:
         if self.password is not None or self.username is not None:
             password = "" if self.password is None else f":{quote(self.password, safe='')}"
             userinfo = f"{quote(self.username or '', safe='')}{password}@"
-        hosts = ",".join(_netloc(h, p) for h, p in self.sentinels)
+        hosts = ",".join(netloc(h, p) for h, p in self.sentinels)
         own = {
             "sentinel_username": self.sentinel_username,
             "sentinel_password": self.sentinel_password,
@@ -156,42 +160,13 @@ class SentinelUrl:
         user = f"{self.username or ''}:***@" if self.password is not None else ""
         if self.username is not None and self.password is None:
             user = f"{self.username}@"
-        hosts = ",".join(_netloc(h, p) for h, p in self.sentinels)
+        hosts = ",".join(netloc(h, p) for h, p in self.sentinels)
         return f"{SCHEME}://{user}{hosts}/{quote(self.service, safe='')}/{self.db}"
 
     def identity(self) -> tuple[Any, ...]:
         """Which keyspace a client of this URL writes: the same for two URLs naming the
         same service, database and user through any of its sentinels' lists."""
         return ("sentinel", self.service, frozenset(self.sentinels), self.db, self.username)
-
-
-def _credentials(userinfo: str) -> tuple[str | None, str | None]:
-    if not userinfo:
-        return None, None
-    user, colon, password = userinfo.partition(":")
-    return (unquote(user) or None), (unquote(password) if colon else None)
-
-
-def _address(text: str) -> tuple[str, int]:
-    text = text.strip()
-    if text.startswith("["):  # [v6]:port
-        host, _, rest = text[1:].partition("]")
-        port = rest.removeprefix(":")
-    else:
-        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host:
-        raise ValueError(f"sentinel `{text}` has no host; use {FORM}")
-    try:
-        number = int(port) if port else DEFAULT_PORT
-    except ValueError:
-        raise ValueError(f"sentinel `{text}`: the port is not a number; use {FORM}") from None
-    if not 0 < number < 65536:
-        raise ValueError(f"sentinel `{text}`: the port is out of range; use {FORM}")
-    return host, number
-
-
-def _netloc(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _db(text: str) -> int:

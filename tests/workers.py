@@ -141,6 +141,30 @@ def ratchet(session_worker: None, redis_url: str, ledger: Path) -> Iterator[Ratc
         context.close()
 
 
+@pytest.fixture
+def installed(session_worker: None) -> Iterator[list[Context]]:
+    """The contexts a test installs (:func:`install`) for the session's in-process worker;
+    uninstalled and closed afterwards."""
+    contexts: list[Context] = []
+    yield contexts
+    set_context(None)
+    for ctx in contexts:
+        ctx.close()
+
+
+def install(installed: list[Context], url: str) -> Context:
+    """A context on the Redis stores at ``url``, installed for the session's worker."""
+    ctx = redis_context(url)
+    installed.append(ctx)
+    set_context(ctx)
+    return ctx
+
+
+def status_is(status: RunStatus) -> Callable[[RunRecord], bool]:
+    """For :func:`wait_for_run`: the run is in ``status``."""
+    return lambda record: record.status == status
+
+
 @dataclass
 class WorkerProcess:
     """One ``celery -A worker worker`` subprocess."""

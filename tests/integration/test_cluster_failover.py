@@ -22,7 +22,7 @@ import pytest
 from runtime.models import RunStatus
 from store.keyspace import DEFAULT_SHARDS, shard_of
 from store.runs import RunRecord
-from tasks.context import Context, set_context
+from tasks.context import Context
 from tasks.messages import enqueue_turn
 from tasks.settings import Settings
 from tasks.start import create_run
@@ -31,7 +31,9 @@ from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer, cut_off, replica_caught_up
 from tests.workers import (
     WorkerProcesses,
+    install,
     redis_context,
+    status_is,
     wait_for,
     wait_for_run,
     wait_until,
@@ -62,27 +64,6 @@ def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "effects"
     monkeypatch.setenv("RATCHET_TEST_EFFECTS", str(path))
     return path
-
-
-@pytest.fixture
-def installed(session_worker: None) -> Iterator[list[Context]]:
-    """Install a test's context for the session's in-process worker; closed afterwards."""
-    contexts: list[Context] = []
-    yield contexts
-    set_context(None)
-    for ctx in contexts:
-        ctx.close()
-
-
-def install(installed: list[Context], url: str) -> Context:
-    ctx = redis_context(url)
-    installed.append(ctx)
-    set_context(ctx)
-    return ctx
-
-
-def status_is(status: RunStatus) -> Callable[[RunRecord], bool]:
-    return lambda record: record.status == status
 
 
 def invocations(path: Path) -> list[tuple[str, str]]:

@@ -14,14 +14,13 @@ turns on Celery's in-process test worker, or ``celery -A worker worker -B`` subp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from runtime.models import RunStatus
 from store.runs import RunRecord
-from tasks.context import Context, set_context
+from tasks.context import Context
 from tasks.messages import enqueue_turn
 from tasks.settings import Settings
 from tasks.start import create_run
@@ -37,7 +36,9 @@ from tests.redis_server import (
 from tests.sentinel_servers import running_sentinel_group
 from tests.workers import (
     WorkerProcesses,
+    install,
     redis_context,
+    status_is,
     wait_for,
     wait_for_run,
     wait_until,
@@ -50,27 +51,6 @@ REFUND = [
     turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2900)),
     turn("Refunded."),
 ]
-
-
-@pytest.fixture
-def installed(session_worker: None) -> Iterator[list[Context]]:
-    """Install a test's context for the session's in-process worker; closed afterwards."""
-    contexts: list[Context] = []
-    yield contexts
-    set_context(None)
-    for ctx in contexts:
-        ctx.close()
-
-
-def install(installed: list[Context], url: str) -> Context:
-    ctx = redis_context(url)
-    installed.append(ctx)
-    set_context(ctx)
-    return ctx
-
-
-def status_is(status: RunStatus) -> Callable[[RunRecord], bool]:
-    return lambda record: record.status == status
 
 
 @pytest.mark.timeout(60)
