@@ -1,7 +1,7 @@
 """Redis commands per turn, and the worker's CPU per turn, for a fixed workload. Prints figures.
 
     python -m bench.commands [--runs 40] [--turns 3] [--pool prefork] [--concurrency 2] \\
-        [--variants default,events=0] [--rounds 2] [--no-monitor]
+        [--variants default,events=0] [--against PATH] [--rounds 2] [--no-monitor]
 
 Starts its own redis-server (broker and both stores on one database, as a Redis
 deployment runs them; ``--broker amqp``: the broker on the RabbitMQ at 127.0.0.1:5672,
@@ -26,7 +26,9 @@ alternated for ``--rounds`` rounds so every variant sees the same phases of the
 machine: ``default`` (nothing), or ``NAME=VALUE`` pairs joined by ``+`` with the
 ``RATCHET_`` prefix left off (``events=0`` is short for ``TASK_EVENTS=0``), or
 ``src=PATH``: the worker runs the code of the checkout at PATH (``src=/work/main``
-beside ``default``: before and after a change, in one invocation). CPU ms
+beside ``default``: before and after a change, in one invocation; ``--against PATH`` is
+short for putting ``src=PATH`` first, the baseline the others are paired with, and
+prints the commands per turn by command for each variant side by side). CPU ms
 per turn is the worker's process group (parent and pool) and the redis-server's,
 from /proc/PID/task/*/schedstat.
 """
@@ -337,6 +339,8 @@ def report(slices: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(f"  worker CPU {variant} / {base}, paired by round: median "
                   f"{statistics.median(ratios):.3f} (rounds: "
                   + ", ".join(f"{r:.3f}" for r in ratios) + ")")  # fmt: skip
+        if args.broker != "filesystem":
+            by_command(slices, variants, args.monitor)
     for variant in variants:
         last = [s for s in slices if s["variant"] == variant][-1]
         print(
@@ -348,6 +352,33 @@ def report(slices: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(
             "  idle/s: " + (", ".join(f"{n} {v:.1f}" for n, v in last["idle_per_s"].items()) or "-")
         )
+
+
+def by_command(slices: list[dict[str, Any]], variants: list[str], monitor: bool) -> None:
+    """Commands per turn by command (client and inside Lua apart, with the monitor on), the
+    median of the rounds for each variant, and each variant's change from the first."""
+    key = "split" if monitor else "per_turn"
+    names = list(dict.fromkeys(name for s in slices for name in s[key]))
+    medians = {
+        variant: {
+            name: statistics.median(
+                s[key].get(name, 0.0) for s in slices if s["variant"] == variant
+            )
+            for name in names
+        }
+        for variant in variants
+    }
+    base = variants[0]
+    names.sort(key=lambda name: (name.startswith("lua "), -medians[base][name], name))
+    width = max(12, *(len(v) for v in variants))
+    print(f"\ncommands per turn by command (median of rounds; change from {base}):")
+    print(f"  {'command':16}" + "".join(f" {v[-width:]:>{width}}" for v in variants))
+    for name in names:
+        row = [f"{medians[variants[0]][name]:>{width}.2f}"]
+        for variant in variants[1:]:
+            change = medians[variant][name] - medians[base][name]
+            row.append(f"{medians[variant][name]:.2f} ({change:+.2f})".rjust(width))
+        print(f"  {name:16} " + " ".join(row))
 
 
 def rabbitmq_vhost() -> str:
@@ -376,6 +407,8 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--variants", default="default")
+    parser.add_argument("--against", type=Path,
+                        help="another checkout: its code first, as the baseline (src=PATH)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=600)
@@ -390,6 +423,8 @@ def main() -> None:
     if args.broker == "filesystem":
         args.monitor = False
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.against is not None:
+        variants.insert(0, f"src={args.against.resolve()}")
     print(f"commands: {args.runs} runs x {args.turns} turns, {args.broker} broker, -P {args.pool} -c "
           f"{args.concurrency}, variants {variants}, {args.rounds} rounds; load average "
           f"{loadavg()} at start", flush=True)  # fmt: skip

@@ -99,6 +99,13 @@ def test_a_transition_is_one_round_trip_and_touches_no_index_it_does_not_change(
     assert spent.get("cmdstat_evalsha") == 1, spent
     assert "cmdstat_zrem" not in spent, spent
     assert spent.get("cmdstat_zadd", 0) <= 1, spent  # the due index, whose time moved
+    # Inside the script: the record, the lease and the snapshot's tip read once each, the
+    # event and the fragment pushed, the record and the tip written. The tip stands for the
+    # transcript list (append.lua), so its length is not read again.
+    assert spent.get("cmdstat_hmget") == 3, spent
+    assert spent.get("cmdstat_rpush") == 2, spent
+    assert spent.get("cmdstat_hset") == 2, spent
+    assert "cmdstat_llen" not in spent, spent
 
 
 def test_a_process_lease_index_follows_the_fast_path_and_the_release_on_a_transition(
