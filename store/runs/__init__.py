@@ -411,20 +411,20 @@ class RunStore(ABC):
         if state.run_id != run_id or state.seq != record.last_seq:
             raise ValueError("a transition's checkpoint is the state its last event produced")
         for _ in range(2):
-            parts = snapshots._plan(run_id, state, expected_seq)
+            parts = snapshots.plan_save(state, expected_seq)
             whole = Transition(record, mine, owner, snapshots, parts, expected_seq, release, outbox)
             try:
                 with_retries(functools.partial(self._commit_now, whole), run_id)
             except TranscriptMoved:
-                snapshots._forget(run_id)
+                snapshots.forget_transcript(run_id)
                 continue
             except StaleWrite as exc:
-                snapshots._forget(run_id)
+                snapshots.forget_transcript(run_id)
                 # Our own transition, landed by an attempt whose reply was lost, is
                 # written whole: the snapshot and the release with the events.
                 if not self._landed(exc, mine):
                     raise
-            snapshots._saved(run_id, state, parts)
+            snapshots.planned_save_written(state, parts)
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
 
@@ -446,7 +446,7 @@ class RunStore(ABC):
                 self.release_lease(run_id, owner)
             return
         mine = _checked_batch(record, events)
-        snapshots._forget(run_id)
+        snapshots.forget_transcript(run_id)
         whole = Transition(record, mine, owner, snapshots, None, None, release)
         try:
             with_retries(functools.partial(self._commit_now, whole), run_id)
