@@ -225,6 +225,11 @@ class Transition(NamedTuple):
 
 def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
     validate_run_id(record.run_id)
+    return _contiguous(record, events)
+
+
+def _contiguous(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
+    """:func:`_checked_batch` for a call that has checked ``record.run_id`` already."""
     if not events:
         raise ValueError("append needs at least one event")
     for before, after in zip(events, events[1:], strict=False):
@@ -406,7 +411,7 @@ class RunStore(ABC):
             if release and owner is not None:
                 self.release_lease(run_id, owner)
             return
-        mine = _checked_batch(record, events)
+        mine = _contiguous(record, events)
         snapshots, state, expected_seq = checkpoint
         if state.run_id != run_id or state.seq != record.last_seq:
             raise ValueError("a transition's checkpoint is the state its last event produced")
@@ -445,7 +450,7 @@ class RunStore(ABC):
             if release and owner is not None:
                 self.release_lease(run_id, owner)
             return
-        mine = _checked_batch(record, events)
+        mine = _contiguous(record, events)  # (commit checked the run id)
         snapshots.forget_transcript(run_id)
         whole = Transition(record, mine, owner, snapshots, None, None, release)
         try:
