@@ -453,7 +453,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "S3",
         "store/snapshots/__init__.py",
-        "            except TranscriptMoved:\n                self._forget(run_id)\n",
+        "            except TranscriptMoved:\n                self.forget_transcript(run_id)\n",
         "            except TranscriptMoved:\n",
         SNAPSHOTS,
         k=SNAPSHOT_CAS_SHORT,

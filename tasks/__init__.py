@@ -27,6 +27,7 @@ from tasks.recovery import reconcile_run, resume_run, sweep
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
 from tasks.start import start_run
 from tasks.sweep_logs import quiet_sweeps
+from tasks.task_options import task_annotations
 from tasks.timers import wake_run
 from tasks.turn import run_turn
 
@@ -54,8 +55,9 @@ def install(app: Any, settings: Settings | None = None) -> None:
     (ratchet's win for ``ratchet.*`` names only), beat entries, accepted content, and any
     value it chose; a worker of the app refuses to start, naming the setting, when a
     value it chose is one ratchet cannot take (:func:`tasks.delivery.delivery_problems`).
-    Each ratchet task gets, by annotation, what ratchet's own app sets for every task:
-    late acknowledgement, a requeue when the worker is lost, no result, the time limit.
+    Each ratchet task gets, by annotation, what ratchet's own app sets for every task
+    (:func:`tasks.task_options.task_annotations`): late acknowledgement, a requeue when the
+    worker is lost, no result, the time limit.
 
     What ratchet sends outside a running task (the API's, the CLI's with ``--app``)
     goes through ``app`` from now on. The app's workers run ratchet's tasks when they
@@ -73,12 +75,7 @@ def install(app: Any, settings: Settings | None = None) -> None:
     conf.beat_schedule = {**(conf.beat_schedule or {}), **beat_schedule(settings.sweep_interval_s)}
     conf.ratchet_installed = True
     quiet_sweeps()  # an empty sweep's Celery lines at DEBUG, as on ratchet's own app
-    annotation = {
-        "acks_late": True,
-        "reject_on_worker_lost": True,
-        "ignore_result": True,
-        "time_limit": settings.turn_time_limit_s,
-    }
+    annotation = task_annotations(settings.turn_time_limit_s)
     theirs = conf.task_annotations
     annotations = list(theirs) if isinstance(theirs, list | tuple) else [theirs] if theirs else []
     conf.task_annotations = ({name: dict(annotation) for name in ROUTES}, *annotations)

@@ -33,13 +33,13 @@ import typing
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
 from celery import current_app
-from celery._state import get_current_task
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from runtime.errors import InvalidRunId, MessageRefused
 from runtime.models import validate_run_id
 from runtime.recovery import OPERATOR, SWEEPER
 from tasks import next_turn as lean
+from tasks.next_turn import running_task
 from tasks.queues import CONTROL_QUEUE, ROUTES, whole_seconds_on_quorum
 
 VERSION = 1
@@ -324,7 +324,7 @@ def send_through(app: Any, *, unless_set: bool = False) -> None:
 
 def sending_app() -> Any:
     """The app a send goes through: the running task's, else :func:`send_through`'s."""
-    task = get_current_task()
+    task = running_task()
     if task is not None:
         return task.app
     return _sending_app if _sending_app is not None else current_app._get_current_object()

@@ -34,6 +34,31 @@ the priority list of ``_q_for_pri``, kombu's JSON), so the bytes are those ``_pu
 would LPUSH. ``before_task_publish`` fires as the entry is built, ``after_task_publish``
 once the checkpoint is written; a checkpoint refused (fenced, stale) pushes nothing, and
 one that falls back to separate writes leaves the turn to the ordinary publish.
+
+**The seam.** This is the one module where sending a message reaches into Celery's and
+kombu's internals (checked against celery 5.7.0 and kombu 5.7.0; tests/test_publish.py
+holds the message to ``send_task``'s byte for byte, tests/crash/test_outbox.py the outbox
+entry to kombu's): upgrading either means reading this file, and that test. It uses:
+
+- Celery: the registry ``app._tasks`` (``app.tasks`` would finalise the app),
+  ``Task._get_exec_options``, ``Backend.on_task_call`` (compared, not called), the
+  router's ``routes`` and ``MapRoute`` and ``route()``, ``amqp.default_exchange``,
+  ``argsrepr_maxsize`` and ``kwargsrepr_maxsize``, the layout and order of
+  ``AMQP.as_task_v2``'s headers, ``app.current_worker_task``, ``app.thread_oid``,
+  ``app.producer_pool``, ``add_trail``, ``celery.utils`` (``uuid``, ``anon_nodename``,
+  ``saferepr``), the arguments ``send_task_message`` gives the publish signals;
+  ``celery._state.get_current_task`` (:func:`running_task`, for tasks/messages.py's
+  ``sending_app``); and where ``as_task_v2`` takes ``create_sent_event`` by position
+  (:func:`without_sent_event`, for worker/transport.py's ``RatchetAMQP``).
+- kombu: ``Producer._delivery_details``, ``channel.prepare_message`` and
+  ``basic_publish``, the connection's ``declared_entities`` and ``maybe_declare``,
+  ``kombu.serialization.dumps``, ``kombu.utils.json.dumps``; on the Redis channel
+  ``_put``, ``_inplace_augment_message``, ``_q_for_pri``, ``_get_message_priority``,
+  ``global_keyprefix``, ``_expires``, ``pool.connection_kwargs`` and ``SentinelChannel``.
+
+Receiving is another seam, kombu's channel subclassed where it reads and acknowledges:
+worker/transport.py (the reads of a queue entry), worker/unacked.py (the unacked
+bookkeeping), worker/entries.py (an entry's envelope), worker/embedded_broker.py.
 """
 
 from __future__ import annotations
@@ -45,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import signals
+from celery._state import get_current_task
 from celery.app.routes import MapRoute
 from celery.backends.base import Backend
 from celery.utils import uuid
@@ -404,6 +430,24 @@ def _kwargsrepr(kwargs: dict[str, Any], maxsize: int, maxlevels: int) -> str:
             return text
     text = saferepr(kwargs, maxsize, maxlevels=maxlevels)
     return str(text)
+
+
+running_task = get_current_task
+"""The task running in this thread, or None (Celery's own, private, lookup)."""
+
+SENT_EVENT_AT = 14
+"""Where ``create_sent_event`` is among ``AMQP.as_task_v2``'s arguments after
+``task_id, name`` (Celery 5's ``send_task`` passes it by position)."""
+
+
+def without_sent_event(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``as_task_v2``'s arguments after ``task_id, name``, asking for no ``task-sent`` event."""
+    if len(args) > SENT_EVENT_AT:
+        return (*args[:SENT_EVENT_AT], False, *args[SENT_EVENT_AT + 1 :]), kwargs
+    kwargs["create_sent_event"] = False
+    return args, kwargs
 
 
 _publishers: dict[int, LeanTurns] = {}

@@ -52,7 +52,7 @@ DECISIONS = ("result", "retry", "fail")
 # --- resume -----------------------------------------------------------------
 
 
-@ratchet_task(name="ratchet.resume", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@ratchet_task(name="ratchet.resume")
 def resume_run(*, run_id: str, by: str = OPERATOR, seen_seq: int | None = None) -> str:
     """Resume ``run_id`` if it is resume-eligible (and, from the sweeper, still at ``seen_seq``).
 

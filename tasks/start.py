@@ -183,9 +183,7 @@ def _matching_run(ctx: Context, run_id: str, agent_file: str | Path, text: str) 
     return record
 
 
-@ratchet_task(
-    name="ratchet.start", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
-)
+@ratchet_task(name="ratchet.start", bind=True)
 def start_run(self: Any, request: Start) -> str:
     """Create the run (unless its key's run exists) and take its first turn. Idempotent.
 

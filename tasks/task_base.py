@@ -24,10 +24,11 @@ from celery import Task, shared_task
 from celery.exceptions import Ignore
 from celery.local import Proxy
 
-from runtime.errors import ClockSkewed, InvalidRunId, MessageRefused, RunBusy, StoreUnavailable
+from runtime.errors import InvalidRunId, MessageRefused
 from tasks.messages import MESSAGES, VERSION_HEADER, call_form, decode, sending_app
 from tasks.queues import CONTROL_QUEUE, ROUTES
 from tasks.refusals import set_aside, store_for_app
+from tasks.task_options import TABLE_OPTIONS, declared
 
 
 class RatchetTask(Task):  # type: ignore[misc]
@@ -99,12 +100,18 @@ def ratchet_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     (``tasks.install(app)``), and always with :class:`RatchetTask` as its base, whatever
     the app's own task class. What the decorator returns stands for the task of
     :func:`sending_app`: calling or sending it goes through that app.
+    Its acknowledgement, result and retry options are the table's
+    (:func:`tasks.task_options.declared`), never the declaration's: one spelled here
+    is a TypeError.
     """
     name = options["name"]
+    spelled = sorted(TABLE_OPTIONS.intersection(options))
+    if spelled:
+        raise TypeError(f"{name}: {', '.join(spelled)} are tasks.task_options' to set, not its own")
 
     def declare(fun: Callable[..., Any]) -> Any:
         takes_message = _check_parameters(name, fun, bound=bool(options.get("bind")))
-        shared_task(base=RatchetTask, takes_message=takes_message, **options)(fun)
+        shared_task(base=RatchetTask, takes_message=takes_message, **declared(name), **options)(fun)
         return Proxy(lambda: sending_app().tasks[name])
 
     return declare
@@ -136,23 +143,11 @@ def _check_parameters(name: str, fun: Callable[..., Any], *, bound: bool) -> boo
     return False
 
 
-CONTROL_TASK_OPTIONS: dict[str, Any] = {
-    "acks_late": True,
-    "reject_on_worker_lost": True,
-    "ignore_result": True,
-    # A run busy with a turn, or a store briefly away: ask again, backing off up to 30 s.
-    "autoretry_for": (RunBusy, StoreUnavailable, ClockSkewed),
-    "retry_backoff": 1,
-    "retry_backoff_max": 30,
-    "max_retries": 20,
-}
-"""What every task of the control queue is declared with (:func:`control_task`)."""
-
-
 def control_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """Declare a task of the control queue: :func:`ratchet_task` with
-    :data:`CONTROL_TASK_OPTIONS`, for a name :data:`ROUTES` sends to ``ratchet.control``."""
+    """Declare a task of the control queue: :func:`ratchet_task` (with the table's
+    :data:`~tasks.task_options.CONTROL_RETRIES`), for a name :data:`ROUTES` sends to
+    ``ratchet.control``."""
     name = options["name"]
     if ROUTES.get(name) != CONTROL_QUEUE:
         raise ValueError(f"{name} is not routed to {CONTROL_QUEUE}: add it to ROUTES first")
-    return ratchet_task(**{**CONTROL_TASK_OPTIONS, **options})
+    return ratchet_task(**options)

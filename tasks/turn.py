@@ -60,7 +60,7 @@ SKEWED_COUNTDOWN_S = 5.0
 """How long a turn refused for this host's clock waits on the queue before it is tried again."""
 
 
-@ratchet_task(name="ratchet.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@ratchet_task(name="ratchet.turn")
 def run_turn(*, run_id: str, expected_seq: int | None) -> str:
     """Advance ``run_id`` by one turn if it is at ``expected_seq``.
 

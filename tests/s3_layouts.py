@@ -43,7 +43,7 @@ def save_before_paths(store: S3SnapshotStore, state: RunState, expected_seq: int
     """Save ``state`` as the release before paths did: one object holding the save's new
     messages, then a head naming the transcript's tip but no path."""
     run_id = state.run_id
-    parts = store._plan(run_id, state, expected_seq)
+    parts = store.plan_save(state, expected_seq)
     found = store._read_head(run_id)
     if (found.seq if found else None) != expected_seq:
         raise StaleWrite(run_id, expected_seq, found.seq if found else None)
@@ -62,4 +62,4 @@ def save_before_paths(store: S3SnapshotStore, state: RunState, expected_seq: int
         "chain": parts.tip.chain,
     }
     store._write_head(run_id, found, meta, parts.head)
-    store._saved(run_id, state, parts)
+    store.planned_save_written(state, parts)

@@ -73,7 +73,7 @@ def test_the_combined_read_loads_what_the_separate_reads_load(
     run_id = one_turn_in(ctx, tmp_path)
     ctx.forget_checkpoint(run_id)  # else the remembered state is used, not the snapshot
     if not knows:
-        ctx.snapshots._forget(run_id)
+        ctx.snapshots.forget_transcript(run_id)
 
     loaded = combined(ctx, run_id)
 
@@ -143,7 +143,7 @@ def test_a_damaged_snapshot_read_with_the_lease_is_treated_as_the_separate_reads
     run_id = one_turn_in(ctx, tmp_path)
     ctx.forget_checkpoint(run_id)
     if not knows:
-        ctx.snapshots._forget(run_id)
+        ctx.snapshots.forget_transcript(run_id)
     client = redis.Redis.from_url(redis_url)
     # Given the head, or the transcript's last message, overwritten with bytes that do not unpack
     if damaged == "head":

@@ -109,7 +109,7 @@ def test_a_run_saved_by_the_release_before_paths_loads_and_saves_onwards_flat(
 
     # And once this release saved it, a load is flat
     another.save(states[40], expected_seq=40)
-    store._forget("run-1")
+    store.forget_transcript("run-1")
     with requests_sent(store) as sent:
         assert store.load("run-1") == states[40]
     assert sum(sent.values()) == 2, sent
@@ -164,7 +164,7 @@ def test_a_save_that_dies_after_its_compacted_object_leaves_the_previous_snapsho
     assert {span.name for span in head.path} <= names
     # And the run saves onwards
     store.save(states[-1], expected_seq=previous)
-    another._forget("run-1")
+    another.forget_transcript("run-1")
     assert another.load("run-1") == states[-1]
 
 
@@ -194,9 +194,9 @@ def test_a_zombie_writer_cannot_make_a_load_mix_two_lines_of_saves(
         another.save(own, expected_seq=10)
 
     # Then a load by anyone is the run's line, not a mix
-    another._forget("run-1")
+    another.forget_transcript("run-1")
     assert another.load("run-1") == states[-1]
-    store._forget("run-1")
+    store.forget_transcript("run-1")
     assert store.load("run-1") == states[-1]
 
 

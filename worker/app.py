@@ -1,9 +1,9 @@
 """The Celery app: ``celery -A worker worker`` and ``celery -A worker beat``.
 
 JSON only (a pickle message is refused), explicit ``ratchet.*`` task names,
-turn tasks with ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1, and a
-separate ``ratchet.control`` queue so continuations, cancels and sweeps never
-wait behind long turns. The broker's redelivery is only a fast path: ratchet's
+tasks with ``acks_late`` + ``reject_on_worker_lost`` (the table of
+:mod:`tasks.task_options`) + prefetch 1, and a separate ``ratchet.control``
+queue so continuations, cancels and sweeps never wait behind long turns. The broker's redelivery is only a fast path: ratchet's
 own leases, fencing and sweeper are what make a run survive a crash
 (docs/recovery.md).
 """
@@ -25,6 +25,7 @@ from tasks.delivery import MAX_PRIORITY, delivery_settings
 from tasks.messages import send_through
 from tasks.queues import AMQP_SCHEMES, CONTROL_QUEUE, TURNS_QUEUE, beat_schedule, scheme_of
 from tasks.settings import EXIT_CONFIG_INVALID, Settings, get_settings
+from tasks.task_options import app_defaults
 from worker.startup import on_a_command_line
 
 __all__ = ["CONTROL_QUEUE", "TURNS_QUEUE", "app", "celery_config", "make_app"]
@@ -72,10 +73,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_serializer": "json",
         "event_serializer": "json",
         "result_accept_content": ["json"],
-        "task_ignore_result": True,
         "result_backend": None,
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
+        # acks_late, reject_on_worker_lost, ignore_result and the time limit for every
+        # task: the table of tasks/task_options.py.
+        **app_defaults(settings.turn_time_limit_s),
         "worker_hijack_root_logger": False,
         "task_default_queue": TURNS_QUEUE,
         # `celery -A worker beat` sends the crash sweeper.
@@ -83,7 +84,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Beat's schedule files (celerybeat-schedule.*) live with the rest of ratchet's state.
         "beat_schedule_filename": str(settings.resolved_data_dir / "celerybeat-schedule"),
         "beat_scheduler": "worker.app:Scheduler",
-        "task_time_limit": settings.turn_time_limit_s,
         "imports": ("tasks",),
         # Task events per RATCHET_TASK_EVENTS (auto: off on Redis; in the table,
         # tasks.delivery.task_events_on); worker.observe gives the tasks readable arguments

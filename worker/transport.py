@@ -14,7 +14,8 @@ are overrides of the channel's read methods, registered under their own alias.
 ``sentinel://`` (which ``RATCHET_BROKER_URL=redis+sentinel://…`` becomes, worker/app.py),
 ``ratchet-filesystem`` (worker/embedded_broker.py)
 for ``filesystem://`` — and ``RatchetAMQP`` and ``RatchetEvents`` are the app's
-``amqp`` and ``events`` seams (worker/app.py).
+``amqp`` and ``events`` seams (worker/app.py). What sending a message reaches of
+Celery's and kombu's internals is in one module, tasks/next_turn.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from redis import sentinel
 from store.redis_connection import CheckedConnection
 from store.rejected import RejectedStore
 from store.rejected.redis import RedisRejected
+from tasks.next_turn import without_sent_event
 from worker.embedded_broker import FILESYSTEM_ALIAS, FilesystemChannel
 from worker.entries import SafeEntries, envelope_problem
 from worker.unacked import RedisQoS, RidingPoller
@@ -274,11 +276,6 @@ class RatchetConnection(Connection):
         super().__init__(hostname, *args, **kwargs)
 
 
-_SENT_EVENT_AT = 14
-"""Where ``create_sent_event`` is among ``as_task_v2``'s arguments after ``task_id, name``
-(Celery 5's ``send_task`` passes it by position)."""
-
-
 class RatchetAMQP(AMQP):
     """Celery's ``app.amqp`` (its ``Celery(amqp=…)`` seam), making RatchetConnections.
 
@@ -295,10 +292,7 @@ class RatchetAMQP(AMQP):
 
     def as_task_v2(self, task_id: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         if name.startswith("ratchet.") and self.app.current_worker_task is not None:
-            if len(args) > _SENT_EVENT_AT:
-                args = (*args[:_SENT_EVENT_AT], False, *args[_SENT_EVENT_AT + 1 :])
-            else:
-                kwargs["create_sent_event"] = False
+            args, kwargs = without_sent_event(args, kwargs)
         return super().as_task_v2(task_id, name, *args, **kwargs)
 
 

@@ -46,7 +46,7 @@ from store.conformance.capabilities import Capability, capabilities
 from store.conformance.limits import LimitStoreContract
 from store.conformance.liveness import LivenessContract
 from store.conformance.runs import RunStoreContract
-from store.conformance.snapshots import SnapshotStoreContract
+from store.conformance.snapshots import SnapshotStoreContract, SnapshotTransactionContract
 from store.conformance.support import T0_MS, FakeClock
 from store.conformance.transitions import TransitionContract
 
@@ -58,6 +58,7 @@ __all__ = [
     "LivenessContract",
     "RunStoreContract",
     "SnapshotStoreContract",
+    "SnapshotTransactionContract",
     "TransitionContract",
     "capabilities",
 ]

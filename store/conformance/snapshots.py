@@ -564,3 +564,62 @@ class SnapshotStoreContract:
             snapshot_store.load("run-1")
 
         assert "snapshot of run run-1" in str(refused.value)
+
+
+class SnapshotTransactionContract:
+    """The contract an appending snapshot store offers a run store's transaction
+    (:meth:`~store.snapshots.SnapshotStore.plan_save`, ``planned_save_written``,
+    ``forget_transcript``): subclass it beside :class:`SnapshotStoreContract` for a backend
+    that sets ``appends_transcript``; on one that does not, its tests are skipped."""
+
+    def test_a_planned_save_once_written_is_what_the_next_plan_appends_to_unread(
+        self, snapshot_store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        require(APPENDS_TRANSCRIPT, snapshot_store)
+        # Given a run saved at seq 1, and its save at seq 3 planned and written as a run
+        # store's transaction writes it (the backend's own write of the parts stands in)
+        first = make_state(seq=1)
+        snapshot_store.save(first, expected_seq=None)
+        third = grown(first, "one")
+        parts = snapshot_store.plan_save(third, expected_seq=1)
+        snapshot_store._put_parts("run-1", parts, 1)
+        # When the store is told it was written
+        snapshot_store.planned_save_written(third, parts)
+
+        # Then the next plan appends only the new message to it, reading nothing stored
+        def unread(run_id: str) -> None:
+            raise AssertionError("the plan read the stored tip it was told of")
+
+        monkeypatch.setattr(snapshot_store, "_read_tip", unread)
+        fifth = grown(third, "two")
+        after = snapshot_store.plan_save(fifth, expected_seq=3)
+        assert after.base == parts.tip and len(after.fragments) == 1
+        snapshot_store._put_parts("run-1", after, 3)
+        snapshot_store.planned_save_written(fifth, after)
+        assert snapshot_store.load_document("run-1") == snapshot_format.encode(fifth)
+
+    def test_a_planned_save_forgotten_is_planned_again_from_what_is_stored(
+        self, snapshot_store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        require(APPENDS_TRANSCRIPT, snapshot_store)
+        # Given a run saved at seq 3, and a plan of seq 5 whose transaction was refused
+        third = grown(make_state(seq=1), "one")
+        snapshot_store.save(make_state(seq=1), expected_seq=None)
+        snapshot_store.save(third, expected_seq=1)
+        fifth = grown(third, "two")
+        refused = snapshot_store.plan_save(fifth, expected_seq=3)
+        # When the store is told to forget the run's transcript
+        snapshot_store.forget_transcript("run-1")
+        # Then a plan reads the stored tip, and appends to it as the refused plan did
+        read_tip, reads = snapshot_store._read_tip, []
+
+        def reading(run_id: str) -> Any:
+            reads.append(run_id)
+            return read_tip(run_id)
+
+        monkeypatch.setattr(snapshot_store, "_read_tip", reading)
+        again = snapshot_store.plan_save(fifth, expected_seq=3)
+        assert reads == ["run-1"]
+        assert again.base == refused.base and again.fragments == refused.fragments
+        # and nothing stored changed
+        assert snapshot_store.load("run-1") == third

@@ -269,7 +269,7 @@ class TransitionContract:
         # by another one, which has seen none of them (the whole snapshot)
         for knows in (True, False):
             if not knows:
-                snapshots._forget("run-1")
+                snapshots.forget_transcript("run-1")
             taken, record, read = runs.acquire_and_read("run-1", "worker-a", LEASE_S, snapshots)
             assert taken and record == runs.get("run-1") == record_of(after)
             assert (read is not None) is runs.reads_with(snapshots)

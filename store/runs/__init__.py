@@ -225,6 +225,11 @@ class Transition(NamedTuple):
 
 def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
     validate_run_id(record.run_id)
+    return _contiguous(record, events)
+
+
+def _contiguous(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
+    """:func:`_checked_batch` for a call that has checked ``record.run_id`` already."""
     if not events:
         raise ValueError("append needs at least one event")
     for before, after in zip(events, events[1:], strict=False):
@@ -406,25 +411,25 @@ class RunStore(ABC):
             if release and owner is not None:
                 self.release_lease(run_id, owner)
             return
-        mine = _checked_batch(record, events)
+        mine = _contiguous(record, events)
         snapshots, state, expected_seq = checkpoint
         if state.run_id != run_id or state.seq != record.last_seq:
             raise ValueError("a transition's checkpoint is the state its last event produced")
         for _ in range(2):
-            parts = snapshots._plan(run_id, state, expected_seq)
+            parts = snapshots.plan_save(state, expected_seq)
             whole = Transition(record, mine, owner, snapshots, parts, expected_seq, release, outbox)
             try:
                 with_retries(functools.partial(self._commit_now, whole), run_id)
             except TranscriptMoved:
-                snapshots._forget(run_id)
+                snapshots.forget_transcript(run_id)
                 continue
             except StaleWrite as exc:
-                snapshots._forget(run_id)
+                snapshots.forget_transcript(run_id)
                 # Our own transition, landed by an attempt whose reply was lost, is
                 # written whole: the snapshot and the release with the events.
                 if not self._landed(exc, mine):
                     raise
-            snapshots._saved(run_id, state, parts)
+            snapshots.planned_save_written(state, parts)
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
 
@@ -445,8 +450,8 @@ class RunStore(ABC):
             if release and owner is not None:
                 self.release_lease(run_id, owner)
             return
-        mine = _checked_batch(record, events)
-        snapshots._forget(run_id)
+        mine = _contiguous(record, events)  # (commit checked the run id)
+        snapshots.forget_transcript(run_id)
         whole = Transition(record, mine, owner, snapshots, None, None, release)
         try:
             with_retries(functools.partial(self._commit_now, whole), run_id)

@@ -21,6 +21,14 @@ transcript is a prefix of the new one, the full document's size against the
 limit — so such a backend implements ``_put_parts``, ``_read_tip`` and
 ``_read`` instead of ``_put`` for saves. ``load_document`` still returns the
 document byte-identical to :func:`~store.snapshots.format.encode`.
+
+**A save written by another store's transaction** (a run store that
+``commits_with`` this one writes the events, the snapshot and the lease's release
+at once): the run store asks :meth:`SnapshotStore.plan_save` for the parts,
+writes them, and tells this store the outcome, once: ``planned_save_written``, or
+``forget_transcript`` when the write was refused, the transcript moved, or the
+outcome is unknown. That is all a run store uses of this one
+(``SnapshotTransactionContract`` in store/conformance/snapshots.py tests it).
 """
 
 from __future__ import annotations
@@ -307,7 +315,7 @@ class SnapshotStore(ABC):
         """
         run_id = validate_run_id(run_id)
         if self.appends_transcript:
-            self._forget(run_id)
+            self.forget_transcript(run_id)
         stamp = self.stamp()
         return with_retries(lambda: self._quarantine(run_id, stamp), run_id)
 
@@ -325,7 +333,7 @@ class SnapshotStore(ABC):
         """Remove the run's snapshot; deleting a missing one is not an error."""
         run_id = validate_run_id(run_id)
         if self.appends_transcript:
-            self._forget(run_id)
+            self.forget_transcript(run_id)
         with_retries(lambda: self._delete(run_id), run_id)
 
     def list(self) -> builtins.list[str]:
@@ -339,32 +347,45 @@ class SnapshotStore(ABC):
 
     def _save_parts(self, run_id: str, state: RunState, expected_seq: int | None) -> None:
         for _ in range(2):
-            parts = self._plan(run_id, state, expected_seq)
+            parts = self.plan_save(state, expected_seq)
             put = functools.partial(self._put_parts, run_id, parts, expected_seq)
             try:
                 with_retries(put, run_id)
             except TranscriptMoved:
-                self._forget(run_id)
+                self.forget_transcript(run_id)
                 continue
             except StaleWrite as exc:
-                self._forget(run_id)
+                self.forget_transcript(run_id)
                 # A retried write whose first attempt landed but whose reply was lost
                 # finds its own document: that is success, not a conflict.
                 if exc.found_seq != state.seq or self._get(run_id) != snapshot_format.encode(
                     state, self.max_bytes
                 ):
                     raise
-            self._saved(run_id, state, parts)
+            self.planned_save_written(state, parts)
             return
         raise StaleWrite(run_id, expected_seq, expected_seq)
 
-    def _saved(self, run_id: str, state: RunState, parts: Parts) -> None:
-        """``parts`` of ``state`` are stored (by this store, or in a run store's transition)."""
-        self._remember(run_id, state.seq, state.transcript, parts.tip)
-        _last_save.nbytes = len(parts.head) + sum(len(f) for f in parts.fragments)
+    # --- a save another store writes in its transaction: the public contract ----
 
-    def _plan(self, run_id: str, state: RunState, expected_seq: int | None) -> Parts:
-        """Which messages are new, and the document's full size against the limit."""
+    def plan_save(self, state: RunState, expected_seq: int | None) -> Parts:
+        """Plan the save of ``state`` for a transaction of another store to write (a run
+        store that :meth:`~store.runs.RunStore.commits_with` this one; appending backends).
+
+        The plan holds the document's head, the messages new since the transcript stored at
+        ``expected_seq`` (``Parts.base``; None: the transcript is written whole) and the tip
+        once written; the document's full size is checked against the limit. It reads
+        nothing when this store last saved or loaded the run at ``expected_seq``, else the
+        stored tip. ``state.run_id`` is one the caller has checked (the run store's commit
+        has). Raises SnapshotTooLarge, SnapshotMalformed, StoreUnavailable.
+
+        The transaction writes ``Parts`` only if the stored seq is ``expected_seq`` and the
+        stored transcript is ``Parts.base`` (else it raises StaleWrite or
+        :class:`TranscriptMoved`). Tell the store how it ended, once: written,
+        :meth:`planned_save_written`; refused, moved, or not known,
+        :meth:`forget_transcript` (then plan again, if at all, from what is stored).
+        """
+        run_id = state.run_id
         messages = state.transcript
         base: TranscriptTip | None = None
         if expected_seq is not None:
@@ -407,6 +428,21 @@ class SnapshotStore(ABC):
             raise SnapshotTooLarge(run_id, size, self.max_bytes)
         return Parts(state.seq, head, base, fragments, tip, messages)
 
+    def planned_save_written(self, state: RunState, parts: Parts) -> None:
+        """``parts``, this store's plan of ``state`` (:meth:`plan_save`), are stored: by
+        this store, or in another store's transaction. The next plan of the run appends
+        to them without reading the store."""
+        self._remember(state.run_id, state.seq, state.transcript, parts.tip)
+        _last_save.nbytes = len(parts.head) + sum(len(f) for f in parts.fragments)
+
+    def forget_transcript(self, run_id: str) -> None:
+        """Forget what this store knows of ``run_id``'s stored transcript: after a planned
+        save that was refused, whose transcript moved, or whose outcome is not known, and
+        before a transaction that deletes the snapshot. Nothing stored changes; the next
+        plan or load of the run reads what is stored."""
+        with self._known_lock:
+            self._known_runs.pop(run_id, None)
+
     def _known(self, run_id: str) -> _Known | None:
         with self._known_lock:
             return self._known_runs.get(run_id)
@@ -419,10 +455,6 @@ class SnapshotStore(ABC):
             self._known_runs.move_to_end(run_id)
             while len(self._known_runs) > KNOWN_RUNS:
                 self._known_runs.popitem(last=False)
-
-    def _forget(self, run_id: str) -> None:
-        with self._known_lock:
-            self._known_runs.pop(run_id, None)
 
     def _put_parts(self, run_id: str, parts: Parts, expected_seq: int | None) -> None:
         """Appending backends: write ``parts`` if the stored seq is ``expected_seq``.

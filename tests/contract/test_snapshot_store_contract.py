@@ -21,7 +21,7 @@ import pytest
 
 from runtime.errors import StoreUnavailable
 from runtime.models import RunState
-from store.conformance import SnapshotStoreContract
+from store.conformance import SnapshotStoreContract, SnapshotTransactionContract
 from store.conformance.snapshots import OpenAnother, make_state, rich_state
 from store.retry import ATTEMPTS
 from store.snapshots import SnapshotStore
@@ -62,7 +62,7 @@ def quarantined_documents(store: SnapshotStore, run_id: str) -> list[bytes]:
     return [b"" for key in store._keys(prefix) if "/heads/" in key]
 
 
-class TestSnapshotStores(SnapshotStoreContract):
+class TestSnapshotStores(SnapshotStoreContract, SnapshotTransactionContract):
     """Every test of the contract, once per backend of the ``snapshot_store`` fixture."""
 
     @pytest.fixture
