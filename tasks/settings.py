@@ -26,10 +26,10 @@ from runtime.children import (
 )
 from runtime.errors import ConfigInvalid
 from runtime.numbers import Finite
+from store.cluster_url import SCHEMES as CLUSTER_SCHEMES
+from store.cluster_url import ClusterUrl
 from store.live import DEFAULT_KEEP_S, DEFAULT_MAXLEN
 from store.private import private_dir, writable_by_others
-from store.redis_cluster import SCHEMES as CLUSTER_SCHEMES
-from store.redis_cluster import ClusterUrl
 from store.replicas import split_replica_wait
 from store.sentinel import SentinelUrl
 

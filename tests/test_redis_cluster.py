@@ -16,11 +16,11 @@ from redis.crc import key_slot
 from runtime.errors import ConfigInvalid, StoreUrlInvalid
 from runtime.models import RunStatus
 from store import open_limit_store, open_run_store, open_snapshot_store
+from store.cluster_url import ClusterUrl
 from store.conformance.records import LEASE_S, event, new_run, record
 from store.conformance.snapshots import make_state
 from store.conformance.support import T0_MS
 from store.keyspace import DEFAULT_SHARDS, shard_of
-from store.redis_cluster import ClusterUrl
 from store.snapshots.redis import where
 from tasks.settings import Settings, load_settings
 from tests.cluster_servers import RedisClusterServers, cluster_client

@@ -219,7 +219,7 @@ def store_persistence_problem(settings: Settings) -> str | None:
     """
     import redis
 
-    from store.redis_cluster import ClusterUrl, is_cluster
+    from store.cluster_url import ClusterUrl, is_cluster
     from store.replicas import split_replica_wait
     from store.sentinel import SentinelUrl, is_sentinel
 
@@ -255,7 +255,7 @@ def _asked(url: str, names: str) -> Iterator[tuple[str, Persistence]]:
     cannot be asked is logged and skipped."""
     import redis
 
-    from store.redis_cluster import is_cluster
+    from store.cluster_url import is_cluster
     from store.sentinel import SentinelUrl, is_sentinel
     from store.snapshots.redis import SOCKET_TIMEOUT_S, connect, disconnect, where
 
@@ -309,7 +309,7 @@ def _cluster_nodes(url: str) -> list[tuple[str, Callable[[], Any]]]:
     import redis
 
     from runtime.errors import StoreError
-    from store.redis_cluster import ClusterUrl
+    from store.cluster_url import ClusterUrl
     from store.snapshots.redis import SOCKET_TIMEOUT_S, connect, disconnect, where
 
     parsed = ClusterUrl.parse(url)

@@ -56,9 +56,10 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.models import RunState
+from store.cluster_url import ClusterUrl, is_cluster
 from store.keyspace import Keyspace, Shard
 from store.packing import pack, unpack
-from store.redis_cluster import ClusterUrl, is_cluster, refresh_layout
+from store.redis_cluster import refresh_layout
 from store.redis_connection import connection_class
 from store.replicas import split_replica_wait
 from store.sentinel import SentinelUrl, is_sentinel
