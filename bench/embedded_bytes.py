@@ -157,13 +157,14 @@ def by_file(trace: Path, data: Path) -> dict[str, dict[str, int]]:
     return found
 
 
-def measure(turns: int, with_strace: bool) -> dict[str, object]:
-    """One worker, one measured run of ``turns`` turns, in this process's checkout."""
+def measure(turns: int, with_strace: bool, code: Path) -> dict[str, object]:
+    """One worker, one measured run of ``turns`` turns, of the ratchet checkout at ``code``
+    (this process must import the same: it is on PYTHONPATH)."""
     tmp = Path(tempfile.mkdtemp(prefix="embedded-bytes-"))
     data = tmp / "data"
     (tmp / "bytes_tool.py").write_text(TOOL)
     os.environ["RATCHET_DATA_DIR"] = str(data)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp)])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(code), str(tmp)])
     sys.path.insert(0, str(tmp))
     command = [
         sys.executable, "-m", "celery", "-A", "worker", "worker", "--loglevel", "WARNING",
@@ -247,10 +248,11 @@ def report(result: dict[str, object]) -> None:
 
 
 def one(checkout: Path, turns: int) -> dict[str, float]:
-    """One measurement of ``checkout``'s code in a fresh process."""
+    """One measurement of ``checkout``'s code in a fresh process (by this file: a checkout
+    from before the bench existed can be measured too)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env["PYTHONPATH"] = str(checkout)
-    command = [sys.executable, "-m", "bench.embedded_bytes", "--turns", str(turns), "--json"]
+    command = [sys.executable, __file__, "--turns", str(turns), "--code", str(checkout), "--json"]
     done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=1800, check=False)  # fmt: skip
     if done.returncode != 0:
@@ -260,21 +262,21 @@ def one(checkout: Path, turns: int) -> dict[str, float]:
 
 
 def against(other: Path, turns: int, rounds: int) -> None:
-    """This checkout's bytes per turn over ``other``'s, rounds alternated."""
+    """This checkout's bytes (and CPU) per turn over ``other``'s, rounds alternated."""
     here = ROOT
-    ratios: dict[str, list[float]] = {"wchar_per_turn": [], "write_bytes_per_turn": []}
+    keys = ("wchar_per_turn", "write_bytes_per_turn", "database_bytes_per_turn", "cpu_ms_per_turn")
+    ratios: dict[str, list[float]] = {key: [] for key in keys}
     for round_ in range(rounds):
         order = [here, other] if round_ % 2 == 0 else [other, here]
         measured = {checkout: one(checkout, turns) for checkout in order}
         for key, found in ratios.items():
-            found.append(measured[here][key] / max(measured[other][key], 1.0))
-        print(f"  round {round_ + 1}: wchar B/turn {measured[here]['wchar_per_turn']:,.0f} / "
-              f"{measured[other]['wchar_per_turn']:,.0f}, write_bytes B/turn "
-              f"{measured[here]['write_bytes_per_turn']:,.0f} / "
-              f"{measured[other]['write_bytes_per_turn']:,.0f}", flush=True)  # fmt: skip
-    print(f"\nbytes per turn, {here} / {other}, paired by round:")
+            found.append(measured[here][key] / max(measured[other][key], 1e-9))
+        print(f"  round {round_ + 1}: " + ", ".join(
+            f"{key} {measured[here][key]:,.2f} / {measured[other][key]:,.2f}" for key in keys
+        ), flush=True)  # fmt: skip
+    print(f"\nper turn, {here} / {other}, paired by round:")
     for key, found in ratios.items():
-        print(f"  {key:22} median {statistics.median(found):.3f} (rounds: "
+        print(f"  {key:24} median {statistics.median(found):.3f} (rounds: "
               + ", ".join(f"{r:.3f}" for r in found) + ")")  # fmt: skip
 
 
@@ -285,13 +287,14 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another checkout: before and after")
     parser.add_argument("--rounds", type=int, default=3, help="with --against")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--code", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.against is not None:
         against(args.against.resolve(), args.turns, args.rounds)
         return
     if args.by_file and shutil.which("strace") is None:
         parser.error("--by-file needs strace")
-    result = measure(args.turns, args.by_file)
+    result = measure(args.turns, args.by_file, args.code.resolve())
     if args.json:
         print(json.dumps(result))
     else:
