@@ -1,4 +1,4 @@
-"""The embedded run database's pages: 1 KiB in a new database, as they were in an old one.
+"""The embedded run database's pages: 512 bytes in a new database; an old one keeps its own.
 
 A commit writes each page it touched to the WAL whole, so the page size sets what a
 turn writes (store/snapshots/sqlite.py, ``PAGE_BYTES``). Every database made before
@@ -47,12 +47,12 @@ def pragma(db: Path, name: str) -> object:
         conn.close()
 
 
-def test_a_new_run_database_has_one_kib_pages(tmp_path: Path) -> None:
+def test_a_new_run_database_has_512_byte_pages(tmp_path: Path) -> None:
     # Given no database yet; When the embedded stores open one
     db = tmp_path / "runs.sqlite3"
     ctx = context(db)
     # Then its pages are PAGE_BYTES, and WAL as before
-    assert pragma(db, "page_size") == store_sqlite.PAGE_BYTES == 1024
+    assert pragma(db, "page_size") == store_sqlite.PAGE_BYTES == 512
     assert pragma(db, "journal_mode") == "wal"
     ctx.close()
 

@@ -116,33 +116,36 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=30000")
     # The Checkpointer's thread checkpoints; a commit does only if it fell far behind
-    # (the WAL is then at most ~10 MiB), and a reset WAL is cut back to 4 MiB.
+    # (the WAL is then at most ~5 MiB), and a reset WAL is cut back to 4 MiB.
     conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
     conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP_BYTES}")
     return conn
 
 
-PAGE_BYTES = 1024
-"""The page size of a database :func:`connect` creates (SQLite's default: 4096).
+PAGE_BYTES = 512
+"""The page size of a database :func:`connect` creates (SQLite's default: 4096; 512 is
+its least).
 
 A commit writes every page it touched to the WAL whole, and a turn's five commits
-touch 30-40 pages however little they change (the record's page, the newest events'
+touch 30-70 pages however little they change (the record's page, the newest events'
 page, an index page or two each): with 4 KiB pages a worker wrote 152 KB of WAL a turn
 for 2.5 KB of events (``python -m bench.embedded_bytes --by-file``), and the embedded
-default 163 KB a turn all told on the peer benchmark, against 47 KB for DBOS on
-SQLite-WAL. With 1 KiB pages the same commits write 46 KB of WAL, and the database
-grows by 2.6 KB a turn instead of 9.4: an event over ~1 KB (a model's answer, a tool's
-result) overflowed the events table's 4 KiB page onto a page of its own, mostly empty.
-512-byte pages wrote 17% less again, but the database grew 30% more a turn. The page
-size decides no durability: the commits, fsyncs and checkpoints are as before. A
-database made with other pages keeps them (SQLite reads any page size)."""
+default 160 KB a turn all told on the peer benchmark, against 47 KB for DBOS on
+SQLite-WAL. The same commits write 46 KB of WAL with 1 KiB pages and 35 KB with 512
+bytes (54 KB and 42 KB all told on the peer benchmark): only the smallest pages come
+under DBOS's. The database grows by 3.4 KB a turn with them, 2.6 KB with 1 KiB and
+9.4 KB with 4 KiB pages (an event over ~1 KB, a model's answer or a tool's result,
+overflowed the events table's 4 KiB page onto a page of its own, mostly empty), and
+a worker's CPU per turn did not move beyond the noise. The page size decides no
+durability: the commits, fsyncs and checkpoints are as before. A database made with
+other pages keeps them (SQLite reads any page size)."""
 WAL_BACKSTOP_PAGES = 10_000
 """A commit that finds the WAL this long checkpoints it itself (SQLite's default: 1,000)."""
 WAL_KEEP_BYTES = 4 * 1024 * 1024
 """A WAL longer than this is truncated when it is reset (SQLite's default: never)."""
 CHECKPOINT_EVERY_COMMITS = 64
 """How many of a process's commits to a database ask its :class:`Checkpointer` for a
-checkpoint (a turn commits five times; a turn's commits write about 40 WAL pages)."""
+checkpoint (a turn commits five times; a turn's commits write about 70 WAL pages)."""
 
 
 class Checkpointer:
