@@ -54,6 +54,8 @@ def test_a_new_run_database_has_512_byte_pages(tmp_path: Path) -> None:
     # Then its pages are PAGE_BYTES, and WAL as before
     assert pragma(db, "page_size") == store_sqlite.PAGE_BYTES == 512
     assert pragma(db, "journal_mode") == "wal"
+    # and a commit checkpoints the WAL itself only at the backstop's bytes (~40 MiB), not pages
+    assert pragma(db, "wal_autocheckpoint") == store_sqlite.WAL_BACKSTOP_BYTES // 512
     ctx.close()
 
 
@@ -75,8 +77,10 @@ def test_a_database_made_with_four_kib_pages_keeps_them_and_its_run_goes_on(
     assert pragma(db, "page_size") == 4096
     # When this release opens it
     ctx = context(db)
-    # Then it keeps its pages, the snapshot loads as it was written and equals the events' fold
+    # Then it keeps its pages (and its backstop of 10,000 of them), the snapshot loads as it
+    # was written and equals the events' fold
     assert pragma(db, "page_size") == 4096
+    assert pragma(db, "wal_autocheckpoint") == 10_000
     assert ctx.snapshots.load_document(RUN_ID) == document
     state = ctx.snapshots.load(RUN_ID)
     assert state is not None and state == rebuild(ctx.runs.events(RUN_ID))

@@ -116,8 +116,10 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=30000")
     # The Checkpointer's thread checkpoints; a commit does only if it fell far behind
-    # (the WAL is then at most ~5 MiB), and a reset WAL is cut back to 4 MiB.
-    conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
+    # (the WAL is then ~40 MiB, whatever the database's page size), and a reset WAL is
+    # cut back to 4 MiB.
+    page_bytes = int(conn.execute("PRAGMA page_size").fetchone()[0])
+    conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_BYTES // page_bytes}")
     conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP_BYTES}")
     return conn
 
@@ -139,8 +141,11 @@ overflowed the events table's 4 KiB page onto a page of its own, mostly empty), 
 a worker's CPU per turn did not move beyond the noise. The page size decides no
 durability: the commits, fsyncs and checkpoints are as before. A database made with
 other pages keeps them (SQLite reads any page size)."""
-WAL_BACKSTOP_PAGES = 10_000
-"""A commit that finds the WAL this long checkpoints it itself (SQLite's default: 1,000)."""
+WAL_BACKSTOP_BYTES = 10_000 * 4096
+"""A commit that finds the WAL this long checkpoints it itself (SQLite's default: 1,000
+pages). In bytes, not pages: 10,000 pages were 40 MiB with 4 KiB pages but would be 5 MiB
+with 512 bytes, which a prefork pool of five processes, each asking for a checkpoint
+after its own :data:`CHECKPOINT_EVERY_COMMITS` commits, passes before any of them asks."""
 WAL_KEEP_BYTES = 4 * 1024 * 1024
 """A WAL longer than this is truncated when it is reset (SQLite's default: never)."""
 CHECKPOINT_EVERY_COMMITS = 192
