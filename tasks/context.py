@@ -1,5 +1,5 @@
-"""What a task needs around the pure core: settings, the two stores, loaded agents, and
-the observers that watch its turns.
+"""What a task needs around the pure core: settings, the two stores and the limit store,
+loaded agents, and the observers that watch its turns.
 
 Opened lazily, once per process (after Celery's prefork pool has forked), and
 reopened if the process id changes.
@@ -15,14 +15,15 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from runtime.actions import RequestOrder
 from runtime.agent import Agent
 from runtime.errors import AgentFileError
 from runtime.models import Message, RunState
 from runtime_io.agent_files import load_agent
-from store import RunStore, SnapshotStore, open_run_store, open_snapshot_store
+from store import RunStore, SnapshotStore, open_limit_store, open_run_store, open_snapshot_store
+from store.limits import LimitStore
 from store.runs import RunRecord
 from tasks import agent_cache, failpoints, liveness, tracing
 from tasks.agent_cache import Version
@@ -50,6 +51,36 @@ coarsest timestamps a file system keeps are 2 s apart)."""
 
 
 @dataclass
+class Overrides:
+    """The run-time limits and caps (``ratchet limits set`` / ``cap``) as last read."""
+
+    read_at: float = -1e9
+    """time.monotonic() of the read."""
+    limits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    caps: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class HeldOff:
+    """Whether a 429 holds a limit key off, as last read or seen here."""
+
+    read_at: float
+    until: float
+    """time.monotonic() until which a 429 holds the key off."""
+
+
+@dataclass
+class Limits:
+    """A context's limit store (store/limits/) and what this process last read of it;
+    tasks/limits.py reads through them, each at most every ``OVERRIDES_TTL_S``."""
+
+    store: LimitStore
+    overrides: Overrides = field(default_factory=Overrides)
+    held_off: dict[str, HeldOff] = field(default_factory=dict)
+    """By limit key."""
+
+
+@dataclass
 class Context:
     settings: Settings
     snapshots: SnapshotStore
@@ -60,6 +91,7 @@ class Context:
     _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
     _transcript_sizes: OrderedDict[str, TranscriptSize] = field(default_factory=OrderedDict)
     _live: LiveWriter | None = None
+    _limits: Limits | None = None
     observers: Observers = field(init=False)
     """What watches this context's turns (tasks/observers.py): :func:`observers_for`."""
 
@@ -222,6 +254,24 @@ class Context:
                     stream, settings.live_maxlen, settings.live_keep_s, self.observers
                 )
             return self._live
+
+    def limits(self) -> Limits:
+        """This context's limit store, beside its run store (its Redis, a SQLite file beside
+        it, or memory: store.open_limit_store), opened on first use, with its caches."""
+        held = self._limits
+        if held is None:
+            with self._lock:
+                if self._limits is None:
+                    opened = open_limit_store(self.runs, self.settings.redis_prefix)
+                    self._limits = Limits(opened)
+                held = self._limits
+        return held
+
+    def use_limit_store(self, store: LimitStore) -> None:
+        """Give this context ``store`` as its limit store, with empty caches (tests: one with
+        a clock of their own)."""
+        with self._lock:
+            self._limits = Limits(store)
 
     def close(self) -> None:
         liveness.forget(self.runs)

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.agent import Agent
@@ -52,9 +50,8 @@ from runtime.limits import (
 from runtime.models import RunState
 from runtime.numbers import is_finite
 from runtime.provider import ModelRequest, ModelResponse
-from store import open_limit_store
 from store.limits import LimitStore
-from tasks.context import Context
+from tasks.context import Context, HeldOff, Limits, Overrides
 from tasks.messages import chain_turn, sending_app
 from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
@@ -69,65 +66,37 @@ RETRY_JITTER = 0.1
 DEFAULT_RETRY_AFTER_S = 1.0
 """A 429 without Retry-After waits this long."""
 
-_stores: weakref.WeakKeyDictionary[Any, LimitStore] = weakref.WeakKeyDictionary()
-_stores_lock = threading.Lock()
-
 
 def limit_store(ctx: Context) -> LimitStore:
-    """The limit store beside ``ctx``'s run store (one per run store, per process)."""
-    with _stores_lock:
-        found = _stores.get(ctx.runs)
-        if found is None:
-            found = _stores[ctx.runs] = open_limit_store(ctx.runs, ctx.settings.redis_prefix)
-        return found
+    """The limit store beside ``ctx``'s run store (:meth:`Context.limits`)."""
+    return ctx.limits().store
 
 
 def use_limit_store(ctx: Context, store: LimitStore) -> None:
     """Give ``ctx`` this limit store (tests: one with a clock of their own)."""
-    with _stores_lock:
-        _stores[ctx.runs] = store
+    ctx.use_limit_store(store)
 
 
-@dataclass
-class _Overrides:
-    read_at: float = -1e9
-    limits: dict[str, dict[str, Any]] = field(default_factory=dict)
-    caps: dict[str, int] = field(default_factory=dict)
-
-
-_overrides: weakref.WeakKeyDictionary[LimitStore, _Overrides] = weakref.WeakKeyDictionary()
-
-
-def overrides(store: LimitStore) -> _Overrides:
+def overrides(limits: Limits) -> Overrides:
     """The run-time limits and caps, read again when older than OVERRIDES_TTL_S."""
-    held = _overrides.setdefault(store, _Overrides())
+    held = limits.overrides
     if time.monotonic() - held.read_at >= OVERRIDES_TTL_S:
-        held.limits, held.caps = store.overrides(), store.cap_overrides()
+        held.limits, held.caps = limits.store.overrides(), limits.store.cap_overrides()
         held.read_at = time.monotonic()
     return held
 
 
-@dataclass
-class _HeldOff:
-    read_at: float
-    until: float
-    """time.monotonic() until which a 429 holds the key off (as last read or seen here)."""
-
-
-_held_off: weakref.WeakKeyDictionary[LimitStore, dict[str, _HeldOff]] = weakref.WeakKeyDictionary()
-
-
-def held_off(store: LimitStore, key: str) -> bool:
+def held_off(limits: Limits, key: str) -> bool:
     """Does a 429 hold ``key`` off now? Read from the store again when older than
     OVERRIDES_TTL_S (a 429 this process saw counts at once: :func:`refused`). The first
     read of a key also lists it for ``ratchet limits``."""
-    seen = _held_off.setdefault(store, {})
+    seen = limits.held_off
     now = time.monotonic()
     held = seen.get(key)
     if held is None or now - held.read_at >= OVERRIDES_TTL_S:
         if held is None:
-            store.note_key(key)
-        held = seen[key] = _HeldOff(now, now + store.held_off_s(key))
+            limits.store.note_key(key)
+        held = seen[key] = HeldOff(now, now + limits.store.held_off_s(key))
     return held.until > now
 
 
@@ -139,22 +108,22 @@ def limit_key(agent: Agent) -> str | None:
     return str(default()) if callable(default) else None
 
 
-def rates(store: LimitStore, agent: Agent) -> tuple[str | None, tuple[Rate, ...]]:
+def rates(limits: Limits, agent: Agent) -> tuple[str | None, tuple[Rate, ...]]:
     """The agent's limit key and its rates as they are now (run-time values win)."""
     key = limit_key(agent)
     if key is None:
         return None, ()
     table = agent.spec.limits
     # A value that is not a finite number (set before they were refused) is ignored.
-    now = {k: v for k, v in overrides(store).limits.get(key, {}).items() if is_finite(v)}
+    now = {k: v for k, v in overrides(limits).limits.get(key, {}).items() if is_finite(v)}
     rpm = now.get("requests_per_minute", table.requests_per_minute)
     tpm = now.get("tokens_per_minute", table.tokens_per_minute)
     return key, rates_of(rpm, tpm, float(now.get("burst_s", table.burst_s)))
 
 
-def caps(store: LimitStore, agent: Agent, state: RunState) -> list[tuple[str, int]]:
+def caps(limits: Limits, agent: Agent, state: RunState) -> list[tuple[str, int]]:
     """The concurrency caps the run is under: (cap key, places)."""
-    table, now = agent.spec.limits, overrides(store).caps
+    table, now = agent.spec.limits, overrides(limits).caps
     found = []
     agent_key = f"agent:{agent.name}"
     agent_cap = now.get(agent_key, table.max_runs)
@@ -192,16 +161,17 @@ class Wait:
 
 def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) -> Go | Wait:
     """May ``state``'s next model call go now? Never sleeps."""
-    store = limit_store(ctx)
+    limiter = ctx.limits()
+    store = limiter.store
     turn = request.model_call + 1
-    for cap_key, cap in caps(store, agent, state):
+    for cap_key, cap in caps(limiter, agent, state):
         waiting = _take_place(ctx, store, state, cap_key, cap)
         if waiting is not None:
             return _cap_wait(ctx, state, turn, cap_key, cap, waiting)
-    key, limits = rates(store, agent)
+    key, limits = rates(limiter, agent)
     if key is None:
         return Go()  # a provider without a key (scripted): nothing is shared
-    if not limits and not held_off(store, key):
+    if not limits and not held_off(limiter, key):
         # No rate in force: nothing to schedule, so no round trip (a 429's hold-off is
         # read at most every OVERRIDES_TTL_S, and while it lasts the store decides).
         return Go(key)
@@ -318,10 +288,10 @@ def refused(
     """The provider answered 429: hold the whole key off for Retry-After, wait on the queue."""
     wait_s = exc.retry_after_s if exc.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
     key = go.key or limit_key(agent) or agent.spec.model
-    store = limit_store(ctx)
-    store.block(key, wait_s * 1000)
+    limiter = ctx.limits()
+    limiter.store.block(key, wait_s * 1000)
     now = time.monotonic()
-    _held_off.setdefault(store, {})[key] = _HeldOff(now, now + wait_s)
+    limiter.held_off[key] = HeldOff(now, now + wait_s)
     log.info("run %s: %s; waiting %.2f s on the queue", state.run_id, exc, wait_s)
     return _rate_wait(ctx, agent, state, turn, key, "429", wait_s * 1000, "blocked", refused=True)
 
@@ -355,8 +325,9 @@ def turn_ended(ctx: Context, agent: Agent, state: RunState) -> None:
     """A run that is no longer live lets go of its concurrency places (handed on in order)."""
     if state.status.is_live:
         return
-    store = limit_store(ctx)
-    for cap_key, cap in caps(store, agent, state):
+    limiter = ctx.limits()
+    store = limiter.store
+    for cap_key, cap in caps(limiter, agent, state):
         _hand_on(ctx, store.release(cap_key, state.run_id, cap), cap_key, cap)
 
 

@@ -180,9 +180,7 @@ def test_admit_reads_a_limit_changed_at_run_time(tmp_path: Path) -> None:
     request = action.request()  # type: ignore[union-attr]
     assert not isinstance(admit(ctx, agent, state, request), Wait)  # no rates: goes
     store.set_override("k", {"requests_per_minute": 60, "burst_s": 0.001})
-    import tasks.limits
-
-    tasks.limits.overrides(store).read_at = -1e9  # the cache's few seconds, passed
+    ctx.limits().overrides.read_at = -1e9  # the cache's few seconds, passed
     admit(ctx, agent, state, request)
     assert isinstance(admit(ctx, agent, state, request), Wait)
 
@@ -296,7 +294,7 @@ def test_a_429_holds_a_key_without_rates_off_here_at_once_and_elsewhere_within_t
 
     # Another process's 429 (kept in the store) is seen once the cache's seconds passed
     store.block("k", 30_000)
-    tasks.limits._held_off[store]["k"].read_at = -1e9
+    ctx.limits().held_off["k"].read_at = -1e9
     held = admit(ctx, agent, state, request)
     assert isinstance(held, Wait) and held.events[0][1]["binding"] == "blocked"
 
@@ -310,8 +308,6 @@ def test_a_429_holds_a_key_without_rates_off_here_at_once_and_elsewhere_within_t
 
 
 def test_a_cap_set_at_run_time_holds_an_agent_whose_file_sets_none(tmp_path: Path) -> None:
-    import tasks.limits
-
     # Given an agent whose file sets no cap and no rate: its turns pay for no limit
     ctx = memory_context()
     store = MemoryLimitStore()
@@ -326,7 +322,7 @@ def test_a_cap_set_at_run_time_holds_an_agent_whose_file_sets_none(tmp_path: Pat
     # the worker's cache of run-time limits has had its seconds, with the first run in
     # progress (holding the only place)
     store.set_cap_override(f"agent:{name}", 1)
-    tasks.limits.overrides(store).read_at = -1e9
+    ctx.limits().overrides.read_at = -1e9
     assert store.acquire(f"agent:{name}", first.run_id, 1).held
 
     # Then the second run waits for the place instead of calling its model

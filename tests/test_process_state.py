@@ -3,9 +3,9 @@ the Context's (STYLE.md: "State hangs off one object the factory builds").
 
 Module-level state is a hidden input: a reader cannot see it and a test must reset it.
 tasks/context.py's :class:`~tasks.context.Context` holds what a run's work needs (settings,
-stores, loaded agents); what remains at module level belongs to the *process* — its
-threads, its identity, Celery's signals, a library's own globals — or is a cache keyed by
-something the Context does not own. A new piece must be listed here with its reason.
+stores, the limit store and its caches, loaded agents); what remains at module level
+belongs to the *process* — its threads, its identity, Celery's signals, a library's own
+globals — or is a cache keyed by something the Context does not own. A new piece must be listed here with its reason.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ PROCESS_STATE: dict[str, str] = {
     "tasks/context.py:_context": "the process's Context itself (get_context)",
     "tasks/context.py:_context_pid": "the pid that built it: a forked child builds its own",
     "tasks/held_run.py:_stopping": "Celery's worker_shutting_down: the process is stopping",
-    "tasks/limits.py:_stores": "the limit store beside each run store, keyed by the run "
-    "store: Contexts over one run store share it",
-    "tasks/limits.py:_overrides": "each limit store's run-time limits, read every 2 s",
-    "tasks/limits.py:_held_off": "each limit store's keys a 429 holds off, read every 2 s",
     "tasks/liveness.py:_process_ids": "this process's identity (host:pid:nonce), anew per fork",
     "tasks/liveness.py:_beats": "this process's liveness thread: liveness is the process's",
     "tasks/messages.py:_sending_app": "the Celery app sends go through outside a task "
