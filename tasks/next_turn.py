@@ -49,7 +49,8 @@ entry to kombu's): upgrading either means reading this file, and that test. It u
   ``saferepr``), the arguments ``send_task_message`` gives the publish signals;
   ``celery._state.get_current_task`` (:func:`running_task`, for tasks/messages.py's
   ``sending_app``); and where ``as_task_v2`` takes ``create_sent_event`` by position
-  (:func:`without_sent_event`, for worker/transport.py's ``RatchetAMQP``).
+  (:func:`without_sent_event`, for worker/transport.py's ``RatchetAMQP``); and an
+  attribute of ours on the app, its lean publisher (:data:`LEAN_TURNS_ATTRIBUTE`).
 - kombu: ``Producer._delivery_details``, ``channel.prepare_message`` and
   ``basic_publish``, the connection's ``declared_entities`` and ``maybe_declare``,
   ``kombu.serialization.dumps``, ``kombu.utils.json.dumps``; on the Redis channel
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -450,14 +450,17 @@ def without_sent_event(
     return args, kwargs
 
 
-_publishers: dict[int, LeanTurns] = {}
-_publishers_lock = threading.Lock()
+LEAN_TURNS_ATTRIBUTE = "_ratchet_lean_turns"
+"""Where an app keeps its lean publisher: a Celery app carries its own per-app state as
+attributes, and one kept there goes with the app (no registry keyed by ``id(app)``, whose
+ids a collected app hands on)."""
 
 
 def lean_turns(app: Any) -> LeanTurns:
-    """``app``'s lean publisher (one per app)."""
-    publisher = _publishers.get(id(app))
-    if publisher is None or publisher.app is not app:
-        with _publishers_lock:
-            publisher = _publishers[id(app)] = LeanTurns(app)
+    """``app``'s lean publisher: one per app, made on first use. A forked child inherits it
+    and works its routes out again (:meth:`LeanTurns._message`)."""
+    publisher: LeanTurns | None = app.__dict__.get(LEAN_TURNS_ATTRIBUTE)
+    if publisher is None:
+        # setdefault is one step under the GIL: threads that race here share one publisher.
+        publisher = app.__dict__.setdefault(LEAN_TURNS_ATTRIBUTE, LeanTurns(app))
     return publisher

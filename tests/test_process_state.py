@@ -33,7 +33,6 @@ PROCESS_STATE: dict[str, str] = {
     "tasks/pool.py:_slots": "the pool's concurrency from Celery's worker_init, before any "
     "Context: it sizes the HTTP and store pools",
     "tasks/pool.py:_pending": "a worker whose concurrency Celery resolves after worker_init",
-    "tasks/next_turn.py:_publishers": "the lean publisher (a broker connection) of each Celery app",
     "tasks/refusals.py:_stores": "the rejected-message store of each broker this process uses",
     "tasks/sweep_logs.py:_quiet": "the filter on Celery's loggers: logging is process-wide",
     "tasks/tracing.py:_tracing": "OpenTelemetry's tracer provider: global by OTel's design",
