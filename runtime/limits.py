@@ -34,6 +34,11 @@ started runs want the capacity, new runs do not start.
 size and the completion's expected ``max_tokens``) and corrected from the
 response's usage (:func:`corrected_tat`), which moves the token TAT back or on.
 
+**Waiting.** A call the limits hold ends its turn (:class:`Wait`): a run short of a
+concurrency place looks again every :data:`CAP_RECHECK_S` and never stalls
+(:func:`cap_wait`); a run held by a rate or a 429 waits again on the queue until it would
+have waited past its agent's ``max_wait_s`` in a row, and then stalls (:func:`rate_wait`).
+
 The Redis store runs the same arithmetic in one Lua script (store/limits/redis.py);
 tests hold the two to the same answers.
 """
@@ -227,6 +232,73 @@ def estimate_tokens(messages: Sequence[Any], tools: Sequence[Any], completion_to
         chars += len(json.dumps(dumped, ensure_ascii=False))
     chars += sum(len(json.dumps(tool, ensure_ascii=False)) for tool in tools)
     return chars // CHARS_PER_TOKEN + 1 + completion_tokens
+
+
+# --- a call held by a limit ---------------------------------------------------------
+
+CAP_RECHECK_S = 30.0
+"""A run waiting for a concurrency place looks again this often (if no place was handed)."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A model call held by a limit: the turn ends and goes back on the queue after
+    ``countdown_s``, or, ``stalls``, the run stalls (its last event says why)."""
+
+    countdown_s: float
+    events: list[tuple[str, dict[str, Any]]]
+    """To record first (none for a reserved turn that fired a little early)."""
+    stalls: bool = False
+
+
+def cap_wait(turn: int, cap_key: str, cap: int, ahead: int, now_ms: int) -> Wait:
+    """A run with ``ahead`` runs before it for a place under ``cap_key``: it looks again after
+    :data:`CAP_RECHECK_S` (sooner when a place is handed to it) and never stalls: a place
+    is held by runs that are moving, so waiting for one always ends."""
+    data = {
+        "turn": turn,
+        "reason": "concurrency",
+        "limit": cap_key,
+        "cap": cap,
+        "ahead": ahead,
+        "wait_s": CAP_RECHECK_S,
+        "until_ms": now_ms + int(CAP_RECHECK_S * 1000),
+    }
+    return Wait(CAP_RECHECK_S, [("run.throttled", data)])
+
+
+def rate_wait(run_id: str, turn: int, key: str, reason: str, wait_ms: float,
+              binding: str | None, now_ms: int, since_ms: int | None, max_wait_s: float,
+              refused: bool = False) -> Wait:  # fmt: skip
+    """A call held ``wait_ms`` more by ``key``'s rates (``reason``: reserved, over_limit) or by
+    a 429 (``refused``): it waits again on the queue, unless the run, throttled in a row since
+    ``since_ms`` (None: from ``now_ms``), would then have waited past ``max_wait_s``; then it
+    stalls, saying which limit held it and how to go on."""
+    since = since_ms if since_ms is not None else now_ms
+    data: dict[str, Any] = {
+        "turn": turn,
+        "reason": reason,
+        "limit": key,
+        "binding": binding,
+        "wait_s": round(wait_ms / 1000, 3),
+        "until_ms": now_ms + int(wait_ms),
+        "since_ms": since,
+    }
+    if refused:
+        data["refused"] = True
+    events: list[tuple[str, dict[str, Any]]] = [("run.throttled", data)]
+    if now_ms + wait_ms - since > max_wait_s * 1000:
+        waited_s = (now_ms - since) / 1000
+        why = "the provider's 429 (Retry-After)" if binding == "blocked" else f"its {binding} limit"
+        stall = (
+            f"model `{key}` is held by {why}: waited {waited_s:.0f} s and would wait "
+            f"{wait_ms / 1000:.0f} s more, past the agent's max_wait_s={max_wait_s:g}; raise "
+            f"the limit (`ratchet limits set {key} ...`) or wait for the provider, then "
+            f"`ratchet runs resume {run_id}`"
+        )
+        events.append(("run.stalled", {"reason": stall}))
+        return Wait(0.0, events, stalls=True)
+    return Wait(wait_ms / 1000, events)
 
 
 def check_key(value: object, what: str) -> str:

@@ -42,6 +42,7 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.fsm import decide, ends_turn, requested_early, requested_event, response_events
+from runtime.limits import Wait
 from runtime.models import Message, RunState
 from runtime.probes import Probed
 from runtime.provider import ModelRequest, ModelResponse, Observer, checked_response
@@ -111,7 +112,7 @@ class HeldRun:
         self.snapshot_seq = snapshot_seq
         self.owner = owner
         self._recording = threading.RLock()
-        self.waited: limits.Wait | None = None
+        self.waited: Wait | None = None
         """Set when the model call waits on a limit: the turn ends and is chained later."""
         self.recording = self._recording
         """Held to record and checkpoint, by the turn and its parallel tool calls."""
@@ -193,7 +194,7 @@ class HeldRun:
             # Before the limiter decides: a call it lets go must not then wait on setup.
             prepare()
         gate = limits.admit(self.ctx, self.agent, self.state, request)
-        if isinstance(gate, limits.Wait):
+        if isinstance(gate, Wait):
             return self.wait_on_limit(gate)
         self.record([("model.requested", {"turn": model_calls})])
         abandoned = threading.Event()
@@ -281,7 +282,7 @@ class HeldRun:
 
         return complete
 
-    def wait_on_limit(self, wait: limits.Wait) -> TurnOutcome:
+    def wait_on_limit(self, wait: Wait) -> TurnOutcome:
         """Record the wait (no attempt counted); the turn ends and is chained after it."""
         self.waited = wait
         if wait.events:

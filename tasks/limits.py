@@ -15,7 +15,7 @@ Concurrency caps (``max_runs`` for an agent, ``max_runs_per_key`` for a key the
 start names) are places: a run takes one before its first model call and keeps
 it until it stops being live (:func:`turn_ended`); the next run in the line is
 handed the place and its turn enqueued at once. A waiting run holds nothing but
-its place in line and a safety-net turn every :data:`CAP_RECHECK_S`; it never
+its place in line and a safety-net turn every :data:`runtime.limits.CAP_RECHECK_S`; it never
 stalls on a cap.
 
 A key with no rate in force costs no admission round trip (:func:`held_off`: a 429's
@@ -33,7 +33,6 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from runtime.agent import Agent
 from runtime.errors import ProviderRateLimited
@@ -41,8 +40,11 @@ from runtime.limits import (
     NEW_RUN_HORIZON_MS,
     UNDER_WAY_HORIZON_MS,
     Rate,
+    Wait,
     broker_priority,
+    cap_wait,
     estimate_tokens,
+    rate_wait,
     rates_of,
     retry_after_ms,
     spacing_ms,
@@ -57,8 +59,6 @@ from tasks.queues import AMQP_SCHEMES, REDIS_SCHEMES, scheme_of
 
 log = logging.getLogger("ratchet.limits")
 
-CAP_RECHECK_S = 30.0
-"""A run waiting for a concurrency place looks again this often (if no place was handed)."""
 OVERRIDES_TTL_S = 2.0
 """How long a worker keeps the run-time limits it read: a change reaches it within this."""
 RETRY_JITTER = 0.1
@@ -149,16 +149,6 @@ class Go:
     estimate: int = 0
 
 
-@dataclass(frozen=True)
-class Wait:
-    """The turn ends and goes back on the queue after ``countdown_s``."""
-
-    countdown_s: float
-    events: list[tuple[str, dict[str, Any]]]
-    """To record first (none for a reserved turn that fired a little early)."""
-    stalls: bool = False
-
-
 def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) -> Go | Wait:
     """May ``state``'s next model call go now? Never sleeps."""
     limiter = ctx.limits()
@@ -167,7 +157,7 @@ def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) ->
     for cap_key, cap in caps(limiter, agent, state):
         waiting = _take_place(ctx, store, state, cap_key, cap)
         if waiting is not None:
-            return _cap_wait(ctx, state, turn, cap_key, cap, waiting)
+            return _cap_wait(ctx, turn, cap_key, cap, waiting)
     key, limits = rates(limiter, agent)
     if key is None:
         return Go()  # a provider without a key (scripted): nothing is shared
@@ -221,53 +211,20 @@ def _take_place(
     return place.place
 
 
-def _cap_wait(ctx: Context, state: RunState, turn: int, cap_key: str, cap: int, ahead: int) -> Wait:
-    now = ctx.runs.clock()
-    data = {
-        "turn": turn,
-        "reason": "concurrency",
-        "limit": cap_key,
-        "cap": cap,
-        "ahead": ahead,
-        "wait_s": CAP_RECHECK_S,
-        "until_ms": now + int(CAP_RECHECK_S * 1000),
-    }
+def _cap_wait(ctx: Context, turn: int, cap_key: str, cap: int, ahead: int) -> Wait:
+    wait = cap_wait(turn, cap_key, cap, ahead, ctx.runs.clock())
     if ctx.observers:
         ctx.observers.throttled("concurrency")
-    return Wait(CAP_RECHECK_S, [("run.throttled", data)])
+    return wait
 
 
 def _rate_wait(ctx: Context, agent: Agent, state: RunState, turn: int, key: str, reason: str,
                wait_ms: float, binding: str | None, refused: bool = False) -> Wait:  # fmt: skip
     now = ctx.runs.clock()
-    since = state.throttled_since_ms if state.throttled_since_ms is not None else now
-    max_wait_ms = agent.spec.limits.max_wait_s * 1000
-    data: dict[str, Any] = {
-        "turn": turn,
-        "reason": reason,
-        "limit": key,
-        "binding": binding,
-        "wait_s": round(wait_ms / 1000, 3),
-        "until_ms": now + int(wait_ms),
-        "since_ms": since,
-    }
-    if refused:
-        data["refused"] = True
     if ctx.observers:
         ctx.observers.throttled(reason)
-    events: list[tuple[str, dict[str, Any]]] = [("run.throttled", data)]
-    if now + wait_ms - since > max_wait_ms:
-        waited_s = (now - since) / 1000
-        why = "the provider's 429 (Retry-After)" if binding == "blocked" else f"its {binding} limit"
-        stall = (
-            f"model `{key}` is held by {why}: waited {waited_s:.0f} s and would wait "
-            f"{wait_ms / 1000:.0f} s more, past the agent's max_wait_s="
-            f"{agent.spec.limits.max_wait_s:g}; raise the limit (`ratchet limits set {key} ...`) "
-            f"or wait for the provider, then `ratchet runs resume {state.run_id}`"
-        )
-        events.append(("run.stalled", {"reason": stall}))
-        return Wait(0.0, events, stalls=True)
-    return Wait(wait_ms / 1000, events)
+    return rate_wait(state.run_id, turn, key, reason, wait_ms, binding, now,
+                     state.throttled_since_ms, agent.spec.limits.max_wait_s, refused)  # fmt: skip
 
 
 # --- after the call ------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from runtime.fsm import apply, rebuild
 from runtime.limits import (
     Rate,
+    Wait,
     broker_priority,
     corrected_tat,
     estimate_tokens,
@@ -20,7 +21,7 @@ from runtime.limits import (
 )
 from runtime.models import Event, Message, RunStatus
 from store.limits.memory import MemoryLimitStore
-from tasks.limits import Wait, admit, use_limit_store
+from tasks.limits import admit, use_limit_store
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import call, drive, memory_context, turn, write_agent
