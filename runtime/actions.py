@@ -8,6 +8,10 @@ what they are told:
 
 - :func:`model_failed` — a provider error stalls the run (retryable: an
   operator resumes it once the provider is back) or fails it;
+- :func:`after_model_timeout` — a model call that outlives its timeout is a counted
+  attempt, and the next decision asks again (within ``max_turns``);
+- :func:`after_store_failure` — a checkpoint the stores refuse ends the turn and
+  stalls the run for a resume;
 - :func:`binding_stall` — the agent file no longer has the binding the run
   started with: the run stalls, naming what changed;
 - :func:`after_tool_timeout` — an idempotent tool is tried again
@@ -28,7 +32,7 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from runtime.agent import Agent, describe_binding_change
-from runtime.errors import BindingChanged
+from runtime.errors import BindingChanged, SnapshotFailed
 from runtime.models import Message, RunState, RunStatus, ToolCall
 from runtime.probes import Answer, Probed, Rule, park_cause
 from runtime.provider import ModelRequest
@@ -286,6 +290,22 @@ def model_failed(run_id: str, model_calls: int, error: str, retryable: bool) -> 
         reason = f"{what}; once the provider is back, `ratchet runs resume {run_id}`"
         return Stall(reason, failed)
     return Fail(what, preceded_by=failed)
+
+
+def after_model_timeout(model_calls: int, error: str) -> Items:
+    """What a model call that outlived ``model_timeout_s`` leaves: a failed attempt, counted
+    (``model.failed`` with ``timeout``), and nothing worse. The run neither stalls nor fails
+    on it: the next decision calls the model again, as a new ``model.requested``, and the
+    turn budget (``max_turns``) ends a run whose calls keep timing out."""
+    return (("model.failed", {"turn": model_calls, "error": error, "timeout": True}),)
+
+
+def after_store_failure(run_id: str, seq: int, problem: str) -> tuple[SnapshotFailed, Stall]:
+    """A checkpoint at ``seq`` the stores refused during a turn (fail-stop): the turn ends
+    raising the SnapshotFailed, and the run stalls saying so, for a resume once the stores
+    take writes again, since nothing about the run itself is wrong."""
+    error = SnapshotFailed(run_id, seq, problem)
+    return error, Stall(str(error))
 
 
 def binding_stall(state: RunState, agent: Agent, created: dict[str, Any] | None) -> Stall:

@@ -28,6 +28,8 @@ from runtime.actions import (
     RequestOrder,
     Stall,
     TurnOutcome,
+    after_model_timeout,
+    after_store_failure,
     binding_stall,
     model_failed,
 )
@@ -38,7 +40,6 @@ from runtime.errors import (
     ProviderError,
     ProviderRateLimited,
     RunNotFound,
-    SnapshotFailed,
     StoreUnavailable,
 )
 from runtime.fsm import decide, ends_turn, requested_early, requested_event, response_events
@@ -215,10 +216,7 @@ class HeldRun:
         except CallTimedOut as exc:
             with self._recording:
                 abandoned.set()
-            # A counted attempt: the next turn asks again, as a new model.requested.
-            self.record(
-                [("model.failed", {"turn": model_calls, "error": str(exc), "timeout": True})]
-            )
+            self.record(list(after_model_timeout(model_calls, str(exc))))
             return None
         except ProviderRateLimited as exc:
             return self.wait_on_limit(
@@ -386,8 +384,8 @@ class HeldRun:
                     observers.checkpointed(seconds, self.ctx.snapshots.last_save_bytes)
             except StoreUnavailable as exc:
                 # All or nothing: the run is still where it was.
-                error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
-                self._record_stall(str(error))
+                error, stall = after_store_failure(self.state.run_id, change.state.seq, str(exc))
+                self._record_stall(stall)
                 raise error from exc
             self.state = change.state
             self.snapshot_seq = change.state.seq
@@ -411,8 +409,8 @@ class HeldRun:
             if self.ctx.observers:
                 self.ctx.observers.checkpointed(time.perf_counter() - started, None)
         except StoreUnavailable as exc:
-            error = SnapshotFailed(self.state.run_id, change.state.seq, str(exc))
-            self._record_stall(str(error))
+            error, stall = after_store_failure(self.state.run_id, change.state.seq, str(exc))
+            self._record_stall(stall)
             raise error from exc
         self.state = change.state
         self.dropped = self.released = True
@@ -504,17 +502,17 @@ class HeldRun:
                 seconds = time.perf_counter() - started
                 observers.checkpointed(seconds, self.ctx.snapshots.last_save_bytes)
         except StoreUnavailable as exc:
-            error = SnapshotFailed(self.state.run_id, self.state.seq, str(exc))
-            self._record_stall(str(error))
+            error, stall = after_store_failure(self.state.run_id, self.state.seq, str(exc))
+            self._record_stall(stall)
             raise error from exc
         self.snapshot_seq = self.state.seq
         self.ctx.remember_checkpoint(self.state)
         if observers:
             observers.reached("snapshot.after_save", model_calls)
 
-    def _record_stall(self, reason: str) -> None:
+    def _record_stall(self, stall: Stall) -> None:
         try:
-            self.record([("run.stalled", {"reason": reason})])
+            self.record([*stall.preceded_by, ("run.stalled", {"reason": stall.reason})])
         except Exception as exc:  # the run store may be down too (a full disk takes both)
             # Nothing is lost: the run stays live at its last recorded seq, its lease
             # expires, and the sweeper resumes it once the stores take writes again.

@@ -13,16 +13,20 @@ import pytest
 
 from runtime.actions import (
     TOOL_TIMEOUT_ATTEMPTS,
+    CallModel,
     CheckBinding,
     Fail,
     Stall,
     TurnOutcome,
+    after_model_timeout,
     after_probe,
+    after_store_failure,
     after_tool_timeout,
     binding_stall,
     model_failed,
     park,
 )
+from runtime.errors import SnapshotFailed
 from runtime.fsm import ENDINGS, decide
 from runtime.models import Event, RunStatus, ToolCall
 from runtime.probes import Answer, Probed, Rule
@@ -49,6 +53,60 @@ def test_a_retryable_provider_error_stalls_the_run_for_a_resume_and_any_other_fa
     assert isinstance(fail, Fail) and fail.budget is None
     assert fail.reason == "model call for turn 3 failed: 401 unauthorized"
     assert fail.preceded_by == (("model.failed", {"turn": 3, "error": "401 unauthorized"}),)
+
+
+@pytest.mark.parametrize(
+    ("max_turns", "timed_out", "next_step"),
+    [
+        (3, 1, CallModel),  # the first timeout: asked again
+        (3, 2, CallModel),  # the second: the last attempt is still allowed
+        (3, 3, Fail),  # the third uses the turn budget up: the run fails on it
+        (1, 1, Fail),
+    ],
+)
+def test_a_model_call_that_times_out_is_a_counted_attempt_asked_again_within_max_turns(
+    tmp_path: Path, max_turns: int, timed_out: int, next_step: type
+) -> None:
+    # Given a run whose model calls outlived their timeout ``timed_out`` times in a row
+    a = agent(tmp_path, max_turns=max_turns)
+    state = started(a)
+    for turn in range(1, timed_out + 1):
+        state = step(state, "model.requested", turn=turn)
+        for kind, data in after_model_timeout(turn, f"model call for turn {turn} timed out"):
+            state = step(state, kind, **data)
+
+    # When the run decides what next
+    action = decide(state, a, T0_MS)
+
+    # Then it calls the model again, or fails on its turn budget; it never stalls on it
+    assert state.status.is_live and state.usage.model_attempts == timed_out
+    assert isinstance(action, next_step)
+    assert not isinstance(action, Fail) or action.budget == "max_turns"
+
+
+def test_a_model_timeout_records_one_failed_attempt_that_says_it_timed_out() -> None:
+    assert after_model_timeout(2, "model call for turn 2 did not return") == (
+        (
+            "model.failed",
+            {"turn": 2, "error": "model call for turn 2 did not return", "timeout": True},
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("seq", "problem"),
+    [(1, "redis: connection refused"), (57, "disk full"), (3, "")],
+)
+def test_a_checkpoint_the_stores_refuse_ends_the_turn_and_stalls_the_run_saying_so(
+    seq: int, problem: str
+) -> None:
+    error, stall = after_store_failure("run-1", seq, problem)
+
+    assert isinstance(error, SnapshotFailed) and (error.run_id, error.seq) == ("run-1", seq)
+    assert isinstance(stall, Stall) and stall.preceded_by == ()
+    assert stall.reason == str(error)
+    assert f"checkpoint at seq {seq} could not be saved ({problem})" in stall.reason
+    assert "`ratchet runs resume run-1`" in stall.reason
 
 
 @pytest.mark.parametrize(
