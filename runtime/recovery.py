@@ -250,6 +250,23 @@ def sweep_due_ms(
     return None
 
 
+def due_after_ms(
+    state: RunState,
+    last: Event,
+    now_ms: int,
+    lease_ms: int,
+    lead_ms: int,
+    max_suspended_s: int | None = None,
+) -> int | None:
+    """When the sweeper next looks at the run a write left in ``state``, ``last`` its last
+    event: :func:`sweep_due_ms`, except for a run that went back on the queue with a
+    countdown (``run.throttled``): overdue only once that countdown has run out, one lease
+    after its ``until_ms``, so the sweeper does not resume a run that is merely waiting."""
+    if last.type == "run.throttled":
+        return int(last.data["until_ms"]) + lease_ms
+    return sweep_due_ms(state, now_ms, lease_ms, lead_ms, max_suspended_s)
+
+
 class SweepKind(StrEnum):
     """What the sweeper does with a run it found due."""
 

@@ -26,7 +26,7 @@ from runtime.errors import (
 )
 from runtime.fsm import ENDINGS, apply, rebuild
 from runtime.models import Event, RunState, RunStatus
-from runtime.recovery import sweep_due_ms
+from runtime.recovery import due_after_ms
 from store.runs import Checkpoint, Dropped, Outbox, RunRecord
 from store.snapshots import Prefetched
 from tasks.context import Context
@@ -318,10 +318,7 @@ def transition(
         events.append(event)
     lease_ms = int(ctx.settings.lease_s * 1000)
     lead_ms = int(ctx.settings.sweep_interval_s * 1000)
-    due = sweep_due_ms(state, now, lease_ms, lead_ms, _max_suspended_s(ctx, state))
-    if events[-1].type == "run.throttled":
-        # Back on the queue with a countdown: overdue only once that has run out.
-        due = int(events[-1].data["until_ms"]) + lease_ms
+    due = due_after_ms(state, events[-1], now, lease_ms, lead_ms, _max_suspended_s(ctx, state))
     return Transition(RunRecord.from_state(state, now, due), state, events)
 
 

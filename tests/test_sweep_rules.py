@@ -4,11 +4,15 @@ show the shell carrying them out on real stores."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from runtime.continuation import expiry_is_due
-from runtime.models import RunStatus, Suspension
-from runtime.recovery import SweepKind, SweepStep, dead_holder_step, sweep_step
+from runtime.models import Event, RunStatus, Suspension
+from runtime.recovery import SweepKind, SweepStep, dead_holder_step, due_after_ms, sweep_step
+from tests.test_fsm import agent, started, step
 
 LEASE_MS = 30_000
 NOW_MS = 1_700_000_000_000
@@ -99,3 +103,31 @@ def test_only_a_run_waiting_for_a_person_is_ever_due_to_expire(status: RunStatus
     assert expiry_is_due(status, NOW_MS, NOW_MS) == waits_for_a_person
     assert not expiry_is_due(status, NOW_MS + 1, NOW_MS)
     assert not expiry_is_due(status, None, NOW_MS)
+
+
+LEAD_MS = 5_000
+
+
+@pytest.mark.parametrize(
+    ("ending", "kind", "data", "due_ms"),
+    [
+        # A throttled run is overdue one lease after its countdown, however long that is
+        (None, "run.throttled", {"until_ms": NOW_MS + 1_000}, NOW_MS + 1_000 + LEASE_MS),
+        (None, "run.throttled", {"until_ms": NOW_MS + 30_000}, NOW_MS + 30_000 + LEASE_MS),
+        (None, "run.throttled", {"until_ms": NOW_MS - 500}, NOW_MS - 500 + LEASE_MS),
+        # Any other write leaves a live run overdue one lease from now
+        (None, "model.requested", {"turn": 1}, NOW_MS + LEASE_MS),
+        (None, "model.failed", {"turn": 1, "error": "x", "timeout": True}, NOW_MS + LEASE_MS),
+        # A throttle the run stalled on is not due: a stall has no countdown to wait out
+        ("run.stalled", "run.stalled", {"reason": "held"}, None),
+    ],
+)
+def test_a_throttled_run_is_due_once_its_countdown_ran_out_and_any_other_as_its_state_says(
+    tmp_path: Path, ending: str | None, kind: str, data: dict[str, Any], due_ms: int | None
+) -> None:
+    state = started(agent(tmp_path))
+    if ending is not None:
+        state = step(state, ending, **data)
+    last = Event(seq=state.seq, type=kind, at_ms=NOW_MS, data=data)
+
+    assert due_after_ms(state, last, NOW_MS, LEASE_MS, LEAD_MS) == due_ms
