@@ -334,6 +334,34 @@ def test_a_message_held_at_close_goes_back_on_its_queue_and_an_ack_from_a_thread
     client.close()
 
 
+def test_an_ack_that_arrives_after_its_channel_closed_is_kombus_to_handle_not_a_crash(
+    redis_url: str,
+) -> None:
+    # Given a message delivered on a channel that then closes, as a lost broker connection
+    # closes it (kombu sets the channel's connection to None), with the task still running
+    wanted = queues(f"t{uuid.uuid4().hex[:6]}")
+    with RatchetConnection(redis_url, transport_options=STEPS) as connection:
+        publish(connection, wanted[0], {"n": 1})
+        loop = Loop(connection, wanted, prefetch=1)
+        loop.until(lambda: len(loop.held) == 1)
+        message = loop.held[0]
+        channel = message.channel
+        channel.close()
+        assert channel.connection is None
+        # When the task ends and Celery acknowledges the message (ack_log_error, which
+        # logs the connection errors it is told of and lets anything else end the consumer)
+        try:
+            message.ack()
+        except connection.connection_errors:
+            pass  # kombu's own answer to an ack on a closed channel: logged, not fatal
+        # Then nothing else was raised (a worker's consumer died of "'NoneType' object has no
+        # attribute 'cycle'" so, after a broker crash: tests/integration/test_broker_restart.py)
+        # And the message the channel held at its close is back on its queue, once
+        client = redis.Redis.from_url(redis_url)
+        assert client.llen(wanted[0].name) == 1
+        client.close()
+
+
 def test_a_channel_whose_server_went_away_still_closes(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

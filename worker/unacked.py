@@ -101,7 +101,12 @@ class RedisQoS(redis.QoS):
 
     def _ride(self) -> bool:
         channel = self.channel
-        return channel.connection.cycle.loop_thread is not None and not channel.global_keyprefix
+        connection = channel.connection
+        # A closed channel (its broker connection lost) has none: an ack that arrives for
+        # one of its messages afterwards (its task still ran) takes kombu's own path.
+        if connection is None:
+            return False
+        return connection.cycle.loop_thread is not None and not channel.global_keyprefix
 
     def _on_loop(self) -> bool:
         return bool(self.channel.connection.cycle.loop_thread == threading.get_ident())
