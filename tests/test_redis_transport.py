@@ -360,6 +360,7 @@ def test_an_ack_that_arrives_after_its_channel_closed_is_kombus_to_handle_not_a_
         client = redis.Redis.from_url(redis_url)
         assert client.llen(wanted[0].name) == 1
         client.close()
+        loop.close()
 
 
 def test_a_channel_whose_server_went_away_still_closes(
