@@ -165,6 +165,27 @@ def status_is(status: RunStatus) -> Callable[[RunRecord], bool]:
     return lambda record: record.status == status
 
 
+FAILOVER_STALLS = ("min_replicas=1", "is unavailable")
+"""Why a run may stall across a store's failover, waiting for an operator's resume: too few
+replicas acknowledged a non-idempotent call's journal entry, or the store was unreachable
+for longer than its retries while the replica was promoted. Both say to resume."""
+
+
+def completed_resuming_stalls(api: Ratchet, run_ids: list[str], resumed: dict[str, int]) -> bool:
+    """Whether every run completed; resumes, as an operator would, each run stalled for a
+    reason of :data:`FAILOVER_STALLS`, once per stall (``resumed``: the seq each was last
+    resumed at). Any other stall, or a parked run that never completes, fails the test."""
+    records: list[RunRecord] = [api.get(run_id) for run_id in run_ids]
+    for record in records:
+        if record.status == RunStatus.STALLED and resumed.get(record.run_id) != record.last_seq:
+            error = record.error or ""
+            assert any(reason in error for reason in FAILOVER_STALLS), error
+            assert f"ratchet runs resume {record.run_id}" in error, error
+            api.resume(record.run_id)
+            resumed[record.run_id] = record.last_seq
+    return all(record.status == RunStatus.COMPLETED for record in records)
+
+
 @dataclass
 class WorkerProcess:
     """One ``celery -A worker worker`` subprocess."""

@@ -21,7 +21,6 @@ import pytest
 
 from runtime.models import RunStatus
 from store.keyspace import DEFAULT_SHARDS, shard_of
-from store.runs import RunRecord
 from tasks.context import Context
 from tasks.messages import enqueue_turn
 from tasks.settings import Settings
@@ -31,6 +30,7 @@ from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer, cut_off, replica_caught_up
 from tests.workers import (
     WorkerProcesses,
+    completed_resuming_stalls,
     install,
     redis_context,
     status_is,
@@ -213,7 +213,7 @@ def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_ca
         resumed: dict[str, int] = {}
         wait_until(
             "every run completes",
-            functools.partial(_completed_resuming_stalls, Ratchet(ctx), run_ids, resumed),
+            functools.partial(completed_resuming_stalls, Ratchet(ctx), run_ids, resumed),
             90,
         )
 
@@ -228,15 +228,3 @@ def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_ca
     finally:
         workers.stop_all()
         ctx.close()
-
-
-def _completed_resuming_stalls(api: Ratchet, run_ids: list[str], resumed: dict[str, int]) -> bool:
-    """Whether every run completed; resumes each run stalled for want of a replica, once
-    per stall (``resumed``: the seq each was last resumed at)."""
-    records: list[RunRecord] = [api.get(run_id) for run_id in run_ids]
-    for record in records:
-        if record.status == RunStatus.STALLED and resumed.get(record.run_id) != record.last_seq:
-            assert "min_replicas=1" in (record.error or ""), record.error
-            api.resume(record.run_id)
-            resumed[record.run_id] = record.last_seq
-    return all(record.status == RunStatus.COMPLETED for record in records)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
-from store.runs import RunRecord
 from tasks.context import Context
 from tasks.messages import enqueue_turn
 from tasks.settings import Settings
@@ -36,6 +35,7 @@ from tests.redis_server import (
 from tests.sentinel_servers import running_sentinel_group
 from tests.workers import (
     WorkerProcesses,
+    completed_resuming_stalls,
     install,
     redis_context,
     status_is,
@@ -180,7 +180,7 @@ def test_with_min_replicas_a_primary_killed_mid_run_fails_over_and_no_effect_run
             resumed: dict[str, int] = {}
             wait_until(
                 "every run completes",
-                functools.partial(_completed_resuming_stalls, Ratchet(ctx), run_ids, resumed),
+                functools.partial(completed_resuming_stalls, Ratchet(ctx), run_ids, resumed),
                 60,
             )
 
@@ -201,15 +201,3 @@ def _effects(path: Path) -> list[tuple[str, str]]:
     """The effect log's lines as (idempotency key, label)."""
     lines = path.read_text().splitlines() if path.exists() else []
     return [(key, label) for key, _, label in (line.partition(" ") for line in lines)]
-
-
-def _completed_resuming_stalls(api: Ratchet, run_ids: list[str], resumed: dict[str, int]) -> bool:
-    """Whether every run completed; resumes each run stalled for want of a replica, once
-    per stall (``resumed``: the seq each was last resumed at)."""
-    records: list[RunRecord] = [api.get(run_id) for run_id in run_ids]
-    for record in records:
-        if record.status == RunStatus.STALLED and resumed.get(record.run_id) != record.last_seq:
-            assert "min_replicas=1" in (record.error or ""), record.error
-            api.resume(record.run_id)
-            resumed[record.run_id] = record.last_seq
-    return all(record.status == RunStatus.COMPLETED for record in records)
