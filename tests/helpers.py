@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from runtime.actions import Advanced
 from store.runs.memory import MemoryRunStore
+from store.runs.sqlite import SqliteRunStore
 from store.snapshots.memory import MemorySnapshotStore
-from tasks.context import Context
+from store.snapshots.sqlite import SqliteSnapshotStore
+from tasks.context import Context, set_context
 from tasks.settings import Settings
 from tasks.turn import advance
 
@@ -87,3 +93,35 @@ def drive(ctx: Context, run_id: str, max_turns: int = 50) -> Advanced:
             time.sleep(done.countdown_s)  # the broker's countdown of a turn that waited on a limit
         done = advance(ctx, run_id, done.seq)
     raise AssertionError(f"run {run_id} still wants turns after {max_turns}")
+
+
+def calls_while(work: Any, name: str, in_file: str = "") -> int:
+    """How often a function named ``name`` (defined in a file whose path ends with
+    ``in_file``) is called while ``work()`` runs, counted with ``sys.setprofile``."""
+    count = 0
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal count
+        code = frame.f_code
+        if event == "call" and code.co_name == name and code.co_filename.endswith(in_file):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@contextmanager
+def combined_sqlite_context(path: Path) -> Iterator[Context]:
+    """A context whose stores share one SQLite file (a transition is one commit), installed
+    for the process while the block runs."""
+    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
+    assert context.runs.commits_with(context.snapshots)
+    set_context(context)
+    try:
+        yield context
+    finally:
+        set_context(None)

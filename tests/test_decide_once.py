@@ -4,10 +4,8 @@ answer; and the rule that ends a turn (:func:`runtime.fsm.ends_turn`), pure."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -15,12 +13,9 @@ import pytest
 from runtime.actions import CallModel, CheckBinding, Fail, Idle, RunTool, Suspend
 from runtime.fsm import ends_turn
 from runtime.models import RunStatus, ToolCall
-from store.runs.sqlite import SqliteRunStore
-from store.snapshots.sqlite import SqliteSnapshotStore
-from tasks.context import Context, set_context
-from tasks.settings import Settings
+from tasks.context import Context
 from tasks.start import create_run
-from tests.helpers import call, drive, turn, write_agent
+from tests.helpers import call, calls_while, combined_sqlite_context, drive, turn, write_agent
 
 CALL = ToolCall(id="c1", name="lookup_order", arguments={"order_id": "B2"})
 ACTIONS = [
@@ -44,32 +39,8 @@ def test_a_turn_ends_before_a_second_model_call_and_before_nothing_else(
 @pytest.fixture
 def ctx(tmp_path: Path, ledger: Path) -> Iterator[Context]:
     # Both stores in one SQLite file: a checkpoint asks whether it is the turn's last.
-    path = tmp_path / "runs.sqlite3"
-    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
-    assert context.runs.commits_with(context.snapshots)
-    set_context(context)
-    try:
+    with combined_sqlite_context(tmp_path / "runs.sqlite3") as context:
         yield context
-    finally:
-        set_context(None)
-
-
-def decisions_while(work: Any) -> int:
-    """How often ``runtime.fsm.decide`` runs while ``work()`` does."""
-    count = 0
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal count
-        code = frame.f_code
-        if event == "call" and code.co_name == "decide" and code.co_filename.endswith("fsm.py"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        work()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 def test_each_turn_asks_decide_once_per_state_it_leaves(ctx: Context, tmp_path: Path) -> None:
@@ -78,7 +49,7 @@ def test_each_turn_asks_decide_once_per_state_it_leaves(ctx: Context, tmp_path: 
     agent = write_agent(tmp_path, [*looks, turn("Done.")])
     run_id = create_run(ctx, agent, "refund B2").run_id
     # When it is driven to its end
-    count = decisions_while(lambda: drive(ctx, run_id))
+    count = calls_while(lambda: drive(ctx, run_id), "decide", "fsm.py")
     record = ctx.runs.get(run_id)
     assert record is not None and record.status == RunStatus.COMPLETED
     # Then each tool turn decided four times, once per state: at its start (a new turn

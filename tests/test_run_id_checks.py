@@ -6,54 +6,24 @@ of a run whose stores share one SQLite file (the transitions commit in one call)
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import pytest
 
 from runtime.errors import InvalidRunId
 from runtime.models import Event
 from store.runs import RunRecord
-from store.runs.sqlite import SqliteRunStore
-from store.snapshots.sqlite import SqliteSnapshotStore
-from tasks.context import Context, set_context
-from tasks.settings import Settings
+from tasks.context import Context
 from tasks.start import create_run
 from tasks.turn import advance
-from tests.helpers import call, turn, write_agent
+from tests.helpers import call, calls_while, combined_sqlite_context, turn, write_agent
 
 
 @pytest.fixture
 def ctx(tmp_path: Path, ledger: Path) -> Iterator[Context]:
-    path = tmp_path / "runs.sqlite3"
-    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
-    assert context.runs.commits_with(context.snapshots)
-    set_context(context)
-    try:
+    with combined_sqlite_context(tmp_path / "runs.sqlite3") as context:
         yield context
-    finally:
-        set_context(None)
-
-
-def checks_while(work: Any) -> int:
-    """How often ``runtime.models.validate_run_id`` runs while ``work()`` does."""
-    count = 0
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal count
-        code = frame.f_code
-        if event == "call" and code.co_name == "validate_run_id":
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        work()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 def test_a_tool_turn_checks_its_run_id_once_per_store_call_it_makes(
@@ -66,7 +36,7 @@ def test_a_tool_turn_checks_its_run_id_once_per_store_call_it_makes(
     done = advance(ctx, run_id, None)
     assert done.outcome == "next"
     # When the next turn is taken
-    count = checks_while(lambda: advance(ctx, run_id, done.seq))
+    count = calls_while(lambda: advance(ctx, run_id, done.seq), "validate_run_id")
     # Then the id is checked once by each store call that takes it from outside (the
     # lease, the journal's append, the two commits) and once as the next turn's message
     # is built: five times, where each commit checked it twice before (seven)
