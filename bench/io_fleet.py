@@ -48,6 +48,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -77,6 +78,8 @@ class Phase:
     in_flight: int
     steady_turns_per_s: float
     window_s: float
+    cpu_ms_per_turn: dict[str, float]
+    """CPU ms per turn of the timed part, by process: worker (its group), redis, model."""
 
 
 def loadavg() -> str:
@@ -229,6 +232,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
                 raise SystemExit(f"the worker did not take the probe run; see {log}")
             time.sleep(0.05)
         idle_rss = group_rss_mib(worker.pid)
+        cpu_before = cpu_by_process(worker.pid, server, model)
 
         def sample() -> None:
             while not sampling.wait(0.25):
@@ -252,6 +256,7 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
             if worker.poll() is not None:
                 break
             time.sleep(0.1)
+        cpu_spent = cpu_by_process(worker.pid, server, model, since=cpu_before)
         sampling.set()
         sampler.join()
         samples = scrape(metrics_port)
@@ -319,7 +324,169 @@ def run_phase(  # noqa: C901, PLR0915 - one phase, read top to bottom
         in_flight=in_flight,
         steady_turns_per_s=steady,
         window_s=window_ms / 1000,
+        cpu_ms_per_turn=per_turn_ms(cpu_spent, completed_turns),
     )
+
+
+def cpu_by_process(
+    worker: int,
+    server: RedisServer,
+    model: ModelProcess | None,
+    since: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """CPU seconds of the worker's process group, the redis-server and the model server
+    (``since``: less what they had spent then)."""
+    from bench.commands import cpu_s
+
+    spent = {
+        "worker": cpu_s(group=worker),
+        "redis": cpu_s(pids={server.pid}),
+        "model": cpu_s(pids={model.popen.pid}) if model else 0.0,
+    }
+    return {k: v - (since or {}).get(k, 0.0) for k, v in spent.items()}
+
+
+def per_turn_ms(spent: dict[str, float], turns: int) -> dict[str, float]:
+    return {k: v * 1000 / turns if turns else float("nan") for k, v in spent.items()}
+
+
+@dataclass
+class FloorPhase:
+    turns_per_s: float
+    cpu_ms_per_turn: dict[str, float]
+    not_finished: int
+
+
+def run_floor_phase(  # noqa: PLR0915 - one phase, read top to bottom
+    args: argparse.Namespace, server: RedisServer, db: int, workdir: Path
+) -> FloorPhase:
+    """The same runs as :func:`run_phase`'s ceiling, on bench/io_floor.py: a plain Celery
+    task per turn doing the same model call and tool, same broker, pool and concurrency."""
+    import redis
+
+    from bench.io_floor import DONE_KEY, QUEUE
+
+    url = f"{server.url}/{db}"
+    model = ModelProcess(0.0, args.turns)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(PYTHONPATH=str(ROOT), RATCHET_BROKER_URL=url, IO_FLOOR_MODEL_URL=model.url)
+    log = workdir / "worker-floor.log"
+    command = [sys.executable, "-m", "celery", "-A", "bench.io_floor", "worker", "-P", args.pool,
+               "-c", str(args.concurrency), "-Q", QUEUE, "--loglevel", "WARNING",
+               "--without-mingle", "--without-gossip",
+               "--hostname", f"io-floor-{os.getpid()}-{time.monotonic_ns()}@%h"]  # fmt: skip
+    with log.open("ab") as handle:
+        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
+                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    raw = redis.Redis.from_url(url)
+    raw.delete(DONE_KEY)
+    client = _floor_client(url)
+    system = {"role": "system", "content": "Look the order up, then answer."}
+
+    def send(text: str) -> None:
+        client.send_task("bench.io_floor.turn", ([system, {"role": "user", "content": text}],),
+                         queue=QUEUE)  # fmt: skip
+
+    def wait_done(want: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while raw.llen(DONE_KEY) < want and time.monotonic() < deadline:
+            if worker.poll() is not None:
+                raise SystemExit(f"the floor's worker exited; see {log}")
+            time.sleep(0.05)
+
+    try:
+        send("probe")
+        wait_done(1, 120)
+        if raw.llen(DONE_KEY) < 1:
+            raise SystemExit(f"the floor's worker did not take the probe run; see {log}")
+        cpu_before = cpu_by_process(worker.pid, server, model)
+        started_ms = time.time_ns() // 1_000_000
+        for i in range(args.runs):
+            send(f"look up order A1 ({i})")
+        wait_done(args.runs + 1, args.timeout)
+        cpu_spent = cpu_by_process(worker.pid, server, model, since=cpu_before)
+        done = [int(v) for v in raw.lrange(DONE_KEY, 1, -1)]
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        model.stop()
+        client.close()
+        raw.close()
+    errors = [line for line in log.read_text(errors="replace").splitlines()
+              if "ERROR/" in line or "CRITICAL/" in line]  # fmt: skip
+    for line in dict.fromkeys(e.split("]", 1)[-1][:240] for e in errors[:20]):
+        print(f"  [floor] worker log: {line.strip()}", file=sys.stderr)
+    turns = len(done) * args.turns
+    elapsed_s = (max(done) - started_ms) / 1000 if done else float("nan")
+    return FloorPhase(
+        turns_per_s=turns / elapsed_s if done else 0.0,
+        cpu_ms_per_turn=per_turn_ms(cpu_spent, turns),
+        not_finished=args.runs - len(done),
+    )
+
+
+def _floor_client(url: str) -> Any:
+    from celery import Celery
+
+    return Celery("bench-io-floor-driver", broker=url, set_as_current=False)
+
+
+def floor_rounds(
+    args: argparse.Namespace, server: RedisServer, workdir: Path, first: Phase
+) -> list[tuple[Phase, FloorPhase]]:
+    """``--floor-rounds`` rounds of (ratchet's ceiling, the floor's), the order swapped
+    every round (ABBA) so both see the same phases of the machine; ``first`` is round 1's
+    ratchet phase, already run. The floor runs on database 8, ratchet's later rounds on 9,
+    each emptied before its phase."""
+    import redis
+
+    pairs: list[tuple[Phase, FloorPhase]] = []
+
+    def floor_phase() -> FloorPhase:
+        redis.Redis.from_url(f"{server.url}/8").flushdb()
+        return run_floor_phase(args, server, 8, workdir)
+
+    def ratchet_phase(label: str) -> Phase:
+        redis.Redis.from_url(f"{server.url}/9").flushdb()
+        return run_phase(label, 0.0, args, server, 9, workdir)
+
+    for i in range(args.floor_rounds):
+        if i == 0:
+            ours: Phase = first
+            floor = floor_phase()
+        elif i % 2:
+            floor = floor_phase()
+            ours = ratchet_phase(f"ceiling{i + 1}")
+        else:
+            ours = ratchet_phase(f"ceiling{i + 1}")
+            floor = floor_phase()
+        pairs.append((ours, floor))
+        print(f"  round {i + 1}: ratchet {ours.turns_per_s:.1f} turns/s, floor "
+              f"{floor.turns_per_s:.1f} turns/s, ratio {ours.turns_per_s / floor.turns_per_s:.2f}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return pairs
+
+
+def report_floor(pairs: list[tuple[Phase, FloorPhase]], args: argparse.Namespace) -> None:
+    """The paired ceiling: ratchet's turns/s over the floor's, round by round, and CPU per
+    turn by process (medians of rounds)."""
+    ratios = [ours.turns_per_s / floor.turns_per_s for ours, floor in pairs]
+    print(f"  ceiling beside the plain-Celery floor (bench/io_floor.py), {len(pairs)} rounds "
+          f"alternated, -P {args.pool} -c {args.concurrency}:")  # fmt: skip
+    print(f"    ratchet / floor turns/s, per round: {' '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.2f}")  # fmt: skip
+    for name in ("worker", "redis", "model"):
+        mine = statistics.median(ours.cpu_ms_per_turn[name] for ours, _ in pairs)
+        floors = statistics.median(floor.cpu_ms_per_turn[name] for _, floor in pairs)
+        paired = statistics.median(
+            ours.cpu_ms_per_turn[name] / floor.cpu_ms_per_turn[name]
+            for ours, floor in pairs if floor.cpu_ms_per_turn[name] > 0
+        ) if any(f.cpu_ms_per_turn[name] > 0 for _, f in pairs) else float("nan")  # fmt: skip
+        print(f"    {name:6} CPU ms/turn: ratchet {mine:.2f}, floor {floors:.2f} "
+              f"(paired ratio {paired:.2f})")  # fmt: skip
+    unfinished = sum(floor.not_finished for _, floor in pairs)
+    if unfinished:
+        print(f"    the floor left {unfinished} runs unfinished: its turns/s is not a ceiling")
 
 
 def cut(values: list[float], q: float) -> float:
@@ -350,7 +517,16 @@ def main() -> None:
         default=None,
         help="runs of the zero-latency phase (default --runs)",
     )
+    parser.add_argument(
+        "--floor-rounds",
+        type=int,
+        default=0,
+        help="rounds of the ceiling phase beside the plain-Celery floor (bench/io_floor.py), "
+        "alternated; 0: no floor",
+    )
     args = parser.parse_args()
+    if args.floor_rounds and args.provider != "openai":
+        parser.error("--floor-rounds needs --provider openai: the floor calls the model over HTTP")
     latencies = [float(x) for x in args.latency.split(",") if x.strip()]
     load_before = loadavg()
     with tempfile.TemporaryDirectory(prefix="ratchet-io-fleet-") as tmp:
@@ -362,6 +538,7 @@ def main() -> None:
                 **{**vars(args), "runs": args.ceiling_runs or args.runs}
             )
             phases = [run_phase("ceiling", 0.0, ceiling_args, server, 1, workdir)]
+            paired = floor_rounds(ceiling_args, server, workdir, phases[0])
             for i, latency_s in enumerate(latencies):
                 phases.append(
                     run_phase(f"L={latency_s:g}s", latency_s, args, server, 2 + i, workdir)
@@ -400,6 +577,11 @@ def main() -> None:
           "overhead = per-turn time beyond L; MiB/run = (peak - idle RSS) / in flight; "
           "all/run = peak RSS / in flight "
           + ", ".join(f"[{p.label}: {p.idle_rss_mib:.0f} -> {p.peak_rss_mib:.0f} MiB]" for p in phases))  # fmt: skip
+    print("  CPU ms/turn by process: " + "; ".join(
+        f"{p.label} " + ", ".join(f"{k} {v:.2f}" for k, v in p.cpu_ms_per_turn.items())
+        for p in phases))  # fmt: skip
+    if paired:
+        report_floor(paired, args)
 
 
 if __name__ == "__main__":

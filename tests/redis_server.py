@@ -94,6 +94,12 @@ class RedisServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (benches read its CPU time); it must have started."""
+        assert self._process is not None, "the server has not started"
+        return self._process.pid
+
     def start(self) -> None:
         """Start the server and wait until it answers PING."""
         command = [
