@@ -75,7 +75,7 @@ def created_event(
     tree: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The data of a run's first event, `run.created` (a start's priority and key if given,
-    and its place in its run tree: runtime/children.py)."""
+    its place in its run tree: runtime/children.py, and its agent's max_suspended_s if set)."""
     extra: dict[str, Any] = {}
     if tree is not None:
         extra["tree"] = tree
@@ -83,6 +83,9 @@ def created_event(
         extra["priority"] = priority
     if concurrency_key is not None:
         extra["concurrency_key"] = concurrency_key
+    if agent.spec.max_suspended_s is not None:
+        # Also in the binding document; here the fold reads it (runtime/models.py RunState).
+        extra["max_suspended_s"] = agent.spec.max_suspended_s
     return {
         **extra,
         "run_id": run_id,
@@ -193,6 +196,7 @@ def _initial(event: Event) -> RunState:
             "priority": d.get("priority"),
             "concurrency_key": d.get("concurrency_key"),
             "tree": d.get("tree"),
+            "max_suspended_s": d.get("max_suspended_s"),
         }
     )
 

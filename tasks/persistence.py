@@ -326,9 +326,9 @@ def transition(
 def _max_suspended_s(ctx: Context, state: RunState) -> int | None:
     """The run's ``max_suspended_s`` when it waits for a person (else None: not needed).
 
-    From the agent this process has loaded when its binding is the run's (the turn that
-    suspends the run has just loaded it), else from the binding the run was created
-    with: the limit the run started with, whatever the agent file says now.
+    When its state does not hold it, from the agent this process has loaded if its binding
+    is the run's (the turn that suspends the run has just loaded it): no read of the run's
+    first event for a run with no limit.
     """
     suspension = state.suspension
     if (
@@ -337,13 +337,28 @@ def _max_suspended_s(ctx: Context, state: RunState) -> int | None:
         or suspension.reason == RunStatus.WAITING
     ):
         return None
-    try:
-        agent = ctx.agent(state.agent_file)
-        if agent.binding == state.binding:
-            return agent.spec.max_suspended_s
-    except (RatchetError, OSError):
-        pass  # the agent file changed or went: the run's own first event still says
-    return max_suspended_s_of(ctx.runs.events(state.run_id, 0, 1))
+    if state.max_suspended_s is None:
+        try:
+            agent = ctx.agent(state.agent_file)
+            if agent.binding == state.binding:
+                return agent.spec.max_suspended_s
+        except (RatchetError, OSError):
+            pass  # the agent file changed or went: the run's own first event still says
+    return max_suspended_s(ctx, state)
+
+
+def max_suspended_s(ctx: Context, state: RunState, log: list[Event] | None = None) -> int | None:
+    """The run's own ``max_suspended_s``: the limit it started with, whatever its agent file
+    says now.
+
+    Its state holds it, for a run whose ``run.created`` recorded it. Otherwise (a run an
+    earlier release started, or one with no limit: its state cannot tell them apart) the
+    binding document of its first event says: ``log``'s when the caller has the log, else
+    read from the store.
+    """
+    if state.max_suspended_s is not None:
+        return state.max_suspended_s
+    return max_suspended_s_of(log if log is not None else ctx.runs.events(state.run_id, 0, 1))
 
 
 def extended(
