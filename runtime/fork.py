@@ -65,6 +65,8 @@ def fold_fork(created: Event, fold: Fold) -> RunState:
             "created_at_ms": data["created_at_ms"],
             "suspension": suspension,
             "recovery_attempts": 0,
+            # The fork's own binding's, not the original's (it may run under another).
+            "max_suspended_s": data.get("max_suspended_s"),
         }
     )
 
@@ -117,6 +119,8 @@ def plan_fork(
             "events": [e.model_dump(mode="json") for e in upto],
         },
     }
+    if agent.spec.max_suspended_s is not None:
+        data["max_suspended_s"] = agent.spec.max_suspended_s
     first = Event(seq=1, type="run.created", at_ms=now_ms, data=data)
     return ForkPlan(first, tuple(_repeats(base, events[seq:], agent)))
 

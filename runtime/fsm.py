@@ -44,6 +44,7 @@ from runtime.children import (
     with_child_runs,
     with_child_usage,
 )
+from runtime.endings import ENDINGS, ended
 from runtime.errors import BudgetExhausted, BudgetUnenforceable, EventsDoNotFold
 from runtime.fork import FORK_KEY, fold_fork
 from runtime.models import (
@@ -74,7 +75,7 @@ def created_event(
     tree: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The data of a run's first event, `run.created` (a start's priority and key if given,
-    and its place in its run tree: runtime/children.py)."""
+    its place in its run tree: runtime/children.py, and its agent's max_suspended_s if set)."""
     extra: dict[str, Any] = {}
     if tree is not None:
         extra["tree"] = tree
@@ -82,6 +83,9 @@ def created_event(
         extra["priority"] = priority
     if concurrency_key is not None:
         extra["concurrency_key"] = concurrency_key
+    if agent.spec.max_suspended_s is not None:
+        # Also in the binding document; here the fold reads it (runtime/models.py RunState).
+        extra["max_suspended_s"] = agent.spec.max_suspended_s
     return {
         **extra,
         "run_id": run_id,
@@ -192,6 +196,7 @@ def _initial(event: Event) -> RunState:
             "priority": d.get("priority"),
             "concurrency_key": d.get("concurrency_key"),
             "tree": d.get("tree"),
+            "max_suspended_s": d.get("max_suspended_s"),
         }
     )
 
@@ -360,42 +365,11 @@ def _resumed(state: RunState, event: Event) -> RunState:
     return state.model_copy(update={"status": _live_status(state)})
 
 
-def _ended(status: RunStatus, key: str) -> Fold:
-    def fold(state: RunState, event: Event) -> RunState:
-        value = event.data.get(key)
-        if status == RunStatus.COMPLETED:
-            return state.model_copy(update={"status": status, "output": value, "suspension": None})
-        return state.model_copy(update={"status": status, "error": value})
-
-    return fold
-
-
-ENDINGS: dict[str, RunStatus] = {
-    "run.completed": RunStatus.COMPLETED,
-    "run.failed": RunStatus.FAILED,
-    "run.cancelled": RunStatus.CANCELLED,
-    # A suspended run that waited longer than its agent's max_suspended_s.
-    "run.expired": RunStatus.FAILED,
-    "run.parked": RunStatus.NEEDS_RECONCILIATION,
-    "run.stalled": RunStatus.STALLED,
-    "run.dead_lettered": RunStatus.DEAD_LETTERED,
-}
-"""Events that end a run's course, with the status each leaves it in: the fold sets it, and
-the ``reason`` as the run's error (the ``output`` of ``run.completed``)."""
-
-
-def _cancelled(state: RunState, event: Event) -> RunState:
-    """Cancelled: a suspension it ends counts as suspended up to the cancel.
-
-    The cancel says how long (``suspended_ms``, as an answer does); a cancel recorded
-    before it said so leaves the suspension as it was (old logs fold as they did).
-    """
-    state = _ended(RunStatus.CANCELLED, "reason")(state, event)
-    waited = event.data.get("suspended_ms")
-    if waited is None or state.suspension is None:
-        return state
+def _ending(state: RunState, event: Event) -> RunState:
+    """An event of :data:`ENDINGS`: what it changes is :func:`runtime.endings.ended`'s, the
+    rule a run ended without its state (a cancel) follows too."""
     return state.model_copy(
-        update={"suspension": None, "suspended_ms": state.suspended_ms + int(waited)}
+        update=ended(event.type, event.data, state.suspended_ms, state.suspension)
     )
 
 
@@ -414,11 +388,7 @@ FOLDS: dict[str, Fold] = {
     "run.woken": _woken,
     "run.parent_told": lambda state, event: state.model_copy(update={"parent_told": True}),
     "run.resumed": _resumed,
-    **{
-        kind: _ended(status, "output" if status == RunStatus.COMPLETED else "reason")
-        for kind, status in ENDINGS.items()
-    },
-    "run.cancelled": _cancelled,
+    **dict.fromkeys(ENDINGS, _ending),
     "run.budget_raised": lambda state, event: fold_raise(state, event.data, _live_status(state)),
     "run.throttled": _throttled,
 }
@@ -687,6 +657,7 @@ def suspension_event(action: Suspend) -> tuple[str, dict[str, Any]]:
 
 
 __all__ = [
+    "ENDINGS",
     "Action",
     "BLOCKED",
     "CallModel",

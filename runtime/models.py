@@ -271,6 +271,10 @@ class RunState(Strict):
     """The key its start named (a tenant): at most the agent's max_runs_per_key at once."""
     tree: Tree | None = None
     """A run that may start children, or is one: its place in its run tree."""
+    max_suspended_s: int | None = None
+    """The longest the run may wait for a person, fixed by its binding when it was created.
+    None: no limit, or a run whose ``run.created`` did not record it (an earlier release
+    started it; its binding document still says: ``tasks.persistence.max_suspended_s``)."""
 
     @model_serializer(mode="wrap")
     def _omit_unset_lineage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -281,7 +285,13 @@ class RunState(Strict):
             data.pop("parent", None)
             if not data.get("parent_told"):
                 data.pop("parent_told", None)
-        for name in ("throttled_since_ms", "priority", "concurrency_key", "tree"):
+        for name in (
+            "throttled_since_ms",
+            "priority",
+            "concurrency_key",
+            "tree",
+            "max_suspended_s",
+        ):
             if data.get(name) is None:
                 data.pop(name, None)
         return data

@@ -43,7 +43,6 @@ from runtime.continuation import (
     expiry_reason,
     find_applied,
     make_continuation,
-    max_suspended_s_of,
     suspended_for_ms,
 )
 from runtime.errors import (
@@ -62,7 +61,13 @@ from store.runs import RunRecord
 from tasks.context import Context, get_context
 from tasks.lease import holding
 from tasks.messages import Continue, chain_turn, tell_parent_soon
-from tasks.persistence import append_ending, append_events, load, save_snapshot
+from tasks.persistence import (
+    append_ending,
+    append_events,
+    load,
+    max_suspended_s,
+    save_snapshot,
+)
 from tasks.task_base import control_task
 
 log = logging.getLogger("ratchet.control")
@@ -127,7 +132,7 @@ def _continue_holding_lease(
         return "duplicate", (state.seq if state.seq == applied.seq else None)
     suspension = check_suspended(state, events, continuation)
     now = ctx.runs.clock()
-    max_s = max_suspended_s_of(events)
+    max_s = max_suspended_s(ctx, state, events)
     expired = expiry_reason(suspension, max_s, now)
     if expired is not None:
         _expire(ctx, state, expired, owner, now)
@@ -298,10 +303,9 @@ def expire_if_due(ctx: Context, run_id: str) -> bool:
         if not held.taken:
             log.info("run %s: not expired this sweep: its lease is held", run_id)
             return False
-        loaded = load(ctx, run_id, whole_log=True)
-        state = loaded.state
+        state = load(ctx, run_id).state
         now = ctx.runs.clock()
-        reason = expiry_of(state, max_suspended_s_of(loaded.log()), now)
+        reason = expiry_of(state, max_suspended_s(ctx, state), now)
         if reason is None:
             return False
         _expire(ctx, state, reason, held.owner, now)

@@ -14,6 +14,7 @@ import uuid
 from typing import Any, NamedTuple
 
 from runtime.continuation import max_suspended_s_of
+from runtime.endings import ending
 from runtime.errors import (
     EventsDoNotFold,
     NotReplicated,
@@ -24,7 +25,7 @@ from runtime.errors import (
     SnapshotTooLarge,
     StaleWrite,
 )
-from runtime.fsm import ENDINGS, apply, rebuild
+from runtime.fsm import apply, rebuild
 from runtime.models import Event, RunState, RunStatus
 from runtime.recovery import due_after_ms
 from store.runs import Checkpoint, Dropped, Outbox, RunRecord
@@ -325,9 +326,9 @@ def transition(
 def _max_suspended_s(ctx: Context, state: RunState) -> int | None:
     """The run's ``max_suspended_s`` when it waits for a person (else None: not needed).
 
-    From the agent this process has loaded when its binding is the run's (the turn that
-    suspends the run has just loaded it), else from the binding the run was created
-    with: the limit the run started with, whatever the agent file says now.
+    When its state does not hold it, from the agent this process has loaded if its binding
+    is the run's (the turn that suspends the run has just loaded it): no read of the run's
+    first event for a run with no limit.
     """
     suspension = state.suspension
     if (
@@ -336,13 +337,28 @@ def _max_suspended_s(ctx: Context, state: RunState) -> int | None:
         or suspension.reason == RunStatus.WAITING
     ):
         return None
-    try:
-        agent = ctx.agent(state.agent_file)
-        if agent.binding == state.binding:
-            return agent.spec.max_suspended_s
-    except (RatchetError, OSError):
-        pass  # the agent file changed or went: the run's own first event still says
-    return max_suspended_s_of(ctx.runs.events(state.run_id, 0, 1))
+    if state.max_suspended_s is None:
+        try:
+            agent = ctx.agent(state.agent_file)
+            if agent.binding == state.binding:
+                return agent.spec.max_suspended_s
+        except (RatchetError, OSError):
+            pass  # the agent file changed or went: the run's own first event still says
+    return max_suspended_s(ctx, state)
+
+
+def max_suspended_s(ctx: Context, state: RunState, log: list[Event] | None = None) -> int | None:
+    """The run's own ``max_suspended_s``: the limit it started with, whatever its agent file
+    says now.
+
+    Its state holds it, for a run whose ``run.created`` recorded it. Otherwise (a run an
+    earlier release started, or one with no limit: its state cannot tell them apart) the
+    binding document of its first event says: ``log``'s when the caller has the log, else
+    read from the store.
+    """
+    if state.max_suspended_s is not None:
+        return state.max_suspended_s
+    return max_suspended_s_of(log if log is not None else ctx.runs.events(state.run_id, 0, 1))
 
 
 def extended(
@@ -418,34 +434,26 @@ def append_ending(
     stays_due: bool = False,
     parent_ended: str | None = None,
 ) -> RunRecord:
-    """End a run by one event of :data:`runtime.fsm.ENDINGS` without reading its state: the
-    record changed as the fold changes the state (status, error), fenced like
-    :func:`append_events`. For a run :func:`load` raises RunStateLost on, and a cancel,
+    """End a run by one event of :data:`runtime.endings.ENDINGS` without reading its state:
+    the events and the record are :func:`runtime.endings.ending`'s (the fold's rule), fenced
+    like :func:`append_events`. For a run :func:`load` raises RunStateLost on, and a cancel,
     which must not wait for a snapshot. ``stays_due``: the run stays in the due index (a
     child whose parent is not told yet). ``parent_ended``: a child whose parent (that id)
     has ended, so waits for it no more: ``run.parent_told`` is recorded with the ending.
     """
     now = ctx.runs.clock()
-    events = [Event(seq=record.last_seq + 1, type=kind, at_ms=now, data=data)]
-    if parent_ended is not None:
-        told = {"parent": parent_ended, "outcome": "not waiting"}
-        events.append(Event(seq=record.last_seq + 2, type="run.parent_told", at_ms=now, data=told))
-    status = ENDINGS[kind]
-    ended = record.model_copy(
-        update={
-            "status": status,
-            "error": str(data.get("reason") or kind),
-            "last_seq": events[-1].seq,
-            "updated_at_ms": now,
-            "due_at_ms": now if stays_due and parent_ended is None else None,
-            "suspension": None,
-            # As the fold counts it: the suspension an ending says it ended (run.cancelled).
-            "suspended_ms": record.suspended_ms + int(data.get("suspended_ms", 0))
-            if kind == "run.cancelled"
-            else record.suspended_ms,
-        }
+    end = ending(
+        kind,
+        data,
+        last_seq=record.last_seq,
+        now_ms=now,
+        suspended_ms=record.suspended_ms,
+        suspension=record.suspension,
+        is_child=stays_due,
+        parent_ended=parent_ended,
     )
-    ctx.runs.append(ended, events, owner)
+    ended = record.model_copy(update=end.record_changes)
+    ctx.runs.append(ended, end.events, owner)
     if ctx.observers:
-        ctx.observers.committed(record.status, status, events, None)
+        ctx.observers.committed(record.status, ended.status, end.events, None)
     return ended

@@ -16,10 +16,13 @@ import pytest
 
 from runtime.continuation import expires_at_ms, make_continuation
 from runtime.errors import RatchetError
-from runtime.models import RunStatus
+from runtime.fsm import apply, created_event
+from runtime.models import Event, RunStatus
 from store.conformance import FakeClock
+from store.runs import RunRecord
 from store.runs.memory import MemoryRunStore
 from store.runs.redis import RedisRunStore
+from store.snapshots import format as snapshot_format
 from store.snapshots.memory import MemorySnapshotStore
 from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context
@@ -146,4 +149,115 @@ def test_the_sweep_expires_a_run_whose_lease_a_dead_process_still_holds(
     assert [o.run_id for o in ctx.runs.orphaned()] == [run_id]
     # Then the sweep expires it now, not once the dead process's lease runs out
     assert sweep(ctx) == [run_id]
+    assert ctx.runs.get(run_id).status == RunStatus.FAILED  # type: ignore[union-attr]
+
+
+# --- the limit a run started with, recorded in its state ----------------------------
+
+
+def first_event_reads(ctx: Context) -> list[str]:
+    """The runs whose first event is read from now on (``events(run, 0, 1)``)."""
+    reads: list[str] = []
+    events = ctx.runs.events
+
+    def counted(run_id: str, after_seq: int = 0, limit: int | None = None) -> list[Any]:
+        if after_seq == 0 and limit == 1:
+            reads.append(run_id)
+        return events(run_id, after_seq, limit)
+
+    ctx.runs.events = counted  # type: ignore[method-assign]
+    return reads
+
+
+def started_by_the_previous_release(ctx: Context, agent_file: Path) -> str:
+    """A run as the release before this one started it: its ``run.created`` does not
+    record ``max_suspended_s`` at the top (only in its binding document), so neither its
+    state nor any snapshot of it holds the limit."""
+    agent = ctx.agent(agent_file)
+    now = ctx.runs.clock()
+    data = created_event("earlier-release-run", agent, "refund my order", now)
+    assert data.pop("max_suspended_s") == 60
+    assert data["binding_document"]["max_suspended_s"] == 60
+    first = Event(seq=1, type="run.created", at_ms=now, data=data)
+    state = apply(None, first)
+    ctx.runs.create(RunRecord.from_state(state, now, now + 60_000), first)
+    ctx.snapshots.save(state, None)
+    return state.run_id
+
+
+def test_a_run_records_its_limit_in_its_state_and_expires_without_reading_its_first_event(
+    tmp_path: Path, ledger: Path
+) -> None:
+    clock = FakeClock()
+    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    reads = first_event_reads(ctx)
+    # Given a run started under max_suspended_s = 60, waiting for a person
+    run_id = suspended(ctx, tmp_path)
+    saved = ctx.snapshots.load(run_id)
+    assert saved is not None and saved.max_suspended_s == 60
+    assert b'"max_suspended_s": 60' in snapshot_format.encode(saved)
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.due_at_ms == T0_MS + 60_001
+    # When it has waited too long and the sweep comes
+    clock.now_ms += 60_001
+    assert sweep(ctx) == [run_id]
+    # Then it expired, and nothing read its first event for the limit
+    assert ctx.runs.get(run_id).status == RunStatus.FAILED  # type: ignore[union-attr]
+    assert reads == []
+
+
+def test_a_run_with_no_limit_adds_nothing_to_its_snapshot(tmp_path: Path, ledger: Path) -> None:
+    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=FakeClock()))
+    run_id = suspended(ctx, tmp_path, extra="")
+    saved = ctx.snapshots.load(run_id)
+    assert saved is not None and saved.max_suspended_s is None
+    assert b"max_suspended_s" not in snapshot_format.encode(saved)
+    assert "max_suspended_s" not in ctx.runs.events(run_id)[0].data
+
+
+def test_a_run_the_previous_release_started_and_checkpointed_still_expires(
+    tmp_path: Path, ledger: Path
+) -> None:
+    clock = FakeClock()
+    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    agent_file = write_agent(tmp_path, ASK, extra="max_suspended_s = 60")
+    # Given a run the previous release started, suspended on a person, whose snapshot
+    # is the previous release's: no max_suspended_s in it
+    run_id = started_by_the_previous_release(ctx, agent_file)
+    assert drive(ctx, run_id).outcome == "suspended"
+    saved = ctx.snapshots.load(run_id)
+    assert saved is not None and saved.max_suspended_s is None
+    assert b"max_suspended_s" not in snapshot_format.encode(saved)
+    # Then it sits in the due index at its expiry all the same (its binding says)
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.due_at_ms == T0_MS + 60_001
+    # And when its agent file has changed since (a longer limit), the sweep still expires
+    # it by the limit it started with, read from its first event
+    write_agent(tmp_path, ASK, extra="max_suspended_s = 600")
+    reads = first_event_reads(ctx)
+    clock.now_ms += 60_001
+    assert sweep(ctx) == [run_id]
+    assert ctx.runs.get(run_id).status == RunStatus.FAILED  # type: ignore[union-attr]
+    assert reads == [run_id]
+
+
+def test_an_answer_to_a_run_the_previous_release_started_expires_it_when_late(
+    tmp_path: Path, ledger: Path
+) -> None:
+    clock = FakeClock()
+    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    agent_file = write_agent(tmp_path, ASK, extra="max_suspended_s = 60")
+    # Given a run the previous release started and suspended
+    run_id = started_by_the_previous_release(ctx, agent_file)
+    assert drive(ctx, run_id).outcome == "suspended"
+    record = ctx.runs.get(run_id)
+    assert record is not None and record.suspension is not None
+    # When its answer arrives after 61 s
+    clock.now_ms += 61_000
+    answer = make_continuation(
+        run_id, "late", input="order B2", suspension_seq=record.suspension.seq
+    )
+    # Then the answer is refused and the run has expired, by the limit it started with
+    with pytest.raises(RatchetError, match="max_suspended_s of 60"):
+        apply_continuation(ctx, answer)
     assert ctx.runs.get(run_id).status == RunStatus.FAILED  # type: ignore[union-attr]

@@ -186,6 +186,24 @@ def test_a_fork_of_a_suspended_run_answers_its_own_suspension(tmp_path: Path) ->
     assert state_of(ctx, original).status == RunStatus.NEEDS_USER_INPUT
 
 
+def test_a_fork_waits_for_a_person_as_long_as_the_agent_it_runs_under_allows(
+    tmp_path: Path,
+) -> None:
+    ctx = memory_context()
+    ask = [turn("Which order?", call("request_user_input", prompt="Which order?")), turn("Done.")]
+    agent = write_agent(tmp_path, ask, name="asks", extra="max_suspended_s = 60")
+    original = create_run(ctx, agent, "Refund my order", "asking").run_id
+    assert drive(ctx, original).outcome == "suspended"
+    assert state_of(ctx, original).max_suspended_s == 60
+    # Given the agent's limit was changed since the run started
+    write_agent(tmp_path, ask, name="asks", extra="max_suspended_s = 600")
+    # When the suspended run is forked under the agent as it is now
+    forked = fork(ctx, original, None, "asking-fork", rebind=True, enqueue=no_enqueue)
+    # Then the fork has the new limit, the original keeps its own
+    assert forked.state.max_suspended_s == state_of(ctx, "asking-fork").max_suspended_s == 600
+    assert state_of(ctx, original).max_suspended_s == 60
+
+
 def test_a_fork_of_a_fork_folds_its_whole_lineage(tmp_path: Path, ledger: Path) -> None:
     ctx = memory_context()
     original = completed_run(ctx, tmp_path)
