@@ -58,6 +58,14 @@ def past_deadline(directory: Path, late_ms: int) -> tuple[Context, str]:
     return ctx, run_id
 
 
+def assert_resume_refused(
+    ctx: Context, run_id: str, match: str, error: type[Exception] = RunRefused
+) -> None:
+    """An operator's resume of the run is refused with ``error``, saying ``match``."""
+    with pytest.raises(error, match=match):
+        Ratchet(ctx).resume(run_id)
+
+
 def refund_agent(directory: Path, amount: int = 2900) -> Path:
     return write_agent(
         directory,
@@ -259,8 +267,7 @@ def test_resume_refuses_a_completed_run_and_says_nothing_is_left(
     ctx = memory_context()
     run_id = create_run(ctx, write_agent(tmp_path, [turn("done")]), "x").run_id
     drive(ctx, run_id)
-    with pytest.raises(RunRefused, match="is completed: there is nothing to resume"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "is completed: there is nothing to resume")
 
 
 def test_resume_refuses_a_suspended_run_and_points_to_continue(
@@ -270,8 +277,7 @@ def test_resume_refuses_a_suspended_run_and_points_to_continue(
     agent = write_agent(tmp_path, [turn("?", call("request_user_input", prompt="which?"))])
     run_id = create_run(ctx, agent, "x").run_id
     drive(ctx, run_id)
-    with pytest.raises(RunRefused, match=f"ratchet runs continue {run_id}"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, f"ratchet runs continue {run_id}")
 
 
 def test_resume_refuses_a_parked_run_and_names_the_call_to_reconcile(
@@ -279,8 +285,7 @@ def test_resume_refuses_a_parked_run_and_names_the_call_to_reconcile(
 ) -> None:
     ctx = memory_context()
     run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
-    with pytest.raises(RunRefused, match=f"ratchet runs reconcile {run_id} {call_id}"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, f"ratchet runs reconcile {run_id} {call_id}")
 
 
 def test_resume_refuses_a_changed_agent_and_says_what_changed(tmp_path: Path, ledger: Path) -> None:
@@ -288,16 +293,14 @@ def test_resume_refuses_a_changed_agent_and_says_what_changed(tmp_path: Path, le
     agent = refund_agent(tmp_path)
     run_id = create_run(ctx, agent, "x").run_id
     agent.write_text(agent.read_text().replace("You are a test agent.", "Be someone else."))
-    with pytest.raises(BindingChanged, match="changed: system"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "changed: system", BindingChanged)
 
 
 def test_resume_refuses_a_run_past_its_deadline_as_restart_required(
     tmp_path: Path, ledger: Path
 ) -> None:
     ctx, run_id = past_deadline(tmp_path, 6_000)
-    with pytest.raises(RunRefused, match="budget `timeout_seconds` exhausted"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "budget `timeout_seconds` exhausted")
 
 
 def test_resume_refuses_a_run_whose_checkpoint_and_events_are_both_gone(
@@ -308,8 +311,7 @@ def test_resume_refuses_a_run_whose_checkpoint_and_events_are_both_gone(
     ctx.snapshots.delete(run_id)
     assert isinstance(ctx.runs, MemoryRunStore)
     ctx.runs._logs[run_id] = []  # the event log lost, as by a wiped table
-    with pytest.raises(RunRefused, match="no snapshot and its events cannot rebuild one"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "no snapshot and its events cannot rebuild one")
 
 
 def test_a_sweeper_that_cannot_resume_a_live_run_dead_letters_it_instead_of_looping(
