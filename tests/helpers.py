@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import pytest
 
 from runtime.actions import Advanced
 from store.runs.memory import MemoryRunStore
@@ -77,6 +80,18 @@ def refunds(ledger: Path) -> list[str]:
     """The ledger's refunds as ``refund ORDER CENTS``: without the idempotency key that the
     example's ``send_refund`` books beside each (``issue_refund`` books none)."""
     return [" ".join(line.split()[:3]) for line in ledger.read_text().splitlines()]
+
+
+def fresh_key(
+    monkeypatch: pytest.MonkeyPatch, variable: str, prefix: str, unset: tuple[str, ...] = ()
+) -> str:
+    """A provider key no other test uses, set in ``variable`` of this process's environment
+    (which the session worker shares), with the variables ``unset`` removed."""
+    for name in unset:
+        monkeypatch.delenv(name, raising=False)
+    secret = f"{prefix}{uuid.uuid4().hex}"
+    monkeypatch.setenv(variable, secret)
+    return secret
 
 
 def memory_context(**settings: Any) -> Context:

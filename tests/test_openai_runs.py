@@ -16,7 +16,6 @@ import json
 import logging
 import sqlite3
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests import probed_tools
-from tests.helpers import drive, memory_context
+from tests.helpers import drive, fresh_key, memory_context
 from tests.openai_server import OpenAIServer, RecordedRequest, load_fixture, serve
 from tests.redis_server import RedisServer
 from tests.workers import BROKER_DB
@@ -58,19 +57,14 @@ WAIT_S = 15.0
 
 
 @pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with serve() as running:
-        yield running
-
-
-@pytest.fixture
 def key(monkeypatch: pytest.MonkeyPatch) -> str:
     """A key no other test uses, in the variable the agent names (the worker shares our env)."""
-    for name in ("RATCHET_OPENAI_BASE_URL", "RATCHET_OPENAI_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    secret = f"sk-test-{uuid.uuid4().hex}"
-    monkeypatch.setenv(KEY_VAR, secret)
-    return secret
+    return fresh_key(
+        monkeypatch,
+        KEY_VAR,
+        "sk-test-",
+        unset=("RATCHET_OPENAI_BASE_URL", "RATCHET_OPENAI_API_KEY"),
+    )
 
 
 def write_openai_agent(
