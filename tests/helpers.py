@@ -76,6 +76,27 @@ def turn(content: str, *calls: dict[str, Any], tokens: tuple[int, int] = (10, 5)
     }
 
 
+LOOK_REFUND_ANSWER = [
+    turn("look", call("lookup_order", order_id="B2")),
+    turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
+    turn("Refunded."),
+]
+"""A script that looks order B2 up, refunds it 2900 cents, and answers ``Refunded.``."""
+
+
+def tool_turn_events(tool_turns: int) -> list[str]:
+    """The event types of a run whose first ``tool_turns`` turns each ran one tool, and
+    whose next answered: it completed."""
+    tool_turn = ["model.requested", "model.responded", "tool.requested", "tool.completed"]
+    return [
+        "run.created",
+        *tool_turn * tool_turns,
+        "model.requested",
+        "model.responded",
+        "run.completed",
+    ]
+
+
 def refunds(ledger: Path) -> list[str]:
     """The ledger's refunds as ``refund ORDER CENTS``: without the idempotency key that the
     example's ``send_refund`` books beside each (``issue_refund`` books none)."""
