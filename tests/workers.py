@@ -260,6 +260,21 @@ class WorkerProcesses:
             worker.kill()
 
 
+def ratchet_cli(
+    env: dict[str, str], *args: str, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``ratchet ARGS`` (``python -m worker``) in a process of its own under ``env``, as an
+    operator would type it; its exit status and output, as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 def worker_env(redis_url: str, ledger: Path, data_dir: Path, **extra: str) -> dict[str, str]:
     """Environment of a worker subprocess whose broker and stores are all on ``redis_url``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}

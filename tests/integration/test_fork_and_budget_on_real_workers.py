@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from runtime.models import RunStatus
 from tests.helpers import call, refunds, turn, write_agent
-from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses
+from tests.workers import EXAMPLE_AGENT, WorkerProcesses, ratchet_cli
 
 
 def wait_until_finished(env: dict[str, str], run_id: str, log: Callable[[], str]) -> Any:
@@ -29,14 +28,7 @@ def wait_until_finished(env: dict[str, str], run_id: str, log: Callable[[], str]
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
+    return ratchet_cli(env, *args, timeout_s=80)
 
 
 @pytest.mark.timeout(120)
