@@ -151,13 +151,21 @@ def calls_while(work: Any, name: str, in_file: str = "") -> int:
 
 
 @contextmanager
-def combined_sqlite_context(path: Path) -> Iterator[Context]:
-    """A context whose stores share one SQLite file (a transition is one commit), installed
-    for the process while the block runs."""
-    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
-    assert context.runs.commits_with(context.snapshots)
+def installed_context(context: Context) -> Iterator[Context]:
+    """``context`` installed for the process (:func:`tasks.context.set_context`) while the
+    block runs, and uninstalled after it."""
     set_context(context)
     try:
         yield context
     finally:
         set_context(None)
+
+
+@contextmanager
+def combined_sqlite_context(path: Path) -> Iterator[Context]:
+    """A context whose stores share one SQLite file (a transition is one commit), installed
+    for the process while the block runs."""
+    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
+    assert context.runs.commits_with(context.snapshots)
+    with installed_context(context):
+        yield context
