@@ -299,15 +299,6 @@ def test_a_concurrency_cap_of_2_runs_10_runs_at_most_2_at_once_in_order(
     )
 
 
-@pytest.fixture(params=["redis", "rabbitmq"])
-def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
-    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
-    if request.param == "redis":
-        return redis_url
-    url: str = request.getfixturevalue("rabbitmq_vhost")
-    return url
-
-
 @pytest.mark.timeout(180)
 def test_a_turn_of_a_run_under_way_is_taken_before_first_turns_queued_earlier(
     worker_processes: WorkerProcesses, redis_url: str, broker_url: str, tmp_path: Path
