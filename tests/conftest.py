@@ -17,6 +17,7 @@ pytest_plugins = (
     "tests.redis_server",
     "tests.cluster_servers",
     "tests.s3_server",
+    "tests.openai_server",
     "tests.workers",
     "tests.netns",
 )

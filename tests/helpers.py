@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import pytest
 
 from runtime.actions import Advanced
 from store.runs.memory import MemoryRunStore
@@ -73,10 +76,43 @@ def turn(content: str, *calls: dict[str, Any], tokens: tuple[int, int] = (10, 5)
     }
 
 
+LOOK_REFUND_ANSWER = [
+    turn("look", call("lookup_order", order_id="B2")),
+    turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
+    turn("Refunded."),
+]
+"""A script that looks order B2 up, refunds it 2900 cents, and answers ``Refunded.``."""
+
+
+def tool_turn_events(tool_turns: int) -> list[str]:
+    """The event types of a run whose first ``tool_turns`` turns each ran one tool, and
+    whose next answered: it completed."""
+    tool_turn = ["model.requested", "model.responded", "tool.requested", "tool.completed"]
+    return [
+        "run.created",
+        *tool_turn * tool_turns,
+        "model.requested",
+        "model.responded",
+        "run.completed",
+    ]
+
+
 def refunds(ledger: Path) -> list[str]:
     """The ledger's refunds as ``refund ORDER CENTS``: without the idempotency key that the
     example's ``send_refund`` books beside each (``issue_refund`` books none)."""
     return [" ".join(line.split()[:3]) for line in ledger.read_text().splitlines()]
+
+
+def fresh_key(
+    monkeypatch: pytest.MonkeyPatch, variable: str, prefix: str, unset: tuple[str, ...] = ()
+) -> str:
+    """A provider key no other test uses, set in ``variable`` of this process's environment
+    (which the session worker shares), with the variables ``unset`` removed."""
+    for name in unset:
+        monkeypatch.delenv(name, raising=False)
+    secret = f"{prefix}{uuid.uuid4().hex}"
+    monkeypatch.setenv(variable, secret)
+    return secret
 
 
 def memory_context(**settings: Any) -> Context:
@@ -115,13 +151,21 @@ def calls_while(work: Any, name: str, in_file: str = "") -> int:
 
 
 @contextmanager
-def combined_sqlite_context(path: Path) -> Iterator[Context]:
-    """A context whose stores share one SQLite file (a transition is one commit), installed
-    for the process while the block runs."""
-    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
-    assert context.runs.commits_with(context.snapshots)
+def installed_context(context: Context) -> Iterator[Context]:
+    """``context`` installed for the process (:func:`tasks.context.set_context`) while the
+    block runs, and uninstalled after it."""
     set_context(context)
     try:
         yield context
     finally:
         set_context(None)
+
+
+@contextmanager
+def combined_sqlite_context(path: Path) -> Iterator[Context]:
+    """A context whose stores share one SQLite file (a transition is one commit), installed
+    for the process while the block runs."""
+    context = Context(Settings(), SqliteSnapshotStore(path), SqliteRunStore(path))
+    assert context.runs.commits_with(context.snapshots)
+    with installed_context(context):
+        yield context

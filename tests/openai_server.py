@@ -30,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 FIXTURES = Path(__file__).parent / "fixtures" / "openai"
 
 
@@ -251,3 +253,10 @@ def serve() -> Iterator[OpenAIServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def server() -> Iterator[OpenAIServer]:
+    """A started server of the test's own (a module may define a ``server`` of its own)."""
+    with serve() as running:
+        yield running

@@ -9,7 +9,6 @@ worker, and ``celery -A worker worker`` subprocesses on each pool.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,8 @@ from runtime_io.providers.known import make_provider
 from tasks.limits import limit_store
 from tasks.settings import Settings
 from tasks.start import create_run
-from tests.openai_server import OpenAIServer, serve
+from tests.helpers import fresh_key
+from tests.openai_server import OpenAIServer
 from tests.workers import WorkerProcesses, redis_context
 from worker.api import Ratchet
 from worker.app import make_app
@@ -67,18 +67,13 @@ def error(kind: str, text_: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with serve() as running:
-        yield running
-
-
-@pytest.fixture
 def key(monkeypatch: pytest.MonkeyPatch) -> str:
-    for name in ("RATCHET_ANTHROPIC_BASE_URL", "RATCHET_ANTHROPIC_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    secret = f"sk-ant-test-{uuid.uuid4().hex}"
-    monkeypatch.setenv(KEY_VAR, secret)
-    return secret
+    return fresh_key(
+        monkeypatch,
+        KEY_VAR,
+        "sk-ant-test-",
+        unset=("RATCHET_ANTHROPIC_BASE_URL", "RATCHET_ANTHROPIC_API_KEY"),
+    )
 
 
 def provider(server: OpenAIServer, **table: Any) -> AnthropicProvider:

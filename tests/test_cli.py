@@ -30,7 +30,7 @@ from store.runs.sqlite import SqliteRunStore
 from tasks.context import Context, set_context
 from tasks.settings import Settings
 from tasks.start import create_run
-from tests.helpers import call, drive, memory_context, turn, write_agent
+from tests.helpers import call, drive, installed_context, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main
 from worker.exits import Exit
@@ -53,11 +53,8 @@ def clock() -> FakeClock:
 def ctx(clock: FakeClock, ledger: Path) -> Iterator[Context]:
     context = memory_context()
     context.runs = MemoryRunStore(clock=clock)
-    set_context(context)
-    try:
+    with installed_context(context):
         yield context
-    finally:
-        set_context(None)
 
 
 def cli(*args: str, input: str | None = None) -> Result:

@@ -23,11 +23,11 @@ from store.limits.memory import MemoryLimitStore
 from store.limits.redis import RedisLimitStore
 from store.limits.sqlite import SqliteLimitStore
 from store.runs.redis import RedisRunStore
-from tasks.context import Context, set_context
+from tasks.context import Context
 from tasks.limits import limit_store
 from tasks.settings import load_settings
 from tasks.start import create_run
-from tests.helpers import memory_context, turn, write_agent
+from tests.helpers import installed_context, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main
 
@@ -36,12 +36,8 @@ NOT_FINITE = ["nan", "inf", "-inf"]
 
 @pytest.fixture
 def ctx() -> Iterator[Context]:
-    context = memory_context()
-    set_context(context)
-    try:
+    with installed_context(memory_context()) as context:
         yield context
-    finally:
-        set_context(None)
 
 
 CLI_COMMANDS = [

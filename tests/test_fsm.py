@@ -72,11 +72,33 @@ def answered(
     return step(state, "model.responded", content="", tool_calls=tool_calls, usage=usage)
 
 
+def suspended_on(
+    state: RunState, call: Any, reason: str = "needs_user_input", prompt: str = "which?"
+) -> RunState:
+    """``state`` with the run suspended on ``call`` (a tool call: a person's input or an
+    approval it waits for)."""
+    return step(
+        state,
+        "run.suspended",
+        reason=reason,
+        call_id=call.id,
+        tool=call.name,
+        arguments={},
+        prompt=prompt,
+    )
+
+
 def tools_done(state: RunState) -> RunState:
     for pending in state.pending:
         state = step(state, "tool.requested", call_id=pending.id, name=pending.name)
         state = step(state, "tool.completed", call_id=pending.id, name=pending.name, result={})
     return state
+
+
+def assert_refused(state: RunState, a: Agent, reason: str) -> None:
+    """``decide`` fails the run, saying ``reason``."""
+    refused = decide(state, a, T0_MS)
+    assert isinstance(refused, Fail) and reason in refused.reason, refused
 
 
 # --- budgets at their exact limits -------------------------------------------
@@ -90,9 +112,7 @@ def test_the_token_budget_allows_a_model_call_one_token_below_it_and_refuses_one
     at = tools_done(answered(started(a), "lookup_order", tokens=(10, 5)))
 
     assert isinstance(decide(below, a, T0_MS), CallModel)
-    refused = decide(at, a, T0_MS)
-    assert isinstance(refused, Fail)
-    assert "budget `max_total_tokens` exhausted: 15 used of 15" in refused.reason
+    assert_refused(at, a, "budget `max_total_tokens` exhausted: 15 used of 15")
 
 
 def test_a_token_budget_the_provider_gives_no_usage_for_fails_rather_than_guessing(
@@ -101,9 +121,7 @@ def test_a_token_budget_the_provider_gives_no_usage_for_fails_rather_than_guessi
     a = agent(tmp_path, max_total_tokens=1_000_000)
     state = tools_done(answered(started(a), "lookup_order", tokens=None))
 
-    refused = decide(state, a, T0_MS)
-
-    assert isinstance(refused, Fail) and "cannot be enforced" in refused.reason
+    assert_refused(state, a, "cannot be enforced")
     # Without a token budget the same run goes on.
     unbudgeted = agent(tmp_path / "u")
     plain = tools_done(answered(started(unbudgeted), "lookup_order", tokens=None))
@@ -118,8 +136,7 @@ def test_the_turn_budget_allows_the_last_attempt_and_refuses_the_one_after(
     three = tools_done(answered(two, "lookup_order"))
 
     assert isinstance(decide(two, a, T0_MS), CallModel)
-    refused = decide(three, a, T0_MS)
-    assert isinstance(refused, Fail) and "`max_turns` exhausted: 3 used of 3" in refused.reason
+    assert_refused(three, a, "`max_turns` exhausted: 3 used of 3")
 
 
 def test_a_provider_retry_within_one_model_call_counts_against_the_turn_budget(
@@ -130,8 +147,7 @@ def test_a_provider_retry_within_one_model_call_counts_against_the_turn_budget(
     state = tools_done(answered(started(a), "lookup_order", retries=2))
 
     assert state.usage.model_turns == 1 and state.usage.model_attempts == 3
-    refused = decide(state, a, T0_MS)
-    assert isinstance(refused, Fail) and "3 used of 3" in refused.reason
+    assert_refused(state, a, "3 used of 3")
 
 
 def test_the_tool_call_budget_allows_the_last_call_and_refuses_the_one_after(
@@ -150,8 +166,7 @@ def test_the_tool_call_budget_allows_the_last_call_and_refuses_the_one_after(
     state = step(state, "tool.failed", call_id=call.id, name=call.name, error="no")
 
     assert state.usage.tool_calls == 2  # a failed call counts too
-    refused = decide(state, a, T0_MS)
-    assert isinstance(refused, Fail) and "`max_tool_calls` exhausted: 2 used of 2" in refused.reason
+    assert_refused(state, a, "`max_tool_calls` exhausted: 2 used of 2")
 
 
 def test_answers_no_tool_produced_do_not_count_as_tool_calls(tmp_path: Path) -> None:
@@ -160,15 +175,7 @@ def test_answers_no_tool_produced_do_not_count_as_tool_calls(tmp_path: Path) -> 
     state = answered(started(a), "request_user_input")
     ask = decide(state, a, T0_MS)
     assert isinstance(ask, Suspend) and ask.reason == RunStatus.NEEDS_USER_INPUT
-    state = step(
-        state,
-        "run.suspended",
-        reason="needs_user_input",
-        call_id=ask.call.id,
-        tool=ask.call.name,
-        arguments={},
-        prompt="which?",
-    )
+    state = suspended_on(state, ask.call)
     state = step(state, "run.continued", continuation_id="c1", input="B2", suspended_ms=5)
 
     assert state.usage.tool_calls == 0
@@ -179,39 +186,33 @@ def test_answers_no_tool_produced_do_not_count_as_tool_calls(tmp_path: Path) -> 
 # --- the deadline, before a model call and before a tool call -----------------
 
 
-def test_the_deadline_is_checked_before_a_model_call(tmp_path: Path) -> None:
-    a = agent(tmp_path, timeout_seconds=10)
-    state = tools_done(answered(started(a), "lookup_order"))
-    deadline = T0_MS + 10_000
-
-    assert isinstance(decide(state, a, deadline), CallModel)
-    late = decide(state, a, deadline + 1)
-    assert isinstance(late, Fail) and "budget `timeout_seconds` exhausted" in late.reason
-
-
-def test_the_deadline_is_checked_before_a_tool_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("tools_ran", "next_action", "refusal"),
+    [
+        (True, CallModel, "budget `timeout_seconds` exhausted"),
+        (False, RunTool, "`timeout_seconds` exhausted: 10 used of 10"),
+    ],
+    ids=["before_a_model_call", "before_a_tool_call"],
+)
+def test_the_deadline_is_checked_before_a_model_call_and_before_a_tool_call(
+    tmp_path: Path, tools_ran: bool, next_action: type, refusal: str
+) -> None:
     a = agent(tmp_path, timeout_seconds=10)
     state = answered(started(a), "lookup_order")
+    if tools_ran:
+        state = tools_done(state)
     deadline = T0_MS + 10_000
 
-    assert isinstance(decide(state, a, deadline), RunTool)
+    assert isinstance(decide(state, a, deadline), next_action)
     late = decide(state, a, deadline + 1)
-    assert isinstance(late, Fail) and "`timeout_seconds` exhausted: 10 used of 10" in late.reason
+    assert isinstance(late, Fail) and refusal in late.reason
 
 
 def test_time_suspended_moves_the_deadline_by_exactly_that_long(tmp_path: Path) -> None:
     a = agent(tmp_path, timeout_seconds=10)
     state = answered(started(a), "request_user_input")
     ask = state.pending[0]
-    state = step(
-        state,
-        "run.suspended",
-        reason="needs_user_input",
-        call_id=ask.id,
-        tool=ask.name,
-        arguments={},
-        prompt="which?",
-    )
+    state = suspended_on(state, ask)
     state = step(state, "run.continued", continuation_id="c1", input="B2", suspended_ms=60_000)
     deadline = T0_MS + 10_000 + 60_000
 
@@ -226,15 +227,7 @@ def test_a_finished_or_suspended_run_has_nothing_to_do(tmp_path: Path) -> None:
     a = agent(tmp_path)
     state = answered(started(a), "request_user_input")
     ask = state.pending[0]
-    suspended = step(
-        state,
-        "run.suspended",
-        reason="needs_user_input",
-        call_id=ask.id,
-        tool=ask.name,
-        arguments={},
-        prompt="which?",
-    )
+    suspended = suspended_on(state, ask)
     done = step(answered(started(a)), "run.completed", output="ok")
 
     assert isinstance(decide(suspended, a, T0_MS), Idle)
@@ -250,15 +243,7 @@ def test_a_tool_that_needs_approval_suspends_until_approved_then_runs(tmp_path: 
     state = answered(started(a), "issue_refund")
     wait = decide(state, a, T0_MS)
     assert isinstance(wait, Suspend) and wait.reason == RunStatus.AWAITING_APPROVAL
-    state = step(
-        state,
-        "run.suspended",
-        reason="awaiting_approval",
-        call_id=wait.call.id,
-        tool=wait.call.name,
-        arguments={},
-        prompt=wait.prompt,
-    )
+    state = suspended_on(state, wait.call, "awaiting_approval", wait.prompt)
     state = step(state, "run.continued", continuation_id="c1", approved=True, suspended_ms=1)
 
     assert state.status == RunStatus.TOOLS and state.pending and state.approved

@@ -281,17 +281,25 @@ def test_a_redelivered_turn_waits_past_its_patience_for_a_holder_whose_liveness_
     assert [e.type for e in ctx.runs.events(run_id)][1] == "run.resumed"
 
 
+def parked_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Context, str, str]:
+    """A run on memory stores (with :data:`SHORT`'s lease and liveness) that parked with a
+    refund in flight: its context, id and open call."""
+    from tests.test_recovery import park_with_refund_in_flight, refund_agent
+
+    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
+    ctx = memory_context(**SHORT)
+    run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    return ctx, run_id, call_id
+
+
 @pytest.mark.timeout(60)
 def test_an_operators_reconciliation_of_a_parked_run_whose_holder_died_is_recorded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tasks.recovery import reconcile
-    from tests.test_recovery import park_with_refund_in_flight, refund_agent
 
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
     # Given a parked run whose lease a process that died still holds
-    ctx = memory_context(**SHORT)
-    run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    ctx, run_id, call_id = parked_run(tmp_path, monkeypatch)
     dead_owner(ctx, run_id)
 
     # When an operator decides its open call
@@ -316,13 +324,10 @@ def test_an_operators_reconciliation_waits_for_the_worker_still_letting_go_of_th
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tasks.recovery import reconcile
-    from tests.test_recovery import park_with_refund_in_flight, refund_agent
 
-    monkeypatch.setenv("RATCHET_EXAMPLE_LEDGER", str(tmp_path / "ledger"))
     # Given a run that just parked, whose worker (alive) has not yet let its lease go:
     # the peer benchmark's operator saw needs_reconciliation and reconciled at once
-    ctx = memory_context(**SHORT)
-    run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
+    ctx, run_id, call_id = parked_run(tmp_path, monkeypatch)
     ctx.runs.renew_liveness("parking-host:7:abc", 60.0)
     assert ctx.runs.claim_lease(run_id, "parking-host:7:abc/t", 60).taken
     let_go = threading.Timer(0.3, ctx.runs.release_lease, (run_id, "parking-host:7:abc/t"))

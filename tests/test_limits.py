@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.agent import Agent
 from runtime.fsm import apply, rebuild
 from runtime.limits import (
     Rate,
@@ -19,8 +20,10 @@ from runtime.limits import (
     retry_after_ms,
     schedule,
 )
-from runtime.models import Event, Message, RunStatus
+from runtime.models import Event, Message, RunState, RunStatus
+from runtime.provider import ModelRequest
 from store.limits.memory import MemoryLimitStore
+from tasks.context import Context
 from tasks.limits import admit, use_limit_store
 from tasks.start import create_run
 from tasks.turn import advance
@@ -113,6 +116,35 @@ class Clock:
         return self.ms
 
 
+def limited(store: MemoryLimitStore | None = None) -> tuple[Context, MemoryLimitStore]:
+    """A memory context whose limits ``store`` keeps (by default one on a still clock)."""
+    ctx = memory_context()
+    store = MemoryLimitStore(clock=Clock()) if store is None else store
+    use_limit_store(ctx, store)
+    return ctx, store
+
+
+def first_request(ctx: Context, path: Path) -> tuple[Agent, RunState, ModelRequest]:
+    """The agent at ``path``, a run of it just created, and its first model request."""
+    from runtime.fsm import decide
+
+    agent = ctx.agent(path)
+    state = create_run(ctx, path, "hi")
+    return agent, state, decide(state, agent, 0).request()  # type: ignore[union-attr]
+
+
+def assert_waits_for_a_place(ctx: Context, run_id: str, limit: str) -> None:
+    """The run's turn ends, to be chained later, waiting for a place under ``limit``."""
+    done = advance(ctx, run_id, None)
+    assert done.outcome == "next" and done.countdown_s > 0
+    waited = ctx.runs.events(run_id)[-1]
+    assert (waited.type, waited.data["reason"], waited.data["limit"]) == (
+        "run.throttled",
+        "concurrency",
+        limit,
+    )
+
+
 # --- the turn ------------------------------------------------------------------------
 
 
@@ -120,9 +152,8 @@ def test_a_turn_over_its_limit_records_run_throttled_and_counts_no_attempt(
     tmp_path: Path,
 ) -> None:
     # Given an agent limited to one call a second, and a clock that does not move
-    ctx = memory_context()
     clock = Clock()
-    use_limit_store(ctx, MemoryLimitStore(clock=clock))
+    ctx, _ = limited(MemoryLimitStore(clock=clock))
     agent = write_agent(
         tmp_path,
         [turn("Looking.", call("lookup_order", order_id="B2")), turn("Done.")],
@@ -152,9 +183,7 @@ def test_a_turn_over_its_limit_records_run_throttled_and_counts_no_attempt(
 def test_a_run_over_its_limit_longer_than_max_wait_s_is_stalled_saying_why(
     tmp_path: Path,
 ) -> None:
-    ctx = memory_context()
-    store = MemoryLimitStore(clock=Clock())
-    use_limit_store(ctx, store)
+    ctx, store = limited()
     store.block("k", 3_600_000)  # the provider asked for an hour
     agent = write_agent(tmp_path, [turn("Done.")], extra='[limits]\nkey = "k"\nmax_wait_s = 60')
     run = create_run(ctx, agent, "Where is B2?")
@@ -169,16 +198,9 @@ def test_a_run_over_its_limit_longer_than_max_wait_s_is_stalled_saying_why(
 
 
 def test_admit_reads_a_limit_changed_at_run_time(tmp_path: Path) -> None:
-    ctx = memory_context()
-    store = MemoryLimitStore(clock=Clock())
-    use_limit_store(ctx, store)
+    ctx, store = limited()
     path = write_agent(tmp_path, [turn("Done.")], extra='[limits]\nkey = "k"')
-    agent = ctx.agent(path)
-    state = create_run(ctx, path, "hi")
-    from runtime.fsm import decide
-
-    action = decide(state, agent, 0)
-    request = action.request()  # type: ignore[union-attr]
+    agent, state, request = first_request(ctx, path)
     assert not isinstance(admit(ctx, agent, state, request), Wait)  # no rates: goes
     store.set_override("k", {"requests_per_minute": 60, "burst_s": 0.001})
     ctx.limits().overrides.read_at = -1e9  # the cache's few seconds, passed
@@ -234,22 +256,13 @@ def test_a_start_may_set_its_priority_and_concurrency_key_and_bad_ones_are_refus
 
 
 def test_a_concurrency_key_puts_the_run_under_the_agents_cap_per_key(tmp_path: Path) -> None:
-    ctx = memory_context()
-    store = MemoryLimitStore()
-    use_limit_store(ctx, store)
+    ctx, store = limited(MemoryLimitStore())
     agent = write_agent(tmp_path, [turn("Done.")], extra="[limits]\nmax_runs_per_key = 1")
     first = create_run(ctx, agent, "hi", concurrency_key="tenant-a")
     second = create_run(ctx, agent, "hi", concurrency_key="tenant-a")
     other = create_run(ctx, agent, "hi", concurrency_key="tenant-b")
     assert store.acquire("key:tenant-a", first.run_id, 1).held  # first holds tenant-a's place
-    done = advance(ctx, second.run_id, None)
-    assert done.outcome == "next" and done.countdown_s > 0
-    waited = ctx.runs.events(second.run_id)[-1]
-    assert (waited.type, waited.data["reason"], waited.data["limit"]) == (
-        "run.throttled",
-        "concurrency",
-        "key:tenant-a",
-    )
+    assert_waits_for_a_place(ctx, second.run_id, "key:tenant-a")
     assert advance(ctx, other.run_id, None).outcome == "completed"  # another tenant goes
 
 
@@ -257,9 +270,7 @@ def test_a_run_whose_key_has_no_rate_costs_no_admission_but_its_key_is_listed(
     tmp_path: Path,
 ) -> None:
     # Given an agent naming a limit key but setting no rate
-    ctx = memory_context()
-    store = MemoryLimitStore(clock=Clock())
-    use_limit_store(ctx, store)
+    ctx, store = limited()
     path = write_agent(
         tmp_path,
         [turn("Looking.", call("lookup_order", order_id="B2")), turn("Done.")],
@@ -281,15 +292,10 @@ def test_a_429_holds_a_key_without_rates_off_here_at_once_and_elsewhere_within_t
 ) -> None:
     import tasks.limits
     from runtime.errors import ProviderRateLimited
-    from runtime.fsm import decide
 
-    ctx = memory_context()
-    store = MemoryLimitStore(clock=Clock())
-    use_limit_store(ctx, store)
+    ctx, store = limited()
     path = write_agent(tmp_path, [turn("Done.")], extra='[limits]\nkey = "k"')
-    agent = ctx.agent(path)
-    state = create_run(ctx, path, "hi")
-    request = decide(state, agent, 0).request()  # type: ignore[union-attr]
+    agent, state, request = first_request(ctx, path)
     go = admit(ctx, agent, state, request)
     assert not isinstance(go, Wait)
 
@@ -310,9 +316,7 @@ def test_a_429_holds_a_key_without_rates_off_here_at_once_and_elsewhere_within_t
 
 def test_a_cap_set_at_run_time_holds_an_agent_whose_file_sets_none(tmp_path: Path) -> None:
     # Given an agent whose file sets no cap and no rate: its turns pay for no limit
-    ctx = memory_context()
-    store = MemoryLimitStore()
-    use_limit_store(ctx, store)
+    ctx, store = limited(MemoryLimitStore())
     agent = write_agent(tmp_path, [turn("Done.")])
     name = ctx.agent(agent).name
     first = create_run(ctx, agent, "hi")
@@ -327,11 +331,4 @@ def test_a_cap_set_at_run_time_holds_an_agent_whose_file_sets_none(tmp_path: Pat
     assert store.acquire(f"agent:{name}", first.run_id, 1).held
 
     # Then the second run waits for the place instead of calling its model
-    done = advance(ctx, second.run_id, None)
-    assert done.outcome == "next" and done.countdown_s > 0
-    waited = ctx.runs.events(second.run_id)[-1]
-    assert (waited.type, waited.data["reason"], waited.data["limit"]) == (
-        "run.throttled",
-        "concurrency",
-        f"agent:{name}",
-    )
+    assert_waits_for_a_place(ctx, second.run_id, f"agent:{name}")

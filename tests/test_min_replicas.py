@@ -23,7 +23,7 @@ from store.sentinel import SentinelUrl
 from tasks.context import Context
 from tasks.settings import Settings
 from tasks.start import create_run
-from tests.helpers import call, drive, refunds, turn, write_agent
+from tests.helpers import LOOK_REFUND_ANSWER, drive, refunds, write_agent
 from tests.redis_server import (
     RedisServer,
     _client,
@@ -204,14 +204,7 @@ def test_only_the_journal_of_a_call_that_is_not_idempotent_waits_for_the_replica
     primary: RedisServer, tmp_path: Path, ledger: Path
 ) -> None:
     # Given an agent that looks an order up (idempotent), refunds it (not), then answers
-    agent = write_agent(
-        tmp_path / "agent",
-        [
-            turn("look", call("lookup_order", order_id="B2")),
-            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
-            turn("Refunded."),
-        ],
-    )
+    agent = write_agent(tmp_path / "agent", LOOK_REFUND_ANSWER)
     url = f"{primary.url}/0?min_replicas=1&replica_timeout_ms=1000"
     ctx = Context(Settings(), open_snapshot_store(url), open_run_store(url))
     try:

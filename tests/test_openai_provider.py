@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
@@ -51,12 +50,6 @@ REFUND = {
     },
     "idempotent": False,
 }
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with serve() as running:
-        yield running
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,6 @@ import json
 import logging
 import sqlite3
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
 from tests import probed_tools
-from tests.helpers import drive, memory_context
+from tests.helpers import drive, fresh_key, memory_context, tool_turn_events
 from tests.openai_server import OpenAIServer, RecordedRequest, load_fixture, serve
 from tests.redis_server import RedisServer
 from tests.workers import BROKER_DB
@@ -58,19 +57,14 @@ WAIT_S = 15.0
 
 
 @pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with serve() as running:
-        yield running
-
-
-@pytest.fixture
 def key(monkeypatch: pytest.MonkeyPatch) -> str:
     """A key no other test uses, in the variable the agent names (the worker shares our env)."""
-    for name in ("RATCHET_OPENAI_BASE_URL", "RATCHET_OPENAI_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    secret = f"sk-test-{uuid.uuid4().hex}"
-    monkeypatch.setenv(KEY_VAR, secret)
-    return secret
+    return fresh_key(
+        monkeypatch,
+        KEY_VAR,
+        "sk-test-",
+        unset=("RATCHET_OPENAI_BASE_URL", "RATCHET_OPENAI_API_KEY"),
+    )
 
 
 def write_openai_agent(
@@ -198,20 +192,7 @@ def test_a_multi_turn_run_with_tool_calls_completes_on_a_worker_counting_the_rec
     assert record.status == RunStatus.COMPLETED
     assert record.output == ANSWER
     assert ledger.read_text().splitlines() == ["refund B2 2900"]
-    assert types_of(events) == [
-        "run.created",
-        "model.requested",
-        "model.responded",
-        "tool.requested",
-        "tool.completed",
-        "model.requested",
-        "model.responded",
-        "tool.requested",
-        "tool.completed",
-        "model.requested",
-        "model.responded",
-        "run.completed",
-    ]
+    assert types_of(events) == tool_turn_events(2)
     # And usage is the sum of what the server reported, one attempt per turn
     answer_usage = load_fixture("text_answer")["response"]["body"]["usage"]
     input_tokens = 2 * RECORDED_USAGE["prompt_tokens"] + answer_usage["prompt_tokens"]
@@ -311,6 +292,14 @@ def test_parallel_results_finishing_out_of_order_reach_the_server_in_the_order_a
     assert [json.loads(m["content"])["label"] for m in sent[3:]] == ["a", "b", "c"]
 
 
+def assert_failed_saying(record: RunRecord, *parts: str) -> None:
+    """The run failed, its error saying each of ``parts``."""
+    assert record.status == RunStatus.FAILED
+    assert record.error is not None
+    for part in parts:
+        assert part in record.error, record.error
+
+
 def test_a_malformed_body_fails_the_run_clearly_and_keeps_every_earlier_event(
     ratchet: Ratchet, server: OpenAIServer, key: str, tmp_path: Path
 ) -> None:
@@ -318,10 +307,7 @@ def test_a_malformed_body_fails_the_run_clearly_and_keeps_every_earlier_event(
     record, events = run_on_worker(ratchet, tmp_path, server, "malformed")
 
     # Then the run failed, saying what was wrong and where to look
-    assert record.status == RunStatus.FAILED
-    assert record.error is not None
-    assert "model call for turn 2 failed" in record.error
-    assert "the body is not JSON" in record.error and "base_url" in record.error
+    assert_failed_saying(record, "model call for turn 2 failed", "the body is not JSON", "base_url")
     # And nothing was lost: the log is contiguous and ends with the failure
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert record.last_seq == len(events)
@@ -353,10 +339,9 @@ def test_a_401_fails_the_run_after_one_request_quoting_the_server(
     record, events = run_on_worker(ratchet, tmp_path, server, "unauthorized")
 
     assert len(server.requests) == 1
-    assert record.status == RunStatus.FAILED
-    assert record.error is not None
-    assert "HTTP 401" in record.error and "Incorrect API key provided" in record.error
-    assert f"check the key in {KEY_VAR}" in record.error
+    assert_failed_saying(
+        record, "HTTP 401", "Incorrect API key provided", f"check the key in {KEY_VAR}"
+    )
     assert types_of(events) == ["run.created", "model.requested", "model.failed", "run.failed"]
     assert record.usage.model_attempts == 1 and record.usage.model_turns == 0
 
@@ -366,9 +351,7 @@ def test_a_response_without_usage_stops_a_run_whose_token_budget_cannot_then_be_
 ) -> None:
     record, events = run_on_worker(ratchet, tmp_path, server, "no-usage")
 
-    assert record.status == RunStatus.FAILED
-    assert record.error is not None
-    assert "`max_total_tokens` cannot be enforced" in record.error
+    assert_failed_saying(record, "`max_total_tokens` cannot be enforced")
     assert record.usage.responses_without_usage == 1
     # The run asked the model once and never again
     assert len(server.requests) == 1

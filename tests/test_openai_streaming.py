@@ -8,7 +8,6 @@ Against the suite's server on 127.0.0.1 writing real chunked server-sent events.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,12 @@ from runtime.provider import ModelRequest
 from runtime_io.providers.openai import OpenAIProvider, server_sent_data
 from tasks.start import create_run
 from tests.helpers import drive, memory_context
-from tests.openai_server import OpenAIServer, serve, text_chunks
+from tests.openai_server import OpenAIServer, text_chunks
 from tests.test_openai_provider import LOOKUP, REFUND, Observed, simple_request
 
 pytestmark = pytest.mark.timeout(60)
 
 KEY_VAR = "TEST_API_KEY"
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with serve() as running:
-        yield running
 
 
 @pytest.fixture(autouse=True)

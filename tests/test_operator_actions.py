@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from runtime.models import OPERATOR_ACTIONS, Event, RunStatus
 from store.runs import RunRecord
-from tasks.context import Context, set_context
+from tasks.context import Context
 from tasks.start import create_run
-from tests.helpers import memory_context, turn, write_agent
+from tests.helpers import installed_context, memory_context, turn, write_agent
 from worker.api import Ratchet
 from worker.cli import main
 from worker.console.views import run_page
@@ -61,12 +61,8 @@ def test_the_offer_follows_the_statuses_own_classes(status: RunStatus) -> None:
 
 @pytest.fixture
 def ctx(ledger: Path) -> Iterator[Context]:
-    context = memory_context()
-    set_context(context)
-    try:
+    with installed_context(memory_context()) as context:
         yield context
-    finally:
-        set_context(None)
 
 
 def in_status(ctx: Context, agent: Path, status: RunStatus) -> str:

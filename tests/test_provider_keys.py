@@ -8,7 +8,6 @@ connection is opened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,13 @@ from runtime.models import Message
 from runtime.provider import ModelRequest
 from runtime_io.agent_files import load_agent
 from runtime_io.providers.openai import OpenAIProvider
-from tests.openai_server import OpenAIServer, load_fixture, serve
+from tests.openai_server import OpenAIServer, load_fixture
 
 pytestmark = pytest.mark.timeout(30)
 
 KEY = "sk-test-ratchet-echoed-4b1e8c2d9f7a6e5d3c1b0a9f8e7d6c5b"
 SECRET = "aws-secret-9f8e7d6c5b4a3f2e1d0c9b8a7f6e5d4c3b2a1f0e"
 REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model_call=0)
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with serve() as running:
-        yield running
 
 
 @pytest.fixture(autouse=True)

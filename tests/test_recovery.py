@@ -39,6 +39,33 @@ def clocked_context(clock: FakeClock, **settings: Any) -> Context:
     return ctx
 
 
+def clocked_run(
+    directory: Path, agent: Path | None = None, input: str = "refund"
+) -> tuple[FakeClock, Context, str]:
+    """A run of ``agent`` (:func:`refund_agent` by default) on memory stores whose run
+    store keeps the time of the clock returned with it."""
+    clock = FakeClock(1_000_000)
+    ctx = clocked_context(clock)
+    run_id = create_run(ctx, agent or refund_agent(directory), input).run_id
+    return clock, ctx, run_id
+
+
+def past_deadline(directory: Path, late_ms: int) -> tuple[Context, str]:
+    """A run with a 5 s deadline, created and ``late_ms`` later on its clock."""
+    agent = write_agent(directory, [turn("done")], budgets={"timeout_seconds": 5})
+    clock, ctx, run_id = clocked_run(directory, agent, "x")
+    clock.now_ms += late_ms
+    return ctx, run_id
+
+
+def assert_resume_refused(
+    ctx: Context, run_id: str, match: str, error: type[Exception] = RunRefused
+) -> None:
+    """An operator's resume of the run is refused with ``error``, saying ``match``."""
+    with pytest.raises(error, match=match):
+        Ratchet(ctx).resume(run_id)
+
+
 def refund_agent(directory: Path, amount: int = 2900) -> Path:
     return write_agent(
         directory,
@@ -96,9 +123,7 @@ def park_with_refund_in_flight(ctx: Context, agent: Path) -> tuple[str, str]:
 def test_the_sweeper_finds_a_run_only_once_it_is_overdue_and_its_lease_expired(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock(1_000_000)
-    ctx = clocked_context(clock)
-    run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
+    clock, ctx, run_id = clocked_run(tmp_path)
     enqueued: list[tuple[str, int]] = []
 
     def enqueue(run: str, seq: int) -> None:
@@ -141,9 +166,7 @@ def test_the_sweeper_never_picks_suspended_parked_or_finished_runs(
 def test_two_sweepers_at_once_enqueue_twice_and_the_run_is_resumed_once(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock(1_000_000)
-    ctx = clocked_context(clock)
-    run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
+    clock, ctx, run_id = clocked_run(tmp_path)
     clock.now_ms += LEASE_MS + 1
     enqueued: list[tuple[str, int]] = []
     lock = threading.Lock()
@@ -244,8 +267,7 @@ def test_resume_refuses_a_completed_run_and_says_nothing_is_left(
     ctx = memory_context()
     run_id = create_run(ctx, write_agent(tmp_path, [turn("done")]), "x").run_id
     drive(ctx, run_id)
-    with pytest.raises(RunRefused, match="is completed: there is nothing to resume"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "is completed: there is nothing to resume")
 
 
 def test_resume_refuses_a_suspended_run_and_points_to_continue(
@@ -255,8 +277,7 @@ def test_resume_refuses_a_suspended_run_and_points_to_continue(
     agent = write_agent(tmp_path, [turn("?", call("request_user_input", prompt="which?"))])
     run_id = create_run(ctx, agent, "x").run_id
     drive(ctx, run_id)
-    with pytest.raises(RunRefused, match=f"ratchet runs continue {run_id}"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, f"ratchet runs continue {run_id}")
 
 
 def test_resume_refuses_a_parked_run_and_names_the_call_to_reconcile(
@@ -264,8 +285,7 @@ def test_resume_refuses_a_parked_run_and_names_the_call_to_reconcile(
 ) -> None:
     ctx = memory_context()
     run_id, call_id = park_with_refund_in_flight(ctx, refund_agent(tmp_path))
-    with pytest.raises(RunRefused, match=f"ratchet runs reconcile {run_id} {call_id}"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, f"ratchet runs reconcile {run_id} {call_id}")
 
 
 def test_resume_refuses_a_changed_agent_and_says_what_changed(tmp_path: Path, ledger: Path) -> None:
@@ -273,20 +293,14 @@ def test_resume_refuses_a_changed_agent_and_says_what_changed(tmp_path: Path, le
     agent = refund_agent(tmp_path)
     run_id = create_run(ctx, agent, "x").run_id
     agent.write_text(agent.read_text().replace("You are a test agent.", "Be someone else."))
-    with pytest.raises(BindingChanged, match="changed: system"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "changed: system", BindingChanged)
 
 
 def test_resume_refuses_a_run_past_its_deadline_as_restart_required(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock(1_000_000)
-    ctx = clocked_context(clock)
-    agent = write_agent(tmp_path, [turn("done")], budgets={"timeout_seconds": 5})
-    run_id = create_run(ctx, agent, "x").run_id
-    clock.now_ms += 6_000
-    with pytest.raises(RunRefused, match="budget `timeout_seconds` exhausted"):
-        Ratchet(ctx).resume(run_id)
+    ctx, run_id = past_deadline(tmp_path, 6_000)
+    assert_resume_refused(ctx, run_id, "budget `timeout_seconds` exhausted")
 
 
 def test_resume_refuses_a_run_whose_checkpoint_and_events_are_both_gone(
@@ -297,18 +311,13 @@ def test_resume_refuses_a_run_whose_checkpoint_and_events_are_both_gone(
     ctx.snapshots.delete(run_id)
     assert isinstance(ctx.runs, MemoryRunStore)
     ctx.runs._logs[run_id] = []  # the event log lost, as by a wiped table
-    with pytest.raises(RunRefused, match="no snapshot and its events cannot rebuild one"):
-        Ratchet(ctx).resume(run_id)
+    assert_resume_refused(ctx, run_id, "no snapshot and its events cannot rebuild one")
 
 
 def test_a_sweeper_that_cannot_resume_a_live_run_dead_letters_it_instead_of_looping(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock(1_000_000)
-    ctx = clocked_context(clock)
-    agent = write_agent(tmp_path, [turn("done")], budgets={"timeout_seconds": 5})
-    run_id = create_run(ctx, agent, "x").run_id
-    clock.now_ms += 20_000
+    ctx, run_id = past_deadline(tmp_path, 20_000)
     assert resume(ctx, run_id, SWEEPER, 1).outcome == "dead_lettered"
     record = ctx.runs.get(run_id)
     assert record is not None and record.error is not None
@@ -335,9 +344,7 @@ def test_a_stale_snapshot_is_healed_on_resume_and_the_run_continues(
 def test_a_worker_whose_lease_expired_cannot_write_after_another_took_over(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock(1_000_000)
-    ctx = clocked_context(clock)
-    run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
+    clock, ctx, run_id = clocked_run(tmp_path)
     # Given worker A opened the run and then froze past its lease
     owner = new_owner()
     assert ctx.runs.acquire_lease(run_id, owner, 10)
@@ -357,9 +364,7 @@ def test_a_worker_whose_lease_expired_cannot_write_after_another_took_over(
 def test_a_zombie_turn_stops_and_logs_why_instead_of_writing(
     tmp_path: Path, ledger: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = FakeClock(1_000_000)
-    ctx = clocked_context(clock)
-    run_id = create_run(ctx, refund_agent(tmp_path), "refund").run_id
+    clock, ctx, run_id = clocked_run(tmp_path)
     original = ctx.runs.append
 
     def late_append(record, events, owner):  # type: ignore[no-untyped-def]

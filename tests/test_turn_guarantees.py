@@ -21,6 +21,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,15 +81,18 @@ def at_point(ctx: Context, point: str, nth: int, act: Callable[[], object]) -> N
     ctx.observers = Observers([AtPoints(hit)])
 
 
-def two_tool_turns(directory: Path) -> Path:
-    return write_agent(
-        directory,
+@pytest.fixture
+def run_id(ctx: Context, tmp_path: Path, ledger: Path) -> str:
+    """A run of two turns that each look an order up, created and not yet taken."""
+    agent = write_agent(
+        tmp_path,
         [
             turn("look", call("lookup_order", order_id="B2")),
             turn("look again", call("lookup_order", order_id="A1")),
             turn("Done."),
         ],
     )
+    return create_run(ctx, agent, "look").run_id
 
 
 # --- zombies: every write path refused ------------------------------------------
@@ -122,15 +126,8 @@ def take_over(ctx: Context, clock: FakeClock, run_id: str) -> int:
 
 @pytest.mark.parametrize(("point", "nth"), WRITE_PATHS, ids=WRITE_PATH_IDS)
 def test_a_zombie_whose_run_was_taken_over_writes_nothing_and_its_turn_ends_fenced(
-    ctx: Context,
-    clock: FakeClock,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    point: str,
-    nth: int,
-    ledger: Path,
+    ctx: Context, clock: FakeClock, point: str, nth: int, run_id: str
 ) -> None:
-    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
     taken: dict[str, int] = {}
     # Given worker A freezes at `point` past its lease, and worker B takes the run over
     at_point(ctx, point, nth, lambda: taken.update(seq=take_over(ctx, clock, run_id)))
@@ -154,15 +151,8 @@ def test_a_zombie_whose_run_was_taken_over_writes_nothing_and_its_turn_ends_fenc
 # lease taken or the run moved on).
 @pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:5], ids=WRITE_PATH_IDS[:5])
 def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
-    ctx: Context,
-    clock: FakeClock,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    point: str,
-    nth: int,
-    ledger: Path,
+    ctx: Context, clock: FakeClock, point: str, nth: int, run_id: str
 ) -> None:
-    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
     seen: dict[str, int] = {}
 
     def lose_lease() -> None:
@@ -189,18 +179,11 @@ LATE_CHECKPOINT = [
 
 @pytest.mark.parametrize(("b_point", "landed_seq"), LATE_CHECKPOINT)
 def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run_over(
-    ctx: Context,
-    clock: FakeClock,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    ledger: Path,
-    b_point: str,
-    landed_seq: int,
+    ctx: Context, clock: FakeClock, b_point: str, landed_seq: int, run_id: str
 ) -> None:
     # A snapshot save is fenced by its seq only (the snapshot store cannot see leases),
     # and a partitioned worker's save can reach the store long after it was sent: TCP
     # retransmits it once the link is back (measured: docs/testing.md, multi-host).
-    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
     a_paused, a_go, b_paused, b_go = (threading.Event() for _ in range(4))
 
     def hit(name: str, turn: int) -> None:
@@ -254,15 +237,9 @@ def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run
 
 @pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:3], ids=WRITE_PATH_IDS[:3])
 def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cancelled(
-    ctx: Context,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    point: str,
-    nth: int,
-    ledger: Path,
+    ctx: Context, point: str, nth: int, run_id: str
 ) -> None:
     # A cancel holds no lease: only the seq fences the turn in progress.
-    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
     at_point(ctx, point, nth, lambda: cancel(ctx, run_id, "customer hung up"))
 
     done = advance(ctx, run_id, 1)
@@ -280,9 +257,8 @@ def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cance
 
 
 def test_each_step_starts_from_a_snapshot_of_everything_before_it(
-    ctx: Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ledger: Path
+    ctx: Context, run_id: str
 ) -> None:
-    run_id = create_run(ctx, two_tool_turns(tmp_path), "look").run_id
     behind: list[tuple[str, int, int]] = []
 
     def hit(name: str, turn: int) -> None:
@@ -426,21 +402,42 @@ def timeouts(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "did not return within" in r.getMessage()]
 
 
-def test_a_non_idempotent_tool_that_times_out_is_tried_once_and_the_run_parked(
-    ctx: Context, tmp_path: Path, calls: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.fixture
+def logged(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """``caplog``, catching the turn's warnings (a tool's timeout is one)."""
     caplog.set_level(logging.WARNING, "ratchet.turn")
+    return caplog
+
+
+def timed_run(
+    ctx: Context,
+    directory: Path,
+    tool_call: dict[str, Any],
+    answer: str,
+    timeout_s: float,
+    input: str = "look",
+    tools: list[str] = COUNTED,
+) -> str:
+    """A run of an agent that makes ``tool_call`` under ``tool_timeout_s``, then answers."""
     agent = write_agent(
-        tmp_path,
-        [turn("x", call("counted_charge", sleep_s=1.0)), turn("done")],
-        tools=COUNTED,
-        extra="tool_timeout_s = 0.2",
+        directory,
+        [turn("x", tool_call), turn(answer)],
+        tools=tools,
+        extra=f"tool_timeout_s = {timeout_s}",
     )
-    run_id = create_run(ctx, agent, "charge").run_id
+    return create_run(ctx, agent, input).run_id
+
+
+def test_a_non_idempotent_tool_that_times_out_is_tried_once_and_the_run_parked(
+    ctx: Context, tmp_path: Path, calls: Path, logged: pytest.LogCaptureFixture
+) -> None:
+    run_id = timed_run(
+        ctx, tmp_path, call("counted_charge", sleep_s=1.0), "done", 0.2, input="charge"
+    )
 
     assert drive(ctx, run_id).outcome == "parked"
 
-    assert timeouts(caplog) == [
+    assert timeouts(logged) == [
         f"run {run_id}: tool counted_charge did not return within 0.2 s and was abandoned "
         "(attempt 1 of 1)"
     ]
@@ -453,21 +450,14 @@ def test_a_non_idempotent_tool_that_times_out_is_tried_once_and_the_run_parked(
 
 
 def test_an_idempotent_tool_that_times_out_is_tried_again_and_its_call_fails_after_the_last(
-    ctx: Context, tmp_path: Path, calls: Path, caplog: pytest.LogCaptureFixture
+    ctx: Context, tmp_path: Path, calls: Path, logged: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "ratchet.turn")
-    agent = write_agent(
-        tmp_path,
-        [turn("x", call("counted_lookup", sleep_s=1.0)), turn("gave up")],
-        tools=COUNTED,
-        extra="tool_timeout_s = 0.1",
-    )
-    run_id = create_run(ctx, agent, "look").run_id
+    run_id = timed_run(ctx, tmp_path, call("counted_lookup", sleep_s=1.0), "gave up", 0.1)
 
     assert drive(ctx, run_id).outcome == "completed"
 
     n = TOOL_TIMEOUT_ATTEMPTS
-    assert [m.rsplit("(", 1)[1] for m in timeouts(caplog)] == [
+    assert [m.rsplit("(", 1)[1] for m in timeouts(logged)] == [
         f"attempt {i} of {n})" for i in range(1, n + 1)
     ]
     journal = ctx.runs.journal(run_id)
@@ -476,20 +466,15 @@ def test_an_idempotent_tool_that_times_out_is_tried_again_and_its_call_fails_aft
 
 
 def test_an_idempotent_tool_that_answers_on_a_later_try_completes_its_call(
-    ctx: Context, tmp_path: Path, calls: Path, caplog: pytest.LogCaptureFixture
+    ctx: Context, tmp_path: Path, calls: Path, logged: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "ratchet.turn")
-    agent = write_agent(
-        tmp_path,
-        [turn("x", call("counted_lookup", sleep_s=2.0, fast_after=2)), turn("found")],
-        tools=COUNTED,
-        extra="tool_timeout_s = 0.5",
+    run_id = timed_run(
+        ctx, tmp_path, call("counted_lookup", sleep_s=2.0, fast_after=2), "found", 0.5
     )
-    run_id = create_run(ctx, agent, "look").run_id
 
     assert drive(ctx, run_id).outcome == "completed"
 
-    assert len(timeouts(caplog)) == 1
+    assert len(timeouts(logged)) == 1
     journal = ctx.runs.journal(run_id)
     assert [(j.tool, j.status, j.result) for j in journal] == [
         ("counted_lookup", "completed", {"found": True})
@@ -501,13 +486,9 @@ def test_a_late_finish_of_an_abandoned_try_is_not_taken_for_the_retrys(
 ) -> None:
     # Given an idempotent tool whose first try finishes after its timeout, while the
     # second (started when the first was abandoned) is still running, and the third is quick
-    agent = write_agent(
-        tmp_path,
-        [turn("x", call("lookup_by_try", first_s=0.8, second_s=3.0)), turn("found")],
-        tools=["tests.slow_tools:lookup_by_try"],
-        extra="tool_timeout_s = 0.5",
-    )
-    run_id = create_run(ctx, agent, "look").run_id
+    tool_call = call("lookup_by_try", first_s=0.8, second_s=3.0)
+    tools = ["tests.slow_tools:lookup_by_try"]
+    run_id = timed_run(ctx, tmp_path, tool_call, "found", 0.5, tools=tools)
 
     assert drive(ctx, run_id).outcome == "completed"
 

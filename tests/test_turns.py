@@ -12,20 +12,21 @@ from runtime.errors import InvalidInput
 from runtime.models import RunStatus
 from tasks.start import create_run
 from tasks.turn import advance
-from tests.helpers import call, drive, memory_context, turn, write_agent
+from tests.helpers import (
+    LOOK_REFUND_ANSWER,
+    call,
+    drive,
+    memory_context,
+    tool_turn_events,
+    turn,
+    write_agent,
+)
 
 
 def test_a_multi_turn_run_with_tools_completes_and_deletes_its_snapshot(
     tmp_path: Path, ledger: Path
 ) -> None:
-    agent = write_agent(
-        tmp_path,
-        [
-            turn("look", call("lookup_order", order_id="B2")),
-            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
-            turn("Refunded."),
-        ],
-    )
+    agent = write_agent(tmp_path, LOOK_REFUND_ANSWER)
     ctx = memory_context()
     run_id = create_run(ctx, agent, "refund B2").run_id
 
@@ -39,20 +40,7 @@ def test_a_multi_turn_run_with_tools_completes_and_deletes_its_snapshot(
     assert record.usage.total_tokens == 45
     assert ctx.snapshots.load(run_id) is None
     types = [e.type for e in ctx.runs.events(run_id)]
-    assert types == [
-        "run.created",
-        "model.requested",
-        "model.responded",
-        "tool.requested",
-        "tool.completed",
-        "model.requested",
-        "model.responded",
-        "tool.requested",
-        "tool.completed",
-        "model.requested",
-        "model.responded",
-        "run.completed",
-    ]
+    assert types == tool_turn_events(2)
     assert ledger.read_text().splitlines() == ["refund B2 2900"]
 
 
@@ -239,14 +227,7 @@ def test_a_run_nothing_disturbs_completes_without_a_single_warning(
     tmp_path: Path, ledger: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given a run on stores that save events and snapshots apart (a checkpoint per step)
-    agent = write_agent(
-        tmp_path,
-        [
-            turn("look", call("lookup_order", order_id="B2")),
-            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
-            turn("Refunded."),
-        ],
-    )
+    agent = write_agent(tmp_path, LOOK_REFUND_ANSWER)
     ctx = memory_context()
     run_id = create_run(ctx, agent, "refund B2").run_id
     caplog.set_level(logging.WARNING)

@@ -181,6 +181,20 @@ def two_runs(ctx: Context, directory: Path) -> str:
     return run_id
 
 
+def damaged_run(
+    ctx: Context, directory: Path, damage: Damage, forget: bool = True
+) -> tuple[str, int]:
+    """:func:`two_runs`, then the run's snapshot damaged: its id and last seq. ``forget``:
+    as in another process (a turn's, the CLI's), no checkpoint of the run remembered."""
+    run_id = two_runs(ctx, directory)
+    record = ctx.runs.get(run_id)
+    assert record is not None
+    damage(snapshots_dir(ctx), run_id, "other-run")
+    if forget:
+        ctx.forget_checkpoint(run_id)
+    return run_id, record.last_seq
+
+
 def assert_set_aside(
     ctx: Context, run_id: str, caplog: pytest.LogCaptureFixture, problem: str
 ) -> None:
@@ -200,18 +214,19 @@ def assert_set_aside(
     assert ctx.snapshots.load("other-run") is not None
 
 
-@pytest.mark.parametrize(("damage", "problem"), DAMAGES)
-def test_a_turn_on_an_unusable_snapshot_rebuilds_from_events_and_the_run_completes(
-    ctx: Context, tmp_path: Path, damage: Damage, problem: str, caplog: pytest.LogCaptureFixture
+def assert_a_turn_sets_it_aside_and_saves(
+    ctx: Context,
+    directory: Path,
+    damage: Damage,
+    problem: str,
+    caplog: pytest.LogCaptureFixture,
+    forget: bool,
 ) -> None:
-    run_id = two_runs(ctx, tmp_path)
-    record = ctx.runs.get(run_id)
-    assert record is not None
-    damage(snapshots_dir(ctx), run_id, "other-run")
-    # A turn of another process: no checkpoint of this run remembered
-    ctx.forget_checkpoint(run_id)
+    """A turn of the run whose snapshot ``damage`` spoiled goes on to its suspension, the
+    file set aside and the turn's checkpoint saved."""
+    run_id, last_seq = damaged_run(ctx, directory, damage, forget)
     with caplog.at_level(logging.WARNING):
-        done = advance(ctx, run_id, record.last_seq)
+        done = advance(ctx, run_id, last_seq)
     assert done.outcome == "suspended"
     assert_set_aside(ctx, run_id, caplog, problem)
     saved = ctx.snapshots.load(run_id)
@@ -219,16 +234,20 @@ def test_a_turn_on_an_unusable_snapshot_rebuilds_from_events_and_the_run_complet
 
 
 @pytest.mark.parametrize(("damage", "problem"), DAMAGES)
+def test_a_turn_on_an_unusable_snapshot_rebuilds_from_events_and_the_run_completes(
+    ctx: Context, tmp_path: Path, damage: Damage, problem: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A turn of another process: no checkpoint of this run remembered
+    assert_a_turn_sets_it_aside_and_saves(ctx, tmp_path, damage, problem, caplog, forget=True)
+
+
+@pytest.mark.parametrize(("damage", "problem"), DAMAGES)
 def test_a_sweeper_resume_of_an_unusable_snapshot_resumes_the_run(
     ctx: Context, tmp_path: Path, damage: Damage, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run_id = two_runs(ctx, tmp_path)
-    record = ctx.runs.get(run_id)
-    assert record is not None
-    damage(snapshots_dir(ctx), run_id, "other-run")
-    ctx.forget_checkpoint(run_id)
+    run_id, last_seq = damaged_run(ctx, tmp_path, damage)
     with caplog.at_level(logging.WARNING):
-        done = resume(ctx, run_id, SWEEPER, record.last_seq)
+        done = resume(ctx, run_id, SWEEPER, last_seq)
     assert done.outcome == "suspended", done
     assert_set_aside(ctx, run_id, caplog, problem)
     events = [e.type for e in ctx.runs.events(run_id)]
@@ -239,9 +258,7 @@ def test_a_sweeper_resume_of_an_unusable_snapshot_resumes_the_run(
 def test_an_operator_resume_of_an_unusable_snapshot_is_not_refused(
     ctx: Context, tmp_path: Path, damage: Damage, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run_id = two_runs(ctx, tmp_path)
-    damage(snapshots_dir(ctx), run_id, "other-run")
-    ctx.forget_checkpoint(run_id)
+    run_id, _ = damaged_run(ctx, tmp_path, damage)
     with caplog.at_level(logging.WARNING):
         # What `ratchet runs resume` checks before it enqueues, then what the worker does
         state, _, verdict = examine(ctx, run_id)
@@ -275,9 +292,7 @@ def test_a_continuation_on_an_unusable_snapshot_is_applied_and_chains_the_next_t
 def test_runs_show_of_an_unusable_snapshot_shows_the_run_and_sets_the_file_aside(
     ctx: Context, tmp_path: Path, damage: Damage, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run_id = two_runs(ctx, tmp_path)
-    damage(snapshots_dir(ctx), run_id, "other-run")
-    ctx.forget_checkpoint(run_id)  # the CLI's process remembers no checkpoint
+    run_id, _ = damaged_run(ctx, tmp_path, damage)  # the CLI's process: no checkpoint
     set_context(ctx)
     try:
         with caplog.at_level(logging.WARNING):
@@ -299,19 +314,10 @@ remembers the run's state, like any older snapshot."""
 def test_a_turn_in_the_process_that_saved_the_snapshot_sets_a_damaged_one_aside_when_saving(
     ctx: Context, tmp_path: Path, damage: Damage, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Given this process remembers the run's last checkpoint, so its turn reads no file
-    run_id = two_runs(ctx, tmp_path)
-    record = ctx.runs.get(run_id)
-    assert record is not None
-    damage(snapshots_dir(ctx), run_id, "other-run")
-    # When the turn saves its next checkpoint over the damaged file
-    with caplog.at_level(logging.WARNING):
-        done = advance(ctx, run_id, record.last_seq)
-    # Then the file is set aside and the checkpoint saved
-    assert done.outcome == "suspended"
-    assert_set_aside(ctx, run_id, caplog, problem)
-    saved = ctx.snapshots.load(run_id)
-    assert saved is not None and saved.seq == done.seq
+    # Given this process remembers the run's last checkpoint, so its turn reads no file,
+    # when the turn saves its next checkpoint over the damaged file, then the file is set
+    # aside and the checkpoint saved
+    assert_a_turn_sets_it_aside_and_saves(ctx, tmp_path, damage, problem, caplog, forget=False)
 
 
 def test_a_sweeper_that_finds_neither_a_snapshot_nor_events_to_rebuild_dead_letters_the_run(

@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -38,6 +39,7 @@ from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
 from tasks.messages import send_through, sending_app
 from tasks.settings import Settings
+from tests.helpers import installed_context
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
 from worker.app import make_app
@@ -130,15 +132,18 @@ def redis_context(url: str, **settings: object) -> Context:
     )
 
 
+@contextmanager
+def session_ratchet(url: str, **settings: object) -> Iterator[Ratchet]:
+    """An API over the Redis stores at ``url``, its context (with ``settings``) installed for
+    the session's worker while the block runs; uninstalled and closed after it."""
+    with closing(redis_context(url, **settings)) as context, installed_context(context):
+        yield Ratchet(context)
+
+
 @pytest.fixture
 def ratchet(session_worker: None, redis_url: str, ledger: Path) -> Iterator[Ratchet]:
-    context = redis_context(redis_url)
-    set_context(context)
-    try:
-        yield Ratchet(context)
-    finally:
-        set_context(None)
-        context.close()
+    with session_ratchet(redis_url) as api:
+        yield api
 
 
 @pytest.fixture
@@ -260,6 +265,40 @@ class WorkerProcesses:
             worker.kill()
 
 
+def ratchet_cli(
+    env: dict[str, str], *args: str, timeout_s: float = 120, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``ratchet ARGS`` (``python -m worker``) in a process of its own under ``env``, as an
+    operator would type it; its exit status and output, as text (``check``: it must exit 0)."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=check,
+    )
+
+
+def start_example(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    """``ratchet runs start`` of the example refund desk for order B2, from another process,
+    waiting up to 60 s for the run to finish."""
+    return ratchet_cli(
+        env,
+        "runs",
+        "start",
+        str(EXAMPLE_AGENT),
+        "--input",
+        "Refund order B2",
+        "--wait",
+        "--timeout",
+        "60",
+        *extra,
+        timeout_s=80,
+    )
+
+
 def worker_env(redis_url: str, ledger: Path, data_dir: Path, **extra: str) -> dict[str, str]:
     """Environment of a worker subprocess whose broker and stores are all on ``redis_url``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
@@ -282,6 +321,15 @@ def worker_processes(redis_url: str, ledger: Path, tmp_path: Path) -> Iterator[W
         yield processes
     finally:
         processes.stop_all()
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
+    if request.param == "redis":
+        return redis_url
+    url: str = request.getfixturevalue("rabbitmq_vhost")
+    return url
 
 
 def _rabbitmqctl(*args: str) -> list[str]:

@@ -9,6 +9,7 @@ change without reloading it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -31,11 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 @pytest.fixture
 def ctx(redis_url: str) -> Iterator[Context]:
-    context = redis_context(redis_url)
-    try:
+    with closing(redis_context(redis_url)) as context:
         yield context
-    finally:
-        context.close()
 
 
 def start(ctx: Context, redis_url: str, agent: Path, text: str) -> str:

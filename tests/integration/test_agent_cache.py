@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses
+from tests.workers import ROOT, WorkerProcesses, ratchet_cli
 from tests.workers import wait_for as shared_wait_for
 
 wait_for = partial(shared_wait_for, timeout_s=90)
@@ -25,14 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def ratchet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return ratchet_cli(env, *args)
 
 
 def run_record(env: dict[str, str], run_id: str) -> dict[str, object]:

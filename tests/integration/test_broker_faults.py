@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -39,7 +38,13 @@ from tests.integration.test_continuations_on_real_workers import (
     wait_for,
 )
 from tests.redis_server import running_redis_server
-from tests.workers import ROOT, WorkerProcess, WorkerProcesses, redis_context, worker_env
+from tests.workers import (
+    WorkerProcess,
+    WorkerProcesses,
+    ratchet_cli,
+    redis_context,
+    worker_env,
+)
 from tests.workers import wait_until as shared_wait_until
 
 wait_until = partial(shared_wait_until, timeout_s=90)
@@ -115,14 +120,7 @@ def plain_json_answer(broker_url: str) -> Callable[[str], None]:
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return ratchet_cli(env, *args, timeout_s=60)
 
 
 # --- 1. garbage on every queue ------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,8 @@ def shop_app(broker_url: str) -> Celery:
 
 @pytest.fixture
 def ctx(redis_url: str) -> Iterator[Context]:
-    context = redis_context(redis_url)
-    try:
+    with closing(redis_context(redis_url)) as context:
         yield context
-    finally:
-        context.close()
 
 
 def test_the_client_routes_are_the_workers_routes() -> None:

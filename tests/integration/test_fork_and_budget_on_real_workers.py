@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from runtime.models import RunStatus
 from tests.helpers import call, refunds, turn, write_agent
-from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses
+from tests.workers import WorkerProcesses, ratchet_cli, start_example
 
 
 def wait_until_finished(env: dict[str, str], run_id: str, log: Callable[[], str]) -> Any:
@@ -29,14 +28,7 @@ def wait_until_finished(env: dict[str, str], run_id: str, log: Callable[[], str]
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
+    return ratchet_cli(env, *args, timeout_s=80)
 
 
 @pytest.mark.timeout(120)
@@ -46,18 +38,7 @@ def test_a_fork_before_the_refund_runs_on_a_real_worker_and_says_it_refunds_agai
     # Given the example refund desk ran to completion on a real worker
     worker = worker_processes.start("--concurrency", "2", RATCHET_BROKER_URL=redis_url)
     env = {**worker_processes.base_env, "RATCHET_BROKER_URL": redis_url}
-    started = cli(
-        env,
-        "runs",
-        "start",
-        str(EXAMPLE_AGENT),
-        "--input",
-        "Refund order B2",
-        "--wait",
-        "--timeout",
-        "60",
-        "--json",
-    )
+    started = start_example(env, "--json")
     assert started.returncode == 0, started.stderr + worker.log()
     original = json.loads(started.stdout)["run_id"]
     listed = cli(env, "runs", "events", original, "--json")

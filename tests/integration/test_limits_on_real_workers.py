@@ -5,8 +5,6 @@ The 429 → countdown path on a real worker is in tests/test_openai_runs.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from tasks.turn import advance
 from tests.helpers import call, turn, write_agent
 from tests.integration.test_broker_faults import ready
 from tests.model_server import ModelServer, serve
-from tests.workers import ROOT, WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, ratchet_cli, redis_context
 from worker.app import make_app
 
 WAIT_S = 120
@@ -143,25 +141,35 @@ def test_two_worker_processes_share_one_limit_and_the_provider_refuses_nothing(
     assert all(e.data["reason"] in ("reserved", "over_limit") for e in throttled)
 
 
+def ran_three_unthrottled(
+    worker_processes: WorkerProcesses, ctx: Context, redis_url: str, agent: Path
+) -> Path:
+    """``agent``, after a worker of four threads ran three runs of it, none throttled."""
+    worker_processes.start("--pool", "threads", "--concurrency", "4")
+    before = start_all(ctx, redis_url, agent, 3)
+    wait_all(ctx, before, worker_processes)
+    assert events_of(ctx, before, "run.throttled") == []
+    return agent
+
+
 @pytest.mark.timeout(180)
 def test_a_limit_changed_at_run_time_reaches_running_workers_without_a_restart(
     worker_processes: WorkerProcesses, ctx: Context, redis_url: str, tmp_path: Path
 ) -> None:
     # Given a worker running an agent whose file allows 6000 calls a minute
     with serve(latency_s=0.0, turns=1) as server:
-        agent = openai_agent(tmp_path, server, "changed", "requests_per_minute = 6000")
-        worker_processes.start("--pool", "threads", "--concurrency", "4")
+        agent = ran_three_unthrottled(
+            worker_processes,
+            ctx,
+            redis_url,
+            openai_agent(tmp_path, server, "changed", "requests_per_minute = 6000"),
+        )
         env = worker_processes.base_env
-        before = start_all(ctx, redis_url, agent, 3)
-        wait_all(ctx, before, worker_processes)
-        assert events_of(ctx, before, "run.throttled") == []
 
         # When an operator lowers it to 60 a minute with the CLI, the worker still running
-        set_it = subprocess.run(
-            [sys.executable, "-m", "worker", "limits", "set", "changed-key", "--rpm", "60",
-             "--burst-s", "0.001"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        set_it = ratchet_cli(
+            env, "limits", "set", "changed-key", "--rpm", "60", "--burst-s", "0.001", timeout_s=60
+        )
         assert set_it.returncode == 0, set_it.stderr
         store = RedisLimitStore(ctx.runs._client)  # type: ignore[attr-defined]
         assert store.overrides()["changed-key"]["requests_per_minute"] == 60
@@ -185,16 +193,10 @@ def test_a_limit_changed_at_run_time_reaches_running_workers_without_a_restart(
         assert len(asked) == 5 and (asked[-1] - asked[0]) / 1000 >= 3.0, asked
 
         # And when the operator lifts the override, the file's limit applies again
-        unset = subprocess.run(
-            [sys.executable, "-m", "worker", "limits", "unset", "changed-key"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        unset = ratchet_cli(env, "limits", "unset", "changed-key", timeout_s=60)
         assert unset.returncode == 0, unset.stderr
         assert "changed-key" not in store.overrides()
-        shown = subprocess.run(
-            [sys.executable, "-m", "worker", "limits"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        shown = ratchet_cli(env, "limits", timeout_s=60)
         assert shown.returncode == 0 and "changed-key" in shown.stdout, shown.stderr
 
 
@@ -206,20 +208,16 @@ def test_a_rate_set_for_a_key_without_one_holds_running_workers_within_the_cache
 
     # Given a worker running an agent whose key has no rate: its calls skip admission
     with serve(latency_s=0.0, turns=1) as server:
-        agent = openai_agent(tmp_path, server, "unlimited", "")
-        worker_processes.start("--pool", "threads", "--concurrency", "4")
+        agent = ran_three_unthrottled(
+            worker_processes, ctx, redis_url, openai_agent(tmp_path, server, "unlimited", "")
+        )
         env = worker_processes.base_env
-        before = start_all(ctx, redis_url, agent, 3)
-        wait_all(ctx, before, worker_processes)
-        assert events_of(ctx, before, "run.throttled") == []
 
         # When an operator sets 60 a minute on that key, and the bound docs/limits.md
         # states (the workers' cache of run-time limits) has passed
-        set_it = subprocess.run(
-            [sys.executable, "-m", "worker", "limits", "set", "unlimited-key", "--rpm", "60",
-             "--burst-s", "0.001"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        set_it = ratchet_cli(
+            env, "limits", "set", "unlimited-key", "--rpm", "60", "--burst-s", "0.001", timeout_s=60
+        )
         assert set_it.returncode == 0, set_it.stderr
         time.sleep(OVERRIDES_TTL_S + 0.2)
         run_ids = start_all(ctx, redis_url, agent, 4)
@@ -297,15 +295,6 @@ def test_a_concurrency_cap_of_2_runs_10_runs_at_most_2_at_once_in_order(
     assert (
         store.cap_use("agent:capped").holders == () and store.cap_use("agent:capped").waiting == ()
     )
-
-
-@pytest.fixture(params=["redis", "rabbitmq"])
-def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
-    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
-    if request.param == "redis":
-        return redis_url
-    url: str = request.getfixturevalue("rabbitmq_vhost")
-    return url
 
 
 @pytest.mark.timeout(180)

@@ -25,11 +25,11 @@ from runtime.errors import InvalidRequest, RunRefused
 from runtime.fsm import created_event, rebuild
 from runtime.models import Event, RunStatus
 from store.runs import RunRecord
-from tasks.context import Context, set_context
+from tasks.context import Context
 from tasks.persistence import append_ending
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, redis_context, wait_for, worker_env
+from tests.workers import ROOT, session_ratchet, wait_for, worker_env
 from worker.api import Ratchet
 from worker.console.app import make_app
 
@@ -109,13 +109,8 @@ def test_a_self_starting_agent_stops_at_its_size_bound(ratchet: Ratchet, tmp_pat
 @contextmanager
 def fleet(redis_url: str, **settings: int) -> Iterator[Ratchet]:
     """The session worker's context with these fleet-wide tree limits (RATCHET_MAX_…)."""
-    context = redis_context(redis_url, **settings)
-    set_context(context)
-    try:
-        yield Ratchet(context)
-    finally:
-        set_context(None)
-        context.close()
+    with session_ratchet(redis_url, **settings) as api:
+        yield api
 
 
 @pytest.fixture

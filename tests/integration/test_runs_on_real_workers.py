@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,14 @@ from tasks.messages import enqueue_turn
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, refunds, turn, write_agent
-from tests.workers import EXAMPLE_AGENT, ROOT, WorkerProcesses, redis_context
+from tests.workers import (
+    EXAMPLE_AGENT,
+    ROOT,
+    WorkerProcesses,
+    ratchet_cli,
+    redis_context,
+    start_example,
+)
 from worker.api import Ratchet
 from worker.app import make_app
 
@@ -96,15 +101,6 @@ def test_a_pickle_message_is_refused_and_runs_nothing(
     assert [e.type for e in ratchet.events(state.run_id)] == ["run.created"]
 
 
-@pytest.fixture(params=["redis", "rabbitmq"])
-def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
-    """The workers' broker: the test's Redis database, or a RabbitMQ vhost of its own."""
-    if request.param == "redis":
-        return redis_url
-    url: str = request.getfixturevalue("rabbitmq_vhost")
-    return url
-
-
 @pytest.mark.timeout(90)
 def test_a_worker_process_and_the_cli_in_another_process_complete_a_run_on_each_broker(
     worker_processes: WorkerProcesses,
@@ -117,40 +113,14 @@ def test_a_worker_process_and_the_cli_in_another_process_complete_a_run_on_each_
     worker = worker_processes.start("--concurrency", "2", RATCHET_BROKER_URL=broker_url)
     env = {**worker_processes.base_env, "RATCHET_BROKER_URL": broker_url}
     # When the CLI, in another process, starts the example agent and waits
-    started = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker",
-            "runs",
-            "start",
-            str(EXAMPLE_AGENT),
-            "--input",
-            "Refund order B2",
-            "--wait",
-            "--timeout",
-            "60",
-            "--json",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
+    started = start_example(env, "--json")
     # Then the run completes with every transition recorded once, in order
     assert started.returncode == 0, started.stderr + worker.log()
     assert started.stdout, started.stderr
     record = json.loads(started.stdout)
     assert record["status"] == "completed"
-    events = subprocess.run(
-        [sys.executable, "-m", "worker", "runs", "events", record["run_id"], "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
+    events = ratchet_cli(
+        env, "runs", "events", record["run_id"], "--json", timeout_s=30, check=True
     )
     seqs = [json.loads(line)["seq"] for line in events.stdout.splitlines()]
     assert strictly_increasing(seqs) and len(seqs) == 14
@@ -192,37 +162,10 @@ def test_the_embedded_default_runs_a_worker_and_the_cli_in_two_processes(tmp_pat
     processes = WorkerProcesses(env, tmp_path)
     try:
         processes.start("--concurrency", "1")
-        started = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "worker",
-                "runs",
-                "start",
-                str(EXAMPLE_AGENT),
-                "--input",
-                "Refund order B2",
-                "--wait",
-                "--timeout",
-                "60",
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=80,
-        )
+        started = start_example(env)
         assert started.returncode == 0, started.stderr + processes.started[0].log()
         run_id = started.stdout.splitlines()[0]
-        shown = subprocess.run(
-            [sys.executable, "-m", "worker", "runs", "show", run_id, "--json"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
+        shown = ratchet_cli(env, "runs", "show", run_id, "--json", timeout_s=30, check=True)
         assert json.loads(shown.stdout)["status"] == "completed"
         assert (tmp_path / "data" / "runs.sqlite3").exists()
         assert refunds(tmp_path / "ledger") == ["refund B2 2900"]

@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import refunds
 from tests.redis_server import RedisServer, _free_port, running_redis_server
-from tests.workers import ROOT, WorkerProcesses, worker_env
+from tests.workers import ROOT, WorkerProcesses, ratchet_cli, worker_env
 from tests.workers import wait_for as shared_wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -60,14 +60,7 @@ def env(stores: str, broker: RedisServer, tmp_path: Path) -> dict[str, str]:
 
 
 def ratchet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return ratchet_cli(env, *args)
 
 
 def start(
