@@ -33,7 +33,7 @@ from pathlib import Path
 CONSUMER = r"""
 import json, os, sys, time
 from kombu import Connection, Consumer, Exchange, Queue
-import worker.embedded_broker as transport
+import tasks.broker.embedded as transport
 
 folder, transport_name, interval, count, idle_s, wake = sys.argv[1:7]
 if wake == "off":
@@ -78,7 +78,7 @@ VARIANTS = {
 def measure(name: str, messages: int, idle_s: float) -> dict[str, float]:
     from kombu import Connection, Exchange, Producer, Queue
 
-    import worker.embedded_broker  # noqa: F401  (registers the ratchet-filesystem alias)
+    import tasks.broker.embedded  # noqa: F401  (registers the ratchet-filesystem alias)
 
     transport_name, interval, wake = VARIANTS[name]
     with tempfile.TemporaryDirectory(prefix="bench-broker-") as folder:

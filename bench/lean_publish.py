@@ -3,8 +3,8 @@
 Both publish the same ``ratchet.turn`` from inside a running task (as tasks/turn.py's
 ``enqueue_next`` does), to a redis-server of the bench's own (a real LPUSH round
 trip) or to Celery's in-process ``memory://`` broker (the sender's own work only):
-the baseline is what tasks/messages.py gave ``send_task`` before tasks/next_turn.py,
-the other is :func:`tasks.next_turn.lean_turns`. Rounds alternate so a busy machine
+the baseline is what tasks/messages.py gave ``send_task`` before tasks/broker/next_turn.py,
+the other is :func:`tasks.broker.next_turn.lean_turns`. Rounds alternate so a busy machine
 slows both alike; the figures are the median round's wall and CPU time per message.
 
     python -m bench.lean_publish [--messages 3000] [--rounds 7]
@@ -23,8 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tasks.broker.next_turn import lean_turns  # noqa: E402
 from tasks.messages import VERSION, VERSION_HEADER  # noqa: E402
-from tasks.next_turn import lean_turns  # noqa: E402
 from tasks.queues import TURNS_QUEUE  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402

@@ -38,8 +38,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 from runtime.errors import InvalidRunId, MessageRefused
 from runtime.models import validate_run_id
 from runtime.recovery import OPERATOR, SWEEPER
-from tasks import next_turn as lean
-from tasks.next_turn import running_task
+from tasks.broker import next_turn as lean
+from tasks.broker.next_turn import running_task
 from tasks.queues import CONTROL_QUEUE, ROUTES, whole_seconds_on_quorum
 
 VERSION = 1
@@ -368,7 +368,7 @@ def send(
 
 def turn_outbox(runs: Any, run_id: str, seq: int, priority: int | None) -> Any:
     """The next turn of ``run_id`` at ``seq`` as an outbox message for ``runs`` to push with
-    the checkpoint that ends this turn (:meth:`tasks.next_turn.LeanTurns.outbox`); None when
+    the checkpoint that ends this turn (:meth:`tasks.broker.next_turn.LeanTurns.outbox`); None when
     it must be sent as every other message is, after the checkpoint (:func:`send`)."""
     message = build(Turn, run_id=run_id, expected_seq=seq)
     app = sending_app()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kombu.entity import Exchange, Queue
+from kombu import Exchange, Queue
 
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")

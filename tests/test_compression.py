@@ -1,4 +1,4 @@
-"""Compressed message bodies are inflated with a bound (worker/compression.py)."""
+"""Compressed message bodies are inflated with a bound (tasks/broker/compression.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from kombu import compression
 
-from worker.compression import (
+from tasks.broker.compression import (
     MAX_DECOMPRESSED_BYTES,
     BodyInflatesTooFar,
     CompressionRefused,

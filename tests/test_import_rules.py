@@ -298,3 +298,63 @@ def test_a_packages_eager_imports_cycle_only_through_its_own_modules() -> None:
         f"packages whose __init__ imports their own modules: {sorted(packages)}; "
         "EAGER_PACKAGES lists each with the reason it must"
     )
+
+
+# --- Celery's and kombu's internals: tasks/broker/ only ------------------------------
+
+BROKER_SEAM = "tasks.broker"
+CELERY_PUBLIC: dict[str, str] = {
+    "celery": "the app, shared_task, current_app",
+    "celery.signals": "the documented signals",
+    "celery.exceptions": "the documented exceptions (Retry, Reject, ...)",
+    "celery.beat": "PersistentScheduler, the documented default of beat_scheduler",
+    "kombu": "Connection, Exchange, Queue",
+    "kombu.exceptions": "OperationalError, the documented connection error",
+    "kombu.common": "maybe_declare and ignore_errors, kombu's documented utilities",
+    # Used outside the seam, each as Celery's own command line uses it, read-only: none
+    # reaches into a message, a channel or a transport.
+    "celery.app.defaults": "the settings' defaults table (tasks/delivery.py: which options "
+    "an application left as Celery's default)",
+    "celery.app.utils": "find_app, as `celery -A` finds an app (worker/senders.py)",
+    "celery.utils.imports": "cwd_in_path, as `celery -A` imports an app (worker/startup.py)",
+    "celery.local": "Proxy, the lazy task object `shared_task` returns (tasks/task_base.py)",
+    "kombu.transport": "TRANSPORT_ALIASES, to refuse a broker URL kombu has no transport "
+    "for before a worker starts (tasks/settings.py)",
+}
+"""What of Celery and kombu the project imports outside :mod:`tasks.broker`, and why."""
+
+
+def celery_and_kombu_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) for each Celery or kombu module ``path`` imports."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("celery", "kombu"):
+                yield node.lineno, name
+
+
+def test_celery_and_kombu_internals_are_reached_only_from_the_broker_seam() -> None:
+    reached = {
+        f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        for name, path in our_modules().items()
+        if not is_within(name, BROKER_SEAM)
+        for line, module in celery_and_kombu_imports(path)
+        if module not in CELERY_PUBLIC
+    }
+    assert not reached, (
+        "Celery's and kombu's internals belong in tasks/broker/ (its __init__ says why):\n"
+        + "\n".join(sorted(reached))
+    )
+    # and the seam does reach them: the list above is not vacuous
+    inside = {
+        module
+        for name, path in our_modules().items()
+        if is_within(name, BROKER_SEAM)
+        for _, module in celery_and_kombu_imports(path)
+    }
+    assert inside - set(CELERY_PUBLIC) >= {"celery.app.amqp", "kombu.utils.json"}

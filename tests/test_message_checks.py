@@ -15,6 +15,7 @@ from kombu import Connection
 
 import tasks  # noqa: F401  (registers the ratchet.* tasks on the app)
 from runtime.errors import MessageRefused
+from tasks.broker.entries import envelope_problem
 from tasks.messages import (
     MESSAGES,
     VERSION,
@@ -27,7 +28,6 @@ from tasks.messages import (
 )
 from tasks.task_base import RatchetTask, _check_parameters, ratchet_task
 from worker.app import app
-from worker.entries import envelope_problem
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The lean publish of a chained ``ratchet.turn`` (tasks/next_turn.py) is Celery's message.
+"""The lean publish of a chained ``ratchet.turn`` (tasks/broker/next_turn.py) is Celery's message.
 
 From inside a running task, on each broker ratchet runs on (Redis, RabbitMQ, the
 filesystem), one turn goes out through the lean path and one through Celery's
@@ -26,9 +26,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime.models import RunStatus
+from tasks.broker.next_turn import _kwargsrepr, lean_turns
 from tasks.delivery import redis_lists
 from tasks.messages import VERSION, VERSION_HEADER
-from tasks.next_turn import _kwargsrepr, lean_turns
 from tasks.queues import TURNS_QUEUE
 from tasks.settings import Settings
 from tasks.start import create_run

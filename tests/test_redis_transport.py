@@ -1,10 +1,10 @@
-"""What ratchet's Redis transport (``ratchet-redis``, worker/transport.py) says to Redis.
+"""What ratchet's Redis transport (``ratchet-redis``, tasks/broker/transport.py) says to Redis.
 
 It packs a BRPOP once per order of its queues and writes kombu's unacked bookkeeping
 without waiting for it: the commands a real Redis receives (read with MONITOR) are
 shown to be kombu's own, less the MULTI/EXEC around each pair — in an event loop
 written on the BRPOP's connection, ahead of the next BRPOP or on their own
-(worker/unacked.py) — and a message a consumer never acknowledged still comes back.
+(tasks/broker/unacked.py) — and a message a consumer never acknowledged still comes back.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 import redis
 from kombu import Exchange, Queue
 
+from tasks.broker.transport import RatchetConnection, RedisTransport
 from tasks.delivery import MAX_PRIORITY
 from tests.redis_server import running_redis_server
-from worker.transport import RatchetConnection, RedisTransport
 
 STEPS = {"priority_steps": list(range(MAX_PRIORITY + 1))}
 DONE = "test-monitor-done"

@@ -1,4 +1,4 @@
-"""What tasks/next_turn.py, the send path's seam, assumes of Celery is still so.
+"""What tasks/broker/next_turn.py, the send path's seam, assumes of Celery is still so.
 
 Read from the installed Celery itself, so an upgrade that moves what the seam relies on
 fails here, naming it, before a message is sent otherwise.
@@ -10,7 +10,7 @@ import inspect
 
 from celery.app.amqp import AMQP
 
-from tasks.next_turn import SENT_EVENT_AT, without_sent_event
+from tasks.broker.next_turn import SENT_EVENT_AT, without_sent_event
 
 
 def test_create_sent_event_is_where_the_seam_puts_it_among_as_task_v2s_arguments() -> None:

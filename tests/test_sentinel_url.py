@@ -14,9 +14,9 @@ from store import open_rejected, open_run_store
 from store.rejected.redis import RedisRejected
 from store.sentinel import SentinelUrl
 from store.snapshots.redis import where
+from tasks.broker.transport import SENTINEL_ALIAS, transport_for
 from tasks.settings import Settings, load_settings
 from worker.app import celery_config
-from worker.transport import SENTINEL_ALIAS, transport_for
 
 FULL = (
     "redis+sentinel://ana:s%40cret@10.0.0.1:26379,10.0.0.2,[fd00::3]:26380/orders/2"

@@ -51,7 +51,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "data_folder_out": str(folders["queue"]),
             "control_folder": str(folders["control"]),
             "polling_interval": settings.filesystem_polling_interval_s,
-            # The broker channels set refused messages aside here (worker/entries.py).
+            # The broker channels set refused messages aside here (tasks/broker/entries.py).
             "rejected_folder": str(rejected_folder(settings.resolved_data_dir)),
         }
     # What decides where messages go and how they are read: the table a team's app gets
@@ -64,7 +64,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         transport_options.update(sentinel_options)
     config = {
         "broker_url": broker_url,
-        "worker_consumer": "worker.consumer:RatchetConsumer",
+        "worker_consumer": "tasks.broker.consumer:RatchetConsumer",
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
         # A starting worker has already tried the broker a bounded number of times
@@ -116,18 +116,18 @@ def make_app(settings: Settings | None = None, *, set_as_current: bool = False) 
     import worker.checks  # noqa: F401  (worker_init: the broker check, first)
     import worker.observe  # noqa: F401  (argsrepr, run ids in the logs, notifications)
     from tasks import failpoints
+    from tasks.broker.compression import bound_decompression
     from tasks.continuations import ContinuationConsumer
-    from worker.compression import bound_decompression
 
     failpoints.check()
     # No message body inflates past 4 MiB in the consumer loop (kombu's registry is global).
     bound_decompression()
-    # RatchetAMQP picks worker.transport's kombu transports for redis:// and filesystem://
+    # RatchetAMQP picks tasks.broker.transport's kombu transports for redis:// and filesystem://
     # URLs (they survive a bad queue entry); other brokers keep kombu's own.
     app = Celery(
         "ratchet",
-        amqp="worker.transport:RatchetAMQP",
-        events="worker.transport:RatchetEvents",
+        amqp="tasks.broker.transport:RatchetAMQP",
+        events="tasks.broker.transport:RatchetEvents",
         task_cls="tasks.task_base:RatchetTask",
         set_as_current=set_as_current,
     )

@@ -1,5 +1,5 @@
 """kombu's unacked bookkeeping on a real prefork worker, which no longer waits on it
-(worker/unacked.py): a message is held in Redis while its task runs, so a worker
+(tasks/broker/unacked.py): a message is held in Redis while its task runs, so a worker
 SIGKILLed then still gives it back, and every ack reaches Redis."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import redis
 
 from runtime.models import RunStatus
+from tasks.broker.transport import RatchetConnection
 from tasks.delivery import MAX_PRIORITY
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import WorkerProcesses, redis_context, run_status, wait_for
 from worker.app import make_app
-from worker.transport import RatchetConnection
 
 pytestmark = pytest.mark.slow
 

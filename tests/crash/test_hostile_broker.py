@@ -20,12 +20,12 @@ import redis
 from runtime.models import RunStatus
 from store.rejected import REDIS_KEY
 from store.rejected.redis import RedisRejected
+from tasks.broker.compression import MAX_DECOMPRESSED_BYTES
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import turn, write_agent
 from tests.workers import WorkerProcess, WorkerProcesses, redis_context, run_status, wait_for
 from worker.app import make_app
-from worker.compression import MAX_DECOMPRESSED_BYTES
 
 pytestmark = pytest.mark.slow
 

@@ -28,6 +28,7 @@ import redis
 from runtime.models import RunStatus
 from runtime.timers import wake_at_ms
 from store.runs import RunStore
+from tasks.broker.transport import RatchetConnection
 from tasks.context import Context
 from tasks.delivery import MAX_PRIORITY
 from tasks.settings import Settings
@@ -35,7 +36,6 @@ from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
 from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, wait_for
 from worker.app import make_app
-from worker.transport import RatchetConnection
 
 pytestmark = pytest.mark.slow
 

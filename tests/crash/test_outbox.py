@@ -24,9 +24,9 @@ from celery import Celery
 from runtime.actions import TurnOutcome
 from runtime.models import RunStatus
 from store.runs.redis import RedisRunStore
+from tasks.broker.next_turn import lean_turns
 from tasks.delivery import redis_lists
 from tasks.messages import VERSION, VERSION_HEADER
-from tasks.next_turn import lean_turns
 from tasks.queues import TURNS_QUEUE
 from tasks.settings import Settings
 from tasks.start import create_run

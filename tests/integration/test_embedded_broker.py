@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
-import worker.embedded_broker as transport
+import tasks.broker.embedded as transport
+from tasks.broker.transport import ListenedEventDispatcher
 from tasks.settings import Settings
 from worker.app import make_app
-from worker.transport import ListenedEventDispatcher
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,7 +39,7 @@ BODY_BYTES = 3 * 1024 * 1024
 PRODUCER = r"""
 import hashlib, sys
 from kombu import Connection, Exchange, Producer, Queue
-import worker.embedded_broker
+import tasks.broker.embedded
 
 folder, transport_name, count, size, tag = sys.argv[1:6]
 options = {"data_folder_in": folder, "data_folder_out": folder, "control_folder": folder + "/c",

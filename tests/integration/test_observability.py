@@ -179,7 +179,7 @@ def test_a_worker_sends_task_events_when_on_with_readable_arguments_and_logs_run
 def test_task_events_held_for_one_publish_all_arrive_even_from_a_stopping_worker(
     worker_processes: WorkerProcesses, redis_url: str, ctx: Context, tmp_path: Path
 ) -> None:
-    # The worker gathers task events into one message per EVENTS_FLUSH_S (worker.consumer):
+    # The worker gathers task events into one message per EVENTS_FLUSH_S (tasks.broker.consumer):
     # every turn's received and succeeded still reach a receiver, and a worker stopped
     # (SIGTERM) straight after the run ends publishes what it still holds.
     script = [turn(f"look {i}", call("lookup_order", order_id="B2")) for i in range(5)]
@@ -211,7 +211,7 @@ def test_task_events_held_for_one_publish_all_arrive_even_from_a_stopping_worker
             # rejected back onto the queue; either is held and flushed like the rest.
             events.wait_for(ended(task_id), timeout_s=10)
             events.wait_for(started(task_id), timeout_s=10)
-        # A turn a turn chains has no task-sent (worker.transport.RatchetAMQP): the pool
+        # A turn a turn chains has no task-sent (tasks.broker.transport.RatchetAMQP): the pool
         # process would have published it before its task's task-succeeded, all seen now.
         # The first turn, sent by a client, has one.
         first = events.wait_for(

@@ -50,8 +50,8 @@ from kombu.transport import redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from tasks.broker.entries import envelope_problem
 from tasks.refusals import set_aside
-from worker.entries import envelope_problem
 
 log = logging.getLogger("ratchet.transport")
 
@@ -64,7 +64,7 @@ def unacked_problem(raw: bytes, decode_body: Any) -> str | None:
 
     kombu writes ``[envelope, exchange, routing_key]`` and restores the envelope to the
     queues the exchange and routing key name, so the envelope must be one its channel
-    can deliver (worker/entries.py).
+    can deliver (tasks/broker/entries.py).
     """
     try:
         entry = loads(bytes_to_str(raw))

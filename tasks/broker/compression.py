@@ -12,7 +12,7 @@ stops at :data:`MAX_DECOMPRESSED_BYTES` — the cap a message sent uncompressed 
 and raises :class:`BodyInflatesTooFar` past it (memory: the bound plus one read of
 the input; time: milliseconds). A codec ratchet has no bounded decoder for (brotli,
 zstd, one an application registered) is refused outright. kombu records the error
-on the message, and the consumer sets the message aside (worker/consumer.py). The
+on the message, and the consumer sets the message aside (tasks/broker/consumer.py). The
 encoders are kombu's own: what a producer compresses is unchanged.
 """
 

@@ -53,7 +53,7 @@ def task_message_problem(message: Any) -> str | None:
     if problem is not None:
         return problem
     if message.errors:
-        # kombu decompressed the body as it built the message (bounded: worker/compression.py).
+        # kombu decompressed the body as it built the message (bounded: tasks/broker/compression.py).
         return f"its body cannot be read ({_why(message.errors[0][1])})"
     try:
         body = message.decode()

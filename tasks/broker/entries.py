@@ -8,8 +8,8 @@ loop, before Celery or ratchet sees it; one entry that is not an envelope
 (``redis-cli LPUSH ratchet.turns garbage``, ``[1,2,3]``, a body that is not
 valid base64, a zero-byte file left by a full disk) raises there and the
 worker exits with ``Unrecoverable error``. :class:`SafeEntries` checks an entry
-where a channel reads it — Redis ``BRPOP``/``RPOP`` (worker/transport.py), a
-``*.msg`` file (worker/embedded_broker.py) — and hands a bad one to the
+where a channel reads it — Redis ``BRPOP``/``RPOP`` (tasks/broker/transport.py), a
+``*.msg`` file (tasks/broker/embedded.py) — and hands a bad one to the
 rejected-message store (:mod:`store.rejected`) instead, so the channel goes on with
 the next entry.
 """

@@ -2,20 +2,20 @@
 # (kombu's transports are untyped, and the mixins below use its channel attributes.)
 """``ratchet-redis``: kombu's Redis transport, hardened and leaner; and the app's broker seams.
 
-Its channel checks every entry it reads (``BRPOP``/``RPOP``, worker/entries.py)
+Its channel checks every entry it reads (``BRPOP``/``RPOP``, tasks/broker/entries.py)
 and sets a bad one aside instead of dying on it, and it does less in the worker's
 main process for each message: one client for every publish and ack, the BRPOP
 packed once per order of its queues, and kombu's unacked bookkeeping written with
-the next BRPOP (worker/unacked.py). Kombu's own source is untouched: the changes
+the next BRPOP (tasks/broker/unacked.py). Kombu's own source is untouched: the changes
 are overrides of the channel's read methods, registered under their own alias.
 
 ``transport_for`` picks ratchet's transports by broker URL — this one for
 ``redis://`` and ``rediss://``, its Sentinel form (``ratchet-sentinel``) for kombu's
 ``sentinel://`` (which ``RATCHET_BROKER_URL=redis+sentinel://…`` becomes, worker/app.py),
-``ratchet-filesystem`` (worker/embedded_broker.py)
+``ratchet-filesystem`` (tasks/broker/embedded.py)
 for ``filesystem://`` — and ``RatchetAMQP`` and ``RatchetEvents`` are the app's
 ``amqp`` and ``events`` seams (worker/app.py). What sending a message reaches of
-Celery's and kombu's internals is in one module, tasks/next_turn.py.
+Celery's and kombu's internals is in one module, tasks/broker/next_turn.py.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from redis import sentinel
 from store.redis_connection import CheckedConnection
 from store.rejected import RejectedStore
 from store.rejected.redis import RedisRejected
-from tasks.next_turn import without_sent_event
-from worker.embedded_broker import FILESYSTEM_ALIAS, FilesystemChannel
-from worker.entries import SafeEntries, envelope_problem
-from worker.unacked import RedisQoS, RidingPoller
+from tasks.broker.embedded import FILESYSTEM_ALIAS, FilesystemChannel
+from tasks.broker.entries import SafeEntries, envelope_problem
+from tasks.broker.next_turn import without_sent_event
+from tasks.broker.unacked import RedisQoS, RidingPoller
 
 log = logging.getLogger("ratchet.transport")
 
@@ -56,7 +56,7 @@ class SafeRedisReads(SafeEntries):
 
     def _brpop_read(self, **options: Any) -> bool:
         # kombu's _brpop_read with two changes: the replies of the unacked bookkeeping
-        # the BRPOP carried are read first (worker/unacked.py), and the entry goes
+        # the BRPOP carried are read first (tasks/broker/unacked.py), and the entry goes
         # through accept_entry instead of straight into loads() and the delivery
         # callback. Kept in step with kombu 5.7 (the reauth flush in `finally` included).
         if getattr(self.qos, "riding", 0):
@@ -85,7 +85,7 @@ class SafeRedisReads(SafeEntries):
             if payload is None:
                 raise Empty()
             # The connection is idle until the next BRPOP: the delivery's bookkeeping is
-            # written on it (worker/unacked.py).
+            # written on it (tasks/broker/unacked.py).
             self.delivering = self.client.connection
             try:
                 self.connection._deliver(payload, dest)

@@ -35,8 +35,8 @@ would LPUSH. ``before_task_publish`` fires as the entry is built, ``after_task_p
 once the checkpoint is written; a checkpoint refused (fenced, stale) pushes nothing, and
 one that falls back to separate writes leaves the turn to the ordinary publish.
 
-**The seam.** This is the one module where sending a message reaches into Celery's and
-kombu's internals (checked against celery 5.7.0 and kombu 5.7.0; tests/test_publish.py
+**The seam.** This is the one module of :mod:`tasks.broker` where sending a message
+reaches into Celery's and kombu's internals (checked against celery 5.7.0 and kombu 5.7.0; tests/test_publish.py
 holds the message to ``send_task``'s byte for byte, tests/crash/test_outbox.py the outbox
 entry to kombu's): upgrading either means reading this file, and that test. It uses:
 
@@ -49,7 +49,7 @@ entry to kombu's): upgrading either means reading this file, and that test. It u
   ``saferepr``), the arguments ``send_task_message`` gives the publish signals;
   ``celery._state.get_current_task`` (:func:`running_task`, for tasks/messages.py's
   ``sending_app``); and where ``as_task_v2`` takes ``create_sent_event`` by position
-  (:func:`without_sent_event`, for worker/transport.py's ``RatchetAMQP``); and an
+  (:func:`without_sent_event`, for tasks/broker/transport.py's ``RatchetAMQP``); and an
   attribute of ours on the app, its lean publisher (:data:`LEAN_TURNS_ATTRIBUTE`).
 - kombu: ``Producer._delivery_details``, ``channel.prepare_message`` and
   ``basic_publish``, the connection's ``declared_entities`` and ``maybe_declare``,
@@ -57,9 +57,8 @@ entry to kombu's): upgrading either means reading this file, and that test. It u
   ``_put``, ``_inplace_augment_message``, ``_q_for_pri``, ``_get_message_priority``,
   ``global_keyprefix``, ``_expires``, ``pool.connection_kwargs`` and ``SentinelChannel``.
 
-Receiving is another seam, kombu's channel subclassed where it reads and acknowledges:
-worker/transport.py (the reads of a queue entry), worker/unacked.py (the unacked
-bookkeeping), worker/entries.py (an entry's envelope), worker/embedded_broker.py.
+Receiving is the rest of this package (:mod:`tasks.broker`): kombu's channels
+subclassed where they read and acknowledge, and Celery's consumer.
 """
 
 from __future__ import annotations

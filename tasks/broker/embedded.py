@@ -2,7 +2,7 @@
 # (kombu's transports are untyped, and the channel below uses their attributes.)
 """``ratchet-filesystem``: kombu's ``filesystem://`` transport, the embedded default's broker, hardened.
 
-It checks every ``*.msg`` file it reads (worker/entries.py) and sets a bad one
+It checks every ``*.msg`` file it reads (tasks/broker/entries.py) and sets a bad one
 aside instead of dying on it. It also writes atomically: kombu's writer opens the
 final ``*.msg`` name and writes into it, so a full disk leaves empty or torn
 files that every reader then chokes on, and a reader that lists the folder
@@ -23,7 +23,7 @@ network file system, or a full inotify queue). Where inotify is missing it
 polls at the configured interval, as kombu does.
 
 Kombu's own source is untouched: the changes are overrides of the channel's and
-transport's methods, registered under their own alias, which worker/transport.py's
+transport's methods, registered under their own alias, which tasks/broker/transport.py's
 ``transport_for`` selects for a ``filesystem://`` broker URL.
 """
 
@@ -46,8 +46,8 @@ from kombu.utils.json import dumps
 from store.private import private_dir, private_files, read_no_follow, write_atomically
 from store.rejected import MAX_MESSAGE_BYTES, RejectedStore
 from store.rejected.folder import FolderRejected
+from tasks.broker.entries import SafeEntries
 from tasks.refusals import set_aside
-from worker.entries import SafeEntries
 
 log = logging.getLogger("ratchet.transport")
 
