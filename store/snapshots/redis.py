@@ -44,6 +44,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis
+from hiredis import pack_command
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
@@ -103,9 +104,38 @@ def run_script(script: Script, keys: Sequence[str], args: Sequence[str | bytes])
     """
     client: Any = script.registered_client
     try:
+        if type(client) is redis.Redis and client.connection is None:
+            packed = _packed_evalsha(script.sha, keys, args)
+            if packed is not None:
+                return _send(client.connection_pool, packed)
         return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
     except redis.exceptions.NoScriptError:
         return script(keys=keys, args=args)
+
+
+def _packed_evalsha(sha: str, keys: Sequence[str], args: Sequence[str | bytes]) -> Any:
+    """The EVALSHA as redis-py would put it on the wire, packed by hiredis in one C call
+    (redis-py encodes each argument in Python first: a transition has twenty); None for
+    what hiredis will not pack, which redis-py then packs, or refuses saying why."""
+    command: Any = (b"EVALSHA", sha, len(keys), *keys, *args)  # hiredis's stub says 1-tuple
+    try:
+        return [pack_command(command)]
+    except (TypeError, UnicodeEncodeError):
+        return None
+
+
+def _send(pool: Any, packed: list[bytes]) -> Any:
+    """One packed command on a connection of ``pool``, and its answer: what
+    ``Redis.execute_command`` does for ``connect``'s client (no retries of its own; a
+    connection that fails on its socket drops itself, and redis-py's error is raised),
+    less its per-command wrapping (the retry call, redis-py's own OpenTelemetry
+    records). EVALSHA has no response callback to apply."""
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(packed)
+        return connection.read_response()
+    finally:
+        pool.release(connection)
 
 
 def run_scripts(script: Script, calls: Sequence[tuple[Sequence[str], Sequence[str]]]) -> list[Any]:
