@@ -39,6 +39,7 @@ from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
 from tasks.messages import send_through, sending_app
 from tasks.settings import Settings
+from tasks.start import create_run
 from tests.helpers import installed_context
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
@@ -312,6 +313,54 @@ def worker_env(redis_url: str, ledger: Path, data_dir: Path, **extra: str) -> di
         **extra,
     )
     return env
+
+
+@dataclass
+class SweptWorker:
+    """A ``celery -A worker worker -B`` subprocess (threads, 4 at once) whose beat sweeps
+    every 0.5 s, leases of 2 s: a turn a crash or failover cut off is resumed once its lease
+    expires (the broker's redelivery is never the guarantee). ``ctx``: its stores."""
+
+    ctx: Context
+    process: WorkerProcess
+    broker_url: str
+
+    def start(self, agent: Path, text: str) -> str:
+        """Create a run of ``agent`` on the stores and send its first turn to the worker, through
+        an app of its own: one made before a broker's failover may hold a dead connection."""
+        run_id = create_run(self.ctx, agent, text).run_id
+        with closing(make_app(Settings(broker_url=self.broker_url))) as app:
+            app.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
+        return run_id
+
+    def alive(self) -> bool:
+        return self.process.process is not None and self.process.process.poll() is None
+
+
+@contextmanager
+def swept_worker(
+    tmp_path: Path, ledger: Path, broker_url: str, stores: str | None = None, **env: str
+) -> Iterator[SweptWorker]:
+    """A :class:`SweptWorker` on ``broker_url``, its stores on ``stores`` (else the broker's
+    URL), ``env`` added to its environment; killed, and its context closed, after the block."""
+    stores = stores or broker_url
+    base = worker_env(broker_url, ledger, tmp_path / "data")
+    base.update(
+        RATCHET_RUN_STORE=stores,
+        RATCHET_SNAPSHOT_STORE=stores,
+        RATCHET_LEASE_S="2",
+        RATCHET_SWEEP_INTERVAL_S="0.5",
+        **env,
+    )
+    workers = WorkerProcesses(base, tmp_path)
+    with closing(redis_context(stores)) as ctx:
+        try:
+            process = workers.start(
+                "--pool", "threads", "--concurrency", "4", "-B", "-s", str(tmp_path / "beat")
+            )  # fmt: skip
+            yield SweptWorker(ctx, process, broker_url)
+        finally:
+            workers.stop_all()
 
 
 @pytest.fixture

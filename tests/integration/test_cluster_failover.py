@@ -23,24 +23,21 @@ from runtime.models import RunStatus
 from store.keyspace import DEFAULT_SHARDS, shard_of
 from tasks.context import Context
 from tasks.messages import enqueue_turn
-from tasks.settings import Settings
 from tasks.start import create_run
 from tests.cluster_servers import RedisClusterServers, running_redis_cluster
-from tests.helpers import call, turn, write_agent
+from tests.helpers import call, effect_steps, turn, write_agent
+from tests.probed_tools import assert_invoked_once_each, invocations
 from tests.redis_server import RedisServer, cut_off, replica_caught_up
 from tests.workers import (
-    WorkerProcesses,
     completed_resuming_stalls,
     install,
-    redis_context,
     status_is,
+    swept_worker,
     wait_for,
     wait_for_run,
     wait_until,
-    worker_env,
 )
 from worker.api import Ratchet
-from worker.app import make_app
 
 NODE_TIMEOUT_MS = 1000
 """A dead primary's replica takes over about this long after the kill."""
@@ -64,12 +61,6 @@ def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "effects"
     monkeypatch.setenv("RATCHET_TEST_EFFECTS", str(path))
     return path
-
-
-def invocations(path: Path) -> list[tuple[str, str]]:
-    """The effect log's lines as (idempotency key, label), one per invocation."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [(key, label) for key, _, label in (line.partition(" ") for line in lines)]
 
 
 def run_slot(run_id: str) -> str:
@@ -167,33 +158,14 @@ def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_ca
     effects: Path,
     record_property: Callable[[str, object], None],
 ) -> None:
-    steps = [
-        {**turn(f"step {n}", call("effect", label=f"step-{n}")), "sleep_s": 0.3}
-        for n in range(STEPS)
-    ]
-    agent = write_agent(tmp_path / "agent", [*steps, turn("Done.")], tools=TOOLS)
+    agent = write_agent(tmp_path / "agent", effect_steps(STEPS), tools=TOOLS)
     stores = f"{cluster.url()}?min_replicas=1&replica_timeout_ms=1000"
-    ctx = redis_context(stores)
-    env = worker_env(redis_url, ledger, tmp_path / "data")
-    env.update(
-        RATCHET_RUN_STORE=stores,
-        RATCHET_SNAPSHOT_STORE=stores,
-        RATCHET_TEST_EFFECTS=str(effects),
-        RATCHET_LEASE_S="2",
-        RATCHET_SWEEP_INTERVAL_S="0.5",
-    )
-    workers = WorkerProcesses(env, tmp_path)
-    try:
-        # Given a worker (and beat's sweeper) whose stores, on the cluster, ask for one replica
-        worker = workers.start(
-            "--pool", "threads", "--concurrency", "4", "-B", "-s", str(tmp_path / "beat")
-        )  # fmt: skip
-        broker = make_app(Settings(broker_url=redis_url))
-        run_ids = []
-        for n in range(RUNS):
-            run_id = create_run(ctx, agent, f"run {n}").run_id
-            broker.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
-            run_ids.append(run_id)
+    # Given a worker (and beat's sweeper) whose stores, on the cluster, ask for one replica
+    with swept_worker(
+        tmp_path, ledger, redis_url, stores, RATCHET_TEST_EFFECTS=str(effects)
+    ) as worker:
+        ctx = worker.ctx
+        run_ids = [worker.start(agent, f"run {n}") for n in range(RUNS)]
         # And calls under way
         wait_for("the runs are under way", lambda: len(invocations(effects)) >= RUNS, 45)
 
@@ -219,12 +191,6 @@ def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_ca
 
         record_property("resumed_after_a_stall", len(resumed))
         # Then every call was invoked exactly once: none twice, none lost
-        keys = [key for key, _ in invocations(effects)]
-        assert len(keys) == len(set(keys)), (resumed, invocations(effects))
-        assert sorted(label for _, label in invocations(effects)) == sorted(
-            f"step-{n}" for n in range(STEPS) for _ in range(RUNS)
-        )
-        assert worker.process is not None and worker.process.poll() is None, worker.log()
-    finally:
-        workers.stop_all()
-        ctx.close()
+        labels = [f"step-{n}" for n in range(STEPS) for _ in range(RUNS)]
+        assert_invoked_once_each(effects, labels, resumed)
+        assert worker.alive(), worker.process.log()
