@@ -315,6 +315,29 @@ def worker_env(redis_url: str, ledger: Path, data_dir: Path, **extra: str) -> di
     return env
 
 
+@contextmanager
+def sending_to(broker_url: str) -> Iterator[Celery]:
+    """What ratchet sends outside a task goes to ``broker_url`` (through an app of its own)
+    while the block runs; the app that sent before sends again after it."""
+    sender, before = make_app(Settings(broker_url=broker_url)), sending_app()
+    send_through(sender)
+    try:
+        yield sender
+    finally:
+        send_through(before)
+        sender.close()
+
+
+def run_on_workers(redis_url: str, agent: Path, text: str, timeout_s: float) -> RunRecord:
+    """A run of ``agent`` created on the Redis stores at ``redis_url``, its first turn sent
+    through the broker there (to worker subprocesses): its record once it stops running."""
+    sender = make_app(Settings(broker_url=redis_url))
+    with closing(redis_context(redis_url)) as ctx, closing(sender):
+        state = create_run(ctx, agent, text)
+        sender.send_task("ratchet.turn", (state.run_id, state.seq))
+        return Ratchet(ctx).wait(state.run_id, timeout_s=timeout_s)
+
+
 @dataclass
 class SweptWorker:
     """A ``celery -A worker worker -B`` subprocess (threads, 4 at once) whose beat sweeps
