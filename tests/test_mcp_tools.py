@@ -164,6 +164,25 @@ def refused_by_a_fresh_listing(redis_url: str, act: Callable[[Ratchet], object])
     return str(refused.value)
 
 
+def looks_up_and_refunds_at_once(
+    tmp_path: Path, ledger: Path, http: HttpServer, content: str, cents: int, answer: str
+) -> Path:
+    """An agent whose model, saying ``content``, looks B2 up on the HTTP server (``remote``)
+    and refunds it ``cents`` on a stdio one (``billing``, its ledger at ``ledger``) at once,
+    then answers ``answer``."""
+    both = turn(
+        content,
+        call("lookup_order", order_id="B2"),
+        call("issue_refund", order_id="B2", amount_cents=cents),
+    )
+    return write_agent(
+        tmp_path,
+        [both, turn(answer)],
+        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
+        extra=stdio_table("billing", ledger) + http.table("remote"),
+    )
+
+
 @pytest.fixture
 def http_server(tmp_path: Path) -> Iterator[HttpServer]:
     server = HttpServer(free_port(), tmp_path / "http.ledger").start()
@@ -266,18 +285,8 @@ def test_a_run_calls_tools_on_a_stdio_and_an_http_server_and_completes(
 ) -> None:
     # Given an agent with a stdio server and an HTTP one, and a model that calls both at once
     ledger = tmp_path / "stdio.ledger"
-    agent = write_agent(
-        tmp_path,
-        [
-            turn(
-                "Looking up and refunding.",
-                call("lookup_order", order_id="B2"),
-                call("issue_refund", order_id="B2", amount_cents=2900),
-            ),
-            turn("Refunded."),
-        ],
-        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
-        extra=stdio_table("billing", ledger) + http_server.table("remote"),
+    agent = looks_up_and_refunds_at_once(
+        tmp_path, ledger, http_server, "Looking up and refunding.", 2900, "Refunded."
     )
     # When the run goes through the worker
     run_id = ratchet.start(agent, "refund B2")
@@ -636,19 +645,7 @@ def test_mcp_tools_work_on_each_pool(
     pool: str,
 ) -> None:
     ledger = tmp_path / "stdio.ledger"
-    agent = write_agent(
-        tmp_path,
-        [
-            turn(
-                "Both.",
-                call("lookup_order", order_id="B2"),
-                call("issue_refund", order_id="B2", amount_cents=5),
-            ),
-            turn("Done."),
-        ],
-        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
-        extra=stdio_table("billing", ledger) + http_server.table("remote"),
-    )
+    agent = looks_up_and_refunds_at_once(tmp_path, ledger, http_server, "Both.", 5, "Done.")
     worker = worker_processes.start("--pool", pool, "--concurrency", "2")
     record = run_on_workers(redis_url, agent, "go", timeout_s=150)
     assert record.status == RunStatus.COMPLETED, (record.error, worker.log()[-4000:])

@@ -356,6 +356,18 @@ class SweptWorker:
             app.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
         return run_id
 
+    def under_way(self, agent: Path, text: str, answered: int = 2) -> str:
+        """:meth:`start` a run, and wait until the model answered ``answered`` of its turns."""
+        run_id = self.start(agent, text)
+        wait_for(
+            f"run {run_id} is {answered} turns in",
+            lambda: (
+                sum(e.type == "model.responded" for e in self.ctx.runs.events(run_id)) >= answered
+            ),
+            timeout_s=30,
+        )
+        return run_id
+
     def alive(self) -> bool:
         return self.process.process is not None and self.process.process.poll() is None
 

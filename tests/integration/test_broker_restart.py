@@ -10,7 +10,7 @@ import pytest
 from runtime.models import RunStatus
 from tests.helpers import paced_lookups, write_agent
 from tests.redis_server import running_redis_server
-from tests.workers import status_is, swept_worker, wait_for, wait_for_run
+from tests.workers import status_is, swept_worker, wait_for_run
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +26,7 @@ def test_a_worker_carries_on_when_its_redis_broker_crashes_with_a_read_in_flight
     ):
         ctx = worker.ctx
         # Given a worker (with beat's sweeper) taking a run's turns
-        run_id = worker.start(agent, "x")
-        wait_for(
-            "the run is two turns in",
-            lambda: sum(e.type == "model.responded" for e in ctx.runs.events(run_id)) >= 2,
-            timeout_s=30,
-        )
+        run_id = worker.under_way(agent, "x")
 
         # When Redis is SIGKILLed, its BRPOP in flight, and comes back from its AOF
         server.crash()

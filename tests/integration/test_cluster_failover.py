@@ -78,6 +78,19 @@ def lose_the_primary(
     wait_for("every slot has a live primary", cluster.serving, 30)
 
 
+def charge_on_a_cut_off_replica(
+    ctx: Context, cluster: RedisClusterServers, agent: Path
+) -> tuple[str, RedisServer, RedisServer]:
+    """A run of ``agent`` created (input ``charge``) and held by its primary's replica, which
+    is then cut off (stopped, its link dropped by the primary); the run, primary and replica."""
+    run_id = create_run(ctx, agent, "charge").run_id
+    primary = cluster.owner(run_slot(run_id))
+    replica = cluster.replica_of(primary)
+    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
+    cut_off(primary, replica)
+    return run_id, primary, replica
+
+
 @pytest.mark.timeout(90)
 def test_without_min_replicas_a_cluster_failover_that_loses_the_journal_invokes_the_call_twice(
     installed: list[Context], cluster: RedisClusterServers, tmp_path: Path, effects: Path
@@ -88,12 +101,8 @@ def test_without_min_replicas_a_cluster_failover_that_loses_the_journal_invokes_
     agent = write_agent(tmp_path / "agent", CHARGE, tools=TOOLS)
     ctx = install(installed, cluster.url())
     # Given a run whose creation its primary's replica holds
-    run_id = create_run(ctx, agent, "charge").run_id
-    primary = cluster.owner(run_slot(run_id))
-    replica = cluster.replica_of(primary)
-    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
     # And a replica that lags from then on: stopped, its link dropped by the primary
-    cut_off(primary, replica)
+    run_id, primary, replica = charge_on_a_cut_off_replica(ctx, cluster, agent)
 
     # When the run charges, every write acknowledged by the primary alone
     enqueue_turn(run_id=run_id, expected_seq=1)
@@ -119,11 +128,7 @@ def test_with_min_replicas_a_cut_off_replica_stalls_the_run_and_its_failover_inv
     ctx = install(installed, f"{cluster.url()}?min_replicas=1&replica_timeout_ms=200")
     api = Ratchet(ctx)
     # Given a run whose creation its primary's replica holds, and the replica cut off
-    run_id = create_run(ctx, agent, "charge").run_id
-    primary = cluster.owner(run_slot(run_id))
-    replica = cluster.replica_of(primary)
-    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
-    cut_off(primary, replica)
+    run_id, primary, replica = charge_on_a_cut_off_replica(ctx, cluster, agent)
 
     # When the run goes to charge
     enqueue_turn(run_id=run_id, expected_seq=1)

@@ -11,7 +11,7 @@ import pytest
 from runtime.models import RunStatus
 from tests.helpers import paced_lookups, write_agent
 from tests.sentinel_servers import running_sentinel_group
-from tests.workers import status_is, swept_worker, wait_for, wait_for_run
+from tests.workers import status_is, swept_worker, wait_for_run
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +33,7 @@ def test_a_worker_on_sentinel_urls_finishes_runs_across_a_failover_of_its_primar
     ):
         ctx = worker.ctx
         # And a run under way when the primary goes
-        before = worker.start(agent, "before the failover")
-        wait_for(
-            "the first run is two turns in",
-            lambda: sum(e.type == "model.responded" for e in ctx.runs.events(before)) >= 2,
-            timeout_s=30,
-        )
+        before = worker.under_way(agent, "before the failover")
 
         # When the primary is SIGKILLed and the sentinels promote its replica
         took_s = group.fail_over()
