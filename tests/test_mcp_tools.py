@@ -147,6 +147,18 @@ def start_asking(api: Ratchet, agent: Path, text: str) -> str:
     return run_id
 
 
+def stalled_by_its_server_down(api: Ratchet, run_id: str, server: HttpServer) -> RunRecord:
+    """Stop ``server`` and answer the run's question: the run stalls, with one line naming
+    the server ``billing``; its record."""
+    server.stop()
+    api.continue_run(run_id, input="yes", suspension_seq=pending(api, run_id))
+    record = api.wait(run_id, timeout_s=60)
+    assert record.status == RunStatus.STALLED, record
+    assert record.error is not None and "\n" not in record.error
+    assert "MCP server `billing`" in record.error, record.error
+    return record
+
+
 def resumed_with_server_back(api: Ratchet, run_id: str, server: HttpServer) -> RunRecord:
     """Start ``server`` again, resume the stalled run, and wait until it stops running."""
     server.start()
@@ -405,14 +417,9 @@ def test_a_server_that_stays_down_stalls_the_run_naming_it_and_a_resume_sends_th
     agent = asks_between_refunds(tmp_path, http_server.table("billing"))
     run_id = start_asking(ratchet, agent, "refunds")
     # When the server goes down and stays down, and the person answers
-    http_server.stop()
-    ratchet.continue_run(run_id, input="yes", suspension_seq=pending(ratchet, run_id))
-    record = ratchet.wait(run_id, timeout_s=60)
     # Then the run stalls with one line naming the server, not an error result to the model
-    assert record.status == RunStatus.STALLED, record
-    assert record.error is not None and "\n" not in record.error
-    assert "MCP server `billing`" in record.error, record.error
-    assert "Traceback" not in record.error
+    record = stalled_by_its_server_down(ratchet, run_id, http_server)
+    assert record.error is not None and "Traceback" not in record.error
     events = ratchet.events(run_id)
     refunds = [e for e in events if e.data.get("name") == "issue_refund"]
     assert [e.type for e in refunds] == [
@@ -440,14 +447,9 @@ def test_a_worker_that_cannot_list_a_down_servers_tools_stalls_the_run_naming_it
         api = Ratchet(ctx)
         run_id = start_asking(api, agent, "refunds")
         # When the server goes down and the answer's turn loads the agent
-        http_server.stop()
-        api.continue_run(run_id, input="yes", suspension_seq=pending(api, run_id))
-        record = api.wait(run_id, timeout_s=60)
         # Then the run stalls at once, with one line naming the server
-        assert record.status == RunStatus.STALLED, record
-        assert record.error is not None and "\n" not in record.error
-        assert "MCP server `billing`" in record.error, record.error
-        assert f"ratchet runs resume {run_id}" in record.error
+        record = stalled_by_its_server_down(api, run_id, http_server)
+        assert record.error is not None and f"ratchet runs resume {run_id}" in record.error
         assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1"]
         # And with the server back, a resume finishes it, B2 refunded once
         assert resumed_with_server_back(api, run_id, http_server).status == RunStatus.COMPLETED

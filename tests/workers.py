@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +192,23 @@ def completed_resuming_stalls(api: Ratchet, run_ids: list[str], resumed: dict[st
     return all(record.status == RunStatus.COMPLETED for record in records)
 
 
+def logged_process(
+    argv: Sequence[str], env: dict[str, str], log_path: Path, *, cwd: Path | None
+) -> subprocess.Popen[bytes]:
+    """``argv`` started in a process group of its own (``os.killpg`` reaches its children),
+    reading nothing, its output and errors appended to ``log_path``."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 @dataclass
 class WorkerProcess:
     """One ``celery -A worker worker`` subprocess."""
@@ -219,16 +236,7 @@ class WorkerProcess:
             f"w{time.monotonic_ns()}@%h",
             *self.args,
         ]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.process = logged_process(command, self.env, self.log_path, cwd=ROOT)
         return self
 
     def signal(self, signum: int) -> None:
