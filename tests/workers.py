@@ -209,6 +209,20 @@ def logged_process(
         )
 
 
+@contextmanager
+def running_beat(env: dict[str, str], directory: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``celery -A worker beat`` under ``env``, its schedule and log (``beat.log``) in
+    ``directory``, while the block runs; SIGKILLed with its process group after it."""
+    argv = [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
+            "-s", str(directory / "beat-schedule")]  # fmt: skip
+    beat = logged_process(argv, env, directory / "beat.log", cwd=ROOT)
+    try:
+        yield beat
+    finally:
+        os.killpg(beat.pid, signal.SIGKILL)
+        beat.wait()
+
+
 @dataclass
 class WorkerProcess:
     """One ``celery -A worker worker`` subprocess."""

@@ -4,10 +4,8 @@ SIGTERM (a deploy), and a snapshot store that dies under them."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from contextlib import closing
 from functools import partial
@@ -30,7 +28,7 @@ from tasks.turn import advance
 from tests.drain import join
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import running_redis_server
-from tests.workers import ROOT, WorkerProcesses, redis_context, run_status
+from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, running_beat
 from tests.workers import wait_for as shared_wait_for
 from worker.app import make_app
 
@@ -131,19 +129,9 @@ def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
     run_id = asking_the_model(ctx, redis_url, agent, "x", who="A")
     zombie.signal(signal.SIGSTOP)
     # When beat's sweeper hands the run to worker B, which finishes it
-    with (tmp_path / "beat.log").open("wb") as beat_log:
-        beat = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
-             "-s", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env=beat_env, stdout=beat_log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
+    with running_beat(beat_env, tmp_path):
         worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
         wait_for("B completes the run", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED)
-    finally:
-        os.killpg(beat.pid, signal.SIGKILL)
-        beat.wait()
     finished = ctx.runs.events(run_id)
     record = ctx.runs.get(run_id)
     # And A wakes up
