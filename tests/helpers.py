@@ -76,6 +76,26 @@ def turn(content: str, *calls: dict[str, Any], tokens: tuple[int, int] = (10, 5)
     }
 
 
+def paced_lookups(lookups: int, sleep_s: float = 0.4) -> list[dict[str, Any]]:
+    """A script of ``lookups`` turns that each look an order up (A0, A1, …), then one that
+    answers ``Done.``, every turn ``sleep_s`` long: a run under way long enough to cut off."""
+    looks = [
+        {**turn(f"look {n}", call("lookup_order", order_id=f"A{n}")), "sleep_s": sleep_s}
+        for n in range(lookups)
+    ]
+    return [*looks, {**turn("Done."), "sleep_s": sleep_s}]
+
+
+def effect_steps(steps: int, sleep_s: float = 0.3) -> list[dict[str, Any]]:
+    """A script of ``steps`` turns that each call ``tests.probed_tools:effect`` labelled
+    ``step-N`` (``sleep_s`` long each), then one that answers ``Done.``."""
+    calls = [
+        {**turn(f"step {n}", call("effect", label=f"step-{n}")), "sleep_s": sleep_s}
+        for n in range(steps)
+    ]
+    return [*calls, turn("Done.")]
+
+
 LOOK_REFUND_ANSWER = [
     turn("look", call("lookup_order", order_id="B2")),
     turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),

@@ -47,6 +47,8 @@ from typing import IO
 
 import pytest
 
+from tests.workers import logged_process
+
 SUBNET = "10.231"
 """First two octets of every fleet's /24; the third is the fleet's number."""
 NUMBERS = range(1, 255)
@@ -196,16 +198,7 @@ class Fleet:
         cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host`` in a process group of its own, output to ``log``."""
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                ["ip", "netns", "exec", host.namespace, *argv],
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        process = logged_process(["ip", "netns", "exec", host.namespace, *argv], env, log, cwd=cwd)
         self.processes.append(process)
         return process
 

@@ -28,6 +28,20 @@ def _effects() -> Path:
     return Path(os.environ.get("RATCHET_EXAMPLE_LEDGER", ".ratchet/refunds.ledger") + ".effects")
 
 
+def invocations(path: Path) -> list[tuple[str, str]]:
+    """The effect log at ``path`` as (idempotency key, label), a line per invocation."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(key, label) for key, _, label in (line.partition(" ") for line in lines)]
+
+
+def assert_invoked_once_each(path: Path, labels: list[str], why: object) -> None:
+    """The effect log at ``path`` holds each invocation once (no key twice: ``why`` said if
+    one is), and they are of ``labels``: none lost."""
+    keys = [key for key, _ in invocations(path)]
+    assert len(keys) == len(set(keys)), (why, invocations(path))
+    assert sorted(label for _, label in invocations(path)) == sorted(labels)
+
+
 def _do(label: str, call: ToolContext) -> dict[str, object]:
     if os.environ.get("RATCHET_TEST_HANG_LABEL") == label:
         time.sleep(120)

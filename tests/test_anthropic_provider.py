@@ -21,13 +21,10 @@ from runtime_io.agent_files import load_agent
 from runtime_io.providers.anthropic import API_VERSION, AnthropicProvider
 from runtime_io.providers.known import make_provider
 from tasks.limits import limit_store
-from tasks.settings import Settings
-from tasks.start import create_run
 from tests.helpers import fresh_key
 from tests.openai_server import OpenAIServer
-from tests.workers import WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, run_on_workers
 from worker.api import Ratchet
-from worker.app import make_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -432,19 +429,12 @@ def test_an_anthropic_run_completes_on_each_pool(
     # Given a worker of each pool on Redis, and Claude asking for two look-ups at once
     queue_two_lookups_then_answer(server)
     worker_processes.start("--pool", pool, "--concurrency", "4", **{KEY_VAR: key})
-    ctx = redis_context(redis_url)
-    sender = make_app(Settings(broker_url=redis_url))
-    try:
-        # When a run starts on that worker's broker
-        state = create_run(ctx, write_agent(tmp_path, server), "Where are B2 and A1?")
-        sender.send_task("ratchet.turn", (state.run_id, state.seq))
-        record = Ratchet(ctx).wait(state.run_id, timeout_s=40)
-        # Then it completed there, with both calls and the 529 retried
-        assert record.status == RunStatus.COMPLETED and record.output == "Both found."
-        assert record.usage.tool_calls == 2 and len(server.requests) == 3
-    finally:
-        sender.close()
-        ctx.close()
+    # When a run starts on that worker's broker
+    agent = write_agent(tmp_path, server)
+    record = run_on_workers(redis_url, agent, "Where are B2 and A1?", timeout_s=40)
+    # Then it completed there, with both calls and the 529 retried
+    assert record.status == RunStatus.COMPLETED and record.output == "Both found."
+    assert record.usage.tool_calls == 2 and len(server.requests) == 3
 
 
 # --- streaming: the Messages API's server-sent events -----------------------------

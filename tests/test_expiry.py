@@ -56,8 +56,7 @@ def sweep(ctx: Context) -> list[str]:
 def test_the_sweep_expires_a_run_through_the_due_index_at_the_instant_it_waited_too_long(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock()
-    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    clock, ctx = clocked()
     limited = suspended(ctx, tmp_path / "a")
     forever = suspended(ctx, tmp_path / "b", extra="")
     # Given a run waiting under max_suspended_s = 60 and one with no limit
@@ -138,8 +137,7 @@ def test_an_answer_racing_the_expiry_resolves_exactly_once(
 def test_the_sweep_expires_a_run_whose_lease_a_dead_process_still_holds(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock()
-    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    clock, ctx = clocked()
     run_id = suspended(ctx, tmp_path)
     # Given a process that took the run's lease for 10 minutes, then died
     ctx.runs.renew_liveness("gone-host:4242:deadbeef", 0.05)
@@ -169,11 +167,18 @@ def first_event_reads(ctx: Context) -> list[str]:
     return reads
 
 
-def started_by_the_previous_release(ctx: Context, agent_file: Path) -> str:
-    """A run as the release before this one started it: its ``run.created`` does not
-    record ``max_suspended_s`` at the top (only in its binding document), so neither its
-    state nor any snapshot of it holds the limit."""
-    agent = ctx.agent(agent_file)
+def clocked() -> tuple[FakeClock, Context]:
+    """A memory context whose run store keeps a :class:`FakeClock`'s time, and the clock."""
+    clock = FakeClock()
+    return clock, Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+
+
+def suspended_by_the_previous_release(ctx: Context, tmp_path: Path) -> str:
+    """A run as the release before this one started it, of an agent file in ``tmp_path``
+    (``max_suspended_s = 60``), suspended on a person: its ``run.created`` does not record
+    ``max_suspended_s`` at the top (only in its binding document), so neither its state nor
+    any snapshot of it holds the limit."""
+    agent = ctx.agent(write_agent(tmp_path, ASK, extra="max_suspended_s = 60"))
     now = ctx.runs.clock()
     data = created_event("earlier-release-run", agent, "refund my order", now)
     assert data.pop("max_suspended_s") == 60
@@ -182,14 +187,14 @@ def started_by_the_previous_release(ctx: Context, agent_file: Path) -> str:
     state = apply(None, first)
     ctx.runs.create(RunRecord.from_state(state, now, now + 60_000), first)
     ctx.snapshots.save(state, None)
+    assert drive(ctx, state.run_id).outcome == "suspended"
     return state.run_id
 
 
 def test_a_run_records_its_limit_in_its_state_and_expires_without_reading_its_first_event(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock()
-    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
+    clock, ctx = clocked()
     reads = first_event_reads(ctx)
     # Given a run started under max_suspended_s = 60, waiting for a person
     run_id = suspended(ctx, tmp_path)
@@ -207,7 +212,7 @@ def test_a_run_records_its_limit_in_its_state_and_expires_without_reading_its_fi
 
 
 def test_a_run_with_no_limit_adds_nothing_to_its_snapshot(tmp_path: Path, ledger: Path) -> None:
-    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=FakeClock()))
+    _, ctx = clocked()
     run_id = suspended(ctx, tmp_path, extra="")
     saved = ctx.snapshots.load(run_id)
     assert saved is not None and saved.max_suspended_s is None
@@ -218,13 +223,10 @@ def test_a_run_with_no_limit_adds_nothing_to_its_snapshot(tmp_path: Path, ledger
 def test_a_run_the_previous_release_started_and_checkpointed_still_expires(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock()
-    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
-    agent_file = write_agent(tmp_path, ASK, extra="max_suspended_s = 60")
+    clock, ctx = clocked()
     # Given a run the previous release started, suspended on a person, whose snapshot
     # is the previous release's: no max_suspended_s in it
-    run_id = started_by_the_previous_release(ctx, agent_file)
-    assert drive(ctx, run_id).outcome == "suspended"
+    run_id = suspended_by_the_previous_release(ctx, tmp_path)
     saved = ctx.snapshots.load(run_id)
     assert saved is not None and saved.max_suspended_s is None
     assert b"max_suspended_s" not in snapshot_format.encode(saved)
@@ -244,12 +246,9 @@ def test_a_run_the_previous_release_started_and_checkpointed_still_expires(
 def test_an_answer_to_a_run_the_previous_release_started_expires_it_when_late(
     tmp_path: Path, ledger: Path
 ) -> None:
-    clock = FakeClock()
-    ctx = Context(Settings(), MemorySnapshotStore(), MemoryRunStore(clock=clock))
-    agent_file = write_agent(tmp_path, ASK, extra="max_suspended_s = 60")
+    clock, ctx = clocked()
     # Given a run the previous release started and suspended
-    run_id = started_by_the_previous_release(ctx, agent_file)
-    assert drive(ctx, run_id).outcome == "suspended"
+    run_id = suspended_by_the_previous_release(ctx, tmp_path)
     record = ctx.runs.get(run_id)
     assert record is not None and record.suspension is not None
     # When its answer arrives after 61 s

@@ -18,7 +18,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,20 @@ from runtime.errors import BindingChanged
 from runtime.models import RunStatus
 from runtime.probes import idempotency_key
 from runtime_io.mcp import parse_servers
-from tasks.messages import send_through, sending_app
+from store.runs import RunRecord
 from tasks.recovery import sweep_orphans
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.crash.test_failpoints import Rig, rig
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcess, WorkerProcesses, redis_context, wait_for
+from tests.workers import (
+    WorkerProcess,
+    WorkerProcesses,
+    redis_context,
+    run_on_workers,
+    sending_to,
+    wait_for,
+)
 from worker.api import Ratchet
 from worker.app import make_app
 from worker.cli import main as cli_main
@@ -106,6 +114,85 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+ASK_BETWEEN_REFUNDS = [
+    turn("Refunding.", call("issue_refund", order_id="A1", amount_cents=1)),
+    turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
+    turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
+    turn("Done."),
+]
+"""A script that refunds A1 through ``billing``'s ``issue_refund``, asks a person, then
+refunds B2 the same way."""
+
+
+def asks_between_refunds(tmp_path: Path, table: str) -> Path:
+    """An agent of :data:`ASK_BETWEEN_REFUNDS`, its ``billing`` server the MCP ``table``."""
+    return write_agent(
+        tmp_path,
+        ASK_BETWEEN_REFUNDS,
+        tools=["mcp:billing/issue_refund", "request_user_input"],
+        extra=table,
+    )
+
+
+def start_asking(api: Ratchet, agent: Path, text: str) -> str:
+    """Start a run of ``agent`` and wait until it asks a person; its run id."""
+    run_id = api.start(agent, text)
+    wait_for(
+        "the run asks",
+        lambda: api.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
+        timeout_s=60,
+    )
+    return run_id
+
+
+def stalled_by_its_server_down(api: Ratchet, run_id: str, server: HttpServer) -> RunRecord:
+    """Stop ``server`` and answer the run's question: the run stalls, with one line naming
+    the server ``billing``; its record."""
+    server.stop()
+    api.continue_run(run_id, input="yes", suspension_seq=pending(api, run_id))
+    record = api.wait(run_id, timeout_s=60)
+    assert record.status == RunStatus.STALLED, record
+    assert record.error is not None and "\n" not in record.error
+    assert "MCP server `billing`" in record.error, record.error
+    return record
+
+
+def resumed_with_server_back(api: Ratchet, run_id: str, server: HttpServer) -> RunRecord:
+    """Start ``server`` again, resume the stalled run, and wait until it stops running."""
+    server.start()
+    _, resumed = api.resume_and_wait(run_id, timeout_s=60)
+    assert resumed is not None, "no worker took the resume"
+    return api.wait(run_id, timeout_s=60)
+
+
+def refused_by_a_fresh_listing(redis_url: str, act: Callable[[Ratchet], object]) -> str:
+    """What ``act`` raises, as :class:`BindingChanged`, through an API of a process that
+    lists MCP tools again at once."""
+    with closing(redis_context(redis_url, mcp_relist_s=0)) as fresh:
+        with pytest.raises(BindingChanged) as refused:
+            act(Ratchet(fresh))
+    return str(refused.value)
+
+
+def looks_up_and_refunds_at_once(
+    tmp_path: Path, ledger: Path, http: HttpServer, content: str, cents: int, answer: str
+) -> Path:
+    """An agent whose model, saying ``content``, looks B2 up on the HTTP server (``remote``)
+    and refunds it ``cents`` on a stdio one (``billing``, its ledger at ``ledger``) at once,
+    then answers ``answer``."""
+    both = turn(
+        content,
+        call("lookup_order", order_id="B2"),
+        call("issue_refund", order_id="B2", amount_cents=cents),
+    )
+    return write_agent(
+        tmp_path,
+        [both, turn(answer)],
+        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
+        extra=stdio_table("billing", ledger) + http.table("remote"),
+    )
 
 
 @pytest.fixture
@@ -210,18 +297,8 @@ def test_a_run_calls_tools_on_a_stdio_and_an_http_server_and_completes(
 ) -> None:
     # Given an agent with a stdio server and an HTTP one, and a model that calls both at once
     ledger = tmp_path / "stdio.ledger"
-    agent = write_agent(
-        tmp_path,
-        [
-            turn(
-                "Looking up and refunding.",
-                call("lookup_order", order_id="B2"),
-                call("issue_refund", order_id="B2", amount_cents=2900),
-            ),
-            turn("Refunded."),
-        ],
-        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
-        extra=stdio_table("billing", ledger) + http_server.table("remote"),
+    agent = looks_up_and_refunds_at_once(
+        tmp_path, ledger, http_server, "Looking up and refunding.", 2900, "Refunded."
     )
     # When the run goes through the worker
     run_id = ratchet.start(agent, "refund B2")
@@ -319,23 +396,8 @@ def test_a_stdio_server_killed_between_turns_is_started_again_for_the_next_call(
 ) -> None:
     # Given a run that called the server, then waits for a person
     ledger = tmp_path / "stdio.ledger"
-    agent = write_agent(
-        tmp_path,
-        [
-            turn("Looking.", call("issue_refund", order_id="A1", amount_cents=1)),
-            turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
-            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
-            turn("Done."),
-        ],
-        tools=["mcp:billing/issue_refund", "request_user_input"],
-        extra=stdio_table("billing", ledger),
-    )
-    run_id = ratchet.start(agent, "refunds")
-    wait_for(
-        "the run asks",
-        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
-        timeout_s=60,
-    )
+    agent = asks_between_refunds(tmp_path, stdio_table("billing", ledger))
+    run_id = start_asking(ratchet, agent, "refunds")
     (first,) = calls_of(ledger, "issue_refund")
     # When the server dies while the run waits
     os.kill(first["pid"], signal.SIGKILL)
@@ -352,32 +414,12 @@ def test_a_server_that_stays_down_stalls_the_run_naming_it_and_a_resume_sends_th
     ratchet: Ratchet, http_server: HttpServer, tmp_path: Path
 ) -> None:
     # Given a run that called an HTTP server's tool, then waits for a person
-    agent = write_agent(
-        tmp_path,
-        [
-            turn("Refunding.", call("issue_refund", order_id="A1", amount_cents=1)),
-            turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
-            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
-            turn("Done."),
-        ],
-        tools=["mcp:billing/issue_refund", "request_user_input"],
-        extra=http_server.table("billing"),
-    )
-    run_id = ratchet.start(agent, "refunds")
-    wait_for(
-        "the run asks",
-        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
-        timeout_s=60,
-    )
+    agent = asks_between_refunds(tmp_path, http_server.table("billing"))
+    run_id = start_asking(ratchet, agent, "refunds")
     # When the server goes down and stays down, and the person answers
-    http_server.stop()
-    ratchet.continue_run(run_id, input="yes", suspension_seq=pending(ratchet, run_id))
-    record = ratchet.wait(run_id, timeout_s=60)
     # Then the run stalls with one line naming the server, not an error result to the model
-    assert record.status == RunStatus.STALLED, record
-    assert record.error is not None and "\n" not in record.error
-    assert "MCP server `billing`" in record.error, record.error
-    assert "Traceback" not in record.error
+    record = stalled_by_its_server_down(ratchet, run_id, http_server)
+    assert record.error is not None and "Traceback" not in record.error
     events = ratchet.events(run_id)
     refunds = [e for e in events if e.data.get("name") == "issue_refund"]
     assert [e.type for e in refunds] == [
@@ -388,10 +430,7 @@ def test_a_server_that_stays_down_stalls_the_run_naming_it_and_a_resume_sends_th
     ]
     assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1"]
     # And once the server is back, a resume sends the call (it did not run: no park)
-    http_server.start()
-    _, resumed = ratchet.resume_and_wait(run_id, timeout_s=60)
-    assert resumed is not None, "no worker took the resume"
-    record = ratchet.wait(run_id, timeout_s=60)
+    record = resumed_with_server_back(ratchet, run_id, http_server)
     assert record.status == RunStatus.COMPLETED, record.error
     assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1", "B2"]
 
@@ -402,49 +441,20 @@ def test_a_worker_that_cannot_list_a_down_servers_tools_stalls_the_run_naming_it
     # Given a worker that lists MCP tools again at every load, and a run that waits for a
     # person after calling an HTTP server's tool
     worker_processes.start("--pool", "threads", "--concurrency", "2", RATCHET_MCP_RELIST_S="0")
-    ctx = redis_context(redis_url, mcp_relist_s=3600)  # this process keeps its listing
-    api = Ratchet(ctx)
-    sender, before = make_app(Settings(broker_url=redis_url)), sending_app()
-    send_through(sender)
-    agent = write_agent(
-        tmp_path,
-        [
-            turn("Refunding.", call("issue_refund", order_id="A1", amount_cents=1)),
-            turn("Asking.", call("request_user_input", prompt="Refund B2 too?")),
-            turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2)),
-            turn("Done."),
-        ],
-        tools=["mcp:billing/issue_refund", "request_user_input"],
-        extra=http_server.table("billing"),
-    )
-    try:
-        run_id = api.start(agent, "refunds")
-        wait_for(
-            "the run asks",
-            lambda: api.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
-            timeout_s=60,
-        )
+    agent = asks_between_refunds(tmp_path, http_server.table("billing"))
+    # (this process keeps its listing)
+    with sending_to(redis_url), closing(redis_context(redis_url, mcp_relist_s=3600)) as ctx:
+        api = Ratchet(ctx)
+        run_id = start_asking(api, agent, "refunds")
         # When the server goes down and the answer's turn loads the agent
-        http_server.stop()
-        api.continue_run(run_id, input="yes", suspension_seq=pending(api, run_id))
-        record = api.wait(run_id, timeout_s=60)
         # Then the run stalls at once, with one line naming the server
-        assert record.status == RunStatus.STALLED, record
-        assert record.error is not None and "\n" not in record.error
-        assert "MCP server `billing`" in record.error, record.error
-        assert f"ratchet runs resume {run_id}" in record.error
+        record = stalled_by_its_server_down(api, run_id, http_server)
+        assert record.error is not None and f"ratchet runs resume {run_id}" in record.error
         assert [c["order_id"] for c in calls_of(http_server.ledger, "issue_refund")] == ["A1"]
         # And with the server back, a resume finishes it, B2 refunded once
-        http_server.start()
-        _, resumed = api.resume_and_wait(run_id, timeout_s=60)
-        assert resumed is not None, "no worker took the resume"
-        assert api.wait(run_id, timeout_s=60).status == RunStatus.COMPLETED
+        assert resumed_with_server_back(api, run_id, http_server).status == RunStatus.COMPLETED
         calls = calls_of(http_server.ledger, "issue_refund")
         assert [c["order_id"] for c in calls] == ["A1", "B2"]
-    finally:
-        send_through(before)
-        sender.close()
-        ctx.close()
 
 
 def test_a_changed_tool_schema_refuses_the_answer_naming_the_tool(
@@ -457,26 +467,17 @@ def test_a_changed_tool_schema_refuses_the_answer_naming_the_tool(
         tools=["mcp:remote/issue_refund", "mcp:remote/lookup_order", "request_user_input"],
         extra=http_server.table("remote"),
     )
-    run_id = ratchet.start(agent, "refund")
-    wait_for(
-        "the run asks",
-        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
-        timeout_s=60,
-    )
+    run_id = start_asking(ratchet, agent, "refund")
     # When the server comes back with `issue_refund` taking another parameter
     http_server.stop()
     http_server.start("--schema", "2")
     # Then an answer (from a process that lists the tools again at once) is refused,
     # naming that tool and only it
-    fresh = redis_context(redis_url, mcp_relist_s=0)
-    try:
-        with pytest.raises(BindingChanged) as refused:
-            Ratchet(fresh).continue_run(
-                run_id, input="yes", suspension_seq=pending(ratchet, run_id)
-            )
-    finally:
-        fresh.close()
-    assert "`issue_refund`" in str(refused.value) and "lookup_order" not in str(refused.value)
+    seq = pending(ratchet, run_id)
+    refused = refused_by_a_fresh_listing(
+        redis_url, lambda api: api.continue_run(run_id, input="yes", suspension_seq=seq)
+    )
+    assert "`issue_refund`" in refused and "lookup_order" not in refused
 
 
 def test_a_stalled_run_whose_servers_tool_changed_is_refused_a_resume_naming_the_tool(
@@ -493,12 +494,7 @@ def test_a_stalled_run_whose_servers_tool_changed_is_refused_a_resume_naming_the
         tools=["mcp:remote/issue_refund", "mcp:remote/lookup_order", "request_user_input"],
         extra=http_server.table("remote"),
     )
-    run_id = ratchet.start(agent, "refund")
-    wait_for(
-        "the run asks",
-        lambda: ratchet.get(run_id).status == RunStatus.NEEDS_USER_INPUT,
-        timeout_s=60,
-    )
+    run_id = start_asking(ratchet, agent, "refund")
     http_server.stop()
     ratchet.continue_run(run_id, input="yes", suspension_seq=pending(ratchet, run_id))
     assert ratchet.wait(run_id, timeout_s=60).status == RunStatus.STALLED
@@ -506,13 +502,8 @@ def test_a_stalled_run_whose_servers_tool_changed_is_refused_a_resume_naming_the
     http_server.start("--schema", "2")
     # Then a resume (from a process that lists the tools again at once) is refused, naming
     # that tool and only it, and the call was never sent
-    fresh = redis_context(redis_url, mcp_relist_s=0)
-    try:
-        with pytest.raises(BindingChanged) as refused:
-            Ratchet(fresh).resume(run_id)
-    finally:
-        fresh.close()
-    assert "`issue_refund`" in str(refused.value) and "lookup_order" not in str(refused.value)
+    refused = refused_by_a_fresh_listing(redis_url, lambda api: api.resume(run_id))
+    assert "`issue_refund`" in refused and "lookup_order" not in refused
     assert calls_of(http_server.ledger, "issue_refund") == []
     assert ratchet.get(run_id).status == RunStatus.STALLED
 
@@ -656,29 +647,9 @@ def test_mcp_tools_work_on_each_pool(
     pool: str,
 ) -> None:
     ledger = tmp_path / "stdio.ledger"
-    agent = write_agent(
-        tmp_path,
-        [
-            turn(
-                "Both.",
-                call("lookup_order", order_id="B2"),
-                call("issue_refund", order_id="B2", amount_cents=5),
-            ),
-            turn("Done."),
-        ],
-        tools=["mcp:remote/lookup_order", "mcp:billing/issue_refund"],
-        extra=stdio_table("billing", ledger) + http_server.table("remote"),
-    )
+    agent = looks_up_and_refunds_at_once(tmp_path, ledger, http_server, "Both.", 5, "Done.")
     worker = worker_processes.start("--pool", pool, "--concurrency", "2")
-    ctx = redis_context(redis_url)
-    sender = make_app(Settings(broker_url=redis_url))
-    try:
-        state = create_run(ctx, agent, "go")
-        sender.send_task("ratchet.turn", (state.run_id, state.seq))
-        record = Ratchet(ctx).wait(state.run_id, timeout_s=150)
-        assert record.status == RunStatus.COMPLETED, (record.error, worker.log()[-4000:])
-        assert len(calls_of(ledger, "issue_refund")) == 1
-        assert len(calls_of(http_server.ledger, "lookup_order")) == 1
-    finally:
-        sender.close()
-        ctx.close()
+    record = run_on_workers(redis_url, agent, "go", timeout_s=150)
+    assert record.status == RunStatus.COMPLETED, (record.error, worker.log()[-4000:])
+    assert len(calls_of(ledger, "issue_refund")) == 1
+    assert len(calls_of(http_server.ledger, "lookup_order")) == 1

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +39,7 @@ from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context, set_context
 from tasks.messages import send_through, sending_app
 from tasks.settings import Settings
+from tasks.start import create_run
 from tests.helpers import installed_context
 from tests.redis_server import RedisServer
 from worker.api import Ratchet
@@ -191,6 +192,37 @@ def completed_resuming_stalls(api: Ratchet, run_ids: list[str], resumed: dict[st
     return all(record.status == RunStatus.COMPLETED for record in records)
 
 
+def logged_process(
+    argv: Sequence[str], env: dict[str, str], log_path: Path, *, cwd: Path | None
+) -> subprocess.Popen[bytes]:
+    """``argv`` started in a process group of its own (``os.killpg`` reaches its children),
+    reading nothing, its output and errors appended to ``log_path``."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@contextmanager
+def running_beat(env: dict[str, str], directory: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``celery -A worker beat`` under ``env``, its schedule and log (``beat.log``) in
+    ``directory``, while the block runs; SIGKILLed with its process group after it."""
+    argv = [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
+            "-s", str(directory / "beat-schedule")]  # fmt: skip
+    beat = logged_process(argv, env, directory / "beat.log", cwd=ROOT)
+    try:
+        yield beat
+    finally:
+        os.killpg(beat.pid, signal.SIGKILL)
+        beat.wait()
+
+
 @dataclass
 class WorkerProcess:
     """One ``celery -A worker worker`` subprocess."""
@@ -218,16 +250,7 @@ class WorkerProcess:
             f"w{time.monotonic_ns()}@%h",
             *self.args,
         ]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.process = logged_process(command, self.env, self.log_path, cwd=ROOT)
         return self
 
     def signal(self, signum: int) -> None:
@@ -312,6 +335,89 @@ def worker_env(redis_url: str, ledger: Path, data_dir: Path, **extra: str) -> di
         **extra,
     )
     return env
+
+
+@contextmanager
+def sending_to(broker_url: str) -> Iterator[Celery]:
+    """What ratchet sends outside a task goes to ``broker_url`` (through an app of its own)
+    while the block runs; the app that sent before sends again after it."""
+    sender, before = make_app(Settings(broker_url=broker_url)), sending_app()
+    send_through(sender)
+    try:
+        yield sender
+    finally:
+        send_through(before)
+        sender.close()
+
+
+def run_on_workers(redis_url: str, agent: Path, text: str, timeout_s: float) -> RunRecord:
+    """A run of ``agent`` created on the Redis stores at ``redis_url``, its first turn sent
+    through the broker there (to worker subprocesses): its record once it stops running."""
+    sender = make_app(Settings(broker_url=redis_url))
+    with closing(redis_context(redis_url)) as ctx, closing(sender):
+        state = create_run(ctx, agent, text)
+        sender.send_task("ratchet.turn", (state.run_id, state.seq))
+        return Ratchet(ctx).wait(state.run_id, timeout_s=timeout_s)
+
+
+@dataclass
+class SweptWorker:
+    """A ``celery -A worker worker -B`` subprocess (threads, 4 at once) whose beat sweeps
+    every 0.5 s, leases of 2 s: a turn a crash or failover cut off is resumed once its lease
+    expires (the broker's redelivery is never the guarantee). ``ctx``: its stores."""
+
+    ctx: Context
+    process: WorkerProcess
+    broker_url: str
+
+    def start(self, agent: Path, text: str) -> str:
+        """Create a run of ``agent`` on the stores and send its first turn to the worker, through
+        an app of its own: one made before a broker's failover may hold a dead connection."""
+        run_id = create_run(self.ctx, agent, text).run_id
+        with closing(make_app(Settings(broker_url=self.broker_url))) as app:
+            app.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
+        return run_id
+
+    def under_way(self, agent: Path, text: str, answered: int = 2) -> str:
+        """:meth:`start` a run, and wait until the model answered ``answered`` of its turns."""
+        run_id = self.start(agent, text)
+        wait_for(
+            f"run {run_id} is {answered} turns in",
+            lambda: (
+                sum(e.type == "model.responded" for e in self.ctx.runs.events(run_id)) >= answered
+            ),
+            timeout_s=30,
+        )
+        return run_id
+
+    def alive(self) -> bool:
+        return self.process.process is not None and self.process.process.poll() is None
+
+
+@contextmanager
+def swept_worker(
+    tmp_path: Path, ledger: Path, broker_url: str, stores: str | None = None, **env: str
+) -> Iterator[SweptWorker]:
+    """A :class:`SweptWorker` on ``broker_url``, its stores on ``stores`` (else the broker's
+    URL), ``env`` added to its environment; killed, and its context closed, after the block."""
+    stores = stores or broker_url
+    base = worker_env(broker_url, ledger, tmp_path / "data")
+    base.update(
+        RATCHET_RUN_STORE=stores,
+        RATCHET_SNAPSHOT_STORE=stores,
+        RATCHET_LEASE_S="2",
+        RATCHET_SWEEP_INTERVAL_S="0.5",
+        **env,
+    )
+    workers = WorkerProcesses(base, tmp_path)
+    with closing(redis_context(stores)) as ctx:
+        try:
+            process = workers.start(
+                "--pool", "threads", "--concurrency", "4", "-B", "-s", str(tmp_path / "beat")
+            )  # fmt: skip
+            yield SweptWorker(ctx, process, broker_url)
+        finally:
+            workers.stop_all()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.workers import ROOT, worker_env
+from tests.workers import ROOT, logged_process, worker_env
 
 TOKEN = "console-test-token-0123456789"
 SCREENSHOTS = Path(os.environ.get("RATCHET_TEST_SCREENSHOTS", "/tmp/ratchet-console-screenshots"))
@@ -66,16 +66,8 @@ def console_server(
         redis_url, ledger, tmp_path / "data", RATCHET_CONSOLE_TOKEN=TOKEN, **console_env
     )
     log_path = tmp_path / "console.log"
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "worker", "console", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    argv = [sys.executable, "-m", "worker", "console", "--port", str(port)]
+    process = logged_process(argv, env, log_path, cwd=ROOT)
     server = ConsoleServer(f"http://127.0.0.1:{port}", process, log_path)
     try:
         deadline = time.monotonic() + 60

@@ -11,8 +11,6 @@ dead, and 5 of 8 runs parked "in flight when a worker stopped" though none stopp
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from runtime.models import RunStatus
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, wait_for
+from tests.workers import WorkerProcesses, redis_context, run_status, running_beat, wait_for
 from worker.app import make_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -41,18 +39,8 @@ def shifted(offset_s: float) -> dict[str, str]:
 def skewed_beat(worker_processes: WorkerProcesses, tmp_path: Path) -> Iterator[None]:
     """``celery -A worker beat`` (the crash sweeper, every second) 30 s ahead."""
     env = {**worker_processes.base_env, **shifted(30), "RATCHET_SWEEP_INTERVAL_S": "1"}
-    with (tmp_path / "beat.log").open("ab") as log:
-        beat = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
-             "--schedule", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
+    with running_beat(env, tmp_path):
         yield
-    finally:
-        beat.kill()
-        beat.wait(timeout=10)
 
 
 def test_a_worker_and_a_sweeper_30s_ahead_park_no_run(

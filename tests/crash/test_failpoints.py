@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 from celery import Celery
@@ -127,15 +128,33 @@ def duplicated_transitions(events: list[Event]) -> list[tuple[str, object]]:
     return [key for key, n in keys.items() if n > 1]
 
 
-def settle(rig: Rig, run_id: str, dying: WorkerProcess, timeout_s: float = 30) -> RunRecord:
-    """Sweep (as beat would) until the run stops being live; the dying worker may finish it."""
+class SweptRig(Protocol):
+    """A rig whose healthy worker takes what the sweeper sends (this file's, and
+    tests/crash/test_tracing.py's)."""
+
+    ctx: Context
+    healthy: WorkerProcess
+    healthy_app: Celery
+
+
+def settle(
+    rig: SweptRig,
+    run_id: str,
+    dying: WorkerProcess,
+    timeout_s: float = 30,
+    parked: Callable[[RunRecord], object] | None = None,
+) -> RunRecord:
+    """Sweep (as beat would) until the run stops being live; the dying worker may finish it.
+    ``parked``: what an operator does with a run that waits for reconciliation."""
     deadline = time.monotonic() + timeout_s
     while True:
         record = rig.ctx.runs.get(run_id)
         assert record is not None
-        if not record.status.is_live:
+        if parked is not None and record.status == RunStatus.NEEDS_RECONCILIATION:
+            parked(record)
+        elif not record.status.is_live:
             return record
-        if dying.process is not None and dying.process.poll() is not None:
+        elif dying.process is not None and dying.process.poll() is not None:
             sweep_orphans(
                 rig.ctx,
                 lambda run, seq: rig.healthy_app.send_task(

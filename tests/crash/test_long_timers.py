@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
 import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +30,7 @@ from tasks.delivery import MAX_PRIORITY
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, wait_for
+from tests.workers import WorkerProcesses, redis_context, run_status, running_beat, wait_for
 from worker.app import make_app
 
 pytestmark = pytest.mark.slow
@@ -55,21 +51,11 @@ def held_wakes(client: redis.Redis) -> list[str]:
     return runs
 
 
-@contextmanager
-def beat(worker_processes: WorkerProcesses, tmp_path: Path, **env: str) -> Iterator[None]:
+def beat(
+    worker_processes: WorkerProcesses, tmp_path: Path, **env: str
+) -> AbstractContextManager[object]:
     """``celery -A worker beat`` (the sweeper every second), with the workers' environment."""
-    with (tmp_path / "beat.log").open("wb") as beat_log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
-             "-s", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env={**worker_processes.base_env, **env}, stdout=beat_log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    try:
-        yield
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    return running_beat({**worker_processes.base_env, **env}, tmp_path)
 
 
 WAITS = {"long": 3000, "short": 2, "medium": 9}

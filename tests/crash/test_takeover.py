@@ -4,11 +4,10 @@ SIGTERM (a deploy), and a snapshot store that dies under them."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from tasks.turn import advance
 from tests.drain import join
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import running_redis_server
-from tests.workers import ROOT, WorkerProcesses, redis_context, run_status
+from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, running_beat
 from tests.workers import wait_for as shared_wait_for
 from worker.app import make_app
 
@@ -42,6 +41,31 @@ def enqueue_turn(broker_url: str, run_id: str, seq: int) -> None:
     make_app(Settings(broker_url=broker_url)).send_task(
         "ratchet.turn", (run_id, seq), queue="ratchet.turns"
     )
+
+
+def asking_the_model(ctx: Context, redis_url: str, agent: Path, text: str, who: str = "") -> str:
+    """Create a run of ``agent``, send its first turn, and wait until its model is asked (by
+    the worker ``who`` names, for the wait's message); its run id."""
+    run_id = create_run(ctx, agent, text).run_id
+    enqueue_turn(redis_url, run_id, 1)
+    wait_for(
+        f"{who or 'the worker'} asks the model",
+        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
+    )
+    return run_id
+
+
+def look_slowly(order_id: str, sleep_s: float, *then: dict[str, object]) -> list[dict[str, object]]:
+    """A script whose first turn looks ``order_id`` up after a model call of ``sleep_s``,
+    then ``then``'s turns (else one answering ``Found it.``)."""
+    look = {**turn("look", call("lookup_order", order_id=order_id)), "sleep_s": sleep_s}
+    return [look, *(then or [turn("Found it.")])]
+
+
+def join_on(broker_url: str) -> None:
+    """:func:`tests.drain.join` the workers on ``broker_url``, through an app of its own."""
+    with closing(make_app(Settings(broker_url=broker_url))) as client:
+        join(client)
 
 
 def ratchet_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -65,23 +89,12 @@ def model_calls(call_log: Path) -> list[int]:
 def test_a_killed_worker_is_swept_by_the_cli_and_another_worker_takes_the_run_over(
     worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
 ) -> None:
-    agent = write_agent(
-        tmp_path,
-        [
-            {**turn("look", call("lookup_order", order_id="B2")), "sleep_s": 30},
-            turn("refund", call("issue_refund", order_id="B2", amount_cents=2900)),
-            turn("Refunded."),
-        ],
-    )
+    refund = turn("refund", call("issue_refund", order_id="B2", amount_cents=2900))
+    agent = write_agent(tmp_path, look_slowly("B2", 30, refund, turn("Refunded.")))
     ctx = redis_context(redis_url)
     # Given a worker in the middle of a long model call
     first = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
-    run_id = create_run(ctx, agent, "refund B2").run_id
-    enqueue_turn(redis_url, run_id, 1)
-    wait_for(
-        "the model is asked",
-        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
-    )
+    run_id = asking_the_model(ctx, redis_url, agent, "refund B2")
     # When the whole worker is SIGKILLed and another starts
     first.kill()
     second = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
@@ -113,27 +126,12 @@ def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
     beat_env = {**worker_processes.base_env, "RATCHET_SWEEP_INTERVAL_S": "0.5"}
     # Given worker A in a slow model call, frozen (SIGSTOP) past its 1 s lease
     zombie = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
-    run_id = create_run(ctx, agent, "x").run_id
-    enqueue_turn(redis_url, run_id, 1)
-    wait_for(
-        "A asks the model",
-        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
-    )
+    run_id = asking_the_model(ctx, redis_url, agent, "x", who="A")
     zombie.signal(signal.SIGSTOP)
     # When beat's sweeper hands the run to worker B, which finishes it
-    with (tmp_path / "beat.log").open("wb") as beat_log:
-        beat = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
-             "-s", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env=beat_env, stdout=beat_log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
+    with running_beat(beat_env, tmp_path):
         worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
         wait_for("B completes the run", lambda: run_status(ctx, run_id) == RunStatus.COMPLETED)
-    finally:
-        os.killpg(beat.pid, signal.SIGKILL)
-        beat.wait()
     finished = ctx.runs.events(run_id)
     record = ctx.runs.get(run_id)
     # And A wakes up
@@ -147,11 +145,7 @@ def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
         timeout_s=15,
     )
     # Then its writes were refused and, once A has given up its turn, the finished run is untouched
-    client = make_app(Settings(broker_url=redis_url))
-    try:
-        join(client)
-    finally:
-        client.close()
+    join_on(redis_url)
     assert ctx.runs.events(run_id) == finished
     assert ctx.runs.get(run_id) == record
     assert [e.data["by"] for e in finished if e.type == "run.resumed"] == ["sweeper"]
@@ -163,22 +157,11 @@ def test_a_frozen_worker_wakes_up_after_a_takeover_and_cannot_write(
 def test_sigterm_ends_the_turn_at_a_boundary_and_another_worker_goes_on_at_once(
     worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
 ) -> None:
-    agent = write_agent(
-        tmp_path,
-        [
-            {**turn("look", call("lookup_order", order_id="A1")), "sleep_s": 1.5},
-            turn("Found it."),
-        ],
-    )
+    agent = write_agent(tmp_path, look_slowly("A1", 1.5))
     ctx = redis_context(redis_url)
     # Given a worker with a 60 s lease in the middle of a model call
     leaving = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="60")
-    run_id = create_run(ctx, agent, "look A1").run_id
-    enqueue_turn(redis_url, run_id, 1)
-    wait_for(
-        "the model is asked",
-        lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
-    )
+    run_id = asking_the_model(ctx, redis_url, agent, "look A1")
     # When it is told to stop (a deploy), and a new worker starts
     started = time.monotonic()
     leaving.signal(signal.SIGTERM)
@@ -200,13 +183,7 @@ def test_sigterm_ends_the_turn_at_a_boundary_and_another_worker_goes_on_at_once(
 def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
     worker_processes: WorkerProcesses, redis_url: str, ledger: Path, tmp_path: Path
 ) -> None:
-    agent = write_agent(
-        tmp_path,
-        [
-            {**turn("look", call("lookup_order", order_id="B2")), "sleep_s": 1.0},
-            turn("Found it."),
-        ],
-    )
+    agent = write_agent(tmp_path, look_slowly("B2", 1.0))
     call_log = tmp_path / "calls.log"
     with running_redis_server(tmp_path) as snapshot_server:
         snapshots_url = f"{snapshot_server.url}/0"
@@ -217,12 +194,7 @@ def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
         )
         env = {"RATCHET_SNAPSHOT_STORE": snapshots_url, "RATCHET_SCRIPTED_CALL_LOG": str(call_log)}
         worker = worker_processes.start("--pool", "solo", **env)
-        run_id = create_run(ctx, agent, "look B2").run_id
-        enqueue_turn(redis_url, run_id, 1)
-        wait_for(
-            "the model is asked",
-            lambda: any(e.type == "model.requested" for e in ctx.runs.events(run_id)),
-        )
+        run_id = asking_the_model(ctx, redis_url, agent, "look B2")
         # When the snapshot store's server dies while the model answers
         snapshot_server.kill()
         # Then the checkpoint fails after bounded retries: the run is stalled, nothing chained
@@ -230,11 +202,7 @@ def test_a_snapshot_store_killed_mid_run_stalls_the_run_and_resume_continues_it(
         record = ctx.runs.get(run_id)
         assert record is not None and record.error is not None
         assert f"ratchet runs resume {run_id}" in record.error
-        client = make_app(Settings(broker_url=redis_url))
-        try:
-            join(client)  # the stalled turn ended and chained nothing
-        finally:
-            client.close()
+        join_on(redis_url)  # the stalled turn ended and chained nothing
         assert ctx.runs.events(run_id)[-1].type == "run.stalled"
         assert "SnapshotFailed" in worker.log()
         # When the server is back (empty: it kept nothing) and an operator resumes

@@ -10,10 +10,7 @@ worker started afterwards.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from runtime.timers import wake_at_ms
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses, redis_context
+from tests.workers import WorkerProcesses, redis_context, running_beat
 from tests.workers import wait_for as shared_wait_for
 from worker.app import make_app
 
@@ -44,14 +41,7 @@ def test_a_run_waiting_3s_wakes_within_a_second_of_its_time_after_its_worker_was
     # Given worker A (all queues), worker B (the control queue only) and beat, all on defaults
     a = worker_processes.start("--concurrency", "1")
     worker_processes.start("--concurrency", "1", "-Q", "ratchet.control")
-    with (tmp_path / "beat.log").open("wb") as beat_log:
-        beat = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
-             "-s", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env=worker_processes.base_env, stdout=beat_log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
+    with running_beat(worker_processes.base_env, tmp_path), closing(ctx):
         # When a run on A asks to wait 3 s, and A is killed as soon as the run waits
         run_id = create_run(ctx, agent, "track P1").run_id
         client = make_app(Settings(broker_url=redis_url))
@@ -74,10 +64,6 @@ def test_a_run_waiting_3s_wakes_within_a_second_of_its_time_after_its_worker_was
         # and a worker that consumes turns completes it
         worker_processes.start("--concurrency", "1")
         wait_for("the run completes", lambda: _status(ctx, run_id) == RunStatus.COMPLETED)
-    finally:
-        os.killpg(beat.pid, signal.SIGKILL)
-        beat.wait()
-        ctx.close()
 
 
 def _status(ctx: object, run_id: str) -> RunStatus | None:

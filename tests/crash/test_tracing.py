@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,10 @@ from runtime.models import Event, RunStatus
 from store.runs import RunRecord
 from tasks import tracing
 from tasks.context import Context
-from tasks.recovery import reconcile, sweep_orphans
+from tasks.recovery import reconcile
 from tasks.settings import Settings
 from tasks.start import create_run
+from tests.crash.test_failpoints import settle
 from tests.helpers import call, turn, write_agent
 from tests.redis_server import RedisServer, running_redis_server
 from tests.tracing_sink import read_spans
@@ -105,42 +107,20 @@ def traced_here(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         tracing.reset()
 
 
-def settle(rig: Rig, run_id: str, dying: WorkerProcess, timeout_s: float = 45) -> RunRecord:
-    """Sweep (as beat would) until the run stops being live; then reconcile a parked run."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = rig.ctx.runs.get(run_id)
-        assert record is not None
-        if record.status == RunStatus.NEEDS_RECONCILIATION:
-            # The refund did run (the ledger says so); an operator records its result.
-            call_id = next(
-                e.data["call_id"] for e in rig.ctx.runs.events(run_id) if e.type == "run.parked"
-            )
-            reconcile(
-                rig.ctx,
-                run_id,
-                call_id,
-                "result",
-                {"status": "refunded"},
-                enqueue=lambda run, seq: rig.healthy_app.send_task(
-                    "ratchet.turn", (run, seq), queue="ratchet.turns"
-                ),
-            )
-        elif not record.status.is_live:
-            return record
-        elif dying.process is not None and dying.process.poll() is not None:
-            sweep_orphans(
-                rig.ctx,
-                lambda run, seq: rig.healthy_app.send_task(
-                    "ratchet.resume", (run, "sweeper", seq), queue="ratchet.turns"
-                ),
-            )
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"run {run_id} still {record.status.value} after {timeout_s}s\n"
-                f"dying worker:\n{dying.log()[-3000:]}\nhealthy worker:\n{rig.healthy.log()[-3000:]}"
-            )
-        time.sleep(0.1)
+def record_the_refund(rig: Rig, record: RunRecord) -> None:
+    """The refund did run (the ledger says so); an operator records its result."""
+    events = rig.ctx.runs.events(record.run_id)
+    call_id = next(e.data["call_id"] for e in events if e.type == "run.parked")
+    reconcile(
+        rig.ctx,
+        record.run_id,
+        call_id,
+        "result",
+        {"status": "refunded"},
+        enqueue=lambda run, seq: rig.healthy_app.send_task(
+            "ratchet.turn", (run, seq), queue="ratchet.turns"
+        ),
+    )
 
 
 def wait_for_spans(rig: Rig, trace_id: str, timeout_s: float = 20) -> list[dict[str, Any]]:
@@ -197,7 +177,7 @@ def test_a_run_killed_at_a_failpoint_and_recovered_has_one_span_per_committed_tr
         run_id = state.run_id
         rig.dying_app.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
         # When it dies there and the run is recovered (swept, resumed, reconciled if parked)
-        record = settle(rig, run_id, dying)
+        record = settle(rig, run_id, dying, 45, parked=partial(record_the_refund, rig))
         assert dying.wait(10) == 137, dying.log()[-2000:]
     finally:
         dying.kill()

@@ -23,24 +23,21 @@ from runtime.models import RunStatus
 from store.keyspace import DEFAULT_SHARDS, shard_of
 from tasks.context import Context
 from tasks.messages import enqueue_turn
-from tasks.settings import Settings
 from tasks.start import create_run
 from tests.cluster_servers import RedisClusterServers, running_redis_cluster
-from tests.helpers import call, turn, write_agent
+from tests.helpers import call, effect_steps, turn, write_agent
+from tests.probed_tools import assert_invoked_once_each, invocations
 from tests.redis_server import RedisServer, cut_off, replica_caught_up
 from tests.workers import (
-    WorkerProcesses,
     completed_resuming_stalls,
     install,
-    redis_context,
     status_is,
+    swept_worker,
     wait_for,
     wait_for_run,
     wait_until,
-    worker_env,
 )
 from worker.api import Ratchet
-from worker.app import make_app
 
 NODE_TIMEOUT_MS = 1000
 """A dead primary's replica takes over about this long after the kill."""
@@ -66,12 +63,6 @@ def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def invocations(path: Path) -> list[tuple[str, str]]:
-    """The effect log's lines as (idempotency key, label), one per invocation."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [(key, label) for key, _, label in (line.partition(" ") for line in lines)]
-
-
 def run_slot(run_id: str) -> str:
     """A key in the slot of every key of ``run_id`` (its shard's hash tag)."""
     return f"{{ratchet:{shard_of(run_id, DEFAULT_SHARDS)}}}"
@@ -87,6 +78,19 @@ def lose_the_primary(
     wait_for("every slot has a live primary", cluster.serving, 30)
 
 
+def charge_on_a_cut_off_replica(
+    ctx: Context, cluster: RedisClusterServers, agent: Path
+) -> tuple[str, RedisServer, RedisServer]:
+    """A run of ``agent`` created (input ``charge``) and held by its primary's replica, which
+    is then cut off (stopped, its link dropped by the primary); the run, primary and replica."""
+    run_id = create_run(ctx, agent, "charge").run_id
+    primary = cluster.owner(run_slot(run_id))
+    replica = cluster.replica_of(primary)
+    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
+    cut_off(primary, replica)
+    return run_id, primary, replica
+
+
 @pytest.mark.timeout(90)
 def test_without_min_replicas_a_cluster_failover_that_loses_the_journal_invokes_the_call_twice(
     installed: list[Context], cluster: RedisClusterServers, tmp_path: Path, effects: Path
@@ -97,12 +101,8 @@ def test_without_min_replicas_a_cluster_failover_that_loses_the_journal_invokes_
     agent = write_agent(tmp_path / "agent", CHARGE, tools=TOOLS)
     ctx = install(installed, cluster.url())
     # Given a run whose creation its primary's replica holds
-    run_id = create_run(ctx, agent, "charge").run_id
-    primary = cluster.owner(run_slot(run_id))
-    replica = cluster.replica_of(primary)
-    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
     # And a replica that lags from then on: stopped, its link dropped by the primary
-    cut_off(primary, replica)
+    run_id, primary, replica = charge_on_a_cut_off_replica(ctx, cluster, agent)
 
     # When the run charges, every write acknowledged by the primary alone
     enqueue_turn(run_id=run_id, expected_seq=1)
@@ -128,11 +128,7 @@ def test_with_min_replicas_a_cut_off_replica_stalls_the_run_and_its_failover_inv
     ctx = install(installed, f"{cluster.url()}?min_replicas=1&replica_timeout_ms=200")
     api = Ratchet(ctx)
     # Given a run whose creation its primary's replica holds, and the replica cut off
-    run_id = create_run(ctx, agent, "charge").run_id
-    primary = cluster.owner(run_slot(run_id))
-    replica = cluster.replica_of(primary)
-    wait_for("the replica holds the run", lambda: replica_caught_up(primary, replica))
-    cut_off(primary, replica)
+    run_id, primary, replica = charge_on_a_cut_off_replica(ctx, cluster, agent)
 
     # When the run goes to charge
     enqueue_turn(run_id=run_id, expected_seq=1)
@@ -167,33 +163,14 @@ def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_ca
     effects: Path,
     record_property: Callable[[str, object], None],
 ) -> None:
-    steps = [
-        {**turn(f"step {n}", call("effect", label=f"step-{n}")), "sleep_s": 0.3}
-        for n in range(STEPS)
-    ]
-    agent = write_agent(tmp_path / "agent", [*steps, turn("Done.")], tools=TOOLS)
+    agent = write_agent(tmp_path / "agent", effect_steps(STEPS), tools=TOOLS)
     stores = f"{cluster.url()}?min_replicas=1&replica_timeout_ms=1000"
-    ctx = redis_context(stores)
-    env = worker_env(redis_url, ledger, tmp_path / "data")
-    env.update(
-        RATCHET_RUN_STORE=stores,
-        RATCHET_SNAPSHOT_STORE=stores,
-        RATCHET_TEST_EFFECTS=str(effects),
-        RATCHET_LEASE_S="2",
-        RATCHET_SWEEP_INTERVAL_S="0.5",
-    )
-    workers = WorkerProcesses(env, tmp_path)
-    try:
-        # Given a worker (and beat's sweeper) whose stores, on the cluster, ask for one replica
-        worker = workers.start(
-            "--pool", "threads", "--concurrency", "4", "-B", "-s", str(tmp_path / "beat")
-        )  # fmt: skip
-        broker = make_app(Settings(broker_url=redis_url))
-        run_ids = []
-        for n in range(RUNS):
-            run_id = create_run(ctx, agent, f"run {n}").run_id
-            broker.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
-            run_ids.append(run_id)
+    # Given a worker (and beat's sweeper) whose stores, on the cluster, ask for one replica
+    with swept_worker(
+        tmp_path, ledger, redis_url, stores, RATCHET_TEST_EFFECTS=str(effects)
+    ) as worker:
+        ctx = worker.ctx
+        run_ids = [worker.start(agent, f"run {n}") for n in range(RUNS)]
         # And calls under way
         wait_for("the runs are under way", lambda: len(invocations(effects)) >= RUNS, 45)
 
@@ -219,12 +196,6 @@ def test_with_min_replicas_a_cluster_primary_killed_mid_run_fails_over_and_no_ca
 
         record_property("resumed_after_a_stall", len(resumed))
         # Then every call was invoked exactly once: none twice, none lost
-        keys = [key for key, _ in invocations(effects)]
-        assert len(keys) == len(set(keys)), (resumed, invocations(effects))
-        assert sorted(label for _, label in invocations(effects)) == sorted(
-            f"step-{n}" for n in range(STEPS) for _ in range(RUNS)
-        )
-        assert worker.process is not None and worker.process.poll() is None, worker.log()
-    finally:
-        workers.stop_all()
-        ctx.close()
+        labels = [f"step-{n}" for n in range(STEPS) for _ in range(RUNS)]
+        assert_invoked_once_each(effects, labels, resumed)
+        assert worker.alive(), worker.process.log()

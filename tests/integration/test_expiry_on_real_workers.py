@@ -9,8 +9,6 @@ broker, SQLite stores) and on Redis. A late answer is then refused in one line.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ from store import open_run_store
 from store.runs import RunStore
 from tasks.settings import Settings
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses, wait_for, worker_env
+from tests.workers import ROOT, WorkerProcesses, running_beat, wait_for, worker_env
 from worker.exits import Exit
 
 pytestmark = pytest.mark.timeout(180)
@@ -73,13 +71,7 @@ def test_a_run_waiting_past_max_suspended_s_expires_at_the_next_sweep_and_a_late
     )
     # Given a worker and beat, on the defaults but for where they keep their data
     processes.start("--concurrency", "1")
-    with (tmp_path / "beat.log").open("wb") as beat_log:
-        beat = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker", "beat", "--loglevel", "INFO",
-             "-s", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env=env, stdout=beat_log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    try:
+    with running_beat(env, tmp_path):
         # When a run asks a person for input, and nobody answers
         started = ratchet(env, "runs", "start", str(agent), "--input", "refund", "--wait")
         assert started.returncode == Exit.SUSPENDED, started.stdout + started.stderr
@@ -105,9 +97,6 @@ def test_a_run_waiting_past_max_suspended_s_expires_at_the_next_sweep_and_a_late
         assert late.returncode == Exit.REFUSED, late.stdout + late.stderr
         assert late.stderr.count("\n") == 1 and f"run {run_id} is failed" in late.stderr
         assert [e.type for e in runs.events(run_id)][-1] == "run.expired"
-    finally:
-        os.killpg(beat.pid, signal.SIGKILL)
-        beat.wait()
 
 
 def _status(runs: RunStore, run_id: str) -> RunStatus | None:

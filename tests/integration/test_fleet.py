@@ -10,11 +10,8 @@ import pytest
 
 from runtime.models import RunStatus
 from tasks.settings import Settings
-from tasks.start import create_run
 from tests.redis_server import _free_port
-from tests.workers import EXAMPLE_AGENT, WorkerProcess, WorkerProcesses, redis_context
-from worker.api import Ratchet
-from worker.app import make_app
+from tests.workers import EXAMPLE_AGENT, WorkerProcess, WorkerProcesses, run_on_workers
 from worker.checks import broker_problem, longest_turn
 
 # The example agent: model_timeout_s 120 (default) + 20 tool calls x 300 s x 3 tries.
@@ -101,15 +98,7 @@ def test_a_prefork_worker_exposes_prometheus_metrics_that_count_a_run(
     wait_for_log(worker, "ready.")
     assert scrape(port).get('ratchet_turns_total{outcome="completed"}', 0) == 0
     # When the example agent runs to completion on the worker's pool processes
-    ctx = redis_context(redis_url)
-    client = make_app(Settings(broker_url=redis_url))
-    try:
-        state = create_run(ctx, EXAMPLE_AGENT, "Refund order B2")
-        client.send_task("ratchet.turn", (state.run_id, state.seq))
-        record = Ratchet(ctx).wait(state.run_id, timeout_s=30)
-    finally:
-        client.close()
-        ctx.close()
+    record = run_on_workers(redis_url, EXAMPLE_AGENT, "Refund order B2", timeout_s=30)
     assert record.status == RunStatus.COMPLETED
     # Then the metrics, summed over the pool processes, counted what happened
     samples = scrape(port)

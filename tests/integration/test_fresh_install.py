@@ -24,7 +24,7 @@ import pytest
 
 from tests.helpers import refunds
 from tests.redis_server import running_redis_server
-from tests.workers import ROOT
+from tests.workers import ROOT, logged_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -124,16 +124,7 @@ def venv_worker(fresh_venv: Venv, elsewhere: Path, tmp_path: Path) -> Iterator[S
             "--without-mingle", "--without-gossip", "-n", f"fresh{len(started)}@%h",
             "--loglevel", "INFO",
         ]  # fmt: skip
-        with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                command,
-                cwd=elsewhere,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        process = logged_process(command, env, log_path, cwd=elsewhere)
         started.append(process)
         return process
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers import ROOT
+from tests.workers import ROOT, logged_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -45,18 +45,7 @@ def test_the_readmes_worker_commands_give_two_workers_on_a_host_two_node_names(
         for index, argv in enumerate(workers[:2]):
             # The README's command as written, in this interpreter, with a small pool.
             command = [sys.executable, "-m", *argv, "--concurrency", "1"]
-            with (tmp_path / f"worker-{index}.log").open("ab") as log:
-                started.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=ROOT,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )  # fmt: skip
-                )
+            started.append(logged_process(command, env, tmp_path / f"worker-{index}.log", cwd=ROOT))
         deadline = time.monotonic() + 120
         while True:
             status = subprocess.run(

@@ -14,6 +14,7 @@ turns on Celery's in-process test worker, or ``celery -A worker worker -B`` subp
 from __future__ import annotations
 
 import functools
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,9 @@ import pytest
 from runtime.models import RunStatus
 from tasks.context import Context
 from tasks.messages import enqueue_turn
-from tasks.settings import Settings
 from tasks.start import create_run
-from tests.helpers import call, refunds, turn, write_agent
+from tests.helpers import call, effect_steps, refunds, turn, write_agent
+from tests.probed_tools import assert_invoked_once_each, invocations
 from tests.redis_server import (
     HOST,
     QUICK_SYNC,
@@ -34,18 +35,15 @@ from tests.redis_server import (
 )
 from tests.sentinel_servers import running_sentinel_group
 from tests.workers import (
-    WorkerProcesses,
     completed_resuming_stalls,
     install,
-    redis_context,
     status_is,
+    swept_worker,
     wait_for,
     wait_for_run,
     wait_until,
-    worker_env,
 )
 from worker.api import Ratchet
-from worker.app import make_app
 
 REFUND = [
     turn("Refunding.", call("issue_refund", order_id="B2", amount_cents=2900)),
@@ -132,41 +130,21 @@ def test_with_min_replicas_a_primary_killed_mid_run_fails_over_and_no_effect_run
     tmp_path: Path, ledger: Path
 ) -> None:
     effects = tmp_path / "effects"
-    steps = [
-        {**turn(f"step {n}", call("effect", label=f"step-{n}")), "sleep_s": 0.3}
-        for n in range(STEPS)
-    ]
     agent = write_agent(
-        tmp_path / "agent", [*steps, turn("Done.")], tools=["tests.probed_tools:effect"]
+        tmp_path / "agent", effect_steps(STEPS), tools=["tests.probed_tools:effect"]
     )
-    with running_sentinel_group(tmp_path / "redis", sentinels=1) as group:
-        url = group.url(0)
-        stores = f"{url}?min_replicas=1&replica_timeout_ms=1000"
-        ctx = redis_context(stores)
-        env = worker_env(url, ledger, tmp_path / "data")
-        env.update(
-            RATCHET_RUN_STORE=stores,
-            RATCHET_SNAPSHOT_STORE=stores,
-            RATCHET_TEST_EFFECTS=str(effects),
-            RATCHET_LEASE_S="2",
-            RATCHET_SWEEP_INTERVAL_S="0.5",
-        )
-        workers = WorkerProcesses(env, tmp_path)
-        replacement = RedisServer(tmp_path / "replacement", args=QUICK_SYNC)
-        replacement.directory.mkdir()
-        try:
-            # Given a worker (and beat's sweeper) whose stores ask for one replica
-            worker = workers.start(
-                "--pool", "threads", "--concurrency", "4", "-B", "-s", str(tmp_path / "beat")
-            )  # fmt: skip
-            broker = make_app(Settings(broker_url=url))
-            run_ids = []
-            for n in range(RUNS):
-                run_id = create_run(ctx, agent, f"run {n}").run_id
-                broker.send_task("ratchet.turn", (run_id, 1), queue="ratchet.turns")
-                run_ids.append(run_id)
+    replacement = RedisServer(tmp_path / "replacement", args=QUICK_SYNC)
+    replacement.directory.mkdir()
+    with running_sentinel_group(tmp_path / "redis", sentinels=1) as group, ExitStack() as stack:
+        stack.callback(replacement.stop)
+        stores = f"{group.url(0)}?min_replicas=1&replica_timeout_ms=1000"
+        # Given a worker (and beat's sweeper) whose stores ask for one replica
+        with swept_worker(
+            tmp_path, ledger, group.url(0), stores, RATCHET_TEST_EFFECTS=str(effects)
+        ) as worker:
+            run_ids = [worker.start(agent, f"run {n}") for n in range(RUNS)]
             # And runs under way
-            wait_for("the runs are under way", lambda: len(_effects(effects)) >= RUNS, 45)
+            wait_for("the runs are under way", lambda: len(invocations(effects)) >= RUNS, 45)
 
             # When the primary is SIGKILLed and the sentinel promotes its replica
             group.fail_over()
@@ -180,24 +158,11 @@ def test_with_min_replicas_a_primary_killed_mid_run_fails_over_and_no_effect_run
             resumed: dict[str, int] = {}
             wait_until(
                 "every run completes",
-                functools.partial(completed_resuming_stalls, Ratchet(ctx), run_ids, resumed),
+                functools.partial(completed_resuming_stalls, Ratchet(worker.ctx), run_ids, resumed),
                 60,
             )
 
             # Then every effect ran exactly once: none twice, none lost
-            keys = [key for key, _ in _effects(effects)]
-            assert len(keys) == len(set(keys)), (resumed, _effects(effects))
-            assert sorted(label for _, label in _effects(effects)) == sorted(
-                f"step-{n}" for n in range(STEPS) for _ in range(RUNS)
-            )
-            assert worker.process is not None and worker.process.poll() is None, worker.log()
-        finally:
-            workers.stop_all()
-            replacement.stop()
-            ctx.close()
-
-
-def _effects(path: Path) -> list[tuple[str, str]]:
-    """The effect log's lines as (idempotency key, label)."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [(key, label) for key, _, label in (line.partition(" ") for line in lines)]
+            labels = [f"step-{n}" for n in range(STEPS) for _ in range(RUNS)]
+            assert_invoked_once_each(effects, labels, resumed)
+            assert worker.alive(), worker.process.log()

@@ -13,12 +13,8 @@ from pathlib import Path
 import pytest
 
 from runtime.models import RunStatus
-from tasks.settings import Settings
-from tasks.start import create_run
 from tests.helpers import call, turn, write_agent
-from tests.workers import WorkerProcesses, redis_context
-from worker.api import Ratchet
-from worker.app import make_app
+from tests.workers import WorkerProcesses, run_on_workers
 
 
 @pytest.mark.slow
@@ -33,16 +29,8 @@ def test_a_first_load_longer_than_the_lease_keeps_the_lease(
         tools=["tests.slow_import_tools:answer"],
     )
     worker = worker_processes.start("--pool", "solo", RATCHET_LEASE_S="1")
-    ctx = redis_context(redis_url)
-    sender = make_app(Settings(broker_url=redis_url))
-    try:
-        # When a run's first turn reaches that worker (no beat: nothing else would move it)
-        state = create_run(ctx, agent, "go")
-        sender.send_task("ratchet.turn", (state.run_id, state.seq))
-        record = Ratchet(ctx).wait(state.run_id, timeout_s=60)
-    finally:
-        sender.close()
-        ctx.close()
+    # When a run's first turn reaches that worker (no beat: nothing else would move it)
+    record = run_on_workers(redis_url, agent, "go", timeout_s=60)
     # Then the worker kept the lease through the load and finished the run itself
     assert record.status == RunStatus.COMPLETED, worker.log()[-3000:]
     assert "no longer holds the run's lease" not in worker.log()

@@ -16,12 +16,9 @@ import re
 from pathlib import Path
 
 from runtime.models import RunStatus
-from tasks.messages import send_through, sending_app
-from tasks.settings import Settings
 from tests.helpers import call, turn, write_agent
-from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, wait_for
+from tests.workers import ROOT, WorkerProcesses, redis_context, run_status, sending_to, wait_for
 from worker.api import Ratchet
-from worker.app import make_app
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 PACKAGES = ("runtime", "runtime_io", "tasks", "store", "worker")
@@ -59,16 +56,12 @@ def test_one_traced_turn_runs_the_files_the_architecture_doc_lists(
     )
     ctx = redis_context(redis_url)
     api = Ratchet(ctx)
-    before = sending_app()
-    send_through(make_app(Settings(broker_url=redis_url)))
-    try:
+    with sending_to(redis_url):
         for run_id in ("warm-up", "traced"):
             api.start(agent, "Where is B2?", run_id=run_id)
             # When the worker has run it to the end
             done = lambda: run_status(ctx, run_id) == RunStatus.COMPLETED  # noqa: E731, B023
             wait_for(f"run {run_id} completes", done, 120)
-    finally:
-        send_through(before)
     first_turn = [e.type for e in ctx.runs.events("traced")][1:5]
     ctx.close()
     assert first_turn == ["model.requested", "model.responded", "tool.requested", "tool.completed"]
