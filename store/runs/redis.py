@@ -148,6 +148,8 @@ class RedisRunStore(RunStore):
         self._keys = keyspace_of(client, prefix, self._where)
         self._prefix = self._keys.prefix
         self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
+        self._append_loaded = False
+        """Whether :meth:`_script_then_wait` has loaded the append script (once a store)."""
         self._live = RedisLiveStream(client, self._keys, where(url))
 
     def live(self) -> RedisLiveStream:
@@ -385,10 +387,17 @@ class RedisRunStore(RunStore):
                     refused, acked = pipe.execute()
             return cast("list[bytes] | None", refused), int(acked)
 
+        if not self._append_loaded:
+            # A server that does not know the script answers the EVALSHA NoScript but still
+            # runs the WAIT behind it in the pipeline: the first replicated append of a
+            # store (a fresh server, a new cluster primary) would wait twice. SCRIPT LOAD
+            # goes to every primary of a cluster.
+            self._client.script_load(script.script)
+            self._append_loaded = True
         try:
             return pipelined()
         except redis.exceptions.NoScriptError:
-            # The server forgot its scripts (a restart, a failover): nothing was written.
+            # The server forgot its scripts since (a restart, a failover): nothing was written.
             self._client.script_load(script.script)
             return pipelined()
 
