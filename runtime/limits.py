@@ -184,14 +184,22 @@ def later(a: float | None, b: float | None) -> float | None:
     return max(a, b)
 
 
-def retry_after_ms(wait_ms: float, horizon_ms: float, place: int, spacing_ms: float) -> float:
+RETRY_JITTER = 0.1
+"""A denied call asks again up to this fraction later, so equal waits do not come back at once."""
+
+
+def retry_after_ms(
+    wait_ms: float, horizon_ms: float, place: int, spacing_ms: float, draw: float = 0.0
+) -> float:
     """When a denied call asks again: as its rate comes within its horizon, plus its place.
 
     ``place`` is its 0-based position in the waiting line, ``spacing_ms`` the time one
     call ahead of it takes (the slowest rate's share per call): waiters come back in
-    the line's order, one spacing apart, instead of all at once.
+    the line's order, one spacing apart, instead of all at once. ``draw``, in [0, 1), is
+    the caller's random draw (the core is given its randomness, as it is given the time):
+    the wait grows by up to :data:`RETRY_JITTER` of itself.
     """
-    return max(1.0, wait_ms - horizon_ms) + place * spacing_ms
+    return (max(1.0, wait_ms - horizon_ms) + place * spacing_ms) * (1 + draw * RETRY_JITTER)
 
 
 def corrected_tat(tat: float, delta: float, rate: Rate, now_ms: float) -> float:

@@ -61,8 +61,6 @@ log = logging.getLogger("ratchet.limits")
 
 OVERRIDES_TTL_S = 2.0
 """How long a worker keeps the run-time limits it read: a change reaches it within this."""
-RETRY_JITTER = 0.1
-"""A denied call asks again up to this fraction later, so equal waits do not come back at once."""
 DEFAULT_RETRY_AFTER_S = 1.0
 """A 429 without Retry-After waits this long."""
 
@@ -184,8 +182,7 @@ def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) ->
     wait_ms = verdict.wait_ms
     if verdict.outcome == "denied":
         spacing = spacing_ms(costs, limits)
-        wait_ms = retry_after_ms(wait_ms, horizon, admission.place, spacing)
-        wait_ms *= 1 + random.uniform(0, RETRY_JITTER)
+        wait_ms = retry_after_ms(wait_ms, horizon, admission.place, spacing, random.random())
     reason = "reserved" if verdict.outcome == "reserved" else "over_limit"
     return _rate_wait(ctx, agent, state, turn, key, reason, wait_ms, verdict.binding)
 

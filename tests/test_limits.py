@@ -11,6 +11,7 @@ import pytest
 from runtime.agent import Agent
 from runtime.fsm import apply, rebuild
 from runtime.limits import (
+    RETRY_JITTER,
     Rate,
     Wait,
     broker_priority,
@@ -85,6 +86,12 @@ def test_the_token_estimate_is_corrected_both_ways_but_never_into_the_past() -> 
 
 def test_waiters_come_back_in_line_order_one_spacing_apart() -> None:
     assert [retry_after_ms(5000, 1000, place, 100) for place in range(3)] == [4000, 4100, 4200]
+
+
+def test_a_denied_call_comes_back_up_to_a_tenth_later_by_the_callers_draw() -> None:
+    assert retry_after_ms(5000, 1000, 1, 100, draw=0.0) == 4100
+    assert retry_after_ms(5000, 1000, 1, 100, draw=0.5) == pytest.approx(4100 * 1.05)
+    assert retry_after_ms(5000, 1000, 1, 100, draw=0.999) < 4100 * (1 + RETRY_JITTER)
 
 
 def test_the_estimate_grows_with_the_prompt_and_counts_the_expected_completion() -> None:
