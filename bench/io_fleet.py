@@ -443,11 +443,13 @@ def floor_rounds(
     pairs: list[tuple[Phase, FloorPhase]] = []
 
     def floor_phase() -> FloorPhase:
-        redis.Redis.from_url(f"{server.url}/8").flushdb()
+        with redis.Redis.from_url(f"{server.url}/8") as client:
+            client.flushdb()
         return run_floor_phase(args, server, 8, workdir)
 
     def ratchet_phase(label: str) -> Phase:
-        redis.Redis.from_url(f"{server.url}/9").flushdb()
+        with redis.Redis.from_url(f"{server.url}/9") as client:
+            client.flushdb()
         return run_phase(label, 0.0, args, server, 9, workdir)
 
     for i in range(args.floor_rounds):
