@@ -418,6 +418,14 @@ MUTANTS: tuple[Mutant, ...] = (
         k="redis and (overdue or due)",
     ),
     Mutant(
+        "X6b",
+        "store/runs/lua/append.lua",
+        "if was ~= '' and redis.call('HGET', KEYS[1], 'record') ~= was then",
+        "if false then",
+        ("tests/contract/test_transition_contract.py", "tests/test_journal_ahead.py"),
+        k="redis or sent_with_the_lease or not_the_runs",
+    ),
+    Mutant(
         "X7",
         "store/runs/redis.py",
         'if due is not None and (due == b"" or int(due) > now_ms):',

@@ -567,6 +567,12 @@ def response_events(response: ModelResponse) -> list[tuple[str, dict[str, Any]]]
     return events
 
 
+def model_requested(model_calls: int) -> tuple[str, dict[str, Any]]:
+    """The journal entry that counts the run's ``model_calls``-th model call before it is
+    made: with no response after it, the attempt counts all the same."""
+    return ("model.requested", {"turn": model_calls})
+
+
 def requested_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
     """The journal entry a call gets before it runs: with no outcome after it, the call was
     cut short, and its rule (runtime/probes.py) says what happens to it."""

@@ -87,7 +87,9 @@ class Context:
     runs: RunStore
     _agents: dict[str, tuple[Version, Agent]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _checkpoints: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
+    _checkpoints: OrderedDict[str, tuple[RunState, RunRecord | None]] = field(
+        default_factory=OrderedDict
+    )
     _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
     _transcript_sizes: OrderedDict[str, TranscriptSize] = field(default_factory=OrderedDict)
     _live: LiveWriter | None = None
@@ -102,9 +104,19 @@ class Context:
     """Runs whose last checkpoint (and last request order) this process remembers (least
     recently used dropped)."""
 
-    def remember_checkpoint(self, state: RunState) -> None:
-        """Keep the state this process just saved as the run's snapshot."""
-        _keep(self._lock, self._checkpoints, state.run_id, state, self.CHECKPOINTS_KEPT)
+    def remember_checkpoint(self, state: RunState, record: RunRecord | None = None) -> None:
+        """Keep the state this process just saved as the run's snapshot, and ``record``, the
+        run's record as written with it, if this process wrote that too."""
+        _keep(self._lock, self._checkpoints, state.run_id, (state, record), self.CHECKPOINTS_KEPT)
+
+    def last_checkpoint(self, run_id: str) -> tuple[RunState, RunRecord] | None:
+        """The state this process last saved as the run's snapshot, with the record it wrote
+        in the same step; None if it wrote no record with it, or remembers neither."""
+        with self._lock:
+            kept = self._checkpoints.get(run_id)
+        if kept is None or kept[1] is None:
+            return None
+        return kept[0], kept[1]
 
     def remember_request_order(self, run_id: str, order: RequestOrder) -> None:
         """Keep the messages this process last sent the run's model, for its next call to
@@ -136,7 +148,8 @@ class Context:
         run's past and is not used.
         """
         with self._lock:
-            state = self._checkpoints.get(record.run_id)
+            kept = self._checkpoints.get(record.run_id)
+        state = None if kept is None else kept[0]
         if state is None or state.seq != record.last_seq:
             return None
         if state.created_at_ms != record.created_at_ms or (
@@ -149,15 +162,15 @@ class Context:
         """The seq of the run's state this process remembers (:meth:`recall_checkpoint`
         may serve it), if any: a turn that finds the log there need not read the snapshot."""
         with self._lock:
-            state = self._checkpoints.get(run_id)
-        return None if state is None else state.seq
+            kept = self._checkpoints.get(run_id)
+        return None if kept is None else kept[0].seq
 
     def remembered_agent(self, run_id: str) -> str | None:
         """The agent name of the run's state this process remembers, if any (a label for
         the message that chains its next turn, without reading the run store)."""
         with self._lock:
-            state = self._checkpoints.get(run_id)
-        return None if state is None else state.agent
+            kept = self._checkpoints.get(run_id)
+        return None if kept is None else kept[0].agent
 
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from celery.signals import worker_shutting_down
@@ -42,7 +43,14 @@ from runtime.errors import (
     RunNotFound,
     StoreUnavailable,
 )
-from runtime.fsm import decide, ends_turn, requested_early, requested_event, response_events
+from runtime.fsm import (
+    decide,
+    ends_turn,
+    model_requested,
+    requested_early,
+    requested_event,
+    response_events,
+)
 from runtime.limits import Wait
 from runtime.models import Message, RunState
 from runtime.probes import Probed
@@ -91,6 +99,24 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """A turn's model call, decided on the state this process remembers, and its journal
+    (tasks/ahead.py)."""
+
+    before: RunState
+    """The run's state at the seq the turn's message expects, as this process saved it."""
+    was: RunRecord
+    """The record it wrote with that state: the run must still have exactly this one."""
+    agent: Agent
+    action: CallModel
+    request: ModelRequest
+    gate: limits.Go
+    """What :func:`tasks.limits.admit` would answer, known without the limit store."""
+    change: Transition
+    """``model.requested`` after ``before``: the write that goes with the lease."""
+
+
 class AgentNotLoaded(Exception):
     """The run's agent file cannot be loaded for its turn (an MCP server it names is down,
     the file was broken or removed): ``state`` is the run as loaded, ``reason`` says why."""
@@ -131,8 +157,22 @@ class HeldRun:
         self.requested_early: frozenset[str] = frozenset()
         """Calls journaled as requested with the model's response, not started yet: the
         turn starts them as new calls (tasks/tools_parallel.py), not as calls cut short."""
+        self.ahead: Ahead | None = None
+        """The turn's model call, journaled with the lease and not made yet (tasks/ahead.py)."""
         self._beat: tuple[str, str] | None = None
         self._decided: tuple[RunState, Action] | None = None
+
+    @classmethod
+    def journaled(cls, ctx: Context, owner: str, ahead: Ahead) -> HeldRun:
+        """The run whose lease was taken with ``ahead``'s journal: at the state that journal
+        made, its model call the turn's first step, its snapshot the state before."""
+        state = ahead.change.state
+        if ctx.observers:  # only now, when the events are committed
+            ctx.observers.committed(ahead.before.status, state.status, ahead.change.events, state)
+        held = cls(ctx, ahead.agent, state, ahead.before.seq, owner)
+        held.ahead = ahead
+        held._decided = (state, ahead.action)
+        return held
 
     @classmethod
     def open(
@@ -168,9 +208,10 @@ class HeldRun:
         The events past the snapshot were appended by an earlier holder, which may
         still send the checkpoint it owes: a frozen or partitioned worker's save can
         reach the store long after it was sent. Saving ours first makes that late
-        save fail its compare-and-set instead of landing while this turn runs.
+        save fail its compare-and-set instead of landing while this turn runs. (A turn
+        journaled with its lease lags by its own ``model.requested`` only: nothing to adopt.)
         """
-        if self.snapshot_seq != self.state.seq and self.state.status.is_live:
+        if self.snapshot_seq != self.state.seq and self.state.status.is_live and not self.ahead:
             self.checkpoint()
 
     def call_model(self, action: CallModel) -> TurnOutcome | None:
@@ -187,17 +228,23 @@ class HeldRun:
         whatever it reports afterwards is dropped) and counts as a failed attempt: the
         next turn asks again, within ``max_turns``."""
         run_id = self.state.run_id
-        request = action.request(self.ctx.request_order(run_id))
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and action is ahead.action:
+            # Journaled with the lease (tasks/ahead.py): admitted and counted already.
+            request, gate = ahead.request, ahead.gate
+        else:
+            request = action.request(self.ctx.request_order(run_id))
+            prepare = getattr(self.agent.provider, "prepare", None)
+            if callable(prepare):
+                # Before the limiter decides: a call it lets go must not then wait on setup.
+                prepare()
+            admitted = limits.admit(self.ctx, self.agent, self.state, request)
+            if isinstance(admitted, Wait):
+                return self.wait_on_limit(admitted)
+            gate = admitted
+            self.record([model_requested(request.model_call + 1)])
         self.ctx.remember_request_order(run_id, RequestOrder(action.transcript, request.messages))
         model_calls = request.model_call + 1
-        prepare = getattr(self.agent.provider, "prepare", None)
-        if callable(prepare):
-            # Before the limiter decides: a call it lets go must not then wait on setup.
-            prepare()
-        gate = limits.admit(self.ctx, self.agent, self.state, request)
-        if isinstance(gate, Wait):
-            return self.wait_on_limit(gate)
-        self.record([("model.requested", {"turn": model_calls})])
         abandoned = threading.Event()
 
         def observe(kind: str, data: dict[str, Any]) -> None:
@@ -396,7 +443,7 @@ class HeldRun:
                 self.released = True
                 if self._beat is not None:
                     heartbeats().remove(self._beat)
-            self.ctx.remember_checkpoint(self.state)
+            self.ctx.remember_checkpoint(self.state, change.record)
             if observers:
                 observers.reached("snapshot.after_save", model_calls)
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from runtime.errors import HolderDied, LeaseHeld, RunBusy
 from store.runs import Claim, RunRecord
@@ -41,6 +42,9 @@ from tasks import liveness
 from tasks.context import Context
 from tasks.messages import urgent_sweeper_resume
 from tasks.persistence import new_owner
+
+if TYPE_CHECKING:
+    from tasks.held_run import Ahead
 
 log = logging.getLogger("ratchet.lease")
 
@@ -79,6 +83,8 @@ class Held:
     snapshot: Prefetched | None = None
     """The run's snapshot as read with the lease (``reads_snapshot``), for
     :func:`tasks.persistence.load`; None: not read with it."""
+    journaled: bool = False
+    """The ``ahead`` journal was appended with the lease: the run is at its state."""
 
 
 @contextmanager
@@ -92,15 +98,19 @@ def holding(
     must: bool = True,
     recovers: bool = False,
     reads_snapshot: bool = False,
+    ahead: Ahead | None = None,
 ) -> Iterator[Held]:
     """Hold ``run_id``'s lease for the block (see the module docstring).
 
     ``owner``: a caller that already holds the lease (a resume handing on to its
     turn) passes its owner id; the lease is renewed. Raises LeaseHeld (``must``)
     and HolderDied (``must`` and not ``recovers``), both RunBusy. ``reads_snapshot``: the
-    caller loads the run next (:attr:`Held.snapshot`).
+    caller loads the run next (:attr:`Held.snapshot`); ``ahead``: and appends that journal
+    with the lease if the run is still at its state (tasks/ahead.py, :attr:`Held.journaled`).
     """
-    held = _take(ctx, run_id, owner or new_owner(), patience_s, until_dead_s, reads_snapshot)
+    held = _take(
+        ctx, run_id, owner or new_owner(), patience_s, until_dead_s, reads_snapshot, ahead
+    )
     if held.taken and held.took_from is not None and not recovers:
         record = held.record
         if record is not None and record.status.is_live:
@@ -136,12 +146,20 @@ def _take(
     patience_s: float,
     until_dead_s: float,
     reads_snapshot: bool = False,
+    ahead: Ahead | None = None,
 ) -> Held:
     # A lease is never taken by a process that does not look alive, or another worker
     # could take it straight back.
     liveness.beats().keep_alive(ctx)
     snapshot: Prefetched | None = None
-    if reads_snapshot:
+    journaled = False
+    if reads_snapshot and ahead is not None:
+        change = ahead.change
+        taken, record, snapshot, journaled = ctx.runs.acquire_and_append(
+            run_id, owner, ctx.settings.lease_s, ctx.snapshots, ahead.was, change.record,
+            change.events,
+        )  # fmt: skip
+    elif reads_snapshot:
         # Not read where the log ends at the state this process remembers: load uses that.
         remembered = ctx.remembered_seq(run_id)
         taken, record, snapshot = ctx.runs.acquire_and_read(
@@ -150,7 +168,7 @@ def _take(
     else:
         taken, record = ctx.runs.acquire_and_get(run_id, owner, ctx.settings.lease_s)
     if taken:
-        return Held(run_id, owner, True, record, snapshot=snapshot)
+        return Held(run_id, owner, True, record, snapshot=snapshot, journaled=journaled)
     started = time.monotonic()
     pause_s = FIRST_POLL_S
     while True:

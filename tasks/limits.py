@@ -157,12 +157,10 @@ def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) ->
         if waiting is not None:
             return _cap_wait(ctx, turn, cap_key, cap, waiting)
     key, limits = rates(limiter, agent)
-    if key is None:
-        return Go()  # a provider without a key (scripted): nothing is shared
-    if not limits and not held_off(limiter, key):
-        # No rate in force: nothing to schedule, so no round trip (a 429's hold-off is
-        # read at most every OVERRIDES_TTL_S, and while it lasts the store decides).
-        return Go(key)
+    free = _free(limiter, key, limits)
+    if free is not None:
+        return free
+    assert key is not None
     completion = getattr(agent.provider, "max_tokens", None) or agent.spec.limits.completion_tokens
     estimate = estimate_tokens(request.messages, request.tools, completion)
     costs = [1.0 if r.unit == "requests" else float(estimate) for r in limits]
@@ -185,6 +183,25 @@ def admit(ctx: Context, agent: Agent, state: RunState, request: ModelRequest) ->
         wait_ms = retry_after_ms(wait_ms, horizon, admission.place, spacing, random.random())
     reason = "reserved" if verdict.outcome == "reserved" else "over_limit"
     return _rate_wait(ctx, agent, state, turn, key, reason, wait_ms, verdict.binding)
+
+
+def unlimited(ctx: Context, agent: Agent, state: RunState) -> Go | None:
+    """The Go :func:`admit` gives ``state``'s next model call without asking the limit store
+    (no cap, no rate in force); None when admitting it takes the store."""
+    limiter = ctx.limits()
+    if caps(limiter, agent, state):
+        return None
+    return _free(limiter, *rates(limiter, agent))
+
+
+def _free(limiter: Limits, key: str | None, limits: tuple[Rate, ...]) -> Go | None:
+    if key is None:
+        return Go()  # a provider without a key (scripted): nothing is shared
+    if not limits and not held_off(limiter, key):
+        # No rate in force: nothing to schedule, so no round trip (a 429's hold-off is
+        # read at most every OVERRIDES_TTL_S, and while it lasts the store decides).
+        return Go(key)
+    return None
 
 
 def _take_place(

@@ -45,6 +45,7 @@ from runtime.models import RunStatus, validate_run_id
 from runtime.recovery import SWEEPER
 from runtime.tools import ToolOutcome
 from tasks import lease, limits, resumption
+from tasks.ahead import journal_ahead
 from tasks.children import start_child
 from tasks.context import Context, get_context
 from tasks.held_run import AgentNotLoaded, HeldRun, stopping
@@ -121,6 +122,8 @@ def advance(
     ``redelivered``: the broker delivers this message again (its consumer died), so
     a holder of the lease is waited for until its process is known dead or alive.
     """
+    # Where this process left the run, its first write goes with the lease (tasks/ahead.py).
+    ahead = journal_ahead(ctx, run_id, expected_seq) if owner is None else None
     with lease.holding(
         ctx,
         run_id,
@@ -130,6 +133,7 @@ def advance(
         must=False,
         recovers=True,
         reads_snapshot=True,
+        ahead=ahead,
     ) as claim:
         if claim.took_from is not None:
             # The holder's process died mid-turn: recover the run here and now, as the
@@ -146,11 +150,11 @@ def advance(
         held: HeldRun | None = None
         try:
             try:
-                held = (
-                    HeldRun.open(ctx, run_id, claim.owner, claim.record, claim.snapshot)
-                    if claim.record
-                    else None
-                )
+                if claim.journaled and ahead is not None:
+                    held = HeldRun.journaled(ctx, claim.owner, ahead)
+                    expected_seq = held.state.seq  # the journal's fences proved the run there
+                elif claim.record:
+                    held = HeldRun.open(ctx, run_id, claim.owner, claim.record, claim.snapshot)
             except AgentNotLoaded as exc:
                 return _not_loaded(ctx, exc, expected_seq, claim.owner)
             if held is None:
@@ -205,7 +209,9 @@ def take(held: HeldRun) -> TurnOutcome:
     """Carry out decisions until the turn ends; how it ended."""
     while not held.released:  # the last checkpoint let the lease go: the next turn decides
         action = held.next_action()
-        if stopping() and not isinstance(action, (CheckBinding, Idle)):
+        # A call journaled with the lease is made: it is counted already (tasks/ahead.py).
+        counted = held.ahead is not None and action is held.ahead.action
+        if stopping() and not counted and not isinstance(action, (CheckBinding, Idle)):
             log.info(
                 "run %s: worker shutting down; stopping at seq %s and chaining the rest",
                 held.state.run_id,

@@ -377,3 +377,60 @@ class TransitionContract:
 
         with pytest.raises(ValueError, match="run-1"):
             snapshots.load("run-2", read)
+
+    # --- the lease taken with the turn's first write (tasks/ahead.py) --------------
+
+    def test_a_write_sent_with_the_lease_lands_when_the_run_has_the_record_remembered(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        one = said(state, "one")
+        transition(runs, snapshots, one, "one", 1)
+        runs.release_lease("run-1", "worker-a")
+        two = said(one, "two")
+
+        answer = runs.acquire_and_append(
+            "run-1", "worker-b", LEASE_S, snapshots, record_of(one), record_of(two),
+            [event(3, "two")],
+        )  # fmt: skip
+
+        assert answer == (True, record_of(two), None, True)
+        assert runs.get("run-1") == record_of(two)
+        assert [e.seq for e in runs.events("run-1")] == [1, 2, 3]
+        lease = runs.lease("run-1")
+        assert lease is not None and lease.owner == "worker-b"
+
+    def test_a_write_sent_with_the_lease_is_dropped_by_each_fence_and_the_lease_still_read(
+        self, stores: Pair
+    ) -> None:
+        runs, snapshots = stores
+        state = started(runs, snapshots)
+        one = said(state, "one")
+        transition(runs, snapshots, one, "one", 1)
+        two = said(one, "two")
+        # Another run had this id: same seq, another record
+        other = record_of(one).model_copy(
+            update={"created_at_ms": record_of(one).created_at_ms - 1}
+        )
+        # The log moved on past the remembered seq: a journal planned on the state before
+        late = said(state, "late")
+        for was, record, events in (
+            (other, record_of(two), [event(3, "two")]),
+            (record_of(state), record_of(late), [event(2, "late")]),
+        ):
+            taken, found, read, appended = runs.acquire_and_append(
+                "run-1", "worker-a", LEASE_S, snapshots, was, record, events
+            )
+            assert (taken, found, appended) == (True, record_of(one), False)
+            assert snapshots.load("run-1", read) == one
+            assert runs.get("run-1") == record_of(one) and len(runs.events("run-1")) == 2
+
+        # Another owner holds the lease: nothing taken, nothing written
+        assert runs.acquire_and_append(
+            "run-1", "worker-b", LEASE_S, snapshots, record_of(one), record_of(two),
+            [event(3, "two")],
+        ) == (False, None, None, False)  # fmt: skip
+        assert runs.get("run-1") == record_of(one) and len(runs.events("run-1")) == 2
+        lease = runs.lease("run-1")
+        assert lease is not None and lease.owner == "worker-a"

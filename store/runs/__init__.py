@@ -223,13 +223,13 @@ class Transition(NamedTuple):
     outbox: Outbox | None = None
 
 
-def _checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
+def checked_batch(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
     validate_run_id(record.run_id)
     return _contiguous(record, events)
 
 
 def _contiguous(record: RunRecord, events: Sequence[Event]) -> builtins.list[Event]:
-    """:func:`_checked_batch` for a call that has checked ``record.run_id`` already."""
+    """:func:`checked_batch` for a call that has checked ``record.run_id`` already."""
     if not events:
         raise ValueError("append needs at least one event")
     for before, after in zip(events, events[1:], strict=False):
@@ -286,7 +286,7 @@ class RunStore(ABC):
         Refused with StaleWrite unless ``events[0].seq`` follows the stored last
         seq, and with LeaseLost if ``owner`` is given and does not hold the lease.
         """
-        mine = _checked_batch(record, events)
+        mine = checked_batch(record, events)
         try:
             with_retries(lambda: self._append(record, mine, owner, self.clock()), record.run_id)
         except StaleWrite as exc:
@@ -314,7 +314,7 @@ class RunStore(ABC):
         if wait.min_replicas == 0:
             self.append(record, events, owner)
             return
-        mine = _checked_batch(record, events)
+        mine = checked_batch(record, events)
         acked: int | None
         try:
             acked = with_retries(
@@ -614,6 +614,37 @@ class RunStore(ABC):
             ),
             run_id,
         )
+
+    def acquire_and_append(
+        self,
+        run_id: str,
+        owner: str,
+        lease_s: float,
+        snapshots: SnapshotStore,
+        was: RunRecord,
+        record: RunRecord,
+        events: Sequence[Event],
+    ) -> tuple[bool, RunRecord | None, Prefetched | None, bool]:
+        """:meth:`acquire_and_read` (its ``unless_at`` is ``was``'s last seq), and when the
+        lease is taken and the run's record is still exactly ``was`` — the record a caller
+        remembers writing, so no other run has had this id since — :meth:`append`
+        ``events`` and ``record`` under that lease: a turn whose first write it already
+        knows (tasks/ahead.py). One round trip where the backend sends both at once (Redis).
+
+        Returns ``(taken, record, snapshot, appended)``: appended, the record is ``record``
+        and there is no snapshot read; else as :meth:`acquire_and_read` returns, the record
+        as found.
+        """
+        taken, found, snapshot = self.acquire_and_read(
+            run_id, owner, lease_s, snapshots, was.last_seq
+        )
+        if not taken or found != was:
+            return taken, found, snapshot, False
+        try:
+            self.append(record, events, owner)
+        except StaleWrite:
+            return True, self.get(run_id), None, False  # ended meanwhile (a cancel)
+        return True, record, None, True
 
     def _acquire_and_read(
         self,

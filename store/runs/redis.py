@@ -44,20 +44,30 @@ TTL only sweeps away leases long dead.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, cast
 
 import redis
 
 from runtime import json_values
 from runtime.errors import LeaseLost, StaleWrite, StoreError
-from runtime.models import Event, RunStatus
+from runtime.models import Event, RunStatus, validate_run_id
 from store.keyspace import Shard
 from store.live.redis import RedisLiveStream
 from store.packing import pack, unpack
 from store.redis_cluster import on_slot_owner
 from store.replicas import ReplicaWait, split_replica_wait
-from store.runs import Claim, Lease, Orphan, RunRecord, RunStore, Transition, owner_process
+from store.retry import with_retries
+from store.runs import (
+    Claim,
+    Lease,
+    Orphan,
+    RunRecord,
+    RunStore,
+    Transition,
+    checked_batch,
+    owner_process,
+)
 from store.snapshots import Prefetched, SnapshotStore, TranscriptMoved, TranscriptTip
 from store.snapshots.redis import (
     DEFAULT_PREFIX,
@@ -67,6 +77,7 @@ from store.snapshots.redis import (
     keyspace_of,
     lua,
     run_script,
+    run_script_pair,
     run_scripts,
     server,
     translated,
@@ -265,6 +276,33 @@ class RedisRunStore(RunStore):
 
         ``waits``: then ``WAIT`` for the replicas :attr:`replica_wait` asks for; how many
         acknowledged it (0 when not asked to wait)."""
+        keys, args, written = self._append_call(record, events, owner, now_ms, whole)
+        with translated(self._where, self._client):
+            if waits:
+                refused, acked = self._script_then_wait(keys, args)
+            else:
+                acked = 0
+                refused = cast(
+                    "list[bytes] | None", run_script(self._scripts["append"], keys, args)
+                )
+        if whole is not None and refused is None:
+            assert isinstance(whole.snapshots, RedisSnapshotStore)
+            whole.snapshots.bytes_written += written
+        if refused is not None:
+            self._refused(refused, record.run_id, events[0].seq - 1, owner, whole)
+        return acked
+
+    def _append_call(
+        self,
+        record: RunRecord,
+        events: list[Event],
+        owner: str | None,
+        now_ms: int,
+        whole: Transition | None = None,
+        was: RunRecord | None = None,
+    ) -> tuple[list[str], list[str | bytes], int]:
+        """The append script's keys and arguments for :meth:`_transition` (``was``: the
+        record the run must still have), and the snapshot bytes it writes."""
         run_id = record.run_id
         expected = events[0].seq - 1
         release = whole is not None and whole.release
@@ -326,27 +364,27 @@ class RedisRunStore(RunStore):
             own_db = self._client.connection_pool.connection_kwargs.get("db") or 0
             fields += [str(int(outbox.db)), outbox.key, str(int(own_db))]
         args: list[str | bytes] = [" ".join(fields), record.model_dump_json(), owner or "", mode]
-        args.append(head)
+        args += [head, "" if was is None else was.model_dump_json()]
         args += [_packed(event) for event in events]
         args += fragments
         if outbox is not None:
             args.append(outbox.payload)
-        acked = 0
-        with translated(self._where, self._client):
-            if waits:
-                refused, acked = self._script_then_wait(keys, args)
-            else:
-                refused = cast(
-                    "list[bytes] | None", run_script(self._scripts["append"], keys, args)
-                )
-        if whole is not None and refused is None:
-            assert isinstance(whole.snapshots, RedisSnapshotStore)
-            whole.snapshots.bytes_written += len(head) + sum(len(f) for f in fragments)
-        if refused is None:
-            return acked
+        return keys, args, len(head) + sum(len(f) for f in fragments)
+
+    def _refused(
+        self,
+        refused: list[bytes],
+        run_id: str,
+        expected: int,
+        owner: str | None,
+        whole: Transition | None = None,
+    ) -> NoReturn:
+        """The error for the append script's refusal."""
         if refused[0] == b"stale":
             found = refused[1].decode()
             raise StaleWrite(run_id, expected, int(found) if found else None)
+        if refused[0] == b"record":
+            raise StaleWrite(run_id, expected, expected)
         if refused[0] == b"snapshot":
             found = refused[1].decode()
             seen = whole.expected_seq if whole is not None else None
@@ -480,7 +518,21 @@ class RedisRunStore(RunStore):
         base: TranscriptTip | None,
         unless_at: int | None,
     ) -> tuple[bool, RunRecord | None, Prefetched | None]:
-        assert isinstance(snapshots, RedisSnapshotStore)
+        keys, args = self._acquire_read_call(run_id, owner, lease_ms, now_ms, base, unless_at)
+        with translated(self._where, self._client):
+            found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
+        return self._acquired_read(found, run_id, snapshots, base)
+
+    def _acquire_read_call(
+        self,
+        run_id: str,
+        owner: str,
+        lease_ms: int,
+        now_ms: int,
+        base: TranscriptTip | None,
+        unless_at: int | None,
+    ) -> tuple[list[str], list[str]]:
+        """The acquire_read script's keys and arguments (:meth:`_acquire_and_read`)."""
         ttl_ms = max(lease_ms, 0) + LEASE_TTL_GRACE_MS
         shard = self._keys.of(run_id)
         lease = shard.run_key(run_id, "lease")
@@ -494,8 +546,14 @@ class RedisRunStore(RunStore):
             shard.run_key(run_id, "snapshot"),
             shard.run_key(run_id, "transcript"),
         ]
-        with translated(self._where, self._client):
-            found = cast("list[Any]", run_script(self._scripts["acquire_read"], keys, args))
+        return keys, args
+
+    @staticmethod
+    def _acquired_read(
+        found: list[Any], run_id: str, snapshots: SnapshotStore, base: TranscriptTip | None
+    ) -> tuple[bool, RunRecord | None, Prefetched | None]:
+        """What the acquire_read script answered, as :meth:`_acquire_and_read` returns it."""
+        assert isinstance(snapshots, RedisSnapshotStore)
         if not found[0]:
             return False, None, None
         data = found[1] if len(found) > 1 else None
@@ -503,6 +561,50 @@ class RedisRunStore(RunStore):
         if len(found) < 4:
             return True, record, None  # the caller remembers the state the log ends at
         return True, record, snapshots.prefetched(run_id, base, found[2], found[3])
+
+    def acquire_and_append(
+        self,
+        run_id: str,
+        owner: str,
+        lease_s: float,
+        snapshots: SnapshotStore,
+        was: RunRecord,
+        record: RunRecord,
+        events: Sequence[Event],
+    ) -> tuple[bool, RunRecord | None, Prefetched | None, bool]:
+        """One round trip on one server: the acquire_read script, then the append script
+        fenced by the lease it took, the seq and ``was`` (append.lua). Both are safe to send
+        again: a retry whose append landed the first time finds its own events."""
+        if not self.reads_with(snapshots) or type(self._client) is not redis.Redis:
+            return super().acquire_and_append(
+                run_id, owner, lease_s, snapshots, was, record, events
+            )
+        run_id = validate_run_id(run_id)
+        mine = checked_batch(record, events)
+        lease_ms = int(lease_s * 1000)
+        base = snapshots.read_base(run_id)
+
+        def attempt() -> tuple[bool, RunRecord | None, Prefetched | None, bool]:
+            now_ms = self.clock()
+            read = self._acquire_read_call(run_id, owner, lease_ms, now_ms, base, was.last_seq)
+            keys, args, _ = self._append_call(record, mine, owner, now_ms, was=was)
+            with translated(self._where, self._client):
+                found, refused = run_script_pair(
+                    (self._scripts["acquire_read"], *read), (self._scripts["append"], keys, args)
+                )
+                for answer in (found, refused):
+                    if isinstance(answer, Exception):
+                        raise answer
+            taken, now, prefetched = self._acquired_read(found, run_id, snapshots, base)
+            if refused is None:
+                return True, record, None, True
+            if refused[0] == b"stale":
+                stale = StaleWrite(run_id, was.last_seq, int(refused[1]) if refused[1] else None)
+                if self._landed(stale, mine):
+                    return True, record, None, True
+            return taken, now, prefetched, False
+
+        return with_retries(attempt, run_id)
 
     def _extend(self, run_id: str, owner: str, lease_ms: int, now_ms: int) -> bool:
         return self._renew([(run_id, owner)], lease_ms, now_ms)[0]

@@ -138,6 +138,52 @@ def _send(pool: Any, packed: list[bytes]) -> Any:
         pool.release(connection)
 
 
+def run_script_pair(
+    first: tuple[Script, Sequence[str], Sequence[str | bytes]],
+    second: tuple[Script, Sequence[str], Sequence[str | bytes]],
+) -> list[Any]:
+    """Two scripts of one client, one after the other on one connection, in one round trip:
+    both answers, each as it came or the ResponseError it was (not raised: the second runs
+    whatever the first answered). Both must be safe to run again: a server that does not
+    know either yet is given both, and both are sent again."""
+    client: Any = first[0].registered_client
+    packed = [
+        _packed_evalsha(script.sha, keys, args) if type(client) is redis.Redis else None
+        for script, keys, args in (first, second)
+    ]
+    if client.connection is not None or packed[0] is None or packed[1] is None:
+        answers = []
+        for script, keys, args in (first, second):
+            try:
+                answers.append(run_script(script, keys, args))
+            except redis.exceptions.ResponseError as exc:
+                answers.append(exc)
+        return answers
+    answers = _send_all(client.connection_pool, [*packed[0], *packed[1]], 2)
+    if any(isinstance(answer, redis.exceptions.NoScriptError) for answer in answers):
+        for script, _, _ in (first, second):
+            client.script_load(script.script)
+        answers = _send_all(client.connection_pool, [*packed[0], *packed[1]], 2)
+    return answers
+
+
+def _send_all(pool: Any, packed: list[bytes], count: int) -> list[Any]:
+    """:func:`_send` for ``count`` packed commands: every answer read, an error one as the
+    ResponseError it is (the connection stays in step with its replies)."""
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(packed)
+        answers: list[Any] = []
+        for _ in range(count):
+            try:
+                answers.append(connection.read_response())
+            except redis.exceptions.ResponseError as exc:
+                answers.append(exc)
+        return answers
+    finally:
+        pool.release(connection)
+
+
 def run_scripts(script: Script, calls: Sequence[tuple[Sequence[str], Sequence[str]]]) -> list[Any]:
     """``script`` once per ``(keys, args)``, pipelined (a cluster pipeline sends each node
     its share); the answers in order. A node that does not know the script yet is given

@@ -8,7 +8,9 @@
 -- ARGV: [1] the scalars below, separated by one space (none holds a space: a run id, a
 --       status, a key prefix, numbers and hex chains; "" is an empty field), [2] record
 --       JSON, [3] owner, [4] snapshot: "" (none), "append" or "replace" (save it), or
---       "drop" (delete it: the run finished), [5] head, then
+--       "drop" (delete it: the run finished), [5] head, [6] the record JSON the run must
+--       still have ("" for any: a caller that remembers the record it wrote at the
+--       expected seq makes sure no other run has since had this id), then
 --       the events, then the transcript fragments to push, then (with an outbox) the
 --       message to push onto the outbox list. One argument for the
 --       scalars, not one each: redis-py encodes and frames every argument in Python.
@@ -17,7 +19,8 @@
 --       "1" to release the lease, expected snapshot seq ("" for none), base length,
 --       base chain, new length, new size, new chain, how many events, then the outbox's
 --       database, its list (no space in either) and this store's database, or "" each.
--- Returns nil when written, {'stale', found seq or ''}, {'lease'},
+-- Returns nil when written, {'stale', found seq or ''}, {'record'} (at the expected seq but
+-- not the record the caller remembers), {'lease'},
 -- {'snapshot', found snapshot seq or ''} or {'moved'} (the snapshot's seq matches but its
 -- transcript is not the base this save was planned on).
 --
@@ -37,12 +40,15 @@ local run_id, last_seq, status, created_at, due, expected = f[1], f[2], f[3], f[
 local fenced, now_ms, status_prefix, finished_at, release = f[7], f[8], f[9], f[10], f[11]
 local snapshot_seq, base_length, base_chain = f[12], f[13], f[14]
 local new_length, new_size, new_chain, event_count = f[15], f[16], f[17], tonumber(f[18])
-local record, owner, mode, head = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local record, owner, mode, head, was = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local outbox_db, outbox_key, own_db = f[19], f[20], f[21]
 
 local rec = redis.call('HMGET', KEYS[1], 'last_seq', 'status', 'due', 'fin')
 if rec[1] ~= expected then
   return {'stale', rec[1] or ''}
+end
+if was ~= '' and redis.call('HGET', KEYS[1], 'record') ~= was then
+  return {'record'}
 end
 if fenced == '1' then
   local lease = redis.call('HMGET', KEYS[3], 'owner', 'expires_at_ms')
@@ -90,8 +96,8 @@ end
 
 -- The fence above makes the log contiguous, so an event's index is its seq - 1
 -- (a list costs a few bytes an entry; a sorted set costs about a hundred).
-local events_end = 5 + event_count
-push(KEYS[2], 6, events_end)
+local events_end = 6 + event_count
+push(KEYS[2], 7, events_end)
 -- The due index: kept while it is at most DUE_SLACK ms early (and at most half the time
 -- left until the new due time: a run due in a minute is not looked at a half-minute early).
 local indexed = rec[3] or ''
