@@ -55,6 +55,11 @@ class Provider(Protocol):
         ``f({"attempt": n, "text": piece})`` (or a tool call's piece, or ``{"attempt": n,
         "aborted": why}``) as the answer forms; it still returns the whole answer, which
         is what the run journals (tasks/live.py carries the pieces to observers).
+
+        A provider whose ``bounds_calls`` attribute is true ends a call by the deadline
+        ``runtime_io.providers.http.call_deadline`` sets (raising its DeadlineExceeded),
+        and the turn calls it on its own thread; any other is called on a caller thread,
+        abandoned at ``model_timeout_s``.
         """
         ...
 

@@ -56,6 +56,7 @@ from runtime.models import Message, RunState
 from runtime.probes import Probed
 from runtime.provider import ModelRequest, ModelResponse, Observer, checked_response
 from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
+from runtime_io.providers.http import DeadlineExceeded, call_deadline
 from store.runs import RunRecord
 from store.snapshots import Prefetched
 from store.snapshots import format as snapshot_format
@@ -255,7 +256,7 @@ class HeldRun:
         complete = self._model_call(model_calls, abandoned)
         timeout_s = self.agent.spec.model_timeout_s
         try:
-            response = bounded(
+            response = self._within(
                 lambda: checked_response(complete(request, observer=observe)),
                 timeout_s,
                 f"model call for turn {model_calls}",
@@ -286,6 +287,20 @@ class HeldRun:
         if self.ctx.observers:
             self.ctx.observers.reached("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
+
+    def _within(
+        self, call: Callable[[], ModelResponse], timeout_s: float, what: str
+    ) -> ModelResponse:
+        """``call()``, ended by ``timeout_s``: by the provider itself where it bounds its calls
+        (no thread to hand the call to, and none left behind: runtime_io/providers/http.py),
+        else on a caller thread, abandoned then. CallTimedOut when it did not end in time."""
+        if getattr(self.agent.provider, "bounds_calls", False):
+            try:
+                with call_deadline(timeout_s):
+                    return call()
+            except DeadlineExceeded:
+                raise CallTimedOut(what, timeout_s) from None
+        return bounded(call, timeout_s, what)
 
     def _model_call(
         self, model_calls: int, abandoned: threading.Event

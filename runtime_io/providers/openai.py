@@ -107,7 +107,13 @@ from runtime.provider import (
     ModelResponse,
     Observer,
 )
-from runtime_io.providers.http import build_shared_client, pool_size, shared_client
+from runtime_io.providers.http import (
+    bounds_calls,
+    build_shared_client,
+    pool_size,
+    shared_client,
+    time_left,
+)
 from runtime_io.providers.redaction import guard_http_logs, redacted_in_logs
 
 log = logging.getLogger("ratchet.providers.openai")
@@ -289,6 +295,12 @@ class OpenAIProvider:
         """Whether ``complete`` hands the answer's pieces to ``deltas`` as they come."""
         return self._table.stream
 
+    @property
+    def bounds_calls(self) -> bool:
+        """Whether a call ends within the deadline ``call_deadline`` gives it
+        (runtime_io/providers/http.py): its requests, and the pauses between them, do."""
+        return bounds_calls()
+
     def limit_key(self) -> str:
         """The default name of this provider's shared rate limit: host, model and key variable
         (the variable's name, never the key)."""
@@ -338,6 +350,7 @@ class OpenAIProvider:
             stop=self._should_stop,
             wait=self._wait_s,
             before_sleep=lambda state: self._before_sleep(state, key, observer),
+            sleep=_pause,
             reraise=True,
         )
         started = time.monotonic()
@@ -436,6 +449,7 @@ class OpenAIProvider:
                 f"{timeout_s:g} s (more model calls at once than the worker's concurrency?)",
             ) from None
         except httpx.TimeoutException:
+            time_left()  # the call's deadline, if it has passed, not the request's timeout
             timeout_s = self._table.timeout_s
             raise _RetryableFailure(None, f"no answer within timeout_s={timeout_s:g}") from None
         except httpx.TransportError as exc:
@@ -456,6 +470,7 @@ class OpenAIProvider:
         try:
             response.read()
         except httpx.TimeoutException:
+            time_left()
             raise _RetryableFailure(
                 response.status_code, f"no answer within timeout_s={self._table.timeout_s:g}"
             ) from None
@@ -474,6 +489,7 @@ class OpenAIProvider:
                     _drain(lines)
                     return stream.body()
         except httpx.TimeoutException:
+            time_left()
             raise stream.cut(f"no event within timeout_s={self._table.timeout_s:g}") from None
         except httpx.TransportError as exc:
             raise stream.cut(_redact(f"cut off: {exc}", key)) from None
@@ -577,6 +593,18 @@ class OpenAIProvider:
             ),
             retryable=True,
         )
+
+
+def _pause(seconds: float) -> None:
+    """The pause before the next attempt, within the call's deadline: one that would outlast
+    it ends the call there (DeadlineExceeded), as the deadline would mid-request."""
+    left = time_left()
+    if left is None or seconds < left:
+        time.sleep(seconds)
+        return
+    while True:  # time_left raises once the deadline has passed
+        time.sleep(left)
+        left = time_left() or 0.0
 
 
 def _elapsed_s(state: RetryCallState) -> float:
