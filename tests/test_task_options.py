@@ -7,10 +7,12 @@ one whose defaults say otherwise.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 from celery import Celery, Task
+from celery.backends.base import DisabledBackend
 
 import tasks
 from tasks import messages
@@ -74,3 +76,16 @@ def test_the_control_queue_alone_retries_a_busy_run() -> None:
 def test_a_task_that_spells_a_table_option_itself_is_refused() -> None:
     with pytest.raises(TypeError, match="ratchet.turn: acks_late are tasks.task_options'"):
         ratchet_task(name="ratchet.turn", acks_late=False)
+
+
+def test_the_worker_app_builds_one_result_backend_for_every_thread() -> None:
+    # Celery builds a result backend for each thread that first asks unless it is shared;
+    # a gevent worker runs every task on a new greenlet, so each turn paid for building one
+    app = make_app(Settings(broker_url="redis://127.0.0.1:6379/0"))
+    seen: list[object] = []
+    for _ in range(3):  # one after another, as a worker's tasks come
+        thread = threading.Thread(target=lambda: seen.append(app.backend))
+        thread.start()
+        thread.join()
+    assert len(seen) == 3 and all(backend is app.backend for backend in seen)
+    assert isinstance(app.backend, DisabledBackend)  # ratchet keeps no Celery results

@@ -74,6 +74,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "event_serializer": "json",
         "result_accept_content": ["json"],
         "result_backend": None,
+        # One (disabled) result backend per app, not one per thread: Celery makes a backend
+        # for every thread that first asks, and under gevent each task is a new greenlet,
+        # so without it every turn built one (~3% of a gevent worker's CPU).
+        "result_backend_thread_safe": True,
         # acks_late, reject_on_worker_lost, ignore_result and the time limit for every
         # task: the table of tasks/task_options.py.
         **app_defaults(settings.turn_time_limit_s),
