@@ -3,7 +3,8 @@
 1. **Arrival** (:func:`run_turn`): the message names the run and the seq it expects.
 2. **Lease** (:func:`advance`, tasks/lease.py): taken, or taken from a holder
    whose process died (the run is then recovered as the sweeper would); held by
-   another worker, this message is a duplicate: do nothing.
+   another worker, this message is a duplicate: do nothing. Where this process
+   chained the turn, the model call's journal goes with it (tasks/ahead.py).
 3. **Load** (tasks/held_run.py, :func:`tasks.persistence.load`): the snapshot with the
    events it lacks folded on. Not at the seq the message expects: a late or
    duplicate message, do nothing.
