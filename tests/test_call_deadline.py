@@ -1,6 +1,6 @@
 """A model call bounded on the turn's own thread (runtime_io/providers/http.py).
 
-The built-in providers end a call by ``call_deadline``: every socket operation of its
+The built-in providers (OpenAI, Anthropic, scripted) end a call by ``call_deadline``: every socket operation of its
 requests waits at most the time left, and so does a pause between attempts. A server
 that trickles its answer a byte at a time, or asks for a long wait before the next
 attempt, cannot hold the call past it; a turn then counts a timed-out attempt as it
@@ -23,6 +23,7 @@ from runtime.models import Message
 from runtime.provider import ModelRequest
 from runtime_io.providers.http import DeadlineExceeded, call_deadline, shared_client, time_left
 from runtime_io.providers.openai import OpenAIProvider
+from runtime_io.providers.scripted import ScriptedProvider
 from tasks.context import Context
 from tasks.start import create_run
 from tasks.turn import advance
@@ -163,3 +164,17 @@ def test_a_turn_whose_model_trickles_counts_a_timed_out_attempt_on_its_own_threa
         assert state is not None and state.usage.model_attempts == 1
     finally:
         ctx.close()
+
+
+def test_a_scripted_model_slower_than_the_deadline_ends_there(tmp_path: Path) -> None:
+    # The scripted model waits 30 s before answering; the call's deadline is 0.5 s
+    script = tmp_path / "slow.script.json"
+    script.write_text('{"turns": [{"content": "late", "sleep_s": 30}]}')
+    model = ScriptedProvider(script)
+    assert model.bounds_calls
+    started = time.monotonic()
+
+    with pytest.raises(DeadlineExceeded), call_deadline(0.5):
+        model.complete(request())
+
+    assert time.monotonic() - started < 10

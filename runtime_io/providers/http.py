@@ -159,6 +159,18 @@ def time_left() -> float | None:
     return left
 
 
+def pause(seconds: float) -> None:
+    """``time.sleep(seconds)``, ended by this thread's :func:`call_deadline` if that comes
+    first (DeadlineExceeded, at the deadline): a provider's wait between attempts."""
+    left = time_left()
+    if left is None or seconds < left:
+        time.sleep(seconds)
+        return
+    while True:  # time_left raises once the deadline has passed
+        time.sleep(left)
+        left = time_left() or 0.0
+
+
 def bounds_calls() -> bool:
     """Whether :func:`call_deadline` bounds this process's requests: not when the
     environment names a proxy, whose connections httpx makes without this module's

@@ -110,6 +110,7 @@ from runtime.provider import (
 from runtime_io.providers.http import (
     bounds_calls,
     build_shared_client,
+    pause,
     pool_size,
     shared_client,
     time_left,
@@ -350,7 +351,7 @@ class OpenAIProvider:
             stop=self._should_stop,
             wait=self._wait_s,
             before_sleep=lambda state: self._before_sleep(state, key, observer),
-            sleep=_pause,
+            sleep=pause,
             reraise=True,
         )
         started = time.monotonic()
@@ -593,18 +594,6 @@ class OpenAIProvider:
             ),
             retryable=True,
         )
-
-
-def _pause(seconds: float) -> None:
-    """The pause before the next attempt, within the call's deadline: one that would outlast
-    it ends the call there (DeadlineExceeded), as the deadline would mid-request."""
-    left = time_left()
-    if left is None or seconds < left:
-        time.sleep(seconds)
-        return
-    while True:  # time_left raises once the deadline has passed
-        time.sleep(left)
-        left = time_left() or 0.0
 
 
 def _elapsed_s(state: RetryCallState) -> float:

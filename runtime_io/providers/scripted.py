@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from runtime.errors import ProviderError
 from runtime.models import TokenUsage
 from runtime.numbers import Finite
 from runtime.provider import Deltas, ModelRequest, ModelResponse, Observer
+from runtime_io.providers.http import pause
 
 
 class _ScriptCall(BaseModel):
@@ -98,6 +98,10 @@ class ScriptedProvider:
     def streams(self) -> bool:
         return self._script.stream is not None
 
+    bounds_calls = True
+    """A call ends by the deadline ``call_deadline`` sets: its only waits, the script's
+    ``sleep_s`` and a stream's pace, end there (runtime_io/providers/http.py)."""
+
     def complete(
         self,
         request: ModelRequest,
@@ -116,7 +120,7 @@ class ScriptedProvider:
             with open(log, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps({"turn": request.model_call, "pid": os.getpid()}) + "\n")
         if entry.sleep_s:
-            time.sleep(entry.sleep_s)
+            pause(entry.sleep_s)
         calls = tuple(
             {
                 "id": call.id or f"call_{request.model_call + 1}_{index + 1}",
@@ -137,7 +141,7 @@ def _play(pace: _Pace, text: str, calls: tuple[dict[str, Any], ...], deltas: Del
     step = pace.chunk_chars
     for start in range(0, len(text), step):
         if start:
-            time.sleep(pace.interval_s)
+            pause(pace.interval_s)
         deltas({"attempt": 1, "text": text[start : start + step]})
     for index, call in enumerate(calls):
         arguments = json.dumps(call["arguments"], separators=(",", ":"))
