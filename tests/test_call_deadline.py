@@ -11,8 +11,10 @@ a real OpenAI-compatible server, real Redis for the turn.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,3 +180,33 @@ def test_a_scripted_model_slower_than_the_deadline_ends_there(tmp_path: Path) ->
         model.complete(request())
 
     assert time.monotonic() - started < 10
+
+
+def test_a_provider_that_does_not_bound_its_calls_is_abandoned_on_a_caller_thread(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A provider without bounds_calls (one with a proxy in the environment, say): its slow
+    # call goes to a caller thread, and the turn stops waiting for it at model_timeout_s
+    monkeypatch.setattr(ScriptedProvider, "bounds_calls", False)
+    (tmp_path / "slow.script.json").write_text('{"turns": [{"content": "late", "sleep_s": 30}]}')
+    agent = tmp_path / "agent.toml"
+    agent.write_text(
+        'name = "slow"\nmodel = "scripted"\nscript = "slow.script.json"\nmodel_timeout_s = 0.5\n'
+    )
+    ctx: Context = redis_context(redis_url)
+    try:
+        run_id = create_run(ctx, agent, "hello").run_id
+
+        done = advance(ctx, run_id, None)
+
+        assert done.outcome == "next"
+        # The abandoned call still sleeps in the script, on a caller thread
+        callers = {t.ident for t in threading.enumerate() if t.name == "ratchet-call"}
+        assert any(
+            ident in callers and "scripted.py" in "".join(traceback.format_stack(frame))
+            for ident, frame in sys._current_frames().items()
+        )
+        failed = [e for e in ctx.runs.events(run_id) if e.type == "model.failed"]
+        assert len(failed) == 1 and "did not return within 0.5 s" in failed[0].data["error"]
+    finally:
+        ctx.close()
