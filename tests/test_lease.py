@@ -368,3 +368,36 @@ def test_an_operators_resume_of_a_run_whose_holder_died_mid_turn_enqueues_one_re
     assert sent == [("operator", run_id)], sent
     assert status == "queued"
     assert ctx.runs.lease(run_id) is None
+
+
+@pytest.mark.timeout(60)
+def test_an_operators_resume_right_after_a_turn_stalled_the_run_waits_for_it_to_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.api
+    from tasks.persistence import append_events, load
+
+    # Given a run a worker has just stalled and still holds, finishing its turn (the status
+    # is visible before the lease goes: the turn's checkpoint and release come after)
+    ctx = memory_context(**SHORT)
+    run_id = create_run(ctx, write_agent(tmp_path, ASK), "refund my order").run_id
+    owner = "stalling-host:7:abc/t"
+    ctx.runs.renew_liveness("stalling-host:7:abc", 60.0)
+    assert ctx.runs.claim_lease(run_id, owner, 60).taken
+    state = load(ctx, run_id).state
+    append_events(ctx, state, [("run.stalled", {"reason": "the provider gave up"})], owner)
+    let_go = threading.Timer(0.2, ctx.runs.release_lease, (run_id, owner))
+    let_go.start()
+    sent: list[str] = []
+    monkeypatch.setattr(
+        worker.api, "enqueue_resume", lambda **fields: sent.append(fields["run_id"])
+    )
+
+    # When the operator resumes it at once
+    try:
+        status = worker.api.Ratchet(ctx).resume(run_id)
+    finally:
+        let_go.cancel()
+
+    # Then the resume waited for the turn to let go and was sent (it was refused as busy)
+    assert status == "stalled" and sent == [run_id]

@@ -40,7 +40,7 @@ from runtime.recovery import OPERATOR
 from store.runs import JournalEntry, RunRecord
 from tasks.context import Context, get_context
 from tasks.control import apply_continuation, cancel, new_continuation_id
-from tasks.lease import holding
+from tasks.lease import TURN_PATIENCE_S, holding
 from tasks.messages import Start, enqueue_resume, enqueue_turn, sending_app
 from tasks.persistence import Loaded, load
 from tasks.start import start
@@ -343,14 +343,20 @@ class Ratchet:
             return load(self.ctx, run_id, set_aside=held)
 
     @contextmanager
-    def _lease_if_free(self, run_id: str, recovers: bool = False) -> Iterator[bool]:
+    def _lease_if_free(
+        self, run_id: str, recovers: bool = False, patience_s: float = 0.0
+    ) -> Iterator[bool]:
         """Hold the run's lease for a moment if no live worker does; whether it is held.
 
         A dead worker's lease is taken over (:mod:`tasks.lease`); one that left its run
         mid-turn is not held here, and a resume of it is enqueued — unless the caller
         ``recovers`` the run itself (a resume), when it is held like any other.
+        ``patience_s``: how long a worker that holds it may take to let go.
         """
-        with holding(self.ctx, validate_run_id(run_id), must=False, recovers=recovers) as held:
+        run_id = validate_run_id(run_id)
+        with holding(
+            self.ctx, run_id, must=False, recovers=recovers, patience_s=patience_s
+        ) as held:
             yield held.taken
 
     def snapshot_document(self, run_id: str) -> bytes | None:
@@ -371,8 +377,10 @@ class Ratchet:
         from tasks.resumption import examine
 
         # A run its dead holder left mid-turn is this resume's to recover: holding it
-        # here sends no sweeper resume of it besides the operator's.
-        with self._lease_if_free(run_id, recovers=True) as held:
+        # here sends no sweeper resume of it besides the operator's. The turn that stalled
+        # or failed the run shows its status a moment before it lets the lease go: a
+        # resume sent as soon as the status shows waits for that (a turn's patience).
+        with self._lease_if_free(run_id, recovers=True, patience_s=TURN_PATIENCE_S) as held:
             state, _, verdict = examine(self.ctx, run_id, set_aside=held)
         if verdict.refusal is not None:
             raise verdict.refusal
