@@ -130,12 +130,10 @@ def _send(pool: Any, packed: list[bytes]) -> Any:
     connection that fails on its socket drops itself, and redis-py's error is raised),
     less its per-command wrapping (the retry call, redis-py's own OpenTelemetry
     records). EVALSHA has no response callback to apply."""
-    connection = pool.get_connection()
-    try:
-        connection.send_packed_command(packed)
-        return connection.read_response()
-    finally:
-        pool.release(connection)
+    answer = _send_all(pool, packed, 1)[0]
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def run_script_pair(
