@@ -18,6 +18,12 @@ Each run has ``--turns`` model turns: the first T-1 ask for one tool call
 2. one phase per ``--latency`` L: turns/s against the ideal
    ``min(in_flight / L, ceiling)`` with ``in_flight = min(runs, slots)``.
 
+``--floor-rounds N`` runs the ceiling N times beside bench/io_floor.py's plain Celery
+task per turn (the same HTTP call and tool, no durability), the order alternated;
+``--durable-floor`` adds a third phase each round, that task with the writes the mission
+asks of a turn and no more (lease, the three journal entries, the release), to split
+ratchet's cost above the floor into what durability needs and what ratchet adds.
+
 Per phase it prints: turns/s, the ratio to the ideal, the per-turn overhead
 beyond L (from the run's own events: one ``model.requested`` to the next, or
 to completion, minus L; p50 / p99), resident memory per run in flight (peak RSS
@@ -46,6 +52,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -355,16 +362,20 @@ class FloorPhase:
     turns_per_s: float
     cpu_ms_per_turn: dict[str, float]
     not_finished: int
+    without_every_event: int = 0
+    """Durable floor: runs whose event list lacks an event the mission asks for."""
 
 
 def run_floor_phase(  # noqa: PLR0915 - one phase, read top to bottom
-    args: argparse.Namespace, server: RedisServer, db: int, workdir: Path
+    args: argparse.Namespace, server: RedisServer, db: int, workdir: Path, durable: bool = False
 ) -> FloorPhase:
     """The same runs as :func:`run_phase`'s ceiling, on bench/io_floor.py: a plain Celery
-    task per turn doing the same model call and tool, same broker, pool and concurrency."""
+    task per turn doing the same model call and tool, same broker, pool and concurrency.
+    ``durable``: the durable floor (the writes the mission asks of a turn, and no more),
+    whose every run's event list is checked for the count of events it must hold."""
     import redis
 
-    from bench.io_floor import DONE_KEY, QUEUE
+    from bench.io_floor import DONE_KEY, EVENTS_KEY, QUEUE
 
     url = f"{server.url}/{db}"
     model = ModelProcess(0.0, args.turns)
@@ -383,8 +394,9 @@ def run_floor_phase(  # noqa: PLR0915 - one phase, read top to bottom
     client = _floor_client(url)
     system = {"role": "system", "content": "Look the order up, then answer."}
 
-    def send(text: str) -> None:
-        client.send_task("bench.io_floor.turn", ([system, {"role": "user", "content": text}],),
+    def send(text: str, run: str) -> None:
+        messages = [system, {"role": "user", "content": text}]
+        client.send_task("bench.io_floor.turn", (messages, run if durable else None),
                          queue=QUEUE)  # fmt: skip
 
     def wait_done(want: int, timeout_s: float) -> None:
@@ -395,17 +407,23 @@ def run_floor_phase(  # noqa: PLR0915 - one phase, read top to bottom
             time.sleep(0.05)
 
     try:
-        send("probe")
+        send("probe", "probe")
         wait_done(1, 120)
         if raw.llen(DONE_KEY) < 1:
             raise SystemExit(f"the floor's worker did not take the probe run; see {log}")
         cpu_before = cpu_by_process(worker.pid, server, model)
         started_ms = time.time_ns() // 1_000_000
         for i in range(args.runs):
-            send(f"look up order A1 ({i})")
+            send(f"look up order A1 ({i})", f"r{i}")
         wait_done(args.runs + 1, args.timeout)
         cpu_spent = cpu_by_process(worker.pid, server, model, since=cpu_before)
         done = [int(v) for v in raw.lrange(DONE_KEY, 1, -1)]
+        short = 0
+        if durable:  # T-1 turns of four events, the last of three
+            with raw.pipeline(transaction=False) as pipe:
+                for i in range(args.runs):
+                    pipe.llen(EVENTS_KEY.format(f"r{i}"))
+                short = sum(n != 4 * (args.turns - 1) + 3 for n in pipe.execute())
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
@@ -422,6 +440,7 @@ def run_floor_phase(  # noqa: PLR0915 - one phase, read top to bottom
         turns_per_s=turns / elapsed_s if done else 0.0,
         cpu_ms_per_turn=per_turn_ms(cpu_spent, turns),
         not_finished=args.runs - len(done),
+        without_every_event=short,
     )
 
 
@@ -433,62 +452,74 @@ def _floor_client(url: str) -> Any:
 
 def floor_rounds(
     args: argparse.Namespace, server: RedisServer, workdir: Path, first: Phase
-) -> list[tuple[Phase, FloorPhase]]:
-    """``--floor-rounds`` rounds of (ratchet's ceiling, the floor's), the order swapped
-    every round (ABBA) so both see the same phases of the machine; ``first`` is round 1's
-    ratchet phase, already run. The floor runs on database 8, ratchet's later rounds on 9,
-    each emptied before its phase."""
+) -> list[dict[str, Any]]:
+    """``--floor-rounds`` rounds of ratchet's ceiling beside the floor's (and, with
+    ``--durable-floor``, the durable floor's), the order rotated every round so all see
+    the same phases of the machine; ``first`` is round 1's ratchet phase, already run.
+    The floors run on databases 8 and 7, ratchet's later rounds on 9, each emptied
+    before its phase. One dict per round: ``ratchet``, ``floor`` and ``durable``."""
     import redis
 
-    pairs: list[tuple[Phase, FloorPhase]] = []
-
-    def floor_phase() -> FloorPhase:
-        with redis.Redis.from_url(f"{server.url}/8") as client:
+    def emptied(db: int) -> int:
+        with redis.Redis.from_url(f"{server.url}/{db}") as client:
             client.flushdb()
-        return run_floor_phase(args, server, 8, workdir)
+        return db
 
-    def ratchet_phase(label: str) -> Phase:
-        with redis.Redis.from_url(f"{server.url}/9") as client:
-            client.flushdb()
-        return run_phase(label, 0.0, args, server, 9, workdir)
-
+    runs: dict[str, Callable[[int], Any]] = {
+        "ratchet": lambda i: run_phase(f"ceiling{i + 1}", 0.0, args, server, emptied(9), workdir),
+        "floor": lambda i: run_floor_phase(args, server, emptied(8), workdir),
+    }
+    if args.durable_floor:
+        runs["durable"] = lambda i: run_floor_phase(args, server, emptied(7), workdir, True)
+    names = list(runs)
+    rounds: list[dict[str, Any]] = []
     for i in range(args.floor_rounds):
-        if i == 0:
-            ours: Phase = first
-            floor = floor_phase()
-        elif i % 2:
-            floor = floor_phase()
-            ours = ratchet_phase(f"ceiling{i + 1}")
-        else:
-            ours = ratchet_phase(f"ceiling{i + 1}")
-            floor = floor_phase()
-        pairs.append((ours, floor))
-        print(f"  round {i + 1}: ratchet {ours.turns_per_s:.1f} turns/s, floor "
-              f"{floor.turns_per_s:.1f} turns/s, ratio {ours.turns_per_s / floor.turns_per_s:.2f}",
+        order = names[i % len(names) :] + names[: i % len(names)]
+        found: dict[str, Any] = {"ratchet": first} if i == 0 else {}
+        for name in order:
+            if name not in found:
+                found[name] = runs[name](i)
+        rounds.append(found)
+        print(f"  round {i + 1} ({' '.join(order)}): "
+              + ", ".join(f"{n} {found[n].turns_per_s:.1f}" for n in names)
+              + f" turns/s; ratchet / floor {found['ratchet'].turns_per_s / found['floor'].turns_per_s:.2f}",
               file=sys.stderr, flush=True)  # fmt: skip
-    return pairs
+    return rounds
 
 
-def report_floor(pairs: list[tuple[Phase, FloorPhase]], args: argparse.Namespace) -> None:
-    """The paired ceiling: ratchet's turns/s over the floor's, round by round, and CPU per
-    turn by process (medians of rounds)."""
-    ratios = [ours.turns_per_s / floor.turns_per_s for ours, floor in pairs]
-    print(f"  ceiling beside the plain-Celery floor (bench/io_floor.py), {len(pairs)} rounds "
-          f"alternated, -P {args.pool} -c {args.concurrency}:")  # fmt: skip
-    print(f"    ratchet / floor turns/s, per round: {' '.join(f'{r:.2f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.2f}")  # fmt: skip
+def report_floor(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The paired ceiling: turns/s ratios round by round (ratchet over the floor, and with
+    the durable floor: it over the floor, ratchet over it), and CPU per turn by process
+    (medians of rounds, and the median of per-round ratios)."""
+    pairs = [("ratchet", "floor")]
+    if "durable" in rounds[0]:
+        pairs += [("durable", "floor"), ("ratchet", "durable")]
+    print(f"  ceiling beside the plain-Celery floor (bench/io_floor.py), {len(rounds)} rounds "
+          f"rotated, -P {args.pool} -c {args.concurrency}:")  # fmt: skip
+    for mine, base in pairs:
+        ratios = [r[mine].turns_per_s / r[base].turns_per_s for r in rounds]
+        print(f"    {mine} / {base} turns/s, per round: {' '.join(f'{x:.2f}' for x in ratios)}; "
+              f"median {statistics.median(ratios):.2f}")  # fmt: skip
     for name in ("worker", "redis", "model"):
-        mine = statistics.median(ours.cpu_ms_per_turn[name] for ours, _ in pairs)
-        floors = statistics.median(floor.cpu_ms_per_turn[name] for _, floor in pairs)
-        paired = statistics.median(
-            ours.cpu_ms_per_turn[name] / floor.cpu_ms_per_turn[name]
-            for ours, floor in pairs if floor.cpu_ms_per_turn[name] > 0
-        ) if any(f.cpu_ms_per_turn[name] > 0 for _, f in pairs) else float("nan")  # fmt: skip
-        print(f"    {name:6} CPU ms/turn: ratchet {mine:.2f}, floor {floors:.2f} "
-              f"(paired ratio {paired:.2f})")  # fmt: skip
-    unfinished = sum(floor.not_finished for _, floor in pairs)
-    if unfinished:
-        print(f"    the floor left {unfinished} runs unfinished: its turns/s is not a ceiling")
+        medians = {
+            k: statistics.median(r[k].cpu_ms_per_turn[name] for r in rounds) for k in rounds[0]
+        }
+        paired = []
+        for mine, base in pairs:
+            ratios = [r[mine].cpu_ms_per_turn[name] / r[base].cpu_ms_per_turn[name]
+                      for r in rounds if r[base].cpu_ms_per_turn[name] > 0]  # fmt: skip
+            if ratios:
+                paired.append(f"{mine} / {base} {statistics.median(ratios):.2f}")
+        print(f"    {name:6} CPU ms/turn: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items())
+              + (f" (paired: {'; '.join(paired)})" if paired else ""))  # fmt: skip
+    for name in ("floor", "durable"):
+        unfinished = sum(r[name].not_finished for r in rounds if name in r)
+        if unfinished:
+            print(f"    the {name} floor left {unfinished} runs unfinished: its turns/s is not a "
+                  "ceiling")  # fmt: skip
+        short = sum(r[name].without_every_event for r in rounds if name in r)
+        if short:
+            print(f"    the {name} floor left {short} runs without every event: not a floor")
 
 
 def cut(values: list[float], q: float) -> float:
@@ -525,6 +556,12 @@ def main() -> None:
         default=0,
         help="rounds of the ceiling phase beside the plain-Celery floor (bench/io_floor.py), "
         "alternated; 0: no floor",
+    )
+    parser.add_argument(
+        "--durable-floor",
+        action="store_true",
+        help="with --floor-rounds: a third phase each round, the durable floor (the writes "
+        "the mission asks of a turn and no more: bench/io_floor.py)",
     )
     args = parser.parse_args()
     if args.floor_rounds and args.provider != "openai":

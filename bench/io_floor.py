@@ -9,6 +9,23 @@ message. Nothing is checkpointed, leased, journaled or indexed: what is left is 
 one-task-per-turn design pays. The last turn of a run pushes its finishing time (ms) to
 the list ``DONE_KEY`` for the driver to count.
 
+**The durable floor** (a task sent with a run id): the same turn plus the writes the
+mission asks of every turn, each the cheapest this design could make them — one Lua
+script call each, compact JSON, no snapshot (the event list is the run's state), no
+index, no status, no limits, no outbox:
+
+1. the lease taken (``SET NX PX``) with ``model.requested`` journaled, before the call;
+2. ``model.responded`` appended under the lease before any tool runs;
+3. ``tool.requested`` appended under the lease before the tool starts (a tool that is
+   not idempotent: the workload's is not);
+4. ``tool.completed`` appended and the lease released; then the next turn is chained
+   with ``apply_async`` as the floor does (a crash between the two is the sweeper's to
+   mend, which this floor leaves out).
+
+The last turn writes 1, 2 and ``run.completed`` with the release. A fence that refuses
+raises (the run is then not finished, and the bench says so). What ratchet pays above
+this floor is what its design adds to the durability the mission fixes.
+
 Celery settings are ratchet's own (``worker.app.celery_config``: JSON, ``acks_late`` with
 ``reject_on_worker_lost``, prefetch, task events as ratchet's default for the broker), on
 a queue of its own. Environment: ``RATCHET_BROKER_URL`` (the broker, and ``DONE_KEY``'s
@@ -20,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Final
 
 import redis
 from celery import Celery
@@ -46,11 +63,38 @@ app.conf.update(config)
 _done = redis.Redis.from_url(os.environ.get("RATCHET_BROKER_URL", "redis://127.0.0.1:6379/0"))
 _model_url = os.environ.get("IO_FLOOR_MODEL_URL", "")
 
+LEASE_MS: Final = 60_000
+EVENTS_KEY: Final = "bench:io_floor:events:{}"
+LEASE_KEY: Final = "bench:io_floor:lease:{}"
+_take_and_append = _done.register_script(
+    "if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
+    "return redis.call('rpush', KEYS[2], ARGV[3]) end return -1"
+)
+_fenced_append = _done.register_script(
+    "if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end "
+    "local n = redis.call('rpush', KEYS[2], ARGV[2]) "
+    "if ARGV[3] == '1' then redis.call('del', KEYS[1]) end return n"
+)
+
+
+def _write(script: Any, run: str, *args: object) -> None:
+    if script(keys=[LEASE_KEY.format(run), EVENTS_KEY.format(run)], args=args) < 0:
+        raise RuntimeError(f"run {run}: the lease fence refused a write")
+
+
+def _event(kind: str, data: object) -> str:
+    return json.dumps({"type": kind, "at_ms": time.time_ns() // 1_000_000, "data": data},
+                      separators=(",", ":"), ensure_ascii=False)  # fmt: skip
+
 
 @app.task(
     name="bench.io_floor.turn", acks_late=True, reject_on_worker_lost=True, ignore_result=True
 )
-def turn(messages: list[dict[str, Any]]) -> None:
+def turn(messages: list[dict[str, Any]], run: str | None = None) -> None:
+    """One model turn; with ``run``, the durable floor's writes around it."""
+    token = "" if run is None else os.urandom(8).hex()
+    if run is not None:
+        _write(_take_and_append, run, token, LEASE_MS, _event("model.requested", len(messages)))
     answer = shared_client().post(
         f"{_model_url}/chat/completions",
         json={"model": "io-fleet", "messages": messages, "tools": TOOLS},
@@ -59,10 +103,21 @@ def turn(messages: list[dict[str, Any]]) -> None:
     message = answer.json()["choices"][0]["message"]
     messages.append(message)
     calls = message.get("tool_calls") or []
-    for call in calls:
+    if run is not None:
+        _write(_fenced_append, run, token, _event("model.responded", message), "0")
+    for i, call in enumerate(calls):
+        if run is not None:
+            _write(_fenced_append, run, token, _event("tool.requested", call), "0")
         result = lookup_order(**json.loads(call["function"]["arguments"]))
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)})
+        content = json.dumps(result)
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        if run is not None:
+            done = {"call_id": call["id"], "result": content}
+            last = "1" if i == len(calls) - 1 else "0"
+            _write(_fenced_append, run, token, _event("tool.completed", done), last)
     if calls:
-        turn.apply_async((messages,))
-    else:
-        _done.rpush(DONE_KEY, time.time_ns() // 1_000_000)
+        turn.apply_async((messages, run))
+        return
+    if run is not None:
+        _write(_fenced_append, run, token, _event("run.completed", None), "1")
+    _done.rpush(DONE_KEY, time.time_ns() // 1_000_000)
