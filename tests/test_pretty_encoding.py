@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.models import Message
 from store.snapshots import format as snapshot_format
 from tests.contract.test_snapshot_store_contract import rich_state
 
@@ -105,3 +106,25 @@ def test_a_head_is_the_document_of_the_state_without_its_transcript() -> None:
         document = snapshot_format.SnapshotV2(run=emptied).model_dump(mode="json")
         assert snapshot_format.encode_head(state) == (dumped(document) + "\n").encode()
         assert snapshot_format.encode_head(state) == snapshot_format.encode(emptied)
+
+
+def test_a_remembered_fragment_is_the_message_s_own_and_the_memo_stays_bounded() -> None:
+    # Given more messages than the memo keeps, each encoded twice (as a turn measures a
+    # message, then saves it), and equal-looking messages that are other objects
+    messages = [
+        Message(role="tool", content=f"result {i} " + "x" * (i % 7) * 100, tool_call_id=f"c{i}")
+        for i in range(snapshot_format._FRAGMENT_MEMO * 2)
+    ]
+    for message in messages:
+        first = snapshot_format.encode_fragment(message)
+        # Then the second encoding is the first, and a copy of the message encodes the same
+        assert snapshot_format.encode_fragment(message) is first
+        assert snapshot_format.encode_fragment(message.model_copy()) == first
+    # And the memo holds at most its count and its bytes, every entry its message's own
+    memo = dict(snapshot_format._fragments)
+    assert 0 < len(memo) <= snapshot_format._FRAGMENT_MEMO
+    assert sum(len(f) for _, f in memo.values()) <= snapshot_format._FRAGMENT_MEMO_BYTES
+    for key, (message, fragment) in memo.items():
+        assert id(message) == key
+        text = snapshot_format._document(snapshot_format._plain(message), end="")
+        assert fragment == snapshot_format._INDENT + text.replace(b"\n", b"\n      ")

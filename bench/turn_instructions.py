@@ -1,0 +1,141 @@
+"""Instructions per turn, counted by callgrind: a turn's own cost, the same on a busy box.
+
+    python -m bench.turn_instructions [--turns 40] [--backend redis|sqlite] [--against PATH]
+
+This machine's speed drifts by tens of percent within minutes, so a change worth a few
+percent of a turn's CPU is lost in any timing. ``valgrind --tool=callgrind`` counts the
+instructions a process executes instead: the same program on the same inputs gives the
+same count whatever else the box is doing. So this bench drives turns in one process, as
+bench/turn_cpu.py does (``tasks.turn.advance``: the lease, the load, the model call, the
+tool call, every checkpoint; no Celery delivery), under callgrind, twice: once with a
+few turns, once with ``--turns`` more; the difference over the turns added is the
+instructions of a turn, start-up and imports taken out. The store's server (Redis) runs
+outside valgrind: what is counted is the worker's side. Messages are ~1 KiB of prose, one
+tool call a turn, as in bench/turn_cpu.py. Runs under ``PYTHONHASHSEED=0``, after one run
+without valgrind that leaves every module's bytecode cached (compiling it is counted
+otherwise). Two counts of the same code differ by a few parts in a million.
+
+``--against PATH``: the same on the checkout at PATH, and this checkout's count over its.
+Under valgrind a process is ~50x slower: a count takes a minute or two; both checkouts'
+counts run side by side, one per core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FEW = 4
+"""Turns of the short count (after one warm-up turn in both)."""
+
+
+def drive(turns: int, backend: str, url: str, directory: Path) -> None:
+    """The measured program: create a run and take ``turns`` + 1 turns of it in this process."""
+    from bench.turn_cpu import script
+    from store import open_run_store, open_snapshot_store
+    from tasks.context import Context
+    from tasks.settings import Settings
+    from tasks.start import create_run
+    from tasks.turn import advance
+    from tests.helpers import write_agent
+
+    agent = write_agent(
+        directory,
+        script(turns + 1),
+        tools=["examples.refunds:lookup_order"],
+        budgets={"max_turns": turns + 5, "max_tool_calls": turns + 5},
+    )
+    store = url if backend == "redis" else f"sqlite://{directory / 'runs.sqlite3'}"
+    # Background threads wake by the clock, and under valgrind the clock runs ~50x faster
+    # than the program: beats and lease renewals far apart keep the count the turns' own.
+    settings = Settings(
+        data_dir=directory / "data",
+        allow_volatile_store=True,
+        lease_s=3600,
+        heartbeat_interval_s=600,
+        liveness_s=1800,
+    )
+    ctx = Context(settings, open_snapshot_store(store), open_run_store(store))
+    try:
+        run_id = create_run(ctx, agent, "bench").run_id
+        done = advance(ctx, run_id, None)  # the warm-up turn: first-time costs in both counts
+        for _ in range(turns):
+            if done.outcome != "next":
+                raise SystemExit(f"the run ended {done.outcome} early")
+            done = advance(ctx, run_id, done.seq)
+    finally:
+        ctx.close()
+
+
+TOTAL = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
+
+
+def count(checkout: Path, turns: int, backend: str, url: str, counted: bool = True) -> int:
+    """Instructions of a process that drives ``turns`` turns on ``checkout``'s code
+    (``counted=False``: run it without valgrind, and return 0)."""
+    with tempfile.TemporaryDirectory(prefix="ratchet-instr-") as tmp:
+        out = Path(tmp) / "callgrind.out"
+        db = f"{url}/{turns % 15 + 1}" if url else ""
+        command = [sys.executable, "-m", "bench.turn_instructions", "--inner", str(turns),
+                   "--backend", backend, "--url", db, "--dir", tmp]  # fmt: skip
+        if counted:
+            command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *command]
+        env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONHASHSEED": "0"}
+        done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, timeout=3600,
+                              check=False)  # fmt: skip
+        found = TOTAL.search(out.read_bytes()) if out.exists() else None
+        if done.returncode == 0 and not counted:
+            return 0
+        if done.returncode != 0 or found is None:
+            tail = done.stderr.decode(errors="replace")[-1500:]
+            raise SystemExit(f"callgrind on {checkout} ({turns} turns) failed:\n{tail}")
+        return int(found.group(1))
+
+
+def per_turn(checkout: Path, turns: int, backend: str, url: str) -> float:
+    # Once without valgrind first: the imports compile what has no bytecode cached yet, which
+    # would otherwise fall into one count and not the other.
+    count(checkout, 1, backend, url, counted=False)
+    with ThreadPoolExecutor(2) as pool:
+        few, many = pool.map(lambda n: count(checkout, n, backend, url), [FEW, FEW + turns])
+    return (many - few) / turns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=40, help="turns the long count adds")
+    parser.add_argument("--backend", choices=["redis", "sqlite"], default="redis")
+    parser.add_argument("--against", type=Path, help="another checkout: before and after")
+    parser.add_argument("--inner", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--url", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inner is not None:
+        drive(args.inner, args.backend, args.url, args.dir)
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.redis_server import running_redis_server
+
+    checkouts = [ROOT] + ([args.against.resolve()] if args.against else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.backend == "redis":
+            with running_redis_server(Path(tmp), appendonly=False) as server:
+                counts = [per_turn(c, args.turns, args.backend, server.url) for c in checkouts]
+        else:
+            counts = [per_turn(c, args.turns, args.backend, "") for c in checkouts]
+    for checkout, n in zip(checkouts, counts, strict=True):
+        print(f"{checkout}: {n / 1e6:.3f} M instructions per turn ({args.backend}, "
+              f"{args.turns} turns over {FEW})")  # fmt: skip
+    if args.against:
+        print(f"this checkout / {checkouts[1]}: {counts[0] / counts[1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
