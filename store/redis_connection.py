@@ -42,7 +42,14 @@ def os_poll() -> Any:
 
 
 class CheckedConnection(redis.Connection):
-    """A TCP connection whose zero-timeout ``can_read`` polls the socket directly."""
+    """A TCP connection whose zero-timeout ``can_read`` polls the socket directly, and
+    whose ``connect`` returns at once when it is connected."""
+
+    def connect(self) -> None:
+        # The pool calls it on every checkout; redis-py 8 goes through its retry wrapper
+        # (two closures and a call) only to find the socket there.
+        if self._sock is None:
+            super().connect()
 
     def can_read(self, timeout: float = 0) -> bool:
         sock = self._sock
