@@ -21,7 +21,7 @@ Each run has ``--turns`` model turns: the first T-1 ask for one tool call
 ``--floor-rounds N`` runs the ceiling N times beside bench/io_floor.py's plain Celery
 task per turn (the same HTTP call and tool, no durability), the order alternated;
 ``--durable-floor`` adds a third phase each round, that task with the writes the mission
-asks of a turn and no more (lease, the three journal entries, the release), to split
+asks of a turn and no more (three Lua calls a tool turn, as ratchet makes), to split
 ratchet's cost above the floor into what durability needs and what ratchet adds.
 
 Per phase it prints: turns/s, the ratio to the ideal, the per-turn overhead

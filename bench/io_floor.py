@@ -15,16 +15,17 @@ script call each, compact JSON, no snapshot (the event list is the run's state),
 index, no status, no limits, no outbox:
 
 1. the lease taken (``SET NX PX``) with ``model.requested`` journaled, before the call;
-2. ``model.responded`` appended under the lease before any tool runs;
-3. ``tool.requested`` appended under the lease before the tool starts (a tool that is
-   not idempotent: the workload's is not);
-4. ``tool.completed`` appended and the lease released; then the next turn is chained
+2. ``model.responded`` appended under the lease before any tool runs, and with it the
+   ``tool.requested`` of its calls: the workload's tool is idempotent, so a crash before
+   it starts may leave it requested (it runs again, as ratchet runs it again; a tool that
+   is not idempotent would need a write of its own just before it starts);
+3. ``tool.completed`` appended and the lease released; then the next turn is chained
    with ``apply_async`` as the floor does (a crash between the two is the sweeper's to
    mend, which this floor leaves out).
 
-The last turn writes 1, 2 and ``run.completed`` with the release. A fence that refuses
-raises (the run is then not finished, and the bench says so). What ratchet pays above
-this floor is what its design adds to the durability the mission fixes.
+Three writes a tool turn, as ratchet makes for it. The last turn writes 1, and 2 with
+``run.completed`` and the release. A fence that refuses raises (the run is then not
+finished, and the bench says so). What ratchet pays above this floor is what its design adds to the durability the mission fixes.
 
 Celery settings are ratchet's own (``worker.app.celery_config``: JSON, ``acks_late`` with
 ``reject_on_worker_lost``, prefetch, task events as ratchet's default for the broker), on
@@ -70,10 +71,10 @@ _take_and_append = _done.register_script(
     "if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
     "return redis.call('rpush', KEYS[2], ARGV[3]) end return -1"
 )
-_fenced_append = _done.register_script(
+_fenced_append = _done.register_script(  # ARGV: token, release ("1") or not, events...
     "if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end "
-    "local n = redis.call('rpush', KEYS[2], ARGV[2]) "
-    "if ARGV[3] == '1' then redis.call('del', KEYS[1]) end return n"
+    "local n = 0 for i = 3, #ARGV do n = redis.call('rpush', KEYS[2], ARGV[i]) end "
+    "if ARGV[2] == '1' then redis.call('del', KEYS[1]) end return n"
 )
 
 
@@ -104,20 +105,19 @@ def turn(messages: list[dict[str, Any]], run: str | None = None) -> None:
     messages.append(message)
     calls = message.get("tool_calls") or []
     if run is not None:
-        _write(_fenced_append, run, token, _event("model.responded", message), "0")
+        events = [_event("model.responded", message)]
+        events += [_event("tool.requested", call) for call in calls]
+        if not calls:
+            events.append(_event("run.completed", None))
+        _write(_fenced_append, run, token, "0" if calls else "1", *events)
     for i, call in enumerate(calls):
-        if run is not None:
-            _write(_fenced_append, run, token, _event("tool.requested", call), "0")
         result = lookup_order(**json.loads(call["function"]["arguments"]))
         content = json.dumps(result)
         messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
         if run is not None:
-            done = {"call_id": call["id"], "result": content}
-            last = "1" if i == len(calls) - 1 else "0"
-            _write(_fenced_append, run, token, _event("tool.completed", done), last)
+            done = _event("tool.completed", {"call_id": call["id"], "result": content})
+            _write(_fenced_append, run, token, "1" if i == len(calls) - 1 else "0", done)
     if calls:
         turn.apply_async((messages, run))
         return
-    if run is not None:
-        _write(_fenced_append, run, token, _event("run.completed", None), "1")
     _done.rpush(DONE_KEY, time.time_ns() // 1_000_000)
