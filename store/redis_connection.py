@@ -49,7 +49,7 @@ class CheckedConnection(redis.Connection):
         # The pool calls it on every checkout; redis-py 8 goes through its retry wrapper
         # (two closures and a call) only to find the socket there.
         if self._sock is None:
-            super().connect()
+            super().connect()  # type: ignore[no-untyped-call]
 
     def can_read(self, timeout: float = 0) -> bool:
         sock = self._sock
