@@ -80,6 +80,10 @@ def create_run(
     due = now + int(ctx.settings.lease_s * 1000)
     ctx.runs.create(RunRecord.from_state(state, now, due), first)
     ctx.snapshots.save(state, None)
+    # Remembered as any checkpoint this process saved: the label of the first turn's
+    # message (worker/observe.py) and a first turn taken here need not read it back. No
+    # record goes with it: the one written is the store's to keep.
+    ctx.remember_checkpoint(state)
     return state
 
 

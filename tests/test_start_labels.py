@@ -1,0 +1,64 @@
+"""A start names its run's agent on the first turn's message without reading the run back.
+
+Every ``ratchet.*`` message is labelled ``agent='…', run_id='…', seq=N`` as it is
+published (worker/observe.py). The process that creates a run knows its agent: the label
+of the first turn it sends comes from what it just saved, not from a read of the run
+store (one round trip a start, on Redis). Real Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tasks.context import Context
+from tasks.start import create_run
+from tests.helpers import call, installed_context, turn, write_agent
+from tests.workers import redis_context
+from worker.observe import describe
+
+
+@pytest.fixture
+def ctx(redis_url: str) -> Iterator[Context]:
+    context = redis_context(redis_url)
+    yield context
+    context.close()
+
+
+def calls_by_command(client: redis.Redis) -> dict[str, int]:
+    return {k: v["calls"] for k, v in client.info("commandstats").items()}
+
+
+def test_the_first_turn_of_a_run_started_here_is_labelled_without_a_store_read(
+    ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    agent = write_agent(tmp_path, [turn("look", call("lookup_order", order_id="B2"))], name="desk")
+    client = redis.Redis.from_url(redis_url)
+    with installed_context(ctx):
+        run_id = create_run(ctx, agent, "refund B2").run_id
+        before = calls_by_command(client)
+        label = describe("ratchet.turn", (run_id, 1), {})
+        after = calls_by_command(client)
+    client.close()
+
+    assert label == f"agent='desk', run_id='{run_id}', seq=1"
+    spent = {k: n - before.get(k, 0) for k, n in after.items() if k != "cmdstat_info"}
+    assert {k: n for k, n in spent.items() if n} == {}, spent
+
+
+def test_a_run_another_process_started_is_still_labelled_from_the_store(
+    ctx: Context, redis_url: str, tmp_path: Path
+) -> None:
+    agent = write_agent(tmp_path, [turn("look", call("lookup_order", order_id="B2"))], name="desk")
+    run_id = create_run(ctx, agent, "refund B2").run_id
+    other = redis_context(redis_url)  # a process that remembers nothing of the run
+    try:
+        with installed_context(other):
+            assert describe("ratchet.turn", (run_id, 1), {}) == (
+                f"agent='desk', run_id='{run_id}', seq=1"
+            )
+    finally:
+        other.close()
