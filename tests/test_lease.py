@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,7 +200,8 @@ def test_a_lease_held_by_a_live_worker_is_refused_naming_the_holder_and_the_wait
     # Then it is refused, saying who holds it, that it is alive, and how long it waited
     message = str(caught.value)
     assert message.startswith(f"run {run_id} is busy: worker busy-host:7:cafe/t held its lease")
-    assert "through the 0.2s this waited for it" in message
+    waited = re.search(r"through the ([0-9.]+)s this waited for it", message)
+    assert waited is not None and float(waited[1]) >= 0.2, message  # (more on a busy box)
     assert "its process is alive, so it is advancing the run" in message
     assert "the lease expires in" in message
     assert f"`ratchet runs events {run_id} --follow`" in message
