@@ -23,7 +23,14 @@ import pytest
 from runtime.fsm import rebuild
 from runtime.models import Message
 from runtime.provider import ModelRequest
-from runtime_io.providers.http import DeadlineExceeded, call_deadline, shared_client, time_left
+from runtime_io.providers.http import (
+    DeadlineExceeded,
+    call_deadline,
+    pool_size,
+    shared_client,
+    size_http_pool,
+    time_left,
+)
 from runtime_io.providers.openai import OpenAIProvider
 from runtime_io.providers.scripted import ScriptedProvider
 from tasks.context import Context
@@ -132,11 +139,34 @@ def test_deadlines_nest_to_the_sooner_and_a_request_outside_one_has_none(
     assert time_left() is None
 
 
+@pytest.fixture
+def fresh_client() -> Iterator[None]:
+    """The process's HTTP client made again (under the test's environment), and again after."""
+    size_http_pool(pool_size())
+    yield
+    size_http_pool(pool_size())
+
+
 def test_with_a_proxy_in_the_environment_a_call_is_bounded_on_a_caller_thread(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fresh_client: None
 ) -> None:
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
     assert not provider("https://models.example/v1").bounds_calls
+
+
+def test_a_proxy_named_after_the_client_was_made_is_not_used_and_calls_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch, fresh_client: None, server: OpenAIServer
+) -> None:
+    # Given the process's client, made with no proxy in the environment
+    model = provider(server.url)
+    assert model.bounds_calls
+    # When a proxy (nothing listens there) is named afterwards
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")
+    # Then the client still goes straight to the server, so its calls stay bounded
+    server.enqueue(200, {"ok": True})
+    assert shared_client().post(f"{server.url}/anything", json={}).json() == {"ok": True}
+    assert model.bounds_calls
 
 
 def test_a_turn_whose_model_trickles_counts_a_timed_out_attempt_on_its_own_thread(

@@ -42,6 +42,8 @@ Shards of 32 keep the scan small; each thread keeps to one shard."""
 
 _http_size = DEFAULT_HTTP_CONNECTIONS
 _clients: dict[int, list[httpx.Client]] = {}
+_proxied: dict[int, bool] = {}
+"""By process: whether the environment named a proxy when its client was made."""
 _clients_lock = threading.Lock()
 _shard_of_thread = threading.local()
 _next_shard = 0
@@ -107,6 +109,7 @@ def _process_clients(pid: int) -> list[httpx.Client]:
         limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
         # One TLS context for every shard: each costs ~1 MiB of loaded CA certificates.
         tls = ssl.create_default_context(cafile=certifi.where())
+        _proxied[pid] = any(scheme != "no" for scheme in urllib.request.getproxies())
         clients = _clients[pid] = [
             httpx.Client(
                 limits=limits,
@@ -173,9 +176,14 @@ def pause(seconds: float) -> None:
 
 def bounds_calls() -> bool:
     """Whether :func:`call_deadline` bounds this process's requests: not when the
-    environment names a proxy, whose connections httpx makes without this module's
-    network backend."""
-    return not any(scheme != "no" for scheme in urllib.request.getproxies())
+    environment named a proxy as the process's client was made, whose connections httpx
+    makes without this module's network backend. httpx reads the proxies once, as a
+    client is made, so this is decided then too, and not on every call (reading the
+    environment's proxies costs ~40 µs)."""
+    pid = os.getpid()
+    with _clients_lock:
+        _process_clients(pid)
+        return not _proxied[pid]
 
 
 def _within(timeout: float | None) -> float | None:
