@@ -338,6 +338,18 @@ def test_a_retry_after_beyond_max_retry_s_gives_up_at_once_instead_of_sleeping(
     assert len(server.requests) == 1
 
 
+def test_the_retry_budget_counts_the_first_attempts_own_time(server: OpenAIServer) -> None:
+    # The first attempt takes 1.5 s to fail and asks for 1 s more: 2.5 s, past max_retry_s=2
+    server.enqueue(503, {"error": {"message": "slow down"}}, {"Retry-After": "1"}, delay_s=1.5)
+    server.enqueue_fixture("text_answer")  # (what a second attempt would get)
+
+    with pytest.raises(ProviderError) as caught:
+        provider_for(server, max_retry_s=2, max_attempts=3).complete(simple_request())
+
+    assert "max_retry_s=2" in str(caught.value)
+    assert len(server.requests) == 1
+
+
 def test_retry_after_is_read_as_seconds_or_as_an_http_date() -> None:
     in_3_s = format_datetime(datetime.now(UTC) + timedelta(seconds=3), usegmt=True)
     past = format_datetime(datetime.now(UTC) - timedelta(seconds=30), usegmt=True)
