@@ -1,6 +1,7 @@
 """Instructions per turn, counted by callgrind: a turn's own cost, the same on a busy box.
 
-    python -m bench.turn_instructions [--turns 40] [--backend redis|sqlite] [--against PATH]
+    python -m bench.turn_instructions [--turns 40] [--backend redis|sqlite]
+        [--provider scripted|openai] [--against PATH]
 
 This machine's speed drifts by tens of percent within minutes, so a change worth a few
 percent of a turn's CPU is lost in any timing. ``valgrind --tool=callgrind`` counts the
@@ -15,6 +16,12 @@ tool call a turn, as in bench/turn_cpu.py. Runs under ``PYTHONHASHSEED=0``, afte
 without valgrind that leaves every module's bytecode cached (compiling it is counted
 otherwise). Two counts of the same code differ by a few parts in a million.
 
+``--provider openai``: the model is tests/model_server.py, an OpenAI-compatible server in a
+process of its own (outside valgrind, as Redis is), called over HTTP by the built-in
+provider, as bench/io_fleet.py's fleets call it: the provider's path (httpx, its retry and
+deadline, the response's validation) is counted too. Its answers are short (a tool call
+each turn), not the scripted model's prose.
+
 ``--against PATH``: the same on the checkout at PATH, and this checkout's count over its.
 Under valgrind a process is ~50x slower: a count takes a minute or two; both checkouts'
 counts run side by side, one per core.
@@ -28,7 +35,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +45,9 @@ FEW = 4
 """Turns of the short count (after one warm-up turn in both)."""
 
 
-def drive(turns: int, backend: str, url: str, directory: Path) -> None:
-    """The measured program: create a run and take ``turns`` + 1 turns of it in this process."""
+def drive(turns: int, backend: str, url: str, directory: Path, model_url: str = "") -> None:
+    """The measured program: create a run and take ``turns`` + 1 turns of it in this process
+    (with ``model_url``, of an agent whose model is the OpenAI-compatible server there)."""
     from bench.turn_cpu import script
     from store import open_run_store, open_snapshot_store
     from tasks.context import Context
@@ -46,12 +56,19 @@ def drive(turns: int, backend: str, url: str, directory: Path) -> None:
     from tasks.turn import advance
     from tests.helpers import write_agent
 
-    agent = write_agent(
-        directory,
-        script(turns + 1),
-        tools=["examples.refunds:lookup_order"],
-        budgets={"max_turns": turns + 5, "max_tool_calls": turns + 5},
-    )
+    budgets = {"max_turns": turns + 5, "max_tool_calls": turns + 5}
+    if model_url:
+        agent = directory / "openai-agent.toml"
+        agent.write_text(
+            'name = "instructions"\nsystem = "Look the order up, then answer."\n'
+            'tools = ["examples.refunds:lookup_order"]\nmodel = "openai:io-fleet"\n'
+            f'[provider]\nbase_url = "{model_url}"\n[budgets]\n'
+            + "".join(f"{key} = {value}\n" for key, value in budgets.items())
+        )
+    else:
+        agent = write_agent(
+            directory, script(turns + 1), tools=["examples.refunds:lookup_order"], budgets=budgets
+        )
     store = url if backend == "redis" else f"sqlite://{directory / 'runs.sqlite3'}"
     # Background threads wake by the clock, and under valgrind the clock runs ~50x faster
     # than the program: beats and lease renewals far apart keep the count the turns' own.
@@ -77,14 +94,22 @@ def drive(turns: int, backend: str, url: str, directory: Path) -> None:
 TOTAL = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
 
-def count(checkout: Path, turns: int, backend: str, url: str, counted: bool = True) -> int:
+def count(
+    checkout: Path, turns: int, backend: str, url: str, model_url: str = "", counted: bool = True
+) -> int:
     """Instructions of a process that drives ``turns`` turns on ``checkout``'s code
     (``counted=False``: run it without valgrind, and return 0)."""
     with tempfile.TemporaryDirectory(prefix="ratchet-instr-") as tmp:
         out = Path(tmp) / "callgrind.out"
         db = f"{url}/{turns % 15 + 1}" if url else ""
-        command = [sys.executable, "-m", "bench.turn_instructions", "--inner", str(turns),
-                   "--backend", backend, "--url", db, "--dir", tmp]  # fmt: skip
+        # This file drives both checkouts' turns (the program measured is the same but for
+        # the code under test): ``checkout`` is first on the path for everything it imports.
+        run_this_file = (
+            f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
+        )
+        command = [sys.executable, "-c", run_this_file, "--inner", str(turns),
+                   "--backend", backend, "--url", db, "--dir", tmp,
+                   "--model-url", model_url]  # fmt: skip
         if counted:
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *command]
         env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONHASHSEED": "0"}
@@ -99,40 +124,65 @@ def count(checkout: Path, turns: int, backend: str, url: str, counted: bool = Tr
         return int(found.group(1))
 
 
-def per_turn(checkout: Path, turns: int, backend: str, url: str) -> float:
+def per_turn(checkout: Path, turns: int, backend: str, url: str, model_url: str = "") -> float:
     # Once without valgrind first: the imports compile what has no bytecode cached yet, which
     # would otherwise fall into one count and not the other.
-    count(checkout, 1, backend, url, counted=False)
+    count(checkout, 1, backend, url, model_url, counted=False)
     with ThreadPoolExecutor(2) as pool:
-        few, many = pool.map(lambda n: count(checkout, n, backend, url), [FEW, FEW + turns])
+        few, many = pool.map(
+            lambda n: count(checkout, n, backend, url, model_url), [FEW, FEW + turns]
+        )
     return (many - few) / turns
+
+
+@contextmanager
+def model_server() -> Iterator[str]:
+    """tests/model_server.py in a process of its own, answering every turn with a tool call:
+    its base URL."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.model_server", "--port", "0", "--latency", "0",
+         "--turns", "1000000"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        url = server.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise SystemExit(f"the model server did not start (it printed {url!r})")
+        yield url
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()  # it ends when its stdin closes
+        server.wait(30)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=40, help="turns the long count adds")
     parser.add_argument("--backend", choices=["redis", "sqlite"], default="redis")
+    parser.add_argument("--provider", choices=["scripted", "openai"], default="scripted")
     parser.add_argument("--against", type=Path, help="another checkout: before and after")
     parser.add_argument("--inner", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model-url", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner is not None:
-        drive(args.inner, args.backend, args.url, args.dir)
+        drive(args.inner, args.backend, args.url, args.dir, args.model_url)
         return
     sys.path.insert(0, str(ROOT))
     from tests.redis_server import running_redis_server
 
     checkouts = [ROOT] + ([args.against.resolve()] if args.against else [])
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        model_url = stack.enter_context(model_server()) if args.provider == "openai" else ""
+        url = ""
         if args.backend == "redis":
-            with running_redis_server(Path(tmp), appendonly=False) as server:
-                counts = [per_turn(c, args.turns, args.backend, server.url) for c in checkouts]
-        else:
-            counts = [per_turn(c, args.turns, args.backend, "") for c in checkouts]
+            url = stack.enter_context(running_redis_server(Path(tmp), appendonly=False)).url
+        counts = [per_turn(c, args.turns, args.backend, url, model_url) for c in checkouts]
     for checkout, n in zip(checkouts, counts, strict=True):
         print(f"{checkout}: {n / 1e6:.3f} M instructions per turn ({args.backend}, "
-              f"{args.turns} turns over {FEW})")  # fmt: skip
+              f"{args.provider}, {args.turns} turns over {FEW})")  # fmt: skip
     if args.against:
         print(f"this checkout / {checkouts[1]}: {counts[0] / counts[1]:.4f}")
 
