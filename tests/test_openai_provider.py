@@ -21,8 +21,14 @@ from runtime.errors import ProviderError, ProviderRateLimited
 from runtime.models import Message, TokenUsage, ToolCall
 from runtime.provider import INVALID_ARGUMENTS_KEY, ModelRequest
 from runtime_io.agent_files import load_agent
+from runtime_io.providers import openai
 from runtime_io.providers.known import make_provider
-from runtime_io.providers.openai import OpenAIProvider, parse_arguments, retry_after_s
+from runtime_io.providers.openai import (
+    OpenAIProvider,
+    parse_arguments,
+    retry_after_s,
+    to_openai_message,
+)
 from tests.openai_server import OpenAIServer, load_fixture, serve
 
 pytestmark = pytest.mark.timeout(30)
@@ -546,3 +552,42 @@ def test_every_fixture_is_a_recorded_pair() -> None:
         pair = load_fixture(path.stem)
         assert set(pair) == {"description", "request", "response"}, path.name
         assert pair["request"]["path"] == "/v1/chat/completions", path.name
+
+
+def test_a_transcript_message_is_put_in_wire_form_once_and_every_request_carries_it_whole(
+    server: OpenAIServer,
+) -> None:
+    # Given a transcript, sent twice (as two turns of one run send it, the same objects)
+    call = ToolCall(id="call_1", name="lookup_order", arguments={"order_id": "A-1", "note": "ä"})
+    transcript = (
+        Message(role="user", content="Refund order A-1."),
+        Message(role="assistant", content="", tool_calls=(call,)),
+        Message(role="tool", content='{"status": "shipped"}', tool_call_id="call_1"),
+    )
+    provider = provider_for(server)
+    for _ in range(2):
+        server.enqueue_fixture("text_answer")
+        provider.complete(ModelRequest(messages=transcript, tools=(LOOKUP,), model_call=0))
+
+    # Then both requests carried it as to_openai_message writes it, made once per message
+    fresh = [to_openai_message(message) for message in transcript]
+    assert [request.body["messages"] for request in server.requests] == [fresh, fresh]
+    assert [openai._wire_messages.get(message) for message in transcript] == fresh
+    # and an equal message that is another object is made afresh, the same
+    copy = transcript[1].model_copy()
+    assert openai._wire_messages.get(copy) is None
+    assert openai._wire_message(copy) == fresh[1]
+
+
+def test_the_wire_form_memo_stays_bounded_and_keeps_its_messages_own() -> None:
+    memo = openai._wire_messages
+    messages = [
+        Message(role="tool", content=f"result {i}", tool_call_id=f"c{i}")
+        for i in range(memo.entries + 50)
+    ]
+    for message in messages:
+        openai._wire_message(message)
+    kept = memo.items()
+    assert len(kept) <= memo.entries and memo.size <= memo.max_bytes
+    for key, (message, made) in kept:
+        assert id(message) == key and made == to_openai_message(message)

@@ -113,7 +113,7 @@ def test_a_remembered_fragment_is_the_message_s_own_and_the_memo_stays_bounded()
     # message, then saves it), and equal-looking messages that are other objects
     messages = [
         Message(role="tool", content=f"result {i} " + "x" * (i % 7) * 100, tool_call_id=f"c{i}")
-        for i in range(snapshot_format._FRAGMENT_MEMO * 2)
+        for i in range(snapshot_format._fragments.entries * 2)
     ]
     for message in messages:
         first = snapshot_format.encode_fragment(message)
@@ -121,9 +121,10 @@ def test_a_remembered_fragment_is_the_message_s_own_and_the_memo_stays_bounded()
         assert snapshot_format.encode_fragment(message) is first
         assert snapshot_format.encode_fragment(message.model_copy()) == first
     # And the memo holds at most its count and its bytes, every entry its message's own
-    memo = dict(snapshot_format._fragments)
-    assert 0 < len(memo) <= snapshot_format._FRAGMENT_MEMO
-    assert sum(len(f) for _, f in memo.values()) <= snapshot_format._FRAGMENT_MEMO_BYTES
+    memo = dict(snapshot_format._fragments.items())
+    assert 0 < len(memo) <= snapshot_format._fragments.entries
+    assert sum(len(f) for _, f in memo.values()) <= snapshot_format._fragments.max_bytes
+    assert sum(len(f) for _, f in memo.values()) == snapshot_format._fragments.size
     for key, (message, fragment) in memo.items():
         assert id(message) == key
         text = snapshot_format._document(snapshot_format._plain(message), end="")

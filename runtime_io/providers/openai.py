@@ -98,6 +98,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from runtime.errors import ProviderError, ProviderRateLimited, plain_problem
+from runtime.memo import IdentityMemo
 from runtime.models import Message, TokenUsage
 from runtime.numbers import Finite
 from runtime.provider import (
@@ -420,7 +421,7 @@ class OpenAIProvider:
         """The JSON body of ``POST /chat/completions`` for ``request``."""
         payload: dict[str, Any] = {
             "model": self.model,
-            "messages": [to_openai_message(m) for m in request.messages],
+            "messages": [_wire_message(m) for m in request.messages],
         }
         if request.tools:
             # OpenAI refuses an empty `tools` array, so it is left out rather than sent empty.
@@ -681,6 +682,28 @@ def to_openai_message(message: Message) -> dict[str, Any]:
             for call in message.tool_calls
         ]
     return out
+
+
+def _wire_message(message: Message) -> dict[str, Any]:
+    """:func:`to_openai_message`, made once per message in this process: every call of a run
+    sends its whole transcript, and a turn of a run this process holds has the same message
+    objects (frozen) as the turn before. The dict is shared: nothing may change it."""
+    made = _wire_messages.get(message)
+    if made is None:
+        made = to_openai_message(message)
+        _wire_messages.put(message, made)
+    return made
+
+
+def _wire_size(made: dict[str, Any]) -> int:
+    """Roughly the bytes a wire message adds to the message it was made from."""
+    calls = made.get("tool_calls") or ()
+    return 200 + sum(len(call["function"]["arguments"]) + 100 for call in calls)
+
+
+_wire_messages: IdentityMemo[Message, dict[str, Any]] = IdentityMemo(
+    4096, 16 * 1024 * 1024, _wire_size
+)
 
 
 def to_openai_tool(declaration: dict[str, Any]) -> dict[str, Any]:

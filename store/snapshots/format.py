@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal
 
@@ -41,6 +39,7 @@ from runtime.errors import (
     SnapshotUnsupportedVersion,
     SnapshotWrongKind,
 )
+from runtime.memo import IdentityMemo
 from runtime.models import Message, RunState, Strict
 
 KIND: Final = "ratchet.snapshot"
@@ -255,44 +254,18 @@ def encode_fragment(message: Message) -> bytes:
     save: the encoding of the last few messages this process made is remembered, by the
     message object (frozen, so its encoding cannot change), and not made again.
     """
-    found = _fragments.get(id(message))
-    if found is not None and found[0] is message:
-        return found[1]
+    found = _fragments.get(message)
+    if found is not None:
+        return found
     text = _document(_plain(message), end="")
     fragment = _INDENT + text.replace(b"\n", _NEWLINE_INDENTED.encode())
-    if len(fragment) <= _FRAGMENT_MEMO_BYTES // 16:
-        _remember_fragment(message, fragment)
+    _fragments.put(message, fragment)
     return fragment
 
 
-_FRAGMENT_MEMO: Final = 512
-"""Messages whose fragments are remembered (the newest)."""
-_FRAGMENT_MEMO_BYTES: Final = 4 * 1024 * 1024
-"""At most this many bytes of them; a fragment over a sixteenth of it is not remembered."""
-_fragments: dict[int, tuple[Message, bytes]] = {}
-"""By ``id(message)``; holding the message keeps its id from being reused while here."""
-_fragments_bytes = 0
-_fragments_lock = threading.Lock()
-
-
-def _fresh_lock_in_child() -> None:
-    global _fragments_lock
-    _fragments_lock = threading.Lock()  # a fork may copy it held by a thread that is not there
-
-
-os.register_at_fork(after_in_child=_fresh_lock_in_child)
-
-
-def _remember_fragment(message: Message, fragment: bytes) -> None:
-    global _fragments_bytes
-    with _fragments_lock:
-        if id(message) in _fragments:
-            return
-        _fragments[id(message)] = (message, fragment)
-        _fragments_bytes += len(fragment)
-        while len(_fragments) > _FRAGMENT_MEMO or _fragments_bytes > _FRAGMENT_MEMO_BYTES:
-            _, dropped = _fragments.pop(next(iter(_fragments)))
-            _fragments_bytes -= len(dropped)
+_fragments: IdentityMemo[Message, bytes] = IdentityMemo(512, 4 * 1024 * 1024, len)
+"""The newest messages' fragments (at most 4 MiB of them; a fragment over a sixteenth of
+that is not remembered)."""
 
 
 def chain(before: str, fragments: Iterable[bytes]) -> str:

@@ -1,0 +1,67 @@
+"""What a process worked out from a frozen object, remembered by the object itself.
+
+A run's transcript messages are frozen: each turn of a run this process holds reuses the
+same objects, and what is made of them (the snapshot's encoding of a message, its form in
+a model request) cannot change. :class:`IdentityMemo` keeps the newest of those by the
+object's identity, holding the object so that its id is not reused while it is there,
+bounded by a count and by the bytes the values take.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class IdentityMemo(Generic[K, V]):
+    """Values by the identity of the frozen object they were made from; the newest kept."""
+
+    def __init__(self, entries: int, max_bytes: int, size: Callable[[V], int]) -> None:
+        self.entries, self.max_bytes, self._size = entries, max_bytes, size
+        self._kept: dict[int, tuple[K, V]] = {}
+        """By ``id(key)``; holding the key keeps its id from being reused while here."""
+        self._bytes = 0
+        self._lock = threading.Lock()
+        memo = weakref.ref(self)
+        # A fork may copy the lock held by a thread that is not in the child.
+        os.register_at_fork(after_in_child=lambda: _fresh_lock(memo))
+
+    def get(self, key: K) -> V | None:
+        found = self._kept.get(id(key))
+        return found[1] if found is not None and found[0] is key else None
+
+    def put(self, key: K, value: V) -> None:
+        """Remember ``value`` for ``key`` unless it takes over a sixteenth of the bytes."""
+        size = self._size(value)
+        if size > self.max_bytes // 16:
+            return
+        with self._lock:
+            if id(key) in self._kept:
+                return
+            self._kept[id(key)] = (key, value)
+            self._bytes += size
+            while len(self._kept) > self.entries or self._bytes > self.max_bytes:
+                _, dropped = self._kept.pop(next(iter(self._kept)))
+                self._bytes -= self._size(dropped)
+
+    def items(self) -> list[tuple[int, tuple[K, V]]]:
+        """What is remembered, oldest first (for tests)."""
+        with self._lock:
+            return list(self._kept.items())
+
+    @property
+    def size(self) -> int:
+        """The bytes the remembered values take."""
+        return self._bytes
+
+
+def _fresh_lock(memo: weakref.ref[Any]) -> None:
+    kept = memo()
+    if kept is not None:
+        kept._lock = threading.Lock()
