@@ -4,15 +4,15 @@ A run's transcript messages are frozen: each turn of a run this process holds re
 same objects, and what is made of them (the snapshot's encoding of a message, its form in
 a model request) cannot change. :class:`IdentityMemo` keeps the newest of those by the
 object's identity, holding the object so that its id is not reused while it is there,
-bounded by a count and by the bytes the values take.
+bounded by a count and by the bytes the values take. The core starts no thread and takes
+no lock of its own: the process side gives the memo its lock, and a fresh one in a forked
+child (:meth:`IdentityMemo.renew_lock`).
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
 K = TypeVar("K")
@@ -22,15 +22,22 @@ V = TypeVar("V")
 class IdentityMemo(Generic[K, V]):
     """Values by the identity of the frozen object they were made from; the newest kept."""
 
-    def __init__(self, entries: int, max_bytes: int, size: Callable[[V], int]) -> None:
-        self.entries, self.max_bytes, self._size = entries, max_bytes, size
+    def __init__(
+        self,
+        entries: int,
+        max_bytes: int,
+        size: Callable[[V], int],
+        lock: AbstractContextManager[Any],
+    ) -> None:
+        self.entries, self.max_bytes, self._size, self._lock = entries, max_bytes, size, lock
         self._kept: dict[int, tuple[K, V]] = {}
         """By ``id(key)``; holding the key keeps its id from being reused while here."""
         self._bytes = 0
-        self._lock = threading.Lock()
-        memo = weakref.ref(self)
-        # A fork may copy the lock held by a thread that is not in the child.
-        os.register_at_fork(after_in_child=lambda: _fresh_lock(memo))
+
+    def renew_lock(self, lock: AbstractContextManager[Any]) -> None:
+        """Take a new lock: in a forked child, whose copy of the old one may be held by a
+        thread that is not there."""
+        self._lock = lock
 
     def get(self, key: K) -> V | None:
         found = self._kept.get(id(key))
@@ -59,9 +66,3 @@ class IdentityMemo(Generic[K, V]):
     def size(self) -> int:
         """The bytes the remembered values take."""
         return self._bytes
-
-
-def _fresh_lock(memo: weakref.ref[Any]) -> None:
-    kept = memo()
-    if kept is not None:
-        kept._lock = threading.Lock()

@@ -28,7 +28,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "runtime_io": ("runtime",),
     # runtime.limits: the limit stores carry out the pure limiter's arithmetic (GCRA)
     # inside their own transaction, so the SQLite and memory stores share it.
-    "store": ("runtime.models", "runtime.errors", "runtime.limits", "runtime.json_values"),
+    # runtime.memo: the snapshot's encoding of a message is remembered as a model request's
+    # form of it is (runtime_io), by one class.
+    "store": (
+        "runtime.models",
+        "runtime.errors",
+        "runtime.limits",
+        "runtime.json_values",
+        "runtime.memo",
+    ),
     "tasks": ("runtime", "runtime_io", "store", "tasks"),
     "worker": ("runtime", "runtime_io", "store", "tasks", "worker"),
 }

@@ -88,6 +88,7 @@ import math
 import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
@@ -702,8 +703,9 @@ def _wire_size(made: dict[str, Any]) -> int:
 
 
 _wire_messages: IdentityMemo[Message, dict[str, Any]] = IdentityMemo(
-    4096, 16 * 1024 * 1024, _wire_size
+    4096, 16 * 1024 * 1024, _wire_size, threading.Lock()
 )
+os.register_at_fork(after_in_child=lambda: _wire_messages.renew_lock(threading.Lock()))
 
 
 def to_openai_tool(declaration: dict[str, Any]) -> dict[str, Any]:

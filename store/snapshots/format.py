@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal
 
@@ -263,9 +265,10 @@ def encode_fragment(message: Message) -> bytes:
     return fragment
 
 
-_fragments: IdentityMemo[Message, bytes] = IdentityMemo(512, 4 * 1024 * 1024, len)
+_fragments: IdentityMemo[Message, bytes] = IdentityMemo(512, 4 * 1024 * 1024, len, threading.Lock())
 """The newest messages' fragments (at most 4 MiB of them; a fragment over a sixteenth of
 that is not remembered)."""
+os.register_at_fork(after_in_child=lambda: _fragments.renew_lock(threading.Lock()))
 
 
 def chain(before: str, fragments: Iterable[bytes]) -> str:
