@@ -52,10 +52,24 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (and to port 0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def _node_port(taken: set[int]) -> int:
-    """A port for a node whose bus port is free too, and neither taken by another node."""
+    """A port for a node whose bus port is free too, and neither taken by another node.
+
+    Both below the ephemeral range: a port found free there can be taken, before the node
+    binds it, by any outgoing connection of the suite's (a bus port once was: the node
+    exited at start, "Address already in use", and every cluster test of that run failed).
+    """
+    highest = min(_ephemeral_low(), 65536) - 1 - BUS_OFFSET
     while True:
-        port = random.randint(20000, 65535 - BUS_OFFSET)
+        port = random.randint(10000, max(10000, highest))
         bus = port + BUS_OFFSET
         if taken.isdisjoint({port, bus}) and _free(port) and _free(bus):
             taken.update({port, bus})
