@@ -30,8 +30,9 @@ class IdentityMemo(Generic[K, V]):
         lock: AbstractContextManager[Any],
     ) -> None:
         self.entries, self.max_bytes, self._size, self._lock = entries, max_bytes, size, lock
-        self._kept: dict[int, tuple[K, V]] = {}
-        """By ``id(key)``; holding the key keeps its id from being reused while here."""
+        self._kept: dict[int, tuple[K, V, int]] = {}
+        """By ``id(key)``: the key, its value and the value's size. Holding the key keeps its
+        id from being reused while here."""
         self._bytes = 0
 
     def renew_lock(self, lock: AbstractContextManager[Any]) -> None:
@@ -51,16 +52,15 @@ class IdentityMemo(Generic[K, V]):
         with self._lock:
             if id(key) in self._kept:
                 return
-            self._kept[id(key)] = (key, value)
+            self._kept[id(key)] = (key, value, size)
             self._bytes += size
             while len(self._kept) > self.entries or self._bytes > self.max_bytes:
-                _, dropped = self._kept.pop(next(iter(self._kept)))
-                self._bytes -= self._size(dropped)
+                self._bytes -= self._kept.pop(next(iter(self._kept)))[2]
 
     def items(self) -> list[tuple[int, tuple[K, V]]]:
         """What is remembered, oldest first (for tests)."""
         with self._lock:
-            return list(self._kept.items())
+            return [(at, (key, value)) for at, (key, value, _) in self._kept.items()]
 
     @property
     def size(self) -> int:

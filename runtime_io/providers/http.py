@@ -58,6 +58,7 @@ def size_http_pool(max_connections: int) -> None:
     with _clients_lock:
         _http_size = max_connections
         old = _clients.pop(os.getpid(), [])
+        _proxied.pop(os.getpid(), None)  # decided again with the next client
     for client in old:
         client.close()
 
@@ -181,9 +182,12 @@ def bounds_calls() -> bool:
     client is made, so this is decided then too, and not on every call (reading the
     environment's proxies costs ~40 µs)."""
     pid = os.getpid()
-    with _clients_lock:
-        _process_clients(pid)
-        return not _proxied[pid]
+    proxied = _proxied.get(pid)
+    if proxied is None:  # no client made yet in this process: make it, and so decide
+        with _clients_lock:
+            _process_clients(pid)
+            proxied = _proxied[pid]
+    return not proxied
 
 
 def _within(timeout: float | None) -> float | None:
