@@ -11,7 +11,13 @@ import pytest
 from runtime.models import RunStatus
 from tasks.settings import Settings
 from tests.redis_server import _free_port
-from tests.workers import EXAMPLE_AGENT, WorkerProcess, WorkerProcesses, run_on_workers
+from tests.workers import (
+    EXAMPLE_AGENT,
+    WorkerProcess,
+    WorkerProcesses,
+    run_on_workers,
+    wait_until,
+)
 from worker.checks import broker_problem, longest_turn
 
 # The example agent: model_timeout_s 120 (default) + 20 tool calls x 300 s x 3 tries.
@@ -100,7 +106,13 @@ def test_a_prefork_worker_exposes_prometheus_metrics_that_count_a_run(
     # When the example agent runs to completion on the worker's pool processes
     record = run_on_workers(redis_url, EXAMPLE_AGENT, "Refund order B2", timeout_s=30)
     assert record.status == RunStatus.COMPLETED
-    # Then the metrics, summed over the pool processes, counted what happened
+    # Then the metrics, summed over the pool processes, counted what happened (the last
+    # turn counts itself once its commit, which the run's record shows, is written)
+    wait_until(
+        "the last turn is counted",
+        lambda: scrape(port).get('ratchet_turns_total{outcome="completed"}', 0) >= 1,
+        timeout_s=10,
+    )
     samples = scrape(port)
     assert samples['ratchet_turns_total{outcome="completed"}'] == 1
     assert samples['ratchet_turns_total{outcome="next"}'] == 2  # two look-ups at once, a refund
