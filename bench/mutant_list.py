@@ -640,9 +640,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T18",
         "tasks/held_run.py",
-        "            release = self._ends_turn(change.state)\n",
-        "            release = True\n",
-        ("tests/test_transition_snapshots.py",),
+        "            if self._runs_on(change.state):\n",
+        "            if False:\n",
+        ("tests/test_turn_guarantees.py",),
+        k="saves_the_snapshot_once",
     ),
     Mutant(
         "T19",
@@ -651,6 +652,14 @@ MUTANTS: tuple[Mutant, ...] = (
         '{"reason": action.reason})])\n            self.checkpoint()\n            return TurnOutcome.IDLE\n',
         ("tests/test_openai_runs.py",),
         k="outage",
+    ),
+    Mutant(
+        "T22",
+        "tasks/held_run.py",
+        "            and isinstance(self.decided(state), (RunTool, Unresolved))\n",
+        "            and isinstance(self.decided(state), RunTool)\n",
+        ("tests/test_turn_guarantees.py",),
+        k="saves_the_snapshot_once",
     ),
     Mutant(
         "T20",

@@ -16,13 +16,15 @@ cut the host's network, say — and lets it go by removing the file.
 Points, in the order a turn passes them:
 
 - ``model.response.received``      the model answered; nothing recorded yet
-- ``model.response.checkpointed``  the answer is in the events and the snapshot (with the
-                                   ``tool.requested`` of its calls if all are idempotent)
+- ``model.response.checkpointed``  the answer is in the events (with the ``tool.requested``
+                                   of its calls if all are idempotent), and in the snapshot
+                                   unless the turn goes on to run its calls
 - ``tool.requested``               the call is journaled as requested; not run yet
 - ``tool.completed``               the tool ran; its outcome is not journaled yet
 - ``child.created``                a `run_child` call's child run is recorded; not enqueued
 - ``child.enqueued``               the child's first turn is on the broker; parent not suspended
-- ``snapshot.before_save``         events are appended; the snapshot is not saved
+- ``snapshot.before_save``         the turn's last checkpoint is made and not written (apart
+                                   from the snapshot store: its events are appended)
 - ``snapshot.after_save``          the snapshot is saved
 - ``turn.ended``                   the turn's last checkpoint is saved, the lease released;
                                    the next turn is not sent yet (unless it went with that

@@ -27,8 +27,10 @@ from runtime.actions import (
     Idle,
     Park,
     RequestOrder,
+    RunTool,
     Stall,
     TurnOutcome,
+    Unresolved,
     after_model_timeout,
     after_store_failure,
     binding_stall,
@@ -422,19 +424,25 @@ class HeldRun:
             change = transition(self.ctx, self.state, items)
             if requesting:
                 change = self._requesting(change)
+            if self._runs_on(change.state):
+                # Not the turn's last checkpoint: the events are the checkpoint, and the
+                # snapshot, a cache of their fold, is saved when the turn's work is done.
+                self.state = append_transition(self.ctx, self.state, change, self.owner)
+                return
             if not self.ctx.runs.commits_with(self.ctx.snapshots):
                 self.state = append_transition(self.ctx, self.state, change, self.owner)
                 self.checkpoint()
                 return
             model_calls = change.state.usage.model_turns
             observers = self.ctx.observers
-            if observers:
+            terminal = change.state.status.is_terminal
+            release = not terminal and self._ends_turn(change.state)
+            outbox = self._next_turn(change.state) if release else None
+            if observers:  # all of the write made, none of it sent
                 observers.reached("snapshot.before_save", model_calls)
-            if change.state.status.is_terminal:
+            if terminal:
                 self._finished(change)
                 return
-            release = self._ends_turn(change.state)
-            outbox = self._next_turn(change.state) if release else None
             try:
                 started = time.perf_counter()
                 queued = commit_checkpointed(
@@ -511,6 +519,15 @@ class HeldRun:
         action = self.decided(self.state)
         self._decided = None
         return action
+
+    def _runs_on(self, state: RunState) -> bool:
+        """Whether this turn goes on from ``state`` to run (or probe) tool calls itself: a
+        checkpoint of ``state`` is then not the turn's last, and another one follows."""
+        return (
+            state.status.is_live
+            and not stopping()
+            and isinstance(self.decided(state), (RunTool, Unresolved))
+        )
 
     def _ends_turn(self, state: RunState) -> bool:
         """Whether the turn ends right after checkpointing ``state``, with the next model call

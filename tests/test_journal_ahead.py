@@ -102,10 +102,11 @@ def test_a_remembered_record_that_is_not_the_runs_sends_nothing_with_the_lease(
     state, record = kept
     ctx.remember_checkpoint(state, record.model_copy(update={"updated_at_ms": 1}))
 
-    # When the turn runs, its journal goes the usual way: appended after the lease
+    # When the turn runs, its journal goes the usual way: appended after the lease (and then
+    # the answer, appended alone: the lookup runs next, and the turn's snapshot waits for it)
     appends = calls_while(lambda: advance(ctx, run_id, first.seq), "_append", "runs/redis.py")
 
-    assert appends == 1, appends
+    assert appends == 2, appends
     events = ctx.runs.events(run_id)
     requested = [e.data["turn"] for e in events if e.type == "model.requested"]
     assert requested == [1, 2]

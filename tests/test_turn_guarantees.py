@@ -99,13 +99,13 @@ def run_id(ctx: Context, tmp_path: Path, ledger: Path) -> str:
 
 WRITE_PATHS = [
     # (failpoint, its nth hit) after which the zombie's next write is...
-    ("model.response.received", 1),  # ...model.responded (events)
-    ("snapshot.before_save", 1),  # ...the snapshot of the model's answer
+    ("model.response.received", 1),  # ...model.responded (events: the turn runs the lookup
+    # next, so the answer's checkpoint is its events, and the snapshot waits for the turn's end)
     ("model.response.checkpointed", 1),  # ...the lookup's outcome (its tool.requested went
     # with the answer: the lookup may run again)
     ("tool.requested", 1),  # ...the tool's outcome, after it ran (events)
     ("tool.completed", 1),  # ...the tool's outcome (events)
-    ("snapshot.before_save", 2),  # ...the snapshot of the tool's outcome
+    ("snapshot.before_save", 1),  # ...the snapshot of the tool's outcome: the turn's last
 ]
 WRITE_PATH_IDS = [f"{p}#{n}" for p, n in WRITE_PATHS]
 
@@ -149,7 +149,7 @@ def test_a_zombie_whose_run_was_taken_over_writes_nothing_and_its_turn_ends_fenc
 # The last path is left out: a snapshot save is fenced by its seq, not by the lease, and
 # after it the turn has no event left to write (it chains the next one, which finds the
 # lease taken or the run moved on).
-@pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:5], ids=WRITE_PATH_IDS[:5])
+@pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:4], ids=WRITE_PATH_IDS[:4])
 def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
     ctx: Context, clock: FakeClock, point: str, nth: int, run_id: str
 ) -> None:
@@ -171,15 +171,18 @@ def test_a_zombie_that_lost_its_lease_before_anyone_wrote_appends_nothing(
 
 
 LATE_CHECKPOINT = [
-    # (where worker B is when A's checkpoint lands, the snapshot's seq just after it)
-    ("tool.requested", 5),  # in its first tool call: B saved at seq 5 as it took over
-    ("snapshot.before_save", 4),  # about to save as it takes over: A's lands first
+    # (where worker B is when A's checkpoint lands, the snapshot's seq just after it, how
+    # A's turn ends)
+    ("tool.requested", 6, "fenced"),  # in its first tool call: B saved at seq 6 as it took
+    # over, and A's save is refused
+    ("snapshot.before_save", 5, "next"),  # about to save as it takes over: A's lands first,
+    # the last write of A's turn (the next turn it chains finds the run moved on)
 ]
 
 
-@pytest.mark.parametrize(("b_point", "landed_seq"), LATE_CHECKPOINT)
+@pytest.mark.parametrize(("b_point", "landed_seq", "a_ends"), LATE_CHECKPOINT)
 def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run_over(
-    ctx: Context, clock: FakeClock, b_point: str, landed_seq: int, run_id: str
+    ctx: Context, clock: FakeClock, b_point: str, landed_seq: int, a_ends: str, run_id: str
 ) -> None:
     # A snapshot save is fenced by its seq only (the snapshot store cannot see leases),
     # and a partitioned worker's save can reach the store long after it was sent: TCP
@@ -207,11 +210,11 @@ def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run
         thread.start()
         return thread
 
-    # Given worker A with the model's answer appended (seq 3, and at 4 the lookup it asks
-    # for, journaled with it: the lookup may run again), its checkpoint not yet sent
+    # Given worker A with its turn's events appended (the model's answer at seq 3, the
+    # lookup it asks for at 4, its outcome at 5), the turn's snapshot not yet sent
     a = worker("worker-a", lambda own: advance(own, run_id, 1))
     assert a_paused.wait(10)
-    # And worker B, after A's lease expired, resuming the run (run.resumed at seq 5)
+    # And worker B, after A's lease expired, resuming the run (run.resumed at seq 6)
     clock.advance(LEASE_S * 1000 + 1)
     b = worker("worker-b", lambda own: resume(own, run_id, SWEEPER))
     assert b_paused.wait(10)
@@ -222,20 +225,23 @@ def test_a_zombies_late_checkpoint_never_fences_out_the_worker_that_took_the_run
     b_go.set()
     b.join(10)
 
-    # Then A's turn ends fenced, and B's goes on to the next turn, its checkpoint the
-    # run's snapshot: a late checkpoint that got in before B's first one is replaced
+    # Then B's turn goes on to the next turn, its checkpoint the run's snapshot: a late
+    # checkpoint that got in before B's first one is replaced
     assert landed is not None and landed.seq == landed_seq
-    assert outcomes == {"worker-a": "fenced", "worker-b": "next"}
+    assert outcomes == {"worker-a": a_ends, "worker-b": "next"}
     record = ctx.runs.get(run_id)
     snapshot = ctx.snapshots.load(run_id)
     assert record is not None and snapshot is not None
     assert snapshot.seq == record.last_seq
     kinds = [e.type for e in ctx.runs.events(run_id)]
-    assert kinds[2:6] == ["model.responded", "tool.requested", "run.resumed", "tool.completed"]
+    assert kinds[2:6] == ["model.responded", "tool.requested", "tool.completed", "run.resumed"]
     assert drive(ctx, run_id).outcome == "completed"
 
 
-@pytest.mark.parametrize(("point", "nth"), WRITE_PATHS[:3], ids=WRITE_PATH_IDS[:3])
+CANCEL_PATHS = [WRITE_PATHS[i] for i in (0, 1, 4)]
+
+
+@pytest.mark.parametrize(("point", "nth"), CANCEL_PATHS, ids=[f"{p}#{n}" for p, n in CANCEL_PATHS])
 def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cancelled(
     ctx: Context, point: str, nth: int, run_id: str
 ) -> None:
@@ -256,15 +262,16 @@ def test_an_operator_cancel_during_a_turn_ends_it_fenced_and_the_run_stays_cance
 # --- checkpoints: each transition saved before the next step ----------------------
 
 
-def test_each_step_starts_from_a_snapshot_of_everything_before_it(
+def test_each_turn_starts_from_a_snapshot_of_everything_before_it(
     ctx: Context, run_id: str
 ) -> None:
     behind: list[tuple[str, int, int]] = []
 
     def hit(name: str, turn: int) -> None:
-        # A step starts: a model answer arrives, or a tool is about to run. Only the
-        # event that started it may be missing: model.requested, or the tool.requested
-        # of a call journaled as it starts (the lookup's went with the model's answer).
+        # A step starts: a model answer arrives, or a tool is about to run. Only the turn's
+        # own events may be missing from the snapshot, each a checkpoint in the log:
+        # model.requested, then the answer and the lookup's tool.requested that went with
+        # it. The snapshot, the cache of their fold, is saved with the turn's last one.
         if name in ("model.response.received", "tool.requested"):
             snapshot = ctx.snapshots.load(run_id)
             last = ctx.runs.events(run_id)[-1].seq
@@ -275,9 +282,9 @@ def test_each_step_starts_from_a_snapshot_of_everything_before_it(
     assert drive(ctx, run_id).outcome == "completed"
     assert behind == [
         ("model.response.received", 1, 1),
-        ("tool.requested", 1, 0),
+        ("tool.requested", 1, 3),
         ("model.response.received", 2, 1),
-        ("tool.requested", 2, 0),
+        ("tool.requested", 2, 3),
         ("model.response.received", 3, 1),
     ]
 
@@ -309,6 +316,45 @@ def test_a_turn_that_ends_leaves_the_snapshot_at_the_runs_last_event(
 
 class Crashed(BaseException):
     """The worker died here (a BaseException: nothing in the turn catches it)."""
+
+
+class Saves(Observer):
+    """Counts the snapshot saves a context's turns make."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def checkpointed(self, seconds: float, nbytes: int | None) -> None:
+        self.saves += 1
+
+
+@pytest.mark.parametrize("stores", ["memory", "redis"])
+def test_a_turn_that_runs_a_tool_saves_the_snapshot_once_at_its_end(
+    clock: FakeClock, tmp_path: Path, ledger: Path, request: pytest.FixtureRequest, stores: str
+) -> None:
+    # Every transition is checkpointed in the log (the answer with the lookup it asks for,
+    # then the lookup's outcome); the snapshot, the cache of their fold, is written once a
+    # turn: with its last checkpoint, the one that lets the lease go.
+    if stores == "redis":
+        url = request.getfixturevalue("redis_url")
+        snapshots: Any = RedisSnapshotStore.from_url(url)
+        runs: Any = RedisRunStore.from_url(url, clock=clock)
+    else:
+        snapshots, runs = MemorySnapshotStore(), MemoryRunStore(clock=clock)
+    ctx = Context(Settings(lease_s=LEASE_S), snapshots, runs)
+    script = [turn("look", call("lookup_order", order_id="B2")), turn("Done.")]
+    run_id = create_run(ctx, write_agent(tmp_path, script), "look").run_id
+    counted = Saves()
+    ctx.observers = Observers([counted])
+
+    done = advance(ctx, run_id, 1)
+
+    assert done.outcome == "next"
+    kinds = [e.type for e in ctx.runs.events(run_id)]
+    assert kinds[1:] == ["model.requested", "model.responded", "tool.requested", "tool.completed"]
+    assert counted.saves == 1
+    snapshot = ctx.snapshots.load(run_id)
+    assert snapshot is not None and snapshot.seq == done.seq == 5
 
 
 ANSWERED_CALLS = [

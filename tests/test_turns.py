@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from runtime.errors import InvalidInput
-from runtime.models import RunStatus
+from runtime.models import Event, RunState, RunStatus
+from tasks.observers import Observer, Observers
 from tasks.start import create_run
 from tasks.turn import advance
 from tests.helpers import (
@@ -57,26 +59,29 @@ def test_the_model_response_is_checkpointed_before_any_tool_runs(
     agent = write_agent(tmp_path, [turn("look", call(tool, **arguments)), turn("ok")])
     ctx = memory_context()
     run_id = create_run(ctx, agent, "look A1").run_id
-    seen: list[tuple[list[str], tuple[str, ...], int, bool]] = []
-    save = ctx.snapshots.save
+    commits: list[tuple[list[str], tuple[str, ...], bool]] = []
 
-    def spy(state, expected_seq):  # type: ignore[no-untyped-def]
-        kinds = [e.type for e in ctx.runs.events(run_id)]
-        tool_messages = sum(m.role == "tool" for m in state.transcript)
-        seen.append((kinds, state.running, tool_messages, ledger.exists()))
-        save(state, expected_seq)
+    class Commits(Observer):
+        def committed(
+            self,
+            before: RunStatus,
+            after: RunStatus,
+            events: Sequence[Event],
+            state: RunState | None,
+        ) -> None:
+            assert state is not None
+            commits.append(([e.type for e in events], state.running, ledger.exists()))
 
-    ctx.snapshots.save = spy  # type: ignore[method-assign]
+    ctx.observers = Observers([Commits()])
     drive(ctx, run_id)
-    # The first save of the turn holds the answer, its call not run: journaled as requested
-    # with it only when a crash before the call starts would run it again anyway.
-    kinds, running, tool_messages, refunded = seen[0]
-    assert kinds[-2:] == (
-        ["model.responded", "tool.requested"]
-        if requested_with_it
-        else ["model.requested", "model.responded"]
+    # The answer is committed (a checkpoint in the log) before its call runs: journaled as
+    # requested with it only when a crash before the call starts would run it again anyway.
+    answer = next(c for c in commits if "model.responded" in c[0])
+    kinds, running, refunded = answer
+    assert kinds == (
+        ["model.responded", "tool.requested"] if requested_with_it else ["model.responded"]
     )
-    assert len(running) == int(requested_with_it) and tool_messages == 0 and not refunded
+    assert len(running) == int(requested_with_it) and not refunded
 
 
 def test_a_tool_that_raises_or_gets_bad_arguments_answers_the_model_and_the_run_goes_on(

@@ -219,19 +219,21 @@ def test_a_worker_dying_at_a_failpoint_loses_nothing_and_repeats_nothing(
         if rig.ledger.exists()
         else []
     )
-    parks = (point, at_turn) in NON_IDEMPOTENT_IN_FLIGHT
-    # Points where the model's answer was not yet committed. On one Redis a checkpointed
-    # transition is one write (events and snapshot together), so a worker dying just before
-    # the answer's checkpoint (the turn's first snapshot.before_save) loses the answer too.
-    uncommitted = {"model.response.received"}
-    if rig.ctx.runs.commits_with(rig.ctx.snapshots):
-        uncommitted.add("snapshot.before_save")
+    # A turn saves its snapshot with its last checkpoint: the tool's outcome in turns 1 and
+    # 2, the answer in turn 3. On one Redis that checkpoint is one write (events and
+    # snapshot together), so a worker dying at snapshot.before_save loses the refund's
+    # outcome (the refund ran: the run parks) and, in turn 3, the answer.
+    combined = rig.ctx.runs.commits_with(rig.ctx.snapshots)
+    before_last_write = combined and point == "snapshot.before_save"
+    parks = (point, at_turn) in NON_IDEMPOTENT_IN_FLIGHT or (before_last_write and at_turn == 2)
+    # Whether the model's answer was not yet committed.
+    uncommitted = point == "model.response.received" or (before_last_write and at_turn == 3)
     # Turn 3 answers without tools and chains nothing: those three points are never reached.
     if reached:
         assert exit_code == 137, dying.log()[-2000:]
         assert f"failpoint {point} hit at turn {at_turn}" in dying.log()
         # At turn 3 the answer and run.completed are recorded together: past that, no resume.
-        completed_before_dying = at_turn == 3 and point not in uncommitted
+        completed_before_dying = at_turn == 3 and not uncommitted
         if not parks and not completed_before_dying:
             resumed = [e.data["by"] for e in events if e.type == "run.resumed"]
             assert resumed == ["sweeper"], resumed
@@ -248,7 +250,7 @@ def test_a_worker_dying_at_a_failpoint_loses_nothing_and_repeats_nothing(
     # And no checkpointed model answer was asked for again
     asked = model_calls_by_turn(rig.call_log, calls_before)
     for t in (1, 2, 3):
-        expected = 2 if point in uncommitted and t == at_turn else 1
+        expected = 2 if uncommitted and t == at_turn else 1
         if parks and t == 3:
             expected = 0
         assert asked[t] == expected, (t, asked)

@@ -118,6 +118,7 @@ def test_a_prefork_worker_exposes_prometheus_metrics_that_count_a_run(
     assert samples['ratchet_turns_total{outcome="next"}'] == 2  # two look-ups at once, a refund
     assert samples['ratchet_events_total{type="tool.completed"}'] == 3
     assert samples['ratchet_run_transitions_total{status="completed"}'] == 1
-    assert samples["ratchet_checkpoint_seconds_count"] >= 6
+    # (a snapshot save a turn, with its last checkpoint; the run's end deletes it instead)
+    assert samples["ratchet_checkpoint_seconds_count"] == 3
     assert samples["ratchet_checkpoint_bytes_sum"] > 1000
     assert samples.get("ratchet_dead_lettered_total", 0) == 0
