@@ -92,6 +92,7 @@ class Context:
     )
     _request_orders: OrderedDict[str, RequestOrder] = field(default_factory=OrderedDict)
     _transcript_sizes: OrderedDict[str, TranscriptSize] = field(default_factory=OrderedDict)
+    _agent_names: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _live: LiveWriter | None = None
     _limits: Limits | None = None
     observers: Observers = field(init=False)
@@ -108,6 +109,13 @@ class Context:
         """Keep the state this process just saved as the run's snapshot, and ``record``, the
         run's record as written with it, if this process wrote that too."""
         _keep(self._lock, self._checkpoints, state.run_id, (state, record), self.CHECKPOINTS_KEPT)
+        self.remember_agent(state)
+
+    def remember_agent(self, state: RunState) -> None:
+        """Keep the run's agent name: a turn that holds the run, whose checkpoints may
+        not all be snapshots this process saved, labels the message that chains its next
+        turn by it (worker/observe.py) without a read of the run store."""
+        _keep(self._lock, self._agent_names, state.run_id, state.agent, self.CHECKPOINTS_KEPT)
 
     def last_checkpoint(self, run_id: str) -> tuple[RunState, RunRecord] | None:
         """The state this process last saved as the run's snapshot, with the record it wrote
@@ -166,17 +174,17 @@ class Context:
         return None if kept is None else kept[0].seq
 
     def remembered_agent(self, run_id: str) -> str | None:
-        """The agent name of the run's state this process remembers, if any (a label for
-        the message that chains its next turn, without reading the run store)."""
+        """The agent name of the run this process remembers, if any (a label for the
+        message that chains its next turn, without reading the run store)."""
         with self._lock:
-            kept = self._checkpoints.get(run_id)
-        return None if kept is None else kept[0].agent
+            return self._agent_names.get(run_id)
 
     def forget_checkpoint(self, run_id: str) -> None:
         with self._lock:
             self._checkpoints.pop(run_id, None)
             self._request_orders.pop(run_id, None)
             self._transcript_sizes.pop(run_id, None)
+            self._agent_names.pop(run_id, None)
 
     def agent(
         self,

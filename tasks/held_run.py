@@ -164,6 +164,7 @@ class HeldRun:
         """The turn's model call, journaled with the lease and not made yet (tasks/ahead.py)."""
         self._beat: tuple[str, str] | None = None
         self._decided: tuple[RunState, Action] | None = None
+        ctx.remember_agent(state)
 
     @classmethod
     def journaled(cls, ctx: Context, owner: str, ahead: Ahead) -> HeldRun:
