@@ -539,8 +539,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "T5",
         "tasks/held_run.py",
-        "        self.checkpointed(response_events(response), requesting=True)\n",
-        "        self.record(response_events(response))\n",
+        "        self.commit(answered, requesting=True)\n",
+        "        self.state = answered.state\n",
         TURN,
     ),
     Mutant(

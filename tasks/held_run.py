@@ -54,7 +54,7 @@ from runtime.fsm import (
     response_events,
 )
 from runtime.limits import Wait
-from runtime.models import Message, RunState
+from runtime.models import RunState
 from runtime.probes import Probed
 from runtime.provider import ModelRequest, ModelResponse, Observer, checked_response
 from runtime.tools import SNAPSHOT_RESERVE_BYTES, overflow
@@ -278,15 +278,17 @@ class HeldRun:
         if self.ctx.observers:
             self.ctx.observers.reached("model.response.received", model_calls)
         limits.settle(self.ctx, gate, response)
-        message = Message(
-            role="assistant", content=response.content, tool_calls=response.tool_calls
-        )
+        with self._recording:
+            answered = transition(self.ctx, self.state, response_events(response))
+        # The answer as the fold put it in the transcript: the message object the snapshot
+        # encodes later, so its encoding is made once (store/snapshots/format.py).
+        message = next(m for m in reversed(answered.state.transcript) if m.role == "assistant")
         # Twice: its calls are in the transcript and pending, until each has its outcome.
         size = 2 * len(snapshot_format.encode_fragment(message))
         too_large = overflow("the model's answer", size, self.snapshot_room(size))
         if too_large is not None:
             return self.end(model_failed(self.state.run_id, model_calls, too_large, False))
-        self.checkpointed(response_events(response), requesting=True)
+        self.commit(answered, requesting=True)
         if self.ctx.observers:
             self.ctx.observers.reached("model.response.checkpointed", model_calls)
         return self.finish() if self.state.status.is_terminal else None
@@ -411,18 +413,21 @@ class HeldRun:
             self.state = change.state
             return None
 
-    def checkpointed(
-        self, items: list[tuple[str, dict[str, Any]]], requesting: bool = False
-    ) -> None:
-        """Record events and checkpoint the state they produce (:meth:`record`, :meth:`checkpoint`).
+    def checkpointed(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """Record events and checkpoint the state they produce (:meth:`commit`)."""
+        with self._recording:
+            self.commit(transition(self.ctx, self.state, items))
+
+    def commit(self, change: Transition, requesting: bool = False) -> None:
+        """Write ``change`` and checkpoint the state it produces (:meth:`record`, :meth:`checkpoint`).
 
         One store call when both stores are one Redis: the events, the snapshot and, on
         the turn's last checkpoint, the lease's release, all written or none.
+        ``change``: events folded after the current state (:func:`tasks.persistence.transition`).
         ``requesting``: the events are a model response's; the calls it asks for that may
         be journaled with it are (:func:`runtime.fsm.requested_with_response`).
         """
         with self._recording:
-            change = transition(self.ctx, self.state, items)
             if requesting:
                 change = self._requesting(change)
             if self._runs_on(change.state):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +18,10 @@ from hypothesis import strategies as st
 
 from runtime.models import Message
 from store.snapshots import format as snapshot_format
+from tasks.start import create_run
+from tasks.turn import advance
 from tests.contract.test_snapshot_store_contract import rich_state
+from tests.helpers import call, memory_context, turn, write_agent
 
 
 def dumped(value: object) -> str:
@@ -129,3 +133,29 @@ def test_a_remembered_fragment_is_the_message_s_own_and_the_memo_stays_bounded()
         assert id(message) == key
         text = snapshot_format._document(snapshot_format._plain(message), end="")
         assert fragment == snapshot_format._INDENT + text.replace(b"\n", b"\n      ")
+
+
+def test_a_turn_encodes_each_new_transcript_message_once(
+    tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run past its first turn, whose next turn asks for a lookup (two new messages:
+    # the answer and the lookup's result)
+    script = [turn("look", call("lookup_order", order_id="B2")),
+              turn("again", call("lookup_order", order_id="A1")), turn("ok")]  # fmt: skip
+    ctx = memory_context()
+    run_id = create_run(ctx, write_agent(tmp_path, script), "look").run_id
+    first = advance(ctx, run_id, 1)
+    encoded: list[object] = []
+    document = snapshot_format._document
+
+    def counting(value: object, end: str = "\n") -> bytes:
+        if end == "":  # a transcript fragment (a head ends with a newline)
+            encoded.append(value)
+        return document(value, end=end)
+
+    monkeypatch.setattr(snapshot_format, "_document", counting)
+    # When the turn measures the answer, measures the lookup's result and saves the snapshot
+    assert advance(ctx, run_id, first.seq).outcome == "next"
+    # Then each of the two new messages was encoded once: the answer is measured as the
+    # message the fold put in the transcript, the one the snapshot encodes after
+    assert [m["role"] for m in encoded] == ["assistant", "tool"]  # type: ignore[index]
