@@ -449,6 +449,8 @@ class HeldRun:
             if terminal:
                 self._finished(change)
                 return
+            if release:
+                self._letting_go()
             try:
                 started = time.perf_counter()
                 queued = commit_checkpointed(
@@ -469,9 +471,7 @@ class HeldRun:
                 outbox.sent()
                 self.queued = True
             if release:
-                self.released = True
-                if self._beat is not None:
-                    heartbeats().remove(self._beat)
+                self._let_go()
             self.ctx.remember_checkpoint(self.state, change.record)
             if observers:
                 observers.reached("snapshot.after_save", model_calls)
@@ -479,6 +479,7 @@ class HeldRun:
     def _finished(self, change: Transition) -> None:
         """The run finished: its events, the snapshot's deletion and the lease's release
         in one store call (its snapshot has served its purpose, :meth:`finish`)."""
+        self._letting_go()
         try:
             started = time.perf_counter()
             commit_finished(self.ctx, self.state, change, self.owner)
@@ -489,11 +490,23 @@ class HeldRun:
             self._record_stall(stall)
             raise error from exc
         self.state = change.state
-        self.dropped = self.released = True
-        if self._beat is not None:
-            heartbeats().remove(self._beat)
+        self.dropped = True
+        self._let_go()
         if self.ctx.observers:
             self.ctx.observers.reached("snapshot.after_save", change.state.usage.model_turns)
+
+    def _letting_go(self) -> None:
+        """The write about to be sent releases the lease: the heartbeat, which may find it
+        gone before :meth:`_let_go`, is told it is no lease lost."""
+        if self._beat is not None:
+            heartbeats().releasing(self._beat)
+
+    def _let_go(self) -> None:
+        """The lease was released with the write just made: the turn is over, its
+        heartbeat stops."""
+        self.released = True
+        if self._beat is not None:
+            heartbeats().remove(self._beat)
 
     def _requesting(self, change: Transition) -> Transition:
         """``change`` (a model response) with the ``tool.requested`` of the calls it asks for,

@@ -147,6 +147,8 @@ class _Held:
     owner: str
     renewed_at: float
     """Monotonic time the lease was last taken or renewed (before the call was sent)."""
+    releasing: bool = False
+    """The turn's last checkpoint, which lets the lease go, is sent or on its way."""
 
 
 @dataclass
@@ -201,6 +203,15 @@ class _Heartbeats:
                 self._changed.notify()
         return key
 
+    def releasing(self, key: tuple[str, str]) -> None:
+        """The write that releases ``key``'s lease is about to be sent: a round that finds
+        the lease gone before :meth:`remove` is not a lease lost. It is still renewed
+        while the write is on its way (a store call that fails leaves it held)."""
+        with self._changed:
+            held = self._held.get(key)
+            if held is not None:
+                held.releasing = True
+
     def remove(self, key: tuple[str, str]) -> None:
         with self._changed:
             self._held.pop(key, None)
@@ -246,6 +257,8 @@ class _Heartbeats:
                     key = (held.run_id, held.owner)
                     if held.run_id not in gone:
                         held.renewed_at = started
+                    elif held.releasing:
+                        pass  # The turn's last checkpoint let it go; remove() is on its way.
                     elif self._held.pop(key, None) is not None:
                         # Still in its turn: the lease was taken (or timed out and released).
                         log.warning("run %s: lease lost during the turn", held.run_id)

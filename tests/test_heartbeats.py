@@ -6,16 +6,23 @@ one per test, so the session worker's turns are not mixed in).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
+from runtime.models import Event, RunStatus
 from store.runs.redis import RedisRunStore
 from store.snapshots.memory import MemorySnapshotStore
+from store.snapshots.redis import RedisSnapshotStore
 from tasks.context import Context
+from tasks.observers import Observer, Observers
 from tasks.settings import Settings
-from tasks.threads import _Heartbeats
+from tasks.start import create_run
+from tasks.threads import _Heartbeats, heartbeats
+from tests.helpers import call, drive, turn, write_agent
 
 
 class CountingRunStore(RedisRunStore):
@@ -120,4 +127,54 @@ def test_a_lease_the_turn_released_is_not_renewed_behind_its_back(redis_url: str
     lease = runs.lease("run-done")
     assert lease is None or lease.owner == "worker:2:y"
     beats.remove(("run-other", "worker:3:z"))
+    runs.close()
+
+
+class RenewalsSeen(RedisRunStore):
+    """Notes every run a heartbeat round asks to renew (a subclass: the store is real)."""
+
+    renewing: list[str]
+
+    def renew_leases(self, leases: Sequence[tuple[str, str]], lease_s: float) -> list[str]:
+        self.renewing.extend(run_id for run_id, _ in leases)
+        return super().renew_leases(leases, lease_s)
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_the_turn_let_go_with_its_last_checkpoint_is_not_counted_lost(
+    redis_url: str, tmp_path: Path, ledger: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a run whose turns hold a 0.6 s lease (a heartbeat round every 0.1 s), and
+    # whose checkpoints that let the lease go are held, before the turn tells its heartbeat
+    # it is done, until a round has asked to renew that lease
+    runs = RenewalsSeen.from_url(redis_url)
+    assert isinstance(runs, RenewalsSeen)
+    renewing: list[str] = []
+    runs.renewing = renewing
+    ctx = Context(Settings(lease_s=0.6), RedisSnapshotStore.from_url(redis_url), runs)
+    assert runs.commits_with(ctx.snapshots)
+    agent = write_agent(tmp_path, [turn("look", call("lookup_order", order_id="A1")), turn("ok")])
+    run_id = create_run(ctx, agent, "look A1").run_id
+    released = 0
+
+    class RoundAfterRelease(Observer):
+        def committed(
+            self, before: RunStatus, after: RunStatus, events: Sequence[Event], state: object
+        ) -> None:
+            nonlocal released
+            if runs.lease(run_id) is None:
+                released += 1
+                renewing.clear()
+                wait_until(lambda: run_id in renewing, 30, "a round after the release")
+
+    ctx.observers = Observers([RoundAfterRelease()])
+    lost = heartbeats().stats.lost
+    # When the run is driven to its end
+    with caplog.at_level(logging.WARNING, logger="tasks"):
+        assert drive(ctx, run_id).outcome == "completed"
+    # Then both of its turns' leases were let go under a round's feet (the tool turn's
+    # release and the finished run's), and neither was counted or logged as lost
+    assert released == 2
+    assert heartbeats().stats.lost == lost
+    assert "lease lost" not in caplog.text
     runs.close()
