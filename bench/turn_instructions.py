@@ -1,7 +1,7 @@
 """Instructions per turn, counted by callgrind: a turn's own cost, the same on a busy box.
 
     python -m bench.turn_instructions [--turns 40] [--backend redis|sqlite]
-        [--provider scripted|openai] [--against PATH]
+        [--provider scripted|openai] [--processes 1|2] [--against PATH]
 
 This machine's speed drifts by tens of percent within minutes, so a change worth a few
 percent of a turn's CPU is lost in any timing. ``valgrind --tool=callgrind`` counts the
@@ -21,6 +21,12 @@ process of its own (outside valgrind, as Redis is), called over HTTP by the buil
 provider, as bench/io_fleet.py's fleets call it: the provider's path (httpx, its retry and
 deadline, the response's validation) is counted too. Its answers are short (a tool call
 each turn), not the scripted model's prose.
+
+``--processes 2``: the turns alternate between two contexts with stores of their own, as
+a prefork pool's two processes take a chain's turns (the next turn is pushed while the
+process that pushed it is still busy, so the other one gets it): each turn starts from
+the state its context saw two turns ago, takes the lease without the journaled first
+write (tasks/ahead.py) and reads what the other wrote since.
 
 ``--against PATH``: the same on the checkout at PATH, and this checkout's count over its.
 Under valgrind a process is ~50x slower: a count takes a minute or two; both checkouts'
@@ -45,9 +51,12 @@ FEW = 4
 """Turns of the short count (after one warm-up turn in both)."""
 
 
-def drive(turns: int, backend: str, url: str, directory: Path, model_url: str = "") -> None:
+def drive(
+    turns: int, backend: str, url: str, directory: Path, model_url: str = "", processes: int = 1
+) -> None:
     """The measured program: create a run and take ``turns`` + 1 turns of it in this process
-    (with ``model_url``, of an agent whose model is the OpenAI-compatible server there)."""
+    (with ``model_url``, of an agent whose model is the OpenAI-compatible server there),
+    turn i on the ``i % processes``-th of ``processes`` contexts."""
     from bench.turn_cpu import script
     from store import open_run_store, open_snapshot_store
     from tasks.context import Context
@@ -79,23 +88,36 @@ def drive(turns: int, backend: str, url: str, directory: Path, model_url: str = 
         heartbeat_interval_s=600,
         liveness_s=1800,
     )
-    ctx = Context(settings, open_snapshot_store(store), open_run_store(store))
+    contexts = [
+        Context(settings, open_snapshot_store(store), open_run_store(store))
+        for _ in range(processes)
+    ]
     try:
-        run_id = create_run(ctx, agent, "bench").run_id
-        done = advance(ctx, run_id, None)  # the warm-up turn: first-time costs in both counts
-        for _ in range(turns):
+        run_id = create_run(contexts[0], agent, "bench").run_id
+        # The warm-up turns, one a context: first-time costs in both counts.
+        done = advance(contexts[0], run_id, None)
+        for ctx in contexts[1:]:
+            done = advance(ctx, run_id, done.seq)
+        for i in range(turns):
             if done.outcome != "next":
                 raise SystemExit(f"the run ended {done.outcome} early")
-            done = advance(ctx, run_id, done.seq)
+            done = advance(contexts[i % processes], run_id, done.seq)
     finally:
-        ctx.close()
+        for ctx in contexts:
+            ctx.close()
 
 
 TOTAL = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
 
 def count(
-    checkout: Path, turns: int, backend: str, url: str, model_url: str = "", counted: bool = True
+    checkout: Path,
+    turns: int,
+    backend: str,
+    url: str,
+    model_url: str = "",
+    counted: bool = True,
+    processes: int = 1,
 ) -> int:
     """Instructions of a process that drives ``turns`` turns on ``checkout``'s code
     (``counted=False``: run it without valgrind, and return 0)."""
@@ -109,7 +131,7 @@ def count(
         )
         command = [sys.executable, "-c", run_this_file, "--inner", str(turns),
                    "--backend", backend, "--url", db, "--dir", tmp,
-                   "--model-url", model_url]  # fmt: skip
+                   "--model-url", model_url, "--processes", str(processes)]  # fmt: skip
         if counted:
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *command]
         env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONHASHSEED": "0"}
@@ -124,13 +146,16 @@ def count(
         return int(found.group(1))
 
 
-def per_turn(checkout: Path, turns: int, backend: str, url: str, model_url: str = "") -> float:
+def per_turn(
+    checkout: Path, turns: int, backend: str, url: str, model_url: str = "", processes: int = 1
+) -> float:
     # Once without valgrind first: the imports compile what has no bytecode cached yet, which
     # would otherwise fall into one count and not the other.
-    count(checkout, 1, backend, url, model_url, counted=False)
+    count(checkout, 1, backend, url, model_url, counted=False, processes=processes)
     with ThreadPoolExecutor(2) as pool:
         few, many = pool.map(
-            lambda n: count(checkout, n, backend, url, model_url), [FEW, FEW + turns]
+            lambda n: count(checkout, n, backend, url, model_url, processes=processes),
+            [FEW, FEW + turns],
         )
     return (many - few) / turns
 
@@ -161,6 +186,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=40, help="turns the long count adds")
     parser.add_argument("--backend", choices=["redis", "sqlite"], default="redis")
     parser.add_argument("--provider", choices=["scripted", "openai"], default="scripted")
+    parser.add_argument("--processes", type=int, choices=[1, 2], default=1,
+                        help="contexts the turns alternate between")  # fmt: skip
     parser.add_argument("--against", type=Path, help="another checkout: before and after")
     parser.add_argument("--inner", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
@@ -168,7 +195,7 @@ def main() -> None:
     parser.add_argument("--model-url", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner is not None:
-        drive(args.inner, args.backend, args.url, args.dir, args.model_url)
+        drive(args.inner, args.backend, args.url, args.dir, args.model_url, args.processes)
         return
     sys.path.insert(0, str(ROOT))
     from tests.redis_server import running_redis_server
@@ -179,10 +206,13 @@ def main() -> None:
         url = ""
         if args.backend == "redis":
             url = stack.enter_context(running_redis_server(Path(tmp), appendonly=False)).url
-        counts = [per_turn(c, args.turns, args.backend, url, model_url) for c in checkouts]
+        counts = [
+            per_turn(c, args.turns, args.backend, url, model_url, args.processes) for c in checkouts
+        ]
     for checkout, n in zip(checkouts, counts, strict=True):
         print(f"{checkout}: {n / 1e6:.3f} M instructions per turn ({args.backend}, "
-              f"{args.provider}, {args.turns} turns over {FEW})")  # fmt: skip
+              f"{args.provider}, {args.processes} process(es), {args.turns} turns over "
+              f"{FEW})")  # fmt: skip
     if args.against:
         print(f"this checkout / {checkouts[1]}: {counts[0] / counts[1]:.4f}")
 
