@@ -22,6 +22,7 @@ from tasks.start import create_run
 from tasks.turn import advance
 from tests.contract.test_snapshot_store_contract import rich_state
 from tests.helpers import call, memory_context, turn, write_agent
+from tests.workers import redis_context
 
 
 def dumped(value: object) -> str:
@@ -159,3 +160,31 @@ def test_a_turn_encodes_each_new_transcript_message_once(
     # Then each of the two new messages was encoded once: the answer is measured as the
     # message the fold put in the transcript, the one the snapshot encodes after
     assert [m["role"] for m in encoded] == ["assistant", "tool"]  # type: ignore[index]
+
+
+def test_a_turn_on_the_other_process_does_not_encode_the_messages_it_read_again(
+    tmp_path: Path, ledger: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run on Redis whose turns alternate between two processes' contexts, as a
+    # prefork pool's two processes take them: each turn reads the messages the other wrote
+    script = [turn(f"look {i}", call("lookup_order", order_id="B2")) for i in range(3)]
+    one, two = redis_context(redis_url), redis_context(redis_url)
+    run_id = create_run(one, write_agent(tmp_path, [*script, turn("ok")]), "look").run_id
+    done = advance(two, run_id, advance(one, run_id, 1).seq)
+    encoded: list[object] = []
+    document = snapshot_format._document
+
+    def counting(value: object, end: str = "\n") -> bytes:
+        if end == "":  # a transcript fragment (a head ends with a newline)
+            encoded.append(value)
+        return document(value, end=end)
+
+    monkeypatch.setattr(snapshot_format, "_document", counting)
+    # When the first process takes the next turn, reading the answer and the lookup's
+    # result the other process wrote since its own last turn
+    assert advance(one, run_id, done.seq).outcome == "next"
+    # Then it encodes only the two messages of its own turn: those it read are measured
+    # and saved as the fragments they were read as
+    assert [m["content"][:6] for m in encoded] == ["look 2", '{"amou']  # type: ignore[index]
+    one.close()
+    two.close()

@@ -289,6 +289,7 @@ class SnapshotStore(ABC):
             messages = tuple(Message.model_validate(json_values.loads(f)) for f in fragments)
         except (ValueError, RecursionError):
             return None
+        snapshot_format.remember_fragments(messages, fragments)
         state = state.model_copy(update={"transcript": known.transcript + messages})
         self._remember(run_id, state.seq, state.transcript, tip)
         return state

@@ -265,6 +265,14 @@ def encode_fragment(message: Message) -> bytes:
     return fragment
 
 
+def remember_fragments(messages: Sequence[Message], fragments: Sequence[bytes]) -> None:
+    """Note that each of ``messages`` encodes as the fragment beside it: read from a store
+    that keeps the transcript as fragments (and checked there against the stored hash
+    chain), so a turn that measures or saves them does not encode them again."""
+    for message, fragment in zip(messages, fragments, strict=True):
+        _fragments.put(message, fragment)
+
+
 _fragments: IdentityMemo[Message, bytes] = IdentityMemo(512, 4 * 1024 * 1024, len, threading.Lock())
 """The newest messages' fragments (at most 4 MiB of them; a fragment over a sixteenth of
 that is not remembered)."""
