@@ -88,7 +88,7 @@ def loads(data: bytes | str) -> Any:
     except UnicodeDecodeError as exc:
         raise NotStorable(f"not UTF-8 at byte {exc.start}") from None
     try:
-        value = json.loads(text, parse_constant=_no_number, parse_float=_float_or_none)
+        value = _decoder.decode(text)
     except json.JSONDecodeError as exc:
         raise NotStorable(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except (ValueError, RecursionError) as exc:
@@ -216,3 +216,7 @@ def _scalar(value: Any, replace: bool) -> Any:
 def _surrogate(text: str) -> str:
     found = _SURROGATE.search(text)
     return f"\\u{ord(found.group()):04x}" if found is not None else "?"
+
+
+_decoder = json.JSONDecoder(parse_constant=_no_number, parse_float=_float_or_none)
+"""What :func:`loads` reads with: ``json.loads`` with these hooks builds one per call."""
