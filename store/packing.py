@@ -19,7 +19,9 @@ from typing import Final
 
 MIN_BYTES: Final = 24
 """Values shorter than this are stored as they are: zlib's header would eat the gain."""
-LEVEL: Final = 9
+LEVEL: Final = 6
+"""zlib's default. On a turn's payloads level 9 gave the same bytes (within 0.3%) for 1.25×
+the time, twice the time on a 120 KB tool result; any level reads back the same."""
 
 # zlib matches the end of a dictionary best: the most frequent strings come last.
 DICTIONARY_V1: Final = (
