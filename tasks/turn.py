@@ -176,14 +176,16 @@ def advance(
             limits.turn_ended(ctx, held.agent, held.state)
             wait = held.waited if outcome == TurnOutcome.NEXT else None
             countdown_s = wait.countdown_s if wait is not None else 0.0
-            priority = limits.turn_priority(ctx, held.agent, held.state)
+            queued = held.queued and outcome == TurnOutcome.NEXT
+            # A turn its last checkpoint pushed went at the priority reckoned then.
+            priority = None if queued else limits.turn_priority(ctx, held.agent, held.state)
             return Advanced(
                 outcome,
                 held.state.seq,
                 held.state.usage.model_turns,
                 countdown_s,
                 priority,
-                queued=held.queued and outcome == TurnOutcome.NEXT,
+                queued=queued,
             )
         except (LeaseLost, StaleWrite) as exc:
             # A zombie: our lease expired and another worker moved the run on.

@@ -21,7 +21,7 @@ import pytest
 import redis
 from celery import Celery
 
-from runtime.actions import TurnOutcome
+from runtime.actions import Advanced, TurnOutcome
 from runtime.models import RunStatus
 from store.runs.redis import RedisRunStore
 from tasks.broker.next_turn import lean_turns
@@ -31,7 +31,7 @@ from tasks.queues import TURNS_QUEUE
 from tasks.settings import Settings
 from tasks.start import create_run
 from tasks.turn import advance
-from tests.helpers import call, turn, write_agent
+from tests.helpers import call, calls_while, turn, write_agent
 from tests.redis_server import RedisServer
 from tests.test_publish import sent_in_a_task, without_ids
 from tests.workers import WorkerProcess, redis_context, wait_for, worker_env
@@ -145,9 +145,17 @@ def test_the_turn_s_last_checkpoint_pushes_the_next_turn_into_the_broker_s_datab
         run_id = f"outbox-{uuid.uuid4().hex[:10]}"
         create_run(ctx, two_turn_agent(tmp_path), "find B2", run_id)
         # When turn 1 is taken inside a running task (as a worker takes it)
-        done = sent_in_a_task(app, lambda: advance(ctx, run_id, 1))
-        # Then its last checkpoint queued turn 2, in the broker's database only
+        taken: list[Advanced] = []
+        reckoned = calls_while(
+            lambda: taken.append(sent_in_a_task(app, lambda: advance(ctx, run_id, 1))),
+            "turn_priority",
+            "tasks/limits.py",
+        )
+        [done] = taken
+        # Then its last checkpoint queued turn 2, in the broker's database only, at the
+        # priority reckoned for it then (and only then),
         assert done.outcome == TurnOutcome.NEXT and done.queued
+        assert reckoned == 1 and done.priority is None
         [(listed, entry)] = turns_on(broker)
         assert not turns_on(stores)
         body = json.loads(base64.b64decode(entry["body"]))
