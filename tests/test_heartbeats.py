@@ -146,7 +146,7 @@ def test_a_lease_the_turn_let_go_with_its_last_checkpoint_is_not_counted_lost(
 ) -> None:
     # Given a run whose turns hold a 0.6 s lease (a heartbeat round every 0.1 s), and
     # whose checkpoints that let the lease go are held, before the turn tells its heartbeat
-    # it is done, until a round has asked to renew that lease
+    # it is done, until a round has asked to renew that lease and has ended
     runs = RenewalsSeen.from_url(redis_url)
     assert isinstance(runs, RenewalsSeen)
     renewing: list[str] = []
@@ -155,7 +155,7 @@ def test_a_lease_the_turn_let_go_with_its_last_checkpoint_is_not_counted_lost(
     assert runs.commits_with(ctx.snapshots)
     agent = write_agent(tmp_path, [turn("look", call("lookup_order", order_id="A1")), turn("ok")])
     run_id = create_run(ctx, agent, "look A1").run_id
-    released = 0
+    released, lost = 0, heartbeats().stats.lost
 
     class RoundAfterRelease(Observer):
         def committed(
@@ -166,9 +166,12 @@ def test_a_lease_the_turn_let_go_with_its_last_checkpoint_is_not_counted_lost(
                 released += 1
                 renewing.clear()
                 wait_until(lambda: run_id in renewing, 30, "a round after the release")
+                # (and until that round has dealt with what the store answered: a round
+                # that counts it lost forgets the lease, and no round follows it)
+                beats, rounds = heartbeats().stats, heartbeats().stats.rounds
+                wait_until(lambda: beats.rounds > rounds or beats.lost > lost, 30, "its end")
 
     ctx.observers = Observers([RoundAfterRelease()])
-    lost = heartbeats().stats.lost
     # When the run is driven to its end
     with caplog.at_level(logging.WARNING, logger="tasks"):
         assert drive(ctx, run_id).outcome == "completed"
