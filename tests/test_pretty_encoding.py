@@ -11,6 +11,7 @@ import enum
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -136,6 +137,20 @@ def test_a_remembered_fragment_is_the_message_s_own_and_the_memo_stays_bounded()
         assert fragment == snapshot_format._INDENT + text.replace(b"\n", b"\n      ")
 
 
+def fragments_encoded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """The plain form of every transcript message encoded from now on, in order."""
+    encoded: list[dict[str, object]] = []
+    document = snapshot_format._document
+
+    def counting(value: Any, end: str = "\n") -> bytes:
+        if end == "":  # a transcript fragment (a head ends with a newline)
+            encoded.append(value)
+        return document(value, end=end)
+
+    monkeypatch.setattr(snapshot_format, "_document", counting)
+    return encoded
+
+
 def test_a_turn_encodes_each_new_transcript_message_once(
     tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,20 +161,12 @@ def test_a_turn_encodes_each_new_transcript_message_once(
     ctx = memory_context()
     run_id = create_run(ctx, write_agent(tmp_path, script), "look").run_id
     first = advance(ctx, run_id, 1)
-    encoded: list[object] = []
-    document = snapshot_format._document
-
-    def counting(value: object, end: str = "\n") -> bytes:
-        if end == "":  # a transcript fragment (a head ends with a newline)
-            encoded.append(value)
-        return document(value, end=end)
-
-    monkeypatch.setattr(snapshot_format, "_document", counting)
+    encoded = fragments_encoded(monkeypatch)
     # When the turn measures the answer, measures the lookup's result and saves the snapshot
     assert advance(ctx, run_id, first.seq).outcome == "next"
     # Then each of the two new messages was encoded once: the answer is measured as the
     # message the fold put in the transcript, the one the snapshot encodes after
-    assert [m["role"] for m in encoded] == ["assistant", "tool"]  # type: ignore[index]
+    assert [m["role"] for m in encoded] == ["assistant", "tool"]
 
 
 def test_a_turn_on_the_other_process_does_not_encode_the_messages_it_read_again(
@@ -171,20 +178,12 @@ def test_a_turn_on_the_other_process_does_not_encode_the_messages_it_read_again(
     one, two = redis_context(redis_url), redis_context(redis_url)
     run_id = create_run(one, write_agent(tmp_path, [*script, turn("ok")]), "look").run_id
     done = advance(two, run_id, advance(one, run_id, 1).seq)
-    encoded: list[object] = []
-    document = snapshot_format._document
-
-    def counting(value: object, end: str = "\n") -> bytes:
-        if end == "":  # a transcript fragment (a head ends with a newline)
-            encoded.append(value)
-        return document(value, end=end)
-
-    monkeypatch.setattr(snapshot_format, "_document", counting)
+    encoded = fragments_encoded(monkeypatch)
     # When the first process takes the next turn, reading the answer and the lookup's
     # result the other process wrote since its own last turn
     assert advance(one, run_id, done.seq).outcome == "next"
     # Then it encodes only the two messages of its own turn: those it read are measured
     # and saved as the fragments they were read as
-    assert [m["content"][:6] for m in encoded] == ["look 2", '{"amou']  # type: ignore[index]
+    assert [str(m["content"])[:6] for m in encoded] == ["look 2", '{"amou']
     one.close()
     two.close()
