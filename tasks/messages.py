@@ -40,6 +40,7 @@ from runtime.models import validate_run_id
 from runtime.recovery import OPERATOR, SWEEPER
 from tasks.broker import next_turn as lean
 from tasks.broker.next_turn import running_task
+from tasks.broker.pools import pools_made
 from tasks.queues import CONTROL_QUEUE, ROUTES, whole_seconds_on_quorum
 
 VERSION = 1
@@ -350,7 +351,7 @@ def send(
         options["priority"] = priority
     options["queue"] = queue or options.get("queue") or message.queue()
     headers = {**(options.pop("headers", None) or {}), VERSION_HEADER: VERSION}
-    app = app or sending_app()
+    app = pools_made(app or sending_app())
     if countdown_s > 0:
         options["countdown"] = whole_seconds_on_quorum(app, options["queue"], countdown_s)
     if app.conf.task_serializer != "json":

@@ -10,9 +10,12 @@ message and moves the run on.
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,13 +31,14 @@ from hypothesis import strategies as st
 from runtime.models import RunStatus
 from tasks.broker.next_turn import _kwargsrepr, lean_turns
 from tasks.delivery import redis_lists
-from tasks.messages import VERSION, VERSION_HEADER
+from tasks.messages import VERSION, VERSION_HEADER, enqueue_resume
 from tasks.queues import TURNS_QUEUE
 from tasks.settings import Settings
 from tasks.start import create_run
 from tests.helpers import turn, write_agent
 from tests.workers import WorkerProcesses, redis_context, wait_for
 from worker.app import make_app
+from worker.senders import check_broker
 
 KWARGS = {"run_id": "lean-1", "expected_seq": 3}
 PER_MESSAGE = ("id", "correlation_id", "delivery_tag")
@@ -233,6 +237,55 @@ def test_lean_publishes_from_more_threads_than_the_producer_pool_holds(
     assert len(set(sent)) == 3
     client = redis.Redis.from_url(redis_url)
     assert sum(client.llen(q) for q in redis_lists(TURNS_QUEUE)) == 3
+
+
+def test_threads_sending_through_a_new_app_at_once_leave_no_connection_to_the_collector(
+    broker: str, tmp_path: Path
+) -> None:
+    """Celery makes an app's connection pool on first use without a lock, and kombu its
+    registry's pool for a broker the same way: threads that sent through a new app at
+    once each made a pool, and dropped the ones the app did not keep with the
+    connections they had opened (RabbitMQ's sockets left to the garbage collector)."""
+    settings = Settings(broker_url=broker or None, data_dir=tmp_path / "data")
+    apps = []
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as Python lets them
+    try:
+        for round_ in range(40):
+            app = app_on(broker, tmp_path)
+            # A broker kombu's registry has no pool for yet (the options are in its key).
+            app.conf.broker_transport_options = {
+                **(app.conf.broker_transport_options or {}),
+                "test_round": f"{uuid.uuid4().hex}-{round_}",
+            }
+            apps.append(app)
+            start = threading.Barrier(6)
+
+            def send(
+                app: Celery = app, start: threading.Barrier = start, checked: bool = False
+            ) -> None:
+                start.wait(timeout=30)
+                if checked:  # what the API and the CLI do before they send
+                    check_broker(settings, app)
+                enqueue_resume(run_id=f"pools-{uuid.uuid4().hex[:8]}", app=app)
+
+            threads = [
+                threading.Thread(target=send, kwargs={"checked": i % 2 == 0}) for i in range(6)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+                assert not thread.is_alive()
+    finally:
+        sys.setswitchinterval(switching)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    for app in apps:  # what each app kept, closed
+        app.pool.force_close_all()
+    dropped = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not dropped, dropped
 
 
 _values = st.recursive(

@@ -22,6 +22,7 @@ from kombu.common import maybe_declare
 from kombu.exceptions import OperationalError
 
 from runtime.errors import ConfigInvalid, RatchetError
+from tasks.broker.pools import pools_made
 from tasks.messages import send_through
 from tasks.queues import AMQP_SCHEMES, TURNS_QUEUE, scheme_of
 from tasks.settings import Settings
@@ -104,7 +105,7 @@ def check_broker(settings: Settings, app: Any) -> None:
     queue = app.amqp.queues[TURNS_QUEUE]
     # The app's own pooled connection: the send that follows reuses it, and a queue this
     # connection declared once is not declared again (kombu's maybe_declare), as Celery's.
-    with app.pool.acquire(block=True) as connection:
+    with pools_made(app).pool.acquire(block=True) as connection:
         try:
             connection.ensure_connection(max_retries=1)
             channel = connection.default_channel
