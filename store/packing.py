@@ -19,6 +19,16 @@ from typing import Final
 
 MIN_BYTES: Final = 24
 """Values shorter than this are stored as they are: zlib's header would eat the gain."""
+THREADED_MIN_BYTES: Final = 512
+"""What a threads worker stores as it is (:func:`plain_below`): every zlib call lets go of
+the GIL, and in a process of hundreds of busy threads each let-go is a hand-off of the
+interpreter and a wait to get it back. Packing a turn's seven payloads (events and
+transcript messages of 76-1,200 bytes; seven calls) held a threads worker at its ceiling
+to 0.52 of a plain Celery task's turns/s, three runs of bench/io_fleet.py; storing those
+under 512 bytes as they are (one call a turn, the snapshot's head), 0.60-0.62. For about
+twice the bytes of those short values (824 -> 1,649 B a turn of one tool call). A
+prefork, solo or gevent process has no such hand-off, and keeps :data:`MIN_BYTES`."""
+_min_bytes = MIN_BYTES
 LEVEL: Final = 6
 """zlib's default. On a turn's payloads level 9 gave the same bytes (within 0.3%) for 1.25×
 the time, twice the time on a 120 KB tool result; any level reads back the same."""
@@ -50,9 +60,16 @@ DICTIONARIES: Final = {zlib.adler32(DICTIONARY_V1): DICTIONARY_V1}
 _CURRENT: Final = DICTIONARY_V1
 
 
+def plain_below(nbytes: int) -> None:
+    """Store values shorter than ``nbytes`` as they are, in this process (a threads worker
+    sets :data:`THREADED_MIN_BYTES`). What is stored either way reads the same."""
+    global _min_bytes
+    _min_bytes = max(MIN_BYTES, nbytes)
+
+
 def pack(data: bytes) -> bytes:
     """``data`` compressed if that makes it shorter, else unchanged."""
-    if len(data) < MIN_BYTES:
+    if len(data) < _min_bytes:
         return data
     compressor = zlib.compressobj(LEVEL, zdict=_CURRENT)
     packed = compressor.compress(data) + compressor.flush()
