@@ -19,15 +19,16 @@ from typing import Final
 
 MIN_BYTES: Final = 24
 """Values shorter than this are stored as they are: zlib's header would eat the gain."""
-THREADED_MIN_BYTES: Final = 512
+THREADED_MIN_BYTES: Final = 1024
 """What a threads worker stores as it is (:func:`plain_below`): every zlib call lets go of
 the GIL, and in a process of hundreds of busy threads each let-go is a hand-off of the
-interpreter and a wait to get it back. Packing a turn's seven payloads (events and
-transcript messages of 76-1,200 bytes; seven calls) held a threads worker at its ceiling
-to 0.52 of a plain Celery task's turns/s, three runs of bench/io_fleet.py; storing those
-under 512 bytes as they are (one call a turn, the snapshot's head), 0.60-0.62. For about
-twice the bytes of those short values (824 -> 1,649 B a turn of one tool call). A
-prefork, solo or gevent process has no such hand-off, and keeps :data:`MIN_BYTES`."""
+interpreter and a wait to get it back. A turn of one tool call packs seven payloads: four
+events (~190 bytes), two transcript messages (~340) and the run's head (~930, written
+over at each transition). bench/io_fleet.py, ``-P threads -c 200`` at its ceiling, turns/s
+of a plain Celery task's: 0.49-0.52 packing all seven (four runs), 0.54-0.62 packing none
+(three). Left as they are, the short values take about 2.7x their packed bytes (824 ->
+2,238 B written a turn; the retained events and messages, 2x). A prefork, solo or gevent
+process has no such hand-off (gevent: 0.54-0.60 either way), and keeps :data:`MIN_BYTES`."""
 _min_bytes = MIN_BYTES
 LEVEL: Final = 6
 """zlib's default. On a turn's payloads level 9 gave the same bytes (within 0.3%) for 1.25×

@@ -66,7 +66,7 @@ def default_threshold() -> Iterator[None]:
 def test_a_process_told_to_store_short_values_as_they_are_packs_only_longer_ones(
     default_threshold: None,
 ) -> None:
-    long = b'{"content": "' + b"the order is on its way " * 40 + b'"}'
+    long = b'{"content": "' + b"the order is on its way " * 60 + b'"}'
     plain_below(THREADED_MIN_BYTES)
     assert pack(EVENT) == EVENT
     assert is_packed(pack(long)) and unpack(pack(long), 1 << 20) == long
@@ -108,7 +108,7 @@ def test_a_threads_worker_stores_its_short_values_as_they_are_and_a_prefork_one_
     # When a run of a tool call goes through it
     record = run_on_workers(redis_url, EXAMPLE_AGENT, "Refund order B2", timeout_s=30)
     assert record.status == RunStatus.COMPLETED
-    # Then what the worker wrote under 512 bytes is stored packed (prefork) or as it is
+    # Then what the worker wrote under 1 KiB is stored packed (prefork) or as it is
     # (threads); the run's first event, written by this process, is packed either way
     values = stored_values(redis_url)
     events = [unpack(value, 1 << 24) for value in values if b'"type":' in unpack(value, 1 << 24)]
