@@ -19,17 +19,6 @@ from typing import Final
 
 MIN_BYTES: Final = 24
 """Values shorter than this are stored as they are: zlib's header would eat the gain."""
-THREADED_MIN_BYTES: Final = 1024
-"""What a threads worker stores as it is (:func:`plain_below`): every zlib call lets go of
-the GIL, and in a process of hundreds of busy threads each let-go is a hand-off of the
-interpreter and a wait to get it back. A turn of one tool call packs seven payloads: four
-events (~190 bytes), two transcript messages (~340) and the run's head (~930, written
-over at each transition). bench/io_fleet.py, ``-P threads -c 200`` at its ceiling, turns/s
-of a plain Celery task's: 0.49-0.52 packing all seven (four runs), 0.54-0.62 packing none
-(three). Left as they are, the short values take about 2.7x their packed bytes (824 ->
-2,238 B written a turn; the retained events and messages, 2x). A prefork, solo or gevent
-process has no such hand-off (gevent: 0.54-0.60 either way), and keeps :data:`MIN_BYTES`."""
-_min_bytes = MIN_BYTES
 LEVEL: Final = 6
 """zlib's default. On a turn's payloads level 9 gave the same bytes (within 0.3%) for 1.25×
 the time, twice the time on a 120 KB tool result; any level reads back the same."""
@@ -61,16 +50,9 @@ DICTIONARIES: Final = {zlib.adler32(DICTIONARY_V1): DICTIONARY_V1}
 _CURRENT: Final = DICTIONARY_V1
 
 
-def plain_below(nbytes: int) -> None:
-    """Store values shorter than ``nbytes`` as they are, in this process (a threads worker
-    sets :data:`THREADED_MIN_BYTES`). What is stored either way reads the same."""
-    global _min_bytes
-    _min_bytes = max(MIN_BYTES, nbytes)
-
-
 def pack(data: bytes) -> bytes:
     """``data`` compressed if that makes it shorter, else unchanged."""
-    if len(data) < _min_bytes:
+    if len(data) < MIN_BYTES:
         return data
     compressor = zlib.compressobj(LEVEL, zdict=_CURRENT)
     packed = compressor.compress(data) + compressor.flush()

@@ -11,10 +11,6 @@ connections; httpx waits for one of 100).
 first task (tasks.context), and read :func:`connections_per_process` then. A
 process that is not a worker (the CLI, an application calling the API) keeps
 the defaults: pools that block for a free connection rather than fail.
-
-A threads worker also stores its short values unpacked (store/packing.py,
-``THREADED_MIN_BYTES``): each zlib call lets go of the GIL, which costs hundreds of
-busy threads more than the bytes it saves.
 """
 
 from __future__ import annotations
@@ -24,8 +20,6 @@ import sys
 from typing import Any
 
 from celery.signals import worker_init, worker_ready
-
-from store import packing
 
 log = logging.getLogger("ratchet.pool")
 
@@ -115,8 +109,6 @@ def _configure_from(worker: Any) -> bool:
     if slots is None:
         return False
     configure(slots)
-    if pool == "threads" and slots > 1:
-        packing.plain_below(packing.THREADED_MIN_BYTES)
     app = getattr(worker, "app", None)
     if app is not None:
         size_broker_pool(app.conf, slots)
